@@ -1,0 +1,7 @@
+"""``python -m thinwire`` is the same as the ``thinwire`` command."""
+
+import sys
+
+from thinwire.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Is the network the bottleneck? Profiling, what-if simulation and reports."""

@@ -1,0 +1,1 @@
+"""The ``thinwire`` command line."""

@@ -1,0 +1,65 @@
+"""The ``thinwire`` command: one subcommand per module listed in :data:`SUBCOMMANDS`.
+
+Each subcommand module exposes ``register(subparsers) -> None``, which adds its parser
+and sets ``func`` (``func(args) -> int``) as a default. Bad input raises
+:class:`thinwire.ConfigError`; it is printed as one line and the exit status is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from thinwire import __version__
+from thinwire.comm.launch import DistributedError
+from thinwire.errors import ConfigError
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+SUBCOMMANDS: tuple[str, ...] = (
+    "thinwire.cli.train",
+    "thinwire.cli.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thinwire",
+        description="Train across machines joined by slow or uneven networks.",
+    )
+    parser.add_argument("--version", action="version", version=f"thinwire {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def _one_line(msg: str) -> str:
+    return msg.strip().splitlines()[0] if msg.strip() else "unknown error"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"thinwire: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except DistributedError as exc:
+        # A rank's ConfigError travels back as "rank R failed: ConfigError: msg\n<traceback>".
+        first = _one_line(str(exc))
+        if "ConfigError: " in first:
+            print(f"thinwire: error: {first.split('ConfigError: ', 1)[1]}", file=sys.stderr)
+            return 2
+        print(f"thinwire: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("thinwire: interrupted; the last checkpoint is intact", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Process groups: join the one torchrun made, or spawn W local ranks on loopback.
+
+thinwire never invents a transport: every rank is a process in a ``torch.distributed``
+process group (gloo on CPU, NCCL on GPU). There are two ways to get there.
+
+* **Launched by torchrun** (or any launcher that sets ``RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``): :func:`init_from_env` joins that group. If a group
+  already exists it is used as it is, never re-initialised.
+* **Spawned locally**: :func:`spawn` starts ``nprocs`` fresh processes (the ``spawn``
+  start method, so no forked thread pools), gives them a free loopback port, runs
+  ``fn(rank, world_size, *args)`` in each, returns each rank's result, and always
+  destroys the process group. If one rank fails or the deadline passes, the others are
+  terminated instead of being left to hang in a collective, and the error names the rank.
+
+Tuning: on a machine with fewer cores than ranks, each rank gets
+``max(1, cores // nprocs)`` intra-op threads so ranks do not fight for cores.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = [
+    "DistributedError",
+    "launched_by_torchrun",
+    "default_backend",
+    "init_from_env",
+    "free_port",
+    "spawn",
+    "rank",
+    "world_size",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class DistributedError(RuntimeError):
+    """A rank failed, or the ranks did not finish before the deadline."""
+
+
+def launched_by_torchrun() -> bool:
+    """True when the environment describes a process group (``RANK`` and ``WORLD_SIZE``)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def default_backend(device: torch.device | None = None) -> str:
+    """NCCL when the ranks compute on CUDA, gloo otherwise."""
+    if device is not None and device.type == "cuda":
+        return "nccl"
+    return "gloo"
+
+
+def rank() -> int:
+    """This process's rank, 0 outside a process group."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The group size, 1 outside a process group."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Join the process group described by the environment; return True if one exists.
+
+    An already-initialised group is kept as it is. Without ``RANK``/``WORLD_SIZE`` in the
+    environment nothing is initialised and False is returned (a single-process run).
+    """
+    if dist.is_initialized():
+        return True
+    if not launched_by_torchrun():
+        return False
+    dist.init_process_group(
+        backend=backend or default_backend(),
+        init_method="env://",
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _threads_per_rank(nprocs: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
+def _encode(obj: Any) -> bytes:
+    # torch.save pickles tensors by value; queue transfer of live tensors would share
+    # memory with a process that is about to exit.
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _decode(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    nprocs: int,
+    backend: str,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
+    results: Any,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+    )
+    torch.set_num_threads(_threads_per_rank(nprocs))
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=local_rank,
+            world_size=nprocs,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        out = fn(local_rank, nprocs, *args)
+        results.put((local_rank, True, _encode(out)))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        msg = f"{type(exc).__name__}: {exc}"
+        results.put((local_rank, False, _encode((msg, traceback.format_exc()))))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    *,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    master_addr: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` new local ranks; return their results.
+
+    ``fn`` must be importable by name (a module-level function): the ranks are fresh
+    interpreters. Results travel back through ``torch.save``, so tensors are fine.
+
+    Raises:
+        DistributedError: a rank raised (its message and traceback are included), died
+            without a result, or the ranks were still running after ``timeout_s``.
+            Remaining ranks are terminated first, so nothing hangs.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port(master_addr)
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, fn, args, nprocs, backend, master_addr, port, timeout_s, results, env or {}),
+            daemon=False,
+        )
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) < nprocs:
+            try:
+                r, ok, payload = results.get(timeout=0.1)
+            except queue.Empty:
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if i not in outputs and p.exitcode is not None and p.exitcode != 0
+                ]
+                if dead:
+                    i = dead[0]
+                    raise DistributedError(
+                        f"rank {i} exited with code {procs[i].exitcode} before reporting"
+                    ) from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(nprocs)) - set(outputs))
+                    raise DistributedError(
+                        f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                    ) from None
+                continue
+            if not ok:
+                msg, tb = _decode(payload)
+                raise DistributedError(f"rank {r} failed: {msg}\n{tb}")
+            outputs[r] = _decode(payload)
+    finally:
+        for p in procs:
+            if p.is_alive() and len(outputs) < nprocs:
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    return [outputs[r] for r in range(nprocs)]

@@ -1,0 +1,1 @@
+"""Communicating less often: synchronous DiLoCo and asynchronous Local-SGD."""

@@ -1,0 +1,1 @@
+"""The example trainer: a small GPT on bundled text, data-parallel over torch.distributed."""
