@@ -1,0 +1,173 @@
+"""Text data: the bundled corpus or any UTF-8 file, a byte-level tokenizer, batches.
+
+* **Tokenizer**: UTF-8 bytes, vocabulary 256. No vocabulary file, works on any language,
+  and a model trained on one corpus can read another.
+* **Split**: the last ``val_fraction`` of the bytes is validation, the rest training;
+  deterministic, independent of the number of workers.
+* **Batches**: step ``s`` draws the *global* batch (``batch_size * world`` windows) from a
+  generator seeded with ``(seed, s)``; rank ``r`` takes rows ``r*B .. (r+1)*B``. So the
+  data a step sees depends only on the step, never on how many steps ran before (resume
+  is exact with no saved sampler state), and W ranks with batch B see exactly the samples
+  one process sees with batch ``W*B`` (which is what the parity tests compare).
+* **Shards**: :meth:`TextData.shards` cuts the training split into contiguous pieces, for
+  Local-SGD workers that each own a shard.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from thinwire.errors import ConfigError
+
+__all__ = ["BUILTIN_CORPUS", "TextData", "TokenSplit", "load_text", "encode", "decode"]
+
+BUILTIN_CORPUS = "shakespeare"
+"""Name of the bundled corpus (42 works of Shakespeare, ~5 MB of text)."""
+
+
+def encode(text: str) -> torch.Tensor:
+    """UTF-8 bytes of ``text`` as a uint8 tensor."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+
+
+def decode(tokens: torch.Tensor) -> str:
+    """Inverse of :func:`encode`; invalid byte sequences become U+FFFD."""
+    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def _read_builtin() -> bytes:
+    ref = resources.files("thinwire") / "data" / "shakespeare.txt.gz"
+    with ref.open("rb") as f:
+        return gzip.decompress(f.read())
+
+
+def load_text(source: str | Path | None) -> tuple[bytes, str]:
+    """Read the corpus; returns ``(utf8_bytes, description)``.
+
+    ``None`` or ``"shakespeare"`` is the bundled corpus; anything else is a path to a UTF-8
+    text file (``.gz`` is decompressed). Missing, empty, binary or non-UTF-8 files raise
+    :class:`ConfigError`.
+    """
+    if source is None or str(source) == BUILTIN_CORPUS:
+        return _read_builtin(), "bundled corpus: Shakespeare (42 works)"
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"data file {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"data path {path} is not a file")
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise ConfigError(f"data file {path} is not a valid gzip file: {exc}") from None
+    if not raw.strip():
+        raise ConfigError(f"data file {path} is empty")
+    if b"\x00" in raw[:1 << 20]:
+        raise ConfigError(f"data file {path} looks binary (it contains NUL bytes); expected text")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"data file {path} is not UTF-8 text (bad byte at offset {exc.start})"
+        ) from None
+    return raw, f"{path} ({len(raw):,} bytes)"
+
+
+@dataclass
+class TokenSplit:
+    """A contiguous run of tokens that windows of ``seq_len + 1`` are cut from."""
+
+    tokens: torch.Tensor  # uint8, 1-D
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    def num_windows(self, seq_len: int) -> int:
+        return len(self) - seq_len
+
+    def windows(self, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets, ``(len(starts), seq_len)`` int64 each."""
+        offsets = starts.unsqueeze(1) + torch.arange(seq_len + 1).unsqueeze(0)
+        chunk = self.tokens[offsets].long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+class TextData:
+    """Training and validation splits of a corpus, and deterministic batches from them."""
+
+    def __init__(
+        self,
+        source: str | Path | None = None,
+        seq_len: int = 64,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if seq_len < 1:
+            raise ConfigError(f"sequence length must be >= 1, got {seq_len}")
+        raw, self.description = load_text(source)
+        tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+        n_val = max(int(len(tokens) * val_fraction), seq_len + 1)
+        self.train = TokenSplit(tokens[: len(tokens) - n_val])
+        self.val = TokenSplit(tokens[len(tokens) - n_val :])
+        self.seq_len = seq_len
+        self.seed = seed
+        for name, split in (("training", self.train), ("validation", self.val)):
+            if split.num_windows(seq_len) < 1:
+                raise ConfigError(
+                    f"sequence length {seq_len} is too long for the {name} split of "
+                    f"{self.description} ({len(split)} tokens); use a shorter --seq-len "
+                    "or more data"
+                )
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def batch(
+        self, step: int, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s share of the global training batch of step ``step``."""
+        if batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(
+            self.train.num_windows(self.seq_len), (batch_size * world_size,), generator=g
+        )
+        mine = starts[rank * batch_size : (rank + 1) * batch_size]
+        return self.train.windows(mine, self.seq_len)
+
+    def val_batches(
+        self, num_sequences: int, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's part of a fixed validation set of ``num_sequences`` windows.
+
+        The windows are evenly spaced over the validation split (the same every call), and
+        dealt round-robin to ranks so the evaluation cost is shared.
+        """
+        n = self.val.num_windows(self.seq_len)
+        starts = torch.linspace(0, n - 1, steps=min(num_sequences, n)).long()
+        mine = starts[rank::world_size]
+        return [
+            self.val.windows(mine[i : i + batch_size], self.seq_len)
+            for i in range(0, len(mine), batch_size)
+        ]
+
+    def shards(self, n: int) -> list[TokenSplit]:
+        """The training split cut into ``n`` contiguous shards (for Local-SGD workers)."""
+        if n < 1:
+            raise ConfigError(f"number of shards must be >= 1, got {n}")
+        size = len(self.train) // n
+        if size <= self.seq_len:
+            raise ConfigError(
+                f"{n} shards of {len(self.train)} tokens are too small for seq_len {self.seq_len}"
+            )
+        return [TokenSplit(self.train.tokens[i * size : (i + 1) * size]) for i in range(n)]
