@@ -1,0 +1,103 @@
+"""Training algorithms the trainer can run, by name.
+
+An algorithm is a factory ``make(model, cfg) -> Strategy`` called on every rank after the
+process group exists. The :class:`Strategy` tells the trainer which module to run
+forward/backward on (the model itself, or a DDP wrapper), which optimizer to step, and
+optional hooks. Everything it communicates goes through thinwire's collectives, so the
+bytes appear in the metrics.
+
+Factories are referenced as ``"module:function"`` strings in :data:`ALGORITHMS` and
+imported on first use, so choosing ``adamw`` never imports the Local-SGD runtime.
+
+Algorithms that do not fit a synchronous step loop (asynchronous Local-SGD, where one
+rank is a parameter server) are listed in :data:`RUNNERS` instead: ``run(cfg) -> dict``
+replaces the whole trainer loop on every rank and returns the summary on rank 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from thinwire.comm.allreduce import allreduce_hook
+from thinwire.comm.launch import world_size
+from thinwire.errors import ConfigError
+from thinwire.train.config import TrainConfig
+
+__all__ = ["Strategy", "ALGORITHMS", "RUNNERS", "algorithm_names", "make_strategy", "get_runner"]
+
+
+@dataclass
+class Strategy:
+    """How one algorithm trains: what to call forward on, what to step, what to save."""
+
+    model: nn.Module
+    """The module forward/backward runs through (the raw model or a DDP wrapper)."""
+    optimizer: torch.optim.Optimizer
+    """Stepped once per training step; the trainer sets its learning rate each step."""
+    after_step: Callable[[int], None] | None = None
+    """Called with the number of completed steps after each optimizer step."""
+    state_dict: Callable[[], dict[str, Any]] | None = None
+    """Extra per-rank state to checkpoint beside the optimizer's (e.g. an outer optimizer)."""
+    load_state_dict: Callable[[dict[str, Any]], None] | None = None
+    """Inverse of :attr:`state_dict`."""
+    metrics: Callable[[], dict[str, float]] | None = None
+    """Algorithm-specific numbers to log with each metric record (e.g. trust ratios)."""
+    scale_lr: bool = True
+    """Whether the trainer's warmup+cosine schedule drives ``optimizer``'s learning rate."""
+
+
+def _adamw(model: nn.Module, cfg: TrainConfig) -> Strategy:
+    """Data parallel baseline: DDP's gradient allreduce (fp32, accounted) and AdamW."""
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+    )
+    if world_size() == 1:
+        return Strategy(model=model, optimizer=opt)
+    ddp = DDP(model, broadcast_buffers=False)
+    ddp.register_comm_hook(None, allreduce_hook)
+    return Strategy(model=ddp, optimizer=opt)
+
+
+ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], str]] = {
+    "adamw": (_adamw, "PyTorch DDP (fp32 gradient allreduce) with AdamW: the baseline"),
+}
+"""name -> (factory or ``"module:function"``, one-line description)."""
+
+RUNNERS: dict[str, tuple[str, str]] = {}
+"""name -> (``"module:function"`` taking a TrainConfig, one-line description)."""
+
+
+def algorithm_names() -> list[str]:
+    return sorted([*ALGORITHMS, *RUNNERS])
+
+
+def _resolve(ref: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(ref):
+        return ref
+    module, _, func = ref.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def check_algorithm(name: str) -> None:
+    if name not in ALGORITHMS and name not in RUNNERS:
+        raise ConfigError(
+            f"unknown algorithm {name!r}; valid algorithms: {', '.join(algorithm_names())}"
+        )
+
+
+def make_strategy(model: nn.Module, cfg: TrainConfig) -> Strategy:
+    check_algorithm(cfg.algo)
+    return _resolve(ALGORITHMS[cfg.algo][0])(model, cfg)
+
+
+def get_runner(name: str) -> Callable[[TrainConfig], dict[str, Any]] | None:
+    """The custom runner of ``name``, or None when it runs in the standard step loop."""
+    check_algorithm(name)
+    return _resolve(RUNNERS[name][0]) if name in RUNNERS else None

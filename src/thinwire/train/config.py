@@ -1,0 +1,160 @@
+"""Configuration of a training run: one dataclass, one docstring per knob."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from thinwire.errors import ConfigError
+from thinwire.train.model import PRESETS, GPTConfig
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run of the example trainer.
+
+    Fields marked *identity* must match when a run is resumed; the others (steps,
+    intervals, output options) may change between the original run and its resume.
+    """
+
+    # --- what is trained, and how ------------------------------------------------------
+    algo: str = "adamw"
+    """Training algorithm (*identity*); ``thinwire train --help`` lists them."""
+    model: str = "tiny"
+    """Model preset (*identity*): ``tiny`` (0.4M parameters), ``small`` (3.3M), ``base``."""
+    seq_len: int | None = None
+    """Override the preset's context length (*identity*)."""
+    n_layer: int | None = None
+    """Override the preset's depth (*identity*)."""
+    n_head: int | None = None
+    """Override the preset's attention heads (*identity*)."""
+    n_embd: int | None = None
+    """Override the preset's width (*identity*)."""
+    data: str | None = None
+    """UTF-8 text file to train on; ``None`` is the bundled Shakespeare corpus (*identity*)."""
+    val_fraction: float = 0.05
+    """Share of the corpus (its end) held out for validation (*identity*)."""
+    seed: int = 0
+    """Seeds the initial weights and the batch sampler (*identity*)."""
+
+    # --- optimisation ------------------------------------------------------------------
+    steps: int = 300
+    """Optimizer steps in total (a resumed run may raise it to train longer)."""
+    batch_size: int = 16
+    """Sequences per rank per step (*identity*); the global batch is ``batch_size * W``."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after ``warmup_steps`` and decayed by cosine."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at ``lr * min_lr_ratio``."""
+    warmup_steps: int = 20
+    """Linear learning-rate warmup from 0. Large batches and LAMB want a longer warmup."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW, LAMB)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam-family moment decay rates."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    # --- 1-bit optimizers --------------------------------------------------------------
+    freeze_step: int | None = None
+    """Steps of full-precision warmup before 1-bit compression (default: 20% of steps)."""
+
+    # --- Local-SGD ----------------------------------------------------------------------
+    local_steps: int = 20
+    """Inner steps H between synchronisations (DiLoCo and asynchronous Local-SGD)."""
+    outer_lr: float = 0.7
+    """Outer (Nesterov) learning rate of DiLoCo."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum of DiLoCo."""
+    outer: str = "dn"
+    """Asynchronous outer optimizer: ``dn`` (Delayed Nesterov) or ``nesterov`` (naive)."""
+    dylu: bool = False
+    """Dynamic Local Updates: fewer inner steps for slower workers."""
+    slowdown: tuple[float, ...] | None = None
+    """Per-worker slowdown factors (e.g. ``1,1,2,4``) to emulate uneven hardware."""
+    compress: str = "none"
+    """Compression of pseudo-gradients: ``none``, ``fp16``, ``bf16`` or ``onebit``."""
+
+    # --- measuring, saving -------------------------------------------------------------
+    eval_interval: int = 50
+    """Steps between validation passes (also run at step 0 and at the end)."""
+    eval_sequences: int = 64
+    """Validation windows per pass, shared among the ranks."""
+    log_interval: int = 10
+    """Steps between metric records."""
+    checkpoint_interval: int = 100
+    """Steps between checkpoints; 0 saves only at the end."""
+    out_dir: str = "runs/train"
+    """Where metrics, checkpoints and the summary go."""
+    resume: bool = False
+    """Continue the run found in ``out_dir`` from its latest checkpoint."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (only when stderr is a terminal)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the ``tensorboard`` package)."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or ``auto`` (CUDA when available)."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Algorithm-specific options that have no field of their own."""
+
+    IDENTITY: ClassVar[tuple[str, ...]] = (
+        "algo", "model", "seq_len", "n_layer", "n_head", "n_embd", "data", "val_fraction",
+        "seed", "batch_size",
+    )  # fmt: skip
+
+    def gpt_config(self) -> GPTConfig:
+        """The model shape: the preset with any overrides applied."""
+        if self.model not in PRESETS:
+            raise ConfigError(
+                f"unknown model preset {self.model!r}; valid presets: {', '.join(PRESETS)}"
+            )
+        base = asdict(PRESETS[self.model])
+        for name in ("seq_len", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if value is not None:
+                base[name] = value
+        try:
+            return GPTConfig(**base)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def validate(self) -> None:
+        """Reject impossible settings with a one-line :class:`ConfigError`."""
+        positive = ("steps", "batch_size", "eval_interval", "eval_sequences", "log_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.checkpoint_interval < 0:
+            raise ConfigError("warmup-steps and checkpoint-interval must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"grad-clip must be >= 0, got {self.grad_clip}")
+        if self.freeze_step is not None and self.freeze_step < 0:
+            raise ConfigError(f"freeze-step must be >= 0, got {self.freeze_step}")
+        if self.local_steps < 1:
+            raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        self.gpt_config()
+
+    def effective_freeze_step(self) -> int:
+        """``freeze_step``, or 20% of the run when unset (the 1-bit LAMB tutorial's range)."""
+        return self.freeze_step if self.freeze_step is not None else max(1, self.steps // 5)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        for key in ("betas", "slowdown"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = tuple(kwargs[key])
+        return cls(**kwargs)
