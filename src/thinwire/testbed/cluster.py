@@ -1,0 +1,578 @@
+"""An emulated cluster of N hosts on one machine, as a context manager.
+
+Usage::
+
+    with Cluster(hosts=4, rate="100mbit") as c:
+        res = c.run([sys.executable, "train.py"])
+        print(res.summary())          # exit codes, bytes on the wire, link utilization
+
+Each host is a network namespace with one veth (``tw0``) into a bridge that lives in a
+namespace of its own, so the root namespace is never touched. Every host link is rate
+limited in both directions (see :mod:`thinwire.testbed.netns` for the tbf parameters).
+:meth:`Cluster.run` starts the command once per host with the variables
+``torch.distributed``'s ``env://`` rendezvous reads (``MASTER_ADDR`` is host 0,
+``RANK`` is the host index) plus ``GLOO_SOCKET_IFNAME=tw0``, so a script that calls
+:func:`thinwire.comm.launch.init_from_env`, or ``thinwire train``, runs unchanged.
+torchrun works too, through placeholders in the command: ``{rank}``, ``{hosts}``,
+``{master_addr}``, ``{master_port}``, ``{address}``, ``{ifname}``.
+
+Addresses: host ``i`` is ``10.213.0.(i+1)/24``. The /24 exists only inside the
+cluster's namespaces (each cluster has its own, so clusters never see each other);
+no namespace gets a default route and the bridge namespace has no address and no
+forwarding, so nothing can leave the cluster.
+
+Teardown always happens: on leaving the ``with`` block, on an exception, on Ctrl-C.
+A process killed with SIGKILL cannot clean up; its namespaces stay behind and
+:func:`remove_clusters` (``thinwire testbed down``) finds and removes them, using the
+owner record kept in ``/run/thinwire-testbed/ID.json`` to leave live runs alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from thinwire.errors import ConfigError
+from thinwire.testbed import netns as nx
+from thinwire.testbed.netns import HOST_IFNAME, NicCounters
+
+__all__ = [
+    "SUBNET_PREFIX",
+    "MAX_HOSTS",
+    "STATE_DIR",
+    "Cluster",
+    "HostResult",
+    "RunResult",
+    "ClusterInfo",
+    "list_clusters",
+    "remove_clusters",
+]
+
+SUBNET_PREFIX = "10.213.0"
+"""Hosts are ``SUBNET_PREFIX.(i+1)/24``, an address range used only inside namespaces."""
+
+MAX_HOSTS = 64
+DEFAULT_MASTER_PORT = 29500
+STATE_DIR = Path("/run/thinwire-testbed")
+
+# After the first rank fails, the others get this long to notice (gloo raises on a
+# closed peer socket within a second or two) before they are terminated.
+DEFAULT_GRACE_S = 5.0
+KILL_AFTER_S = 5.0
+
+
+@dataclass
+class HostResult:
+    """One host's part of a :meth:`Cluster.run`."""
+
+    host: int
+    namespace: str
+    address: str
+    returncode: int | None
+    """Exit status; negative = killed by that signal; None = never finished."""
+    log: str
+    """Path of the host's combined stdout/stderr."""
+    nic: NicCounters
+    """Bytes and packets on the host's interface during the run (after - before)."""
+    terminated: bool = False
+    """True if the testbed had to stop this host (another rank failed, or timeout)."""
+
+
+@dataclass
+class RunResult:
+    """Outcome of one distributed command on the cluster."""
+
+    command: list[str]
+    rate_bits: int | None
+    seconds: float
+    hosts: list[HostResult]
+    log_dir: str
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Every host exited with status 0."""
+        return all(h.returncode == 0 for h in self.hosts)
+
+    @property
+    def returncode(self) -> int:
+        """0 if all hosts succeeded, else the first failing host's status (1 if killed)."""
+        for h in self.hosts:
+            if h.returncode != 0:
+                return h.returncode if h.returncode and h.returncode > 0 else 1
+        return 0
+
+    @property
+    def tx_bytes(self) -> int:
+        """Bytes all hosts put on their links during the run (Ethernet frames)."""
+        return sum(h.nic.tx_bytes for h in self.hosts)
+
+    def utilization(self, host: int) -> float | None:
+        """Fraction of host ``host``'s link used on average: ``tx bits / (rate * seconds)``.
+
+        Averaged over the whole run, process start-up included; None when unshaped.
+        """
+        if self.rate_bits is None or self.seconds <= 0:
+            return None
+        return self.hosts[host].nic.tx_bytes * 8 / (self.rate_bits * self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["rate"] = nx.format_rate(self.rate_bits)
+        for i, h in enumerate(d["hosts"]):
+            h["utilization"] = self.utilization(i)
+        return d
+
+    def summary(self) -> str:
+        """A small table: host, exit status, tx/rx MB, utilization, log file."""
+        lines = [
+            f"{len(self.hosts)} hosts at {nx.format_rate(self.rate_bits)}, "
+            f"{self.seconds:.2f} s{' (timed out)' if self.timed_out else ''}",
+            f"{'host':>4} {'address':<12} {'exit':>5} {'tx MB':>9} {'rx MB':>9} {'util':>6}  log",
+        ]
+        for i, h in enumerate(self.hosts):
+            util = self.utilization(i)
+            rc = "-" if h.returncode is None else str(h.returncode)
+            if h.terminated:
+                rc += "*"
+            lines.append(
+                f"{h.host:>4} {h.address:<12} {rc:>5} {h.nic.tx_bytes / 1e6:>9.2f} "
+                f"{h.nic.rx_bytes / 1e6:>9.2f} {'-' if util is None else f'{util:6.1%}':>6}  "
+                f"{h.log}"
+            )
+        if any(h.terminated for h in self.hosts):
+            lines.append("* stopped by the testbed after another host failed or the timeout")
+        return "\n".join(lines)
+
+
+@dataclass
+class ClusterInfo:
+    """What :func:`list_clusters` finds about one cluster on this machine."""
+
+    cluster_id: str
+    namespaces: list[str]
+    hosts: int
+    rate_bits: int | None
+    owner_pid: int | None
+    owner_alive: bool
+    addresses: list[str] = field(default_factory=list)
+
+
+def _proc_start_time(pid: int) -> str | None:
+    # Field 22 of /proc/PID/stat (start time in clock ticks) tells a reused pid apart.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _state_path(cluster_id: str) -> Path:
+    return STATE_DIR / f"{nx.validate_cluster_id(cluster_id)}.json"
+
+
+def _read_state(cluster_id: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads(_state_path(cluster_id).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _owner_alive(state: Mapping[str, Any]) -> bool:
+    pid = state.get("owner_pid")
+    if not isinstance(pid, int):
+        return False
+    return _proc_start_time(pid) == state.get("owner_start")
+
+
+class Cluster:
+    """N emulated hosts joined by rate-limited links; a context manager.
+
+    Args:
+        hosts: number of hosts (namespaces), 1 to 64.
+        rate: link rate of every host, both directions: ``"100mbit"``, ``"1gbit"``,
+            ``"unlimited"`` (veth speed, useful to see where compression stops paying).
+            A ring allreduce reaches about 95% of this as bus bandwidth, the rest is
+            Ethernet/IP/TCP headers (54 bytes per 1448-byte segment).
+        cluster_id: 1-12 lowercase letters/digits; random if omitted. Names every
+            namespace (``thinwire-ID-h0``...), so concurrent clusters never collide.
+        persistent: keep the cluster when this object is closed (``thinwire testbed
+            up``); remove it later with :func:`remove_clusters`.
+        master_port: port of the rendezvous on host 0 (each cluster has its own
+            network stack, so the default never clashes with other runs).
+    """
+
+    def __init__(
+        self,
+        hosts: int,
+        rate: str | int | None = "1gbit",
+        *,
+        cluster_id: str | None = None,
+        persistent: bool = False,
+        master_port: int = DEFAULT_MASTER_PORT,
+    ) -> None:
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
+            raise ConfigError(f"hosts must be an integer from 1 to {MAX_HOSTS}, got {hosts!r}")
+        if not 1 <= int(master_port) <= 65535:
+            raise ConfigError(f"master_port must be 1-65535, got {master_port}")
+        self.hosts = hosts
+        self.rate_bits = nx.parse_rate(rate) if rate is not None else None
+        self.cluster_id = nx.validate_cluster_id(cluster_id or secrets.token_hex(4))
+        self.persistent = persistent
+        self.master_port = int(master_port)
+        self._created: list[str] = []
+        self._is_up = False
+
+    @classmethod
+    def attach(cls, cluster_id: str) -> Cluster:
+        """A handle on an existing cluster (e.g. one made by ``thinwire testbed up``).
+
+        Closing it leaves the cluster in place.
+        """
+        nx.require_available()
+        info = {c.cluster_id: c for c in list_clusters()}.get(nx.validate_cluster_id(cluster_id))
+        if info is None or info.hosts == 0:
+            raise ConfigError(f"no testbed cluster with id {cluster_id!r} on this machine")
+        c = cls(info.hosts, info.rate_bits, cluster_id=cluster_id, persistent=True)
+        c._is_up = True
+        return c
+
+    # -- names -----------------------------------------------------------------------
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Host namespace names, host 0 first."""
+        return [nx.host_ns(self.cluster_id, i) for i in range(self.hosts)]
+
+    @property
+    def bridge_namespace(self) -> str:
+        return nx.bridge_ns(self.cluster_id)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Host addresses, host 0 (the rendezvous, ``MASTER_ADDR``) first."""
+        return [f"{SUBNET_PREFIX}.{i + 1}" for i in range(self.hosts)]
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def up(self) -> Cluster:
+        """Create namespaces, bridge, links and shaping; on any failure undo it all."""
+        nx.require_available()
+        if self._is_up:
+            return self
+        if self.cluster_id in nx.list_namespaces():
+            raise ConfigError(f"a testbed cluster with id {self.cluster_id!r} already exists")
+        _check_root_namespace_clear()
+        try:
+            self._write_state()
+            br = self.bridge_namespace
+            nx.add_namespace(br)
+            self._created.append(br)
+            nx.add_bridge(br)
+            for i, ns in enumerate(self.namespaces):
+                nx.add_namespace(ns)
+                self._created.append(ns)
+                port = f"h{i}"
+                nx.add_host_link(ns, br, port, f"{self.addresses[i]}/24")
+                if self.rate_bits is not None:
+                    nx.shape(ns, HOST_IFNAME, self.rate_bits)  # host -> bridge
+                    nx.shape(br, port, self.rate_bits)  # bridge -> host
+        except BaseException:
+            self.down()
+            raise
+        self._is_up = True
+        return self
+
+    def down(self) -> None:
+        """Stop every process left in the cluster and delete its namespaces."""
+        names = set(self._created) | set(nx.list_namespaces().get(self.cluster_id, []))
+        _remove_namespaces(sorted(names))
+        self._created.clear()
+        with contextlib.suppress(OSError):
+            _state_path(self.cluster_id).unlink()
+        self._is_up = False
+
+    def close(self) -> None:
+        """Tear down unless persistent."""
+        if not self.persistent:
+            self.down()
+
+    def __enter__(self) -> Cluster:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _write_state(self) -> None:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        owner = None if self.persistent else os.getpid()
+        state = {
+            "cluster_id": self.cluster_id,
+            "hosts": self.hosts,
+            "rate_bits": self.rate_bits,
+            "owner_pid": owner,
+            "owner_start": _proc_start_time(owner) if owner else None,
+        }
+        _state_path(self.cluster_id).write_text(json.dumps(state))
+
+    # -- measuring and running -------------------------------------------------------
+
+    def counters(self) -> list[NicCounters]:
+        """Current counters of every host's interface, host 0 first."""
+        return [nx.read_counters(ns) for ns in self.namespaces]
+
+    def host_env(self, host: int) -> dict[str, str]:
+        """The variables :meth:`run` sets for host ``host`` (on top of the caller's)."""
+        return {
+            "MASTER_ADDR": self.addresses[0],
+            "MASTER_PORT": str(self.master_port),
+            "RANK": str(host),
+            "WORLD_SIZE": str(self.hosts),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "GLOO_SOCKET_IFNAME": HOST_IFNAME,
+            "THINWIRE_TESTBED_ID": self.cluster_id,
+        }
+
+    def _argv_for(self, argv: Sequence[str], host: int) -> list[str]:
+        # Plain replace of known tokens, not str.format: user commands may hold braces.
+        subs = {
+            "{rank}": str(host),
+            "{hosts}": str(self.hosts),
+            "{master_addr}": self.addresses[0],
+            "{master_port}": str(self.master_port),
+            "{address}": self.addresses[host],
+            "{ifname}": HOST_IFNAME,
+        }
+        out = []
+        for tok in argv:
+            for key, val in subs.items():
+                tok = tok.replace(key, val)
+            out.append(tok)
+        return out
+
+    def run(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        *,
+        timeout_s: float | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
+    ) -> RunResult:
+        """Run ``argv`` once per host as one distributed job; wait; return the outcome.
+
+        Args:
+            argv: the command, e.g. ``[sys.executable, "script.py"]``; placeholders
+                ``{rank}`` etc. are filled in per host (see the module docstring).
+            env: extra variables for every host, on top of this process's environment.
+                ``OMP_NUM_THREADS`` defaults to ``cores // hosts`` so hosts sharing a
+                machine do not oversubscribe it.
+            timeout_s: stop all hosts after this long (``RunResult.timed_out``).
+            log_dir: where ``host{i}.log`` and ``summary.json`` go; a new temporary
+                directory if omitted.
+            grace_s: after the first host fails, how long the others may take to exit
+                on their own before they are terminated.
+
+        A failing host never makes this hang: the rest are stopped after ``grace_s``.
+        On Ctrl-C every host is stopped before the exception propagates.
+        """
+        if not self._is_up:
+            raise ConfigError("the cluster is not up: use 'with Cluster(...)' or call up()")
+        argv = [str(a) for a in argv]
+        if not argv or not argv[0]:
+            raise ConfigError("no command given to run on the hosts")
+        out_dir = Path(
+            log_dir
+            if log_dir is not None
+            else tempfile.mkdtemp(prefix=f"thinwire-testbed-{self.cluster_id}-")
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        base_env = dict(os.environ)
+        base_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.hosts)))
+        base_env.update(env or {})
+
+        before = self.counters()
+        procs: list[subprocess.Popen[bytes]] = []
+        logs = [out_dir / f"host{i}.log" for i in range(self.hosts)]
+        terminated = [False] * self.hosts
+        timed_out = False
+        t0 = time.monotonic()
+        try:
+            for i, ns in enumerate(self.namespaces):
+                host_env = {**base_env, **self.host_env(i)}
+                with open(logs[i], "wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            ["ip", "netns", "exec", ns, *self._argv_for(argv, i)],
+                            env=host_env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            # Own process group per host: torchrun's children and
+                            # shell pipelines are stopped along with the host.
+                            start_new_session=True,
+                        )
+                    )
+            first_failure: float | None = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+                    first_failure = now
+                stop = first_failure is not None and now - first_failure > grace_s
+                if timeout_s is not None and now - t0 > timeout_s:
+                    timed_out = stop = True
+                if stop:
+                    for i, p in enumerate(procs):
+                        if p.poll() is None:
+                            terminated[i] = True
+                    _stop(procs)
+                    break
+                time.sleep(0.05)
+        except BaseException:
+            # Ctrl-C or an error while starting: no host may outlive this call.
+            _stop(procs)
+            raise
+        seconds = time.monotonic() - t0
+        after = self.counters()
+        result = RunResult(
+            command=argv,
+            rate_bits=self.rate_bits,
+            seconds=seconds,
+            hosts=[
+                HostResult(
+                    host=i,
+                    namespace=ns,
+                    address=self.addresses[i],
+                    returncode=procs[i].returncode,
+                    log=str(logs[i]),
+                    nic=after[i] - before[i],
+                    terminated=terminated[i],
+                )
+                for i, ns in enumerate(self.namespaces)
+            ],
+            log_dir=str(out_dir),
+            timed_out=timed_out,
+        )
+        (out_dir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
+        return result
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each live process group, SIGKILL whatever is left after a few seconds."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + KILL_AFTER_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _remove_namespaces(names: Sequence[str]) -> None:
+    # Processes keep a namespace alive after 'ip netns delete' (only the name goes),
+    # so anything still running inside is killed first; hosts before the bridge.
+    for name in sorted(names, key=lambda n: n.endswith("-br")):
+        for pid in nx.namespace_pids(name):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        nx.delete_namespace(name)
+
+
+def _check_root_namespace_clear() -> None:
+    # The range must stay private to the namespaces; refuse to run on a machine that
+    # already uses it, so no address of ours can ever shadow a real one.
+    out = nx.ip("-j", "-4", "addr", "show")
+    for link in json.loads(out or "[]"):
+        for a in link.get("addr_info", []):
+            if str(a.get("local", "")).startswith(SUBNET_PREFIX + "."):
+                raise nx.TestbedUnavailable(
+                    f"this machine already uses {SUBNET_PREFIX}.0/24 on {link.get('ifname')}; "
+                    "the testbed needs that range for itself"
+                )
+
+
+def list_clusters() -> list[ClusterInfo]:
+    """Every testbed cluster on this machine (including leftovers of dead runs)."""
+    nx.require_available()
+    infos = []
+    for cid, names in nx.list_namespaces().items():
+        state = _read_state(cid)
+        hosts = sorted(
+            (n for n in names if not n.endswith("-br")), key=lambda n: int(n.rsplit("-h", 1)[1])
+        )
+        rate = nx.read_shaping(hosts[0], HOST_IFNAME) if hosts else None
+        addresses = []
+        for ns in hosts:
+            out = nx.ip("-j", "-4", "addr", "show", "dev", HOST_IFNAME, netns=ns, check=False)
+            with contextlib.suppress(ValueError, IndexError, KeyError):
+                addresses.append(json.loads(out)[0]["addr_info"][0]["local"])
+        pid = state.get("owner_pid")
+        infos.append(
+            ClusterInfo(
+                cluster_id=cid,
+                namespaces=names,
+                hosts=len(hosts),
+                rate_bits=rate,
+                owner_pid=pid if isinstance(pid, int) else None,
+                owner_alive=_owner_alive(state),
+                addresses=addresses,
+            )
+        )
+    return infos
+
+
+def remove_clusters(cluster_ids: Sequence[str] | None = None, *, force: bool = False) -> list[str]:
+    """Remove clusters; return the ids removed.
+
+    With ``cluster_ids`` None, every testbed cluster whose owning process is gone
+    (leftovers of a crashed run, and clusters made by ``thinwire testbed up``) is
+    removed; clusters of a live run are kept unless ``force``. Named clusters are
+    removed even if live only with ``force``.
+    """
+    nx.require_available()
+    present = nx.list_namespaces()
+    if cluster_ids is None:
+        wanted = list(present)
+    else:
+        wanted = [nx.validate_cluster_id(c) for c in cluster_ids]
+        missing = [c for c in wanted if c not in present]
+        if missing:
+            raise ConfigError(f"no testbed cluster with id {missing[0]!r} on this machine")
+    removed = []
+    for cid in wanted:
+        state = _read_state(cid)
+        if not force and _owner_alive(state):
+            if cluster_ids is not None:
+                raise ConfigError(
+                    f"cluster {cid!r} belongs to running process {state['owner_pid']}; "
+                    "stop it first or use --force"
+                )
+            continue
+        _remove_namespaces(present.get(cid, []))
+        with contextlib.suppress(OSError):
+            _state_path(cid).unlink()
+        removed.append(cid)
+    if cluster_ids is None and STATE_DIR.is_dir():
+        # State records whose namespaces are already gone (e.g. removed by hand).
+        for path in STATE_DIR.glob("*.json"):
+            with contextlib.suppress(ConfigError):
+                if path.stem not in present and not _owner_alive(_read_state(path.stem)):
+                    path.unlink(missing_ok=True)
+    return removed

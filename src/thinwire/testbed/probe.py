@@ -1,0 +1,83 @@
+"""Time a plain fp32 allreduce on whatever group the environment describes.
+
+Run once per host (``thinwire testbed run --hosts 4 --rate 100mbit -- python -m
+thinwire.testbed.probe --mib 8``); each rank prints one JSON line starting with
+``PROBE``::
+
+    PROBE {"rank": 0, "world": 4, "bytes": 8388608, "iters": 3,
+           "seconds_per_iter": 1.07, "busbw_bits": 94000000.0,
+           "wire_bytes": 50331648, "payload_bytes": 33554432}
+
+``busbw_bits`` is the bus bandwidth, ``2 (W-1)/W * bytes * 8 / seconds_per_iter``:
+what each rank's link carried per second under a ring allreduce, directly comparable
+with the link rate. ``wire_bytes`` is this rank's total from
+:data:`thinwire.comm.accounting.COUNTER` (warm-up included), the figure the NIC
+counters are checked against.
+
+Tuning: use at least a few MiB per call so the per-call latency (a few ms on these
+links) does not pull the bus bandwidth down, and a warm-up call so connection set-up
+is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from thinwire.comm.accounting import COUNTER
+from thinwire.comm.allreduce import all_reduce_mean_
+from thinwire.comm.launch import init_from_env, world_size
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=float, default=8.0, help="MiB per allreduce call")
+    parser.add_argument("--iters", type=int, default=3, help="timed calls")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    args = parser.parse_args(argv)
+    if args.mib <= 0 or args.iters < 1 or args.warmup < 0:
+        parser.error("--mib must be > 0, --iters >= 1, --warmup >= 0")
+    if not init_from_env():
+        print("probe: RANK/WORLD_SIZE not set; run it under the testbed", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    try:
+        w = world_size()
+        numel = max(1, int(args.mib * 2**20) // 4)
+        x = torch.ones(numel, dtype=torch.float32)
+        for _ in range(args.warmup):
+            all_reduce_mean_(x)
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            all_reduce_mean_(x)
+        dt = (time.perf_counter() - t0) / args.iters
+        nbytes = numel * 4
+        busbw = 2 * (w - 1) / w * nbytes * 8 / dt if w > 1 else 0.0
+        # The mean of ones is ones: a cheap check that the data really went around.
+        if not torch.allclose(x, torch.ones_like(x)):
+            raise RuntimeError("allreduce result is wrong")
+        record = {
+            "rank": dist.get_rank(),
+            "world": w,
+            "bytes": nbytes,
+            "iters": args.iters,
+            "seconds_per_iter": dt,
+            "busbw_bits": busbw,
+            "wire_bytes": COUNTER.wire_bytes,
+            "payload_bytes": COUNTER.payload_bytes,
+        }
+        print("PROBE " + json.dumps(record), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
