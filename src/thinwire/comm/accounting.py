@@ -79,6 +79,16 @@ class ByteCounter:
         with self._lock:
             self.ops.clear()
 
+    def load_snapshot(self, snapshot: dict[str, dict[str, int]]) -> None:
+        """Replace the totals with a :meth:`snapshot` (a resumed run continues its counts)."""
+        with self._lock:
+            self.ops = {k: OpStats(**v) for k, v in snapshot.items()}
+
+    def wire_bytes_excluding(self, prefix: str) -> int:
+        """Wire bytes of every op whose name does not start with ``prefix``."""
+        with self._lock:
+            return sum(s.wire_bytes for k, s in self.ops.items() if not k.startswith(prefix))
+
 
 COUNTER = ByteCounter()
 """The process-wide counter that every thinwire collective reports to."""

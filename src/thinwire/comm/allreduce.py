@@ -6,7 +6,8 @@ reports its bytes to :mod:`thinwire.comm.accounting`, so the trainer's metrics s
 what plain data parallelism puts on the wire.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: DDP inspects a comm hook's annotations at
+# registration and rejects string annotations.
 
 import torch
 import torch.distributed as dist

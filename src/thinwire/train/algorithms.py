@@ -30,7 +30,7 @@ from thinwire.comm.launch import world_size
 from thinwire.errors import ConfigError
 from thinwire.train.config import TrainConfig
 
-__all__ = ["Strategy", "ALGORITHMS", "RUNNERS", "algorithm_names", "make_strategy", "get_runner"]
+__all__ = ["ALGORITHMS", "RUNNERS", "Strategy", "algorithm_names", "get_runner", "make_strategy"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ def _adamw(model: nn.Module, cfg: TrainConfig) -> Strategy:
     )
     if world_size() == 1:
         return Strategy(model=model, optimizer=opt)
-    ddp = DDP(model, broadcast_buffers=False)
+    ddp = DDP(model)
     ddp.register_comm_hook(None, allreduce_hook)
     return Strategy(model=ddp, optimizer=opt)
 

@@ -126,7 +126,9 @@ class TrainConfig:
         positive = ("steps", "batch_size", "eval_interval", "eval_sequences", "log_interval")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or self.checkpoint_interval < 0:

@@ -25,7 +25,7 @@ import torch
 
 from thinwire.errors import ConfigError
 
-__all__ = ["BUILTIN_CORPUS", "TextData", "TokenSplit", "load_text", "encode", "decode"]
+__all__ = ["BUILTIN_CORPUS", "TextData", "TokenSplit", "decode", "encode", "load_text"]
 
 BUILTIN_CORPUS = "shakespeare"
 """Name of the bundled corpus (42 works of Shakespeare, ~5 MB of text)."""
@@ -69,7 +69,7 @@ def load_text(source: str | Path | None) -> tuple[bytes, str]:
             raise ConfigError(f"data file {path} is not a valid gzip file: {exc}") from None
     if not raw.strip():
         raise ConfigError(f"data file {path} is empty")
-    if b"\x00" in raw[:1 << 20]:
+    if b"\x00" in raw[: 1 << 20]:
         raise ConfigError(f"data file {path} looks binary (it contains NUL bytes); expected text")
     try:
         raw.decode("utf-8")

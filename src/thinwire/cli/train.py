@@ -1,0 +1,183 @@
+"""``thinwire train``: run the example trainer on W local workers, or under torchrun.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) every process joins the existing group
+and ``--workers`` is ignored; otherwise ``--workers W`` gloo ranks are spawned on
+loopback (one process, no group, when W is 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
+from thinwire.errors import ConfigError
+from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names, check_algorithm
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import BUILTIN_CORPUS, load_text
+from thinwire.train.model import PRESETS
+
+__all__ = ["config_from_args", "format_summary", "register", "run_training"]
+
+
+def _slowdown(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,1,2,4, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"slowdown factors must be > 0, got {text!r}")
+    return values
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``thinwire train`` (shared with ``thinwire demo``)."""
+    d = TrainConfig()
+    algos = "; ".join(f"{n}: {ALGORITHMS.get(n, RUNNERS.get(n))[1]}" for n in algorithm_names())
+    g = p.add_argument_group("run")
+    g.add_argument("--algo", default=d.algo, help=f"training algorithm ({algos})")
+    g.add_argument("--workers", type=int, default=4, help="local worker processes (default 4)")
+    g.add_argument(
+        "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
+    )
+    g.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="sequences per worker per step"
+    )
+    g.add_argument(
+        "--data", default=None, help=f"UTF-8 text file (default: bundled {BUILTIN_CORPUS})"
+    )
+    g.add_argument("--out", default=None, help="output directory (default runs/ALGO)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
+    m.add_argument("--seq-len", type=int, default=None)
+    m.add_argument("--n-layer", type=int, default=None)
+    m.add_argument("--n-head", type=int, default=None)
+    m.add_argument("--n-embd", type=int, default=None)
+    o = p.add_argument_group("optimizer")
+    o.add_argument("--lr", type=float, default=d.lr)
+    o.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    o.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    o.add_argument("--grad-clip", type=float, default=d.grad_clip)
+    o.add_argument(
+        "--freeze-step",
+        type=int,
+        default=None,
+        help="1-bit optimizers: full-precision warmup steps (default 20%% of --steps)",
+    )
+    ls = p.add_argument_group("local SGD")
+    ls.add_argument(
+        "--local-steps", type=int, default=d.local_steps, help="inner steps H per round"
+    )
+    ls.add_argument("--outer-lr", type=float, default=d.outer_lr)
+    ls.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    ls.add_argument("--outer", default=d.outer, choices=("dn", "nesterov"))
+    ls.add_argument("--dylu", action="store_true", help="dynamic local updates")
+    ls.add_argument(
+        "--slowdown", type=_slowdown, default=None, help="per-worker factors, e.g. 1,1,2,4"
+    )
+    ls.add_argument("--compress", default=d.compress, choices=("none", "fp16", "bf16", "onebit"))
+    r = p.add_argument_group("reporting")
+    r.add_argument("--eval-interval", type=int, default=d.eval_interval)
+    r.add_argument("--eval-sequences", type=int, default=d.eval_sequences)
+    r.add_argument("--log-interval", type=int, default=d.log_interval)
+    r.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval)
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events")
+    r.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds before a stuck run is stopped"
+    )
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train the small GPT with a chosen algorithm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_train_arguments(p)
+    p.set_defaults(func=_main)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        algo=args.algo, model=args.model, seq_len=args.seq_len, n_layer=args.n_layer,
+        n_head=args.n_head, n_embd=args.n_embd, data=args.data, seed=args.seed,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, freeze_step=args.freeze_step,
+        local_steps=args.local_steps, outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum, outer=args.outer, dylu=args.dylu,
+        slowdown=args.slowdown, compress=args.compress,
+        eval_interval=args.eval_interval, eval_sequences=args.eval_sequences,
+        log_interval=args.log_interval, checkpoint_interval=args.checkpoint_interval,
+        out_dir=args.out or f"runs/{args.algo}", resume=args.resume,
+        progress=not args.no_progress, tensorboard=args.tensorboard, device=args.device,
+    )  # fmt: skip
+
+
+def _rank_main(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
+    from thinwire.train.trainer import train
+
+    return train(cfg)
+
+
+def run_training(cfg: TrainConfig, workers: int, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Validate, then train under torchrun, in-process (1 worker) or on spawned workers."""
+    cfg.validate()
+    check_algorithm(cfg.algo)
+    if launched_by_torchrun():
+        from thinwire.train.trainer import train
+
+        created = not dist.is_initialized()  # a group the caller made is left as it is
+        init_from_env(timeout_s=timeout_s)
+        try:
+            return train(cfg)
+        finally:
+            if created:
+                dist.destroy_process_group()
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {workers}")
+    load_text(cfg.data)  # a bad data file fails here, before any process starts
+    if workers == 1:
+        from thinwire.train.trainer import train
+
+        return train(cfg)
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    return spawn(_rank_main, workers, (cfg,), backend=backend, timeout_s=timeout_s)[0]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The short table printed at the end of a run."""
+    rows = [
+        ("algorithm", f"{s['algo']} on {s['world_size']} worker(s)"),
+        ("steps / samples", f"{s['steps']} / {s['samples']:,}"),
+        ("parameters", f"{s['parameters']:,}"),
+        ("final val loss", f"{s['final_val_loss']:.4f}"),
+        ("final val perplexity", f"{s['final_val_ppl']:.2f}"),
+        ("throughput", f"{s['samples_per_s']:,.1f} samples/s"),
+        ("training time", f"{s['train_time_s']:.1f} s"),
+        ("bytes sent per worker", _mib(s["comm_bytes"])),
+        ("output", s["out_dir"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    summary = run_training(cfg, args.workers, args.timeout)
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0
+    print(format_summary(summary))
+    return 0

@@ -1,0 +1,174 @@
+"""Checkpoints that are never half-written, with per-rank state.
+
+Layout under the run's output directory::
+
+    run.json                     identity of the run (config fields that must match on resume)
+    checkpoints/LATEST           name of the newest complete checkpoint, e.g. "step-00000300"
+    checkpoints/step-00000300/
+        model.pt                 model weights (rank 0)
+        rank0.pt, rank1.pt, ...  each rank's optimizer state, error-feedback buffers, RNG,
+                                 byte counters: state that differs between ranks
+
+Every file is written to a temporary name and renamed into place, and ``LATEST`` moves
+only after every rank has finished writing (a barrier), so an interrupted save (Ctrl-C,
+a crash, a full disk) leaves the previous checkpoint as the one a resume finds.
+
+Multi-node runs: each rank writes and reads only its own ``rank{r}.pt``, and rank 0 alone
+reads ``model.pt`` and broadcasts the weights. So the output directory may be shared
+storage, or a local directory of the same path on every node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thinwire.errors import ConfigError
+from thinwire.train.metrics import atomic_write_text
+
+__all__ = [
+    "KEEP",
+    "atomic_save",
+    "check_run_identity",
+    "latest_step",
+    "load_model_state",
+    "load_rank_state",
+    "safe_load",
+    "save_checkpoint",
+    "write_run_identity",
+]
+
+KEEP = 2
+"""Complete checkpoints kept on disk; older ones are removed after a new one lands."""
+
+
+def _ckpt_root(out_dir: Path) -> Path:
+    return out_dir / "checkpoints"
+
+
+def _step_dir(out_dir: Path, step: int) -> Path:
+    return _ckpt_root(out_dir) / f"step-{step:08d}"
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, fsync, then rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def safe_load(path: Path) -> Any:
+    """``torch.load`` that turns a missing, truncated or foreign file into a ConfigError."""
+    if not path.exists():
+        raise ConfigError(f"checkpoint file {path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # torch raises several types for damaged files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({reason})") from None
+
+
+def latest_step(out_dir: Path) -> int | None:
+    """Step of the newest complete checkpoint in ``out_dir``, or None."""
+    marker = _ckpt_root(out_dir) / "LATEST"
+    if not marker.exists():
+        return None
+    name = marker.read_text().strip()
+    try:
+        step = int(name.removeprefix("step-"))
+    except ValueError:
+        raise ConfigError(f"checkpoint marker {marker} is corrupt (holds {name!r})") from None
+    if not _step_dir(out_dir, step).is_dir():
+        raise ConfigError(f"checkpoint marker {marker} names {name}, which does not exist")
+    return step
+
+
+def save_checkpoint(
+    out_dir: Path,
+    step: int,
+    rank: int,
+    model_state: dict[str, Any] | None,
+    rank_state: dict[str, Any],
+) -> None:
+    """Collective: every rank calls it; rank 0 passes ``model_state``.
+
+    Returns once ``LATEST`` names this step on rank 0.
+    """
+    step_dir = _step_dir(out_dir, step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    atomic_save(rank_state, step_dir / f"rank{rank}.pt")
+    if rank == 0:
+        if model_state is None:
+            raise ValueError("rank 0 must pass the model state")
+        atomic_save({"step": step, "model": model_state}, step_dir / "model.pt")
+    if dist.is_initialized():
+        dist.barrier()  # every rank's file is in place before LATEST moves
+    if rank == 0:
+        atomic_write_text(_ckpt_root(out_dir) / "LATEST", step_dir.name + "\n")
+    _prune(out_dir, rank, keep_from=step_dir.name)
+
+
+def _prune(out_dir: Path, rank: int, keep_from: str) -> None:
+    dirs = sorted(p for p in _ckpt_root(out_dir).glob("step-*") if p.is_dir())
+    newest = [p for p in dirs if p.name <= keep_from][-KEEP:]
+    for old in dirs:
+        if old in newest or old.name > keep_from:
+            continue
+        (old / f"rank{rank}.pt").unlink(missing_ok=True)
+        if rank == 0:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_model_state(out_dir: Path, step: int) -> dict[str, Any]:
+    blob = safe_load(_step_dir(out_dir, step) / "model.pt")
+    if not isinstance(blob, dict) or blob.get("step") != step or "model" not in blob:
+        raise ConfigError(f"checkpoint {_step_dir(out_dir, step)}/model.pt is not a thinwire model")
+    return blob["model"]
+
+
+def load_rank_state(out_dir: Path, step: int, rank: int) -> dict[str, Any]:
+    path = _step_dir(out_dir, step) / f"rank{rank}.pt"
+    if not path.exists():
+        raise ConfigError(
+            f"checkpoint {path} is missing: the run was saved with fewer ranks, or on "
+            "multi-node runs this node's output directory is not the one it wrote"
+        )
+    blob = safe_load(path)
+    if not isinstance(blob, dict) or blob.get("rank") != rank:
+        raise ConfigError(f"checkpoint {path} does not hold rank {rank}'s state")
+    return blob
+
+
+def write_run_identity(out_dir: Path, identity: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "run.json", json.dumps(identity, indent=2, sort_keys=True) + "\n")
+
+
+def check_run_identity(out_dir: Path, identity: dict[str, Any]) -> None:
+    """Raise a ConfigError naming every setting that differs from the saved run's."""
+    path = out_dir / "run.json"
+    if not path.exists():
+        raise ConfigError(f"{path} is missing; {out_dir} does not hold a thinwire run to resume")
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is corrupt ({exc})") from None
+    diffs = [
+        f"{k}: checkpoint has {saved.get(k)!r}, this run has {identity[k]!r}"
+        for k in sorted(identity)
+        if saved.get(k) != identity[k]
+    ]
+    if diffs:
+        raise ConfigError(f"cannot resume the run in {out_dir}: " + "; ".join(diffs))

@@ -1,0 +1,118 @@
+"""Metrics: JSON lines on rank 0, optional TensorBoard, a progress bar on long runs.
+
+``metrics.jsonl`` holds one JSON object per line. Training records carry ``step``,
+``samples``, ``loss``, ``lr``, ``time_s`` (training seconds so far, excluding evaluation
+and checkpointing), ``step_s``, ``comm_bytes`` (bytes this rank put on the wire so far,
+analytical, see :mod:`thinwire.comm.accounting`) and ``comm_bytes_per_step`` (averaged
+since the previous record); evaluation
+records carry ``step``, ``samples``, ``val_loss`` and ``val_ppl``. Units are in the key
+names: seconds (``_s``), bytes (``_bytes``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from thinwire.errors import ConfigError
+
+__all__ = ["MetricsWriter", "Progress", "atomic_write_text", "read_metrics"]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or the new file, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl`` file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+    """Appends records to ``out_dir/metrics.jsonl`` (and TensorBoard); a no-op off rank 0.
+
+    On resume from step ``resume_step``, records after that step (written by the
+    interrupted run after its last checkpoint) are dropped first, so the file reads as
+    one uninterrupted run.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        enabled: bool,
+        resume_step: int | None = None,
+        tensorboard: bool = False,
+    ) -> None:
+        self.enabled = enabled
+        self.path = out_dir / "metrics.jsonl"
+        self._tb: Any = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the whole run
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError(
+                    "--tensorboard needs the tensorboard package: pip install 'thinwire[tensorboard]'"
+                ) from None
+            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = int(record.get("step", 0))
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Progress:
+    """A tqdm bar on rank 0 when stderr is a terminal (and tqdm is installed); else silent."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str) -> None:
+        self._bar: Any = None
+        if not enabled or not sys.stderr.isatty():
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+    def update(self, n: int, **postfix: str) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

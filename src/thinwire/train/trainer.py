@@ -1,0 +1,278 @@
+"""The example trainer: a small GPT on text, data-parallel over torch.distributed.
+
+Read it top to bottom: :func:`train` is the whole run. It is called on every rank, inside
+a process group made by ``torchrun`` or by ``thinwire train``'s own spawning (or in a
+single process, without a group). The algorithm (DDP+AdamW, LAMB, 1-bit LAMB, DiLoCo,
+...) only decides which module runs forward/backward and which optimizer steps; see
+:mod:`thinwire.train.algorithms`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thinwire.comm.accounting import COUNTER, record
+from thinwire.comm.launch import rank as get_rank
+from thinwire.comm.launch import world_size as get_world_size
+from thinwire.errors import ConfigError
+from thinwire.train import checkpoint as ckpt
+from thinwire.train.algorithms import get_runner, make_strategy
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import TextData
+from thinwire.train.metrics import MetricsWriter, Progress, atomic_write_text
+from thinwire.train.model import GPT
+
+__all__ = ["evaluate", "lr_at", "train"]
+
+TRAINER_OPS = "trainer."
+"""Prefix of the trainer's own small collectives (loss logging, evaluation, start-up):
+counted, but kept apart from the algorithm's bytes in ``comm_bytes``."""
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for, but CUDA is not available")
+        local = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _all_reduce_sum(t: torch.Tensor, op: str) -> torch.Tensor:
+    """A small trainer-side collective, counted under ``trainer.*``."""
+    w = get_world_size()
+    if w > 1:
+        dist.all_reduce(t)
+        nbytes = t.numel() * t.element_size()
+        record(TRAINER_OPS + op, nbytes, 2 * (w - 1) * nbytes // w)
+    return t
+
+
+def _broadcast_decision(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank, so start-up decisions (and errors) agree."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TextData, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean validation loss over a fixed set of windows, shared among the ranks."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    for x, y in data.val_batches(cfg.eval_sequences, cfg.batch_size, get_rank(), get_world_size()):
+        _, loss = model(x.to(device), y.to(device))
+        total += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
+    _all_reduce_sum(total, "eval")
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def _identity(cfg: TrainConfig) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in cfg.IDENTITY} | {"world_size": get_world_size()}
+
+
+def _start_step(cfg: TrainConfig, out_dir: Path) -> int:
+    """Decide on rank 0 where the run starts, check the output directory, tell every rank.
+
+    Errors are decided on rank 0 and raised on every rank, so no rank is left waiting.
+    """
+    decision: tuple[int, str | None] = (0, None)
+    if get_rank() == 0:
+        try:
+            step = ckpt.latest_step(out_dir)
+            if cfg.resume:
+                if step is None:
+                    raise ConfigError(f"--resume: no checkpoint in {out_dir} to resume from")
+                ckpt.check_run_identity(out_dir, _identity(cfg))
+                if step > cfg.steps:
+                    raise ConfigError(
+                        f"--resume: the checkpoint is at step {step}, past --steps {cfg.steps}"
+                    )
+                decision = (step, None)
+            else:
+                if step is not None:
+                    raise ConfigError(
+                        f"output directory {out_dir} already holds a checkpoint of another run "
+                        f"(step {step}); pass --resume to continue it or choose another --out"
+                    )
+                ckpt.write_run_identity(out_dir, _identity(cfg))
+        except ConfigError as exc:
+            decision = (0, str(exc))
+    step, error = _broadcast_decision(decision)
+    if error is not None:
+        raise ConfigError(error)
+    return step
+
+
+def _broadcast_parameters(model: nn.Module) -> None:
+    """Every rank starts from rank 0's weights (fresh or loaded from a checkpoint)."""
+    if get_world_size() == 1:
+        return
+    for t in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(t.data, src=0)
+        nbytes = t.numel() * t.element_size()
+        record(TRAINER_OPS + "broadcast", nbytes, nbytes)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) training on this rank; returns the run summary (complete on rank 0)."""
+    cfg.validate()
+    runner = get_runner(cfg.algo)
+    if runner is not None:
+        return runner(cfg)
+    rank, world = get_rank(), get_world_size()
+    device = _device(cfg)
+    out_dir = Path(cfg.out_dir)
+
+    # --- data, model, algorithm --------------------------------------------------------
+    gcfg = cfg.gpt_config()
+    data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = GPT(gcfg).to(device)
+    start = _start_step(cfg, out_dir)
+    if start > 0 and rank == 0:
+        model.load_state_dict(ckpt.load_model_state(out_dir, start))
+    _broadcast_parameters(model)
+    strategy = make_strategy(model, cfg)
+    elapsed = 0.0
+    if start > 0:
+        state = ckpt.load_rank_state(out_dir, start, rank)
+        strategy.optimizer.load_state_dict(state["optimizer"])
+        if strategy.load_state_dict is not None:
+            strategy.load_state_dict(state["strategy"])
+        torch.set_rng_state(state["rng"])
+        COUNTER.load_snapshot(state["bytes"])
+        elapsed = state["elapsed_s"]
+
+    metrics = MetricsWriter(
+        out_dir, rank == 0, resume_step=start if start > 0 else None, tensorboard=cfg.tensorboard
+    )
+    progress = Progress(cfg.steps, start, cfg.progress and rank == 0, desc=cfg.algo)
+    samples_per_step = cfg.batch_size * world
+    run_start_elapsed = elapsed
+    last_bytes, last_step = COUNTER.wire_bytes_excluding(TRAINER_OPS), start
+    val_loss = float("nan")
+    if start == 0:
+        val_loss = evaluate(model, data, cfg, device)
+        metrics.write(
+            {"step": 0, "samples": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
+        )
+
+    # --- the loop ------------------------------------------------------------------------
+    model.train()
+    try:
+        for step in range(start, cfg.steps):
+            lr = lr_at(step, cfg)
+            if strategy.scale_lr:
+                for group in strategy.optimizer.param_groups:
+                    group["lr"] = lr
+            x, y = data.batch(step, cfg.batch_size, rank, world)
+            t0 = time.perf_counter()
+            _, loss = strategy.model(x.to(device), y.to(device))
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            strategy.optimizer.step()
+            strategy.optimizer.zero_grad(set_to_none=True)
+            if strategy.after_step is not None:
+                strategy.after_step(step + 1)
+            step_s = time.perf_counter() - t0
+            elapsed += step_s
+            done = step + 1
+
+            if done % cfg.log_interval == 0 or done == cfg.steps:
+                mean_loss = (
+                    float(_all_reduce_sum(loss.detach().float().cpu().view(1), "loss")) / world
+                )
+                comm = COUNTER.wire_bytes_excluding(TRAINER_OPS)
+                rec: dict[str, Any] = {
+                    "step": done,
+                    "samples": done * samples_per_step,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "time_s": elapsed,
+                    "step_s": step_s,
+                    "comm_bytes": comm,
+                    "comm_bytes_per_step": (comm - last_bytes) / (done - last_step),
+                }
+                last_bytes, last_step = comm, done
+                if strategy.metrics is not None:
+                    rec.update(strategy.metrics())
+                metrics.write(rec)
+                progress.update(
+                    0, loss=f"{mean_loss:.3f}", sps=f"{rec['samples'] / max(elapsed, 1e-9):.0f}"
+                )
+            if done % cfg.eval_interval == 0 or done == cfg.steps:
+                val_loss = evaluate(model, data, cfg, device)
+                metrics.write(
+                    {"step": done, "samples": done * samples_per_step, "val_loss": val_loss,
+                     "val_ppl": math.exp(min(val_loss, 50.0))}
+                )  # fmt: skip
+            if (
+                cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0
+            ) or done == cfg.steps:
+                _save(cfg, out_dir, done, rank, model, strategy, elapsed)
+            progress.update(1)
+    finally:
+        progress.close()
+        metrics.close()
+
+    # --- summary -------------------------------------------------------------------------
+    trained = (cfg.steps - start) * samples_per_step
+    run_time = elapsed - run_start_elapsed
+    summary = {
+        "algo": cfg.algo,
+        "world_size": world,
+        "steps": cfg.steps,
+        "samples": cfg.steps * samples_per_step,
+        "parameters": model.num_parameters(),
+        "final_val_loss": val_loss,
+        "final_val_ppl": math.exp(min(val_loss, 50.0)),
+        "train_time_s": elapsed,
+        "samples_per_s": trained / run_time if run_time > 0 else float("nan"),
+        "comm_bytes": COUNTER.wire_bytes_excluding(TRAINER_OPS),
+        "comm_by_op": COUNTER.snapshot(),
+        "out_dir": str(out_dir),
+    }
+    if rank == 0:
+        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _save(
+    cfg: TrainConfig, out_dir: Path, step: int, rank: int, model: nn.Module, strategy: Any,
+    elapsed: float,
+) -> None:  # fmt: skip
+    rank_state = {
+        "rank": rank,
+        "step": step,
+        "optimizer": strategy.optimizer.state_dict(),
+        "strategy": strategy.state_dict() if strategy.state_dict is not None else None,
+        "rng": torch.get_rng_state(),
+        "bytes": COUNTER.snapshot(),
+        "elapsed_s": elapsed,
+    }
+    model_state = model.state_dict() if rank == 0 else None
+    ckpt.save_checkpoint(out_dir, step, rank, model_state, rank_state)
