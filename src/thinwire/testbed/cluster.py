@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -47,13 +48,13 @@ from thinwire.testbed import netns as nx
 from thinwire.testbed.netns import HOST_IFNAME, NicCounters
 
 __all__ = [
-    "SUBNET_PREFIX",
     "MAX_HOSTS",
     "STATE_DIR",
+    "SUBNET_PREFIX",
     "Cluster",
+    "ClusterInfo",
     "HostResult",
     "RunResult",
-    "ClusterInfo",
     "list_clusters",
     "remove_clusters",
 ]
@@ -228,7 +229,9 @@ class Cluster:
             raise ConfigError(f"master_port must be 1-65535, got {master_port}")
         self.hosts = hosts
         self.rate_bits = nx.parse_rate(rate) if rate is not None else None
-        self.cluster_id = nx.validate_cluster_id(cluster_id or secrets.token_hex(4))
+        self.cluster_id = nx.validate_cluster_id(
+            cluster_id if cluster_id is not None else secrets.token_hex(4)
+        )
         self.persistent = persistent
         self.master_port = int(master_port)
         self._created: list[str] = []
@@ -393,6 +396,8 @@ class Cluster:
         argv = [str(a) for a in argv]
         if not argv or not argv[0]:
             raise ConfigError("no command given to run on the hosts")
+        if shutil.which(argv[0], path=(env or {}).get("PATH", os.environ.get("PATH"))) is None:
+            raise ConfigError(f"command {argv[0]!r} not found")
         out_dir = Path(
             log_dir
             if log_dir is not None
