@@ -21,6 +21,7 @@ __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 SUBCOMMANDS: tuple[str, ...] = (
     "thinwire.cli.train",
     "thinwire.cli.demo",
+    "thinwire.cli.testbed",
 )
 
 
