@@ -1,0 +1,180 @@
+"""Compute costs the network model charges besides the wire: reductions and packing.
+
+A ring allreduce does not only move bytes: in its reduce-scatter phase every worker adds
+``n - 1`` incoming chunks of ``S/n`` bytes to its own. On fast links this reduction is a
+visible share of the collective, so the model charges ``(n - 1) * t_add(S / n)``.
+
+:class:`AddCost` answers ``t_add(nbytes)`` from a table of measurements, interpolating
+linearly between rows and extrapolating linearly beyond the ends (the cost of a large
+add grows linearly with its size; below the smallest row the table's launch-bound floor
+holds). Three ways to get one:
+
+* :func:`thinwire.analysis.bklog.read_vec_add_table` reads the paper's GPU table
+  (``cuda_vec_add.log``: ``bytes,seconds`` per line), which reproduces its numbers;
+* :meth:`AddCost.measure` times ``torch.add`` here, on this device, for the sizes given;
+* :meth:`AddCost.zero` charges nothing (for a link fit that already folds the
+  reduction into its effective bandwidth).
+
+:func:`measure_codec_cost` times a pure-torch 1-bit sign packer and unpacker per input
+byte; the simulation charges it per bucket for compressed schemes when asked to.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from thinwire.errors import ConfigError
+
+__all__ = ["AddCost", "measure_codec_cost"]
+
+DEFAULT_MEASURE_SIZES = tuple(2**k for k in range(10, 25, 2))
+"""Byte sizes :meth:`AddCost.measure` times by default: 1 KiB to 16 MiB, every 4x."""
+
+
+@dataclass(frozen=True)
+class AddCost:
+    """Seconds to add two vectors of ``nbytes`` bytes, from a measured table.
+
+    Args:
+        sizes: byte sizes of the measurements, strictly increasing, at least two.
+        seconds: measured seconds per add, one per size, non-negative.
+        source: where the table came from (a file, ``"measured on cpu"``); shown in reports.
+    """
+
+    sizes: tuple[float, ...]
+    seconds: tuple[float, ...]
+    source: str = "table"
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.seconds):
+            raise ConfigError(
+                f"add-cost table {self.source}: {len(self.sizes)} sizes but "
+                f"{len(self.seconds)} times"
+            )
+        if len(self.sizes) == 1 and self.sizes[0] == 0 and self.seconds[0] == 0:
+            return  # the zero table
+        if len(self.sizes) < 2:
+            raise ConfigError(f"add-cost table {self.source}: needs at least 2 rows")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
+            raise ConfigError(f"add-cost table {self.source}: sizes must strictly increase")
+        if any(s < 0 for s in self.seconds):
+            raise ConfigError(f"add-cost table {self.source}: times must be >= 0")
+
+    @classmethod
+    def zero(cls) -> AddCost:
+        """No reduction cost (the paper's model without its table, or a fitted link)."""
+        return cls((0.0,), (0.0,), "none")
+
+    @classmethod
+    def measure(
+        cls,
+        sizes: Sequence[int] = DEFAULT_MEASURE_SIZES,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        repeats: int = 7,
+    ) -> AddCost:
+        """Time ``a.add_(b)`` on ``device`` for each byte size; median of ``repeats`` runs.
+
+        Tuning: the default sizes take well under a second on a CPU. Use sizes that cover
+        ``bucket_bytes / workers`` of your runs; outside them the table extrapolates.
+        """
+        dev = torch.device(device)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        out_sizes: list[float] = []
+        out_times: list[float] = []
+        for nbytes in sorted(set(int(s) for s in sizes)):
+            n = max(1, nbytes // elem)
+            a = torch.ones(n, dtype=dtype, device=dev)
+            b = torch.ones(n, dtype=dtype, device=dev)
+            a.add_(b)  # first touch: page faults and kernel selection are not the add
+            times = []
+            for _ in range(repeats):
+                _sync(dev)
+                t0 = time.perf_counter()
+                a.add_(b)
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            out_sizes.append(float(n * elem))
+            out_times.append(float(np.median(times)))
+        return cls(tuple(out_sizes), tuple(out_times), f"measured on {dev.type}")
+
+    def __call__(self, nbytes: float) -> float:
+        """Seconds to add two ``nbytes``-byte vectors (0 for ``nbytes <= 0``)."""
+        if nbytes <= 0 or len(self.sizes) == 1:
+            return 0.0
+        xs, ys = self.sizes, self.seconds
+        if nbytes <= xs[0]:
+            # Small adds are launch-bound: the smallest measurement is the floor.
+            return ys[0]
+        if nbytes >= xs[-1]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return max(0.0, ys[-1] + slope * (nbytes - xs[-1]))
+        return float(np.interp(nbytes, xs, ys))
+
+    def to_json(self) -> dict[str, object]:
+        return {"sizes": list(self.sizes), "seconds": list(self.seconds), "source": self.source}
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> AddCost:
+        try:
+            return cls(
+                tuple(float(x) for x in data["sizes"]),  # type: ignore[union-attr]
+                tuple(float(x) for x in data["seconds"]),  # type: ignore[union-attr]
+                str(data.get("source", "table")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"add-cost table is malformed: {exc}") from None
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _pack_signs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # The reference 1-bit packer: one scale (mean magnitude) and 8 signs per byte.
+    scale = x.abs().mean()
+    bits = (x >= 0).to(torch.uint8)
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=x.device)
+    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8), scale
+
+
+def _unpack_signs(packed: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(1) >> shifts) & 1
+    return (bits.view(-1)[:numel].to(torch.float32) * 2 - 1) * scale
+
+
+def measure_codec_cost(
+    nbytes: int = 4 * 2**20, device: str | torch.device = "cpu", repeats: int = 5
+) -> float:
+    """Seconds per input byte to 1-bit pack and unpack an fp32 tensor of ``nbytes``.
+
+    This prices the compute a 1-bit scheme adds around its collectives (pack on the
+    sender, unpack and re-pack at the chunk owner, unpack at the end: about two round
+    trips, so the simulation charges ``2 * cost * bucket_bytes``). It times a plain
+    pure-torch packer; a fused kernel would be cheaper, so treat it as an upper bound.
+    """
+    if nbytes < 4:
+        raise ConfigError(f"codec measurement size must be >= 4 bytes, got {nbytes}")
+    dev = torch.device(device)
+    x = torch.randn(nbytes // 4, device=dev)
+    packed, scale = _pack_signs(x)  # warm-up
+    _unpack_signs(packed, scale, x.numel())
+    times = []
+    for _ in range(repeats):
+        _sync(dev)
+        t0 = time.perf_counter()
+        packed, scale = _pack_signs(x)
+        _unpack_signs(packed, scale, x.numel())
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / (x.numel() * 4)
