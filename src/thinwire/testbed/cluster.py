@@ -107,11 +107,17 @@ class RunResult:
 
     @property
     def returncode(self) -> int:
-        """0 if all hosts succeeded, else the first failing host's status (1 if killed)."""
-        for h in self.hosts:
-            if h.returncode != 0:
-                return h.returncode if h.returncode and h.returncode > 0 else 1
-        return 0
+        """0 if all hosts succeeded, else the status of the host that failed by itself.
+
+        Hosts the testbed stopped are only blamed when no host failed on its own (a
+        timeout); a status from a signal becomes 1.
+        """
+        failed = [h for h in self.hosts if h.returncode != 0]
+        if not failed:
+            return 0
+        culprit = next((h for h in failed if not h.terminated), failed[0])
+        rc = culprit.returncode
+        return rc if rc is not None and rc > 0 else 1
 
     @property
     def tx_bytes(self) -> int:
