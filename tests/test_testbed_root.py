@@ -8,7 +8,6 @@ call (8 MiB at 100 Mbit/s, 32 MiB at 1 Gbit/s) that set-up latency is a few perc
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import signal
 import subprocess
