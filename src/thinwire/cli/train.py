@@ -51,6 +51,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--out", default=None, help="output directory (default runs/ALGO)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out")
+    g.add_argument(
+        "--stop-after", type=int, default=None, help="stop with a checkpoint at this step"
+    )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
     m = p.add_argument_group("model")
@@ -109,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         algo=args.algo, model=args.model, seq_len=args.seq_len, n_layer=args.n_layer,
         n_head=args.n_head, n_embd=args.n_embd, data=args.data, seed=args.seed,
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        steps=args.steps, stop_after=args.stop_after, batch_size=args.batch_size, lr=args.lr,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, freeze_step=args.freeze_step,
         local_steps=args.local_steps, outer_lr=args.outer_lr,

@@ -41,7 +41,11 @@ class TrainConfig:
 
     # --- optimisation ------------------------------------------------------------------
     steps: int = 300
-    """Optimizer steps in total (a resumed run may raise it to train longer)."""
+    """Optimizer steps in total; it also sets the length of the cosine schedule, so a run
+    resumed with more steps follows a stretched schedule from the resume point on."""
+    stop_after: int | None = None
+    """Stop (with a checkpoint) once this step is reached, e.g. to fit a scheduler's time
+    slot; ``--resume`` later continues exactly as if the run had never stopped."""
     batch_size: int = 16
     """Sequences per rank per step (*identity*); the global batch is ``batch_size * W``."""
     lr: float = 3e-3
@@ -137,6 +141,8 @@ class TrainConfig:
             raise ConfigError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip < 0:
             raise ConfigError(f"grad-clip must be >= 0, got {self.grad_clip}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ConfigError(f"stop-after must be >= 1, got {self.stop_after}")
         if self.freeze_step is not None and self.freeze_step < 0:
             raise ConfigError(f"freeze-step must be >= 0, got {self.freeze_step}")
         if self.local_steps < 1:

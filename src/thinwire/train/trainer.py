@@ -9,6 +9,7 @@ single process, without a group). The algorithm (DDP+AdamW, LAMB, 1-bit LAMB, Di
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -87,6 +88,15 @@ def evaluate(model: nn.Module, data: TextData, cfg: TrainConfig, device: torch.d
     _all_reduce_sum(total, "eval")
     model.train(was_training)
     return float(total[0] / total[1])
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """SHA-256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _identity(cfg: TrainConfig) -> dict[str, Any]:
@@ -182,8 +192,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     # --- the loop ------------------------------------------------------------------------
     model.train()
+    end = min(cfg.steps, cfg.stop_after or cfg.steps)
     try:
-        for step in range(start, cfg.steps):
+        for step in range(start, end):
             lr = lr_at(step, cfg)
             if strategy.scale_lr:
                 for group in strategy.optimizer.param_groups:
@@ -202,7 +213,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             elapsed += step_s
             done = step + 1
 
-            if done % cfg.log_interval == 0 or done == cfg.steps:
+            if done % cfg.log_interval == 0 or done == end:
                 mean_loss = (
                     float(_all_reduce_sum(loss.detach().float().cpu().view(1), "loss")) / world
                 )
@@ -224,7 +235,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 progress.update(
                     0, loss=f"{mean_loss:.3f}", sps=f"{rec['samples'] / max(elapsed, 1e-9):.0f}"
                 )
-            if done % cfg.eval_interval == 0 or done == cfg.steps:
+            if done % cfg.eval_interval == 0 or done == end:
                 val_loss = evaluate(model, data, cfg, device)
                 metrics.write(
                     {"step": done, "samples": done * samples_per_step, "val_loss": val_loss,
@@ -232,7 +243,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 )  # fmt: skip
             if (
                 cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0
-            ) or done == cfg.steps:
+            ) or done == end:
                 _save(cfg, out_dir, done, rank, model, strategy, elapsed)
             progress.update(1)
     finally:
@@ -240,13 +251,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         metrics.close()
 
     # --- summary -------------------------------------------------------------------------
-    trained = (cfg.steps - start) * samples_per_step
+    trained = (end - start) * samples_per_step
     run_time = elapsed - run_start_elapsed
     summary = {
         "algo": cfg.algo,
         "world_size": world,
-        "steps": cfg.steps,
-        "samples": cfg.steps * samples_per_step,
+        "steps": end,
+        "samples": end * samples_per_step,
         "parameters": model.num_parameters(),
         "final_val_loss": val_loss,
         "final_val_ppl": math.exp(min(val_loss, 50.0)),
@@ -254,6 +265,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "samples_per_s": trained / run_time if run_time > 0 else float("nan"),
         "comm_bytes": COUNTER.wire_bytes_excluding(TRAINER_OPS),
         "comm_by_op": COUNTER.snapshot(),
+        "param_sha256": parameter_digest(model),
         "out_dir": str(out_dir),
     }
     if rank == 0:
