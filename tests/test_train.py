@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
 
+from conftest import tiny_config
 from thinwire.comm.launch import spawn
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import TrainConfig
@@ -20,7 +20,9 @@ def _train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
 
 
 def _losses(out_dir: str) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(Path(out_dir) / "metrics.jsonl") if "loss" in r]
+    return [
+        (r["step"], r["loss"]) for r in read_metrics(Path(out_dir) / "metrics.jsonl") if "loss" in r
+    ]
 
 
 def _final_params(cfg: TrainConfig) -> dict[str, torch.Tensor]:

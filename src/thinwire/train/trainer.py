@@ -241,9 +241,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     {"step": done, "samples": done * samples_per_step, "val_loss": val_loss,
                      "val_ppl": math.exp(min(val_loss, 50.0))}
                 )  # fmt: skip
-            if (
-                cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0
-            ) or done == end:
+            if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end:
                 _save(cfg, out_dir, done, rank, model, strategy, elapsed)
             progress.update(1)
     finally:
