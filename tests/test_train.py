@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,7 @@ def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
     assert lr_at(60, cfg) == pytest.approx(0.55)
     assert lr_at(110, cfg) == pytest.approx(0.1)
     lrs = [lr_at(s, cfg) for s in range(10, 110)]
-    assert all(x >= y for x, y in zip(lrs, lrs[1:], strict=False))
+    assert all(x >= y for x, y in itertools.pairwise(lrs))
 
 
 def test_checkpoint_write_interrupted_keeps_previous(tmp_path: Path, monkeypatch) -> None:
