@@ -16,12 +16,13 @@ from thinwire import __version__
 from thinwire.comm.launch import DistributedError
 from thinwire.errors import ConfigError
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 SUBCOMMANDS: tuple[str, ...] = (
     "thinwire.cli.train",
     "thinwire.cli.demo",
     "thinwire.cli.testbed",
+    "thinwire.cli.analyze",
 )
 
 

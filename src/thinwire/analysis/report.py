@@ -1,0 +1,185 @@
+"""The one-screen answer: is the network the bottleneck, and what would fix it?
+
+:func:`render_report` turns a simulation study (:func:`thinwire.analysis.study.run_study`
+or its saved JSON) into plain text that fits one terminal screen: the profile, the
+predicted step split into compute and exposed communication, a verdict in words, the
+fix, and thinwire's alternatives on the same network side by side.
+
+How the advice is chosen (:func:`recommend`), with ``target`` the scaling factor the
+user asked for (default 90%):
+
+1. SF >= target: the network is not the bottleneck; keep plain DDP (fp32).
+2. the needed compression is <= 2x: fp16/bf16 gradients suffice.
+3. a 1-bit scheme reaches the target (about 32x less traffic, 1-bit Adam / 1-bit
+   LAMB, or the overlapped 1-bit comm hook): use it.
+4. otherwise (even 32x is not enough, or latency/reductions dominate so that no ratio
+   helps): Local-SGD / DiLoCo, communicating once every H steps, with the smallest H
+   that reaches the target.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["fmt_bytes", "fmt_rate", "fmt_time", "recommend", "render_report"]
+
+
+def fmt_time(seconds: float) -> str:
+    """``1.23 s``, ``45.6 ms`` or ``789 us``."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
+def fmt_bytes(nbytes: float) -> str:
+    """Binary units: ``512 B``, ``1.5 KiB``, ``12.4 MiB``, ``1.02 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def fmt_rate(gbps: float) -> str:
+    """``10 Gbit/s`` or ``250 Mbit/s``."""
+    if gbps >= 1:
+        return f"{gbps:.3g} Gbit/s"
+    return f"{gbps * 1e3:.3g} Mbit/s"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _find(alts: list[dict[str, Any]], prefix: str) -> dict[str, Any] | None:
+    return next((a for a in alts if a["name"].startswith(prefix)), None)
+
+
+def recommend(study: dict[str, Any]) -> tuple[str, str]:
+    """``(verdict, advice)``: two plain sentences for the configured network."""
+    res, need, target = study["result"], study["needed"], study["target"]
+    cfg = res["config"]
+    sf = res["scaling_factor"]
+    where = f"{cfg['workers']} workers at {fmt_rate(cfg['bandwidth_gbps'])}"
+    if sf >= target:
+        return (
+            f"The network is NOT the bottleneck for {where}: the predicted scaling factor "
+            f"is {_pct(sf)} (target {_pct(target)}).",
+            "Plain DDP (fp32 allreduce) is enough; compression would buy at most "
+            f"{_pct(1 / sf - 1)} more throughput.",
+        )
+    verdict = (
+        f"The network IS the bottleneck for {where}: each step waits "
+        f"{fmt_time(res['exposed_s'])} for communication, so the scaling factor is only "
+        f"{_pct(sf)} (target {_pct(target)})."
+    )
+    alts = study["alternatives"]
+    c = need["compression"]
+    h = need["local_steps"]
+    local = f"Local-SGD / DiLoCo averaging every H = {h} steps reaches the target"
+    br = res.get("breakdown", {})
+    busy = sum(br.values()) or 1.0
+    fixed = (br.get("latency_s", 0.0) + br.get("reduce_s", 0.0) + br.get("codec_s", 0.0)) / busy
+    if c is None:
+        return verdict, (
+            "No compression ratio fixes it: latency, reductions and codec cost alone "
+            f"({_pct(fixed)} of the channel time) exceed the budget. {local}; "
+            "larger buckets (--bucket-cap-mb) also cut the per-message latency."
+        )
+    if c <= 2:
+        return verdict, (
+            f"A {c:.2f}x smaller gradient volume reaches the target: fp16/bf16 gradient "
+            "allreduce (2x) is enough."
+        )
+    onebit = [
+        a
+        for a in (_find(alts, "1-bit Adam"), _find(alts, "1-bit allreduce"))
+        if a is not None and a["scaling_factor"] >= target
+    ]
+    if c <= 32 and onebit:
+        best = onebit[0]
+        how = (
+            "1-bit Adam / 1-bit LAMB (they communicate after the backward pass)"
+            if best["name"].startswith("1-bit Adam")
+            else "the overlapped 1-bit allreduce comm hook (1-bit Adam/LAMB alone would "
+            "not: they cannot overlap the backward pass)"
+        )
+        return verdict, (
+            f"Compression of {c:.1f}x reaches the target; use {how}: predicted SF "
+            f"{_pct(best['scaling_factor'])}."
+        )
+    reason = (
+        f"it needs {c:.0f}x compression, more than 1-bit schemes (~32x) give"
+        if c > 32
+        else "1-bit schemes do not reach it once their latency and codec cost are counted"
+    )
+    return verdict, f"Compression is not the fix: {reason}. {local}."
+
+
+def render_report(study: dict[str, Any]) -> str:
+    """The one-screen text report of a study."""
+    p, res, need = study["profile"], study["result"], study["needed"]
+    cfg, br = res["config"], res.get("breakdown", {})
+    b = study["buckets"]
+    scheme = {"ring": "ring allreduce", "onebit": "1-bit allreduce", "localsgd": "Local-SGD"}[
+        cfg["scheme"]
+    ]
+    if cfg["scheme"] == "ring" and cfg["compression"] != 1:
+        scheme += f" with {cfg['compression']:g}x compression"
+    if cfg["scheme"] == "localsgd":
+        scheme += f", H={cfg['local_steps']}"
+    parts = [
+        f"forward {fmt_time(p['forward_s'])}" if p.get("forward_s") else None,
+        f"backward {fmt_time(p['backward_s'])}",
+        f"optimizer {fmt_time(p['optimizer_s'])}" if p.get("optimizer_s") else None,
+    ]
+    lines = [
+        f"thinwire analyze: {p['model']} on {cfg['workers']} workers at "
+        f"{fmt_rate(cfg['bandwidth_gbps'])}, {scheme}, "
+        f"overlap {'on' if cfg['overlap'] else 'off'}",
+        "",
+        f"profile     iteration {fmt_time(p['iteration_s'])} on one worker "
+        f"({', '.join(x for x in parts if x)}), {p['source']}",
+        f"            {fmt_bytes(p['grad_bytes'])} of gradients in {b['count']} "
+        f"{b['kind']} buckets; reductions priced by: {study['reduction']}; latency "
+        f"{fmt_time(cfg['alpha_s'])}/message",
+    ]
+    if p.get("frozen_params"):
+        lines.append(
+            f"            {p['frozen_params']} parameters ({fmt_bytes(p['frozen_bytes'])}) never "
+            "got a gradient (frozen or unused): not communicated"
+        )
+    if p["grad_bytes"] == 0:
+        lines.append("            no gradient ever became ready: there is nothing to communicate")
+    lines += [
+        f"predicted   step {fmt_time(res['step_s'])} = compute {fmt_time(res['iteration_s'])}"
+        f" + exposed communication {fmt_time(res['exposed_s'])}",
+        f"            scaling factor {_pct(res['scaling_factor'])}, link busy "
+        f"{_pct(res['link_utilization'])} of the step, "
+        f"{fmt_bytes(res['wire_bytes'])} sent per worker per step",
+        "            channel time: "
+        + ", ".join(f"{k.removesuffix('_s')} {fmt_time(v)}" for k, v in br.items() if v > 0)
+        if any(v > 0 for v in br.values())
+        else "            channel time: none",
+        "",
+    ]
+    verdict, advice = recommend(study)
+    lines += [f"verdict     {verdict}", f"fix         {advice}", ""]
+    c, bw, h = need["compression"], need["bandwidth_gbps"], need["local_steps"]
+    needs = [
+        f"compression >= {c:.2f}x" if c is not None else "no compression ratio suffices",
+        f"bandwidth >= {fmt_rate(bw)}" if bw is not None else "no bandwidth suffices",
+        f"Local-SGD H >= {h}" if h is not None else "no Local-SGD period suffices",
+    ]
+    lines.append(f"to reach SF {_pct(study['target'])}: " + ", or ".join(needs))
+    lines.append(
+        f"            (infinite compression would give SF {_pct(need['infinite_compression_sf'])})"
+    )
+    lines += ["", f"{'on this network':42s} {'step':>10s} {'SF':>7s} {'wire/step':>11s}"]
+    for a in study["alternatives"]:
+        lines.append(
+            f"  {a['name']:40s} {fmt_time(a['step_s']):>10s} {_pct(a['scaling_factor']):>7s} "
+            f"{fmt_bytes(a['wire_bytes']):>11s}"
+        )
+    return "\n".join(lines)

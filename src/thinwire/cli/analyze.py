@@ -1,0 +1,355 @@
+"""``thinwire analyze``: is the network the bottleneck of this training job?
+
+Four verbs, each writing the JSON the next one reads::
+
+    thinwire analyze profile --model small --batch-size 8 -o profile.json
+    thinwire analyze bench --workers 2 -o link.json            # optional: fit a link
+    thinwire analyze simulate profile.json --workers 4 --bandwidth-gbps 1 -o sim.json
+    thinwire analyze report sim.json --plots plots/
+
+``simulate`` also reads the paper's ``.bk.log`` profiles directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from thinwire.errors import ConfigError
+
+__all__ = ["register"]
+
+
+def _size(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = units.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if t[-1:] in units else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 16M)") from None
+    return value
+
+
+def _write_json(data: dict[str, Any], path: str) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return out
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from thinwire.analysis.bklog import read_bklog
+    from thinwire.analysis.measure import profile_gpt
+    from thinwire.analysis.profile import save_profile
+    from thinwire.analysis.report import fmt_bytes, fmt_time
+
+    if args.from_bklog:
+        it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
+        prof = read_bklog(args.from_bklog, iteration_s=it)
+    else:
+        if args.threads is not None:
+            import torch
+
+            if args.threads < 1:
+                raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
+        prof = profile_gpt(
+            args.model,
+            args.batch_size,
+            warmup=args.warmup,
+            steps=args.steps,
+            observe_ddp=args.observe_ddp,
+            bucket_cap_mb=args.bucket_cap_mb,
+        )
+    out = save_profile(prof, args.out)
+    s = prof.summary()
+    print(
+        f"{s['model']}: iteration {fmt_time(s['iteration_s'])}, backward "
+        f"{fmt_time(s['backward_s'])}, {s['params']} parameters, "
+        f"{fmt_bytes(s['grad_bytes'])} of gradients"
+    )
+    if s["frozen_params"]:
+        print(f"  {s['frozen_params']} parameters never got a gradient (frozen or unused)")
+    if prof.observed_buckets:
+        print(f"  DDP launched {len(prof.observed_buckets)} buckets")
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from thinwire.analysis.fit import bench_link
+    from thinwire.analysis.report import fmt_bytes, fmt_rate, fmt_time
+
+    if args.min_bytes < 4 or args.max_bytes < args.min_bytes:
+        raise ConfigError(
+            f"need 4 <= --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}"
+        )
+    sizes = []
+    s = args.min_bytes
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= 2
+    rows, fit = bench_link(sizes, workers=args.workers, warmup=args.warmup, iters=args.iters)
+    print(f"{'size':>10s} {'time':>10s} {'busbw':>14s} {'fit':>10s}")
+    for r in rows:
+        print(
+            f"{fmt_bytes(r['size_bytes']):>10s} {fmt_time(r['time_s']):>10s} "
+            f"{fmt_rate(r['busbw_gbps']):>14s} {fmt_time(fit.predict(r['size_bytes'])):>10s}"
+        )
+    print(
+        f"fit: alpha {fmt_time(fit.alpha_s)} per allreduce "
+        f"({fmt_time(fit.alpha_per_message_s)} per message), effective bandwidth "
+        f"{fmt_rate(fit.bandwidth_gbps)}, worst relative error {fit.max_rel_error:.0%}"
+    )
+    out = _write_json({"format": "thinwire.link/1", "fit": fit.to_json(), "rows": rows}, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _load_link(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read link fit {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict) or data.get("format") != "thinwire.link/1":
+        raise ConfigError(f"{path}:1: not a thinwire link fit (run thinwire analyze bench)")
+    return data["fit"]
+
+
+def _reduction(choice: str, profile_path: Path) -> Any:
+    from thinwire.analysis.bklog import read_vec_add_table
+    from thinwire.analysis.costs import AddCost
+
+    if choice == "none":
+        return AddCost.zero()
+    if choice == "cpu":
+        return AddCost.measure()
+    if choice == "auto":
+        beside = profile_path.parent / "cuda_vec_add.log"
+        if profile_path.name.endswith(".bk.log") and beside.exists():
+            return read_vec_add_table(beside)
+        return AddCost.measure()
+    return read_vec_add_table(choice)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from thinwire.analysis.bklog import read_bklog
+    from thinwire.analysis.buckets import make_buckets
+    from thinwire.analysis.costs import measure_codec_cost
+    from thinwire.analysis.profile import load_profile
+    from thinwire.analysis.report import fmt_rate, fmt_time
+    from thinwire.analysis.simulate import NetworkConfig
+    from thinwire.analysis.study import run_study
+
+    path = Path(args.profile)
+    if path.name.endswith(".bk.log"):
+        it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
+        prof = read_bklog(path, iteration_s=it)
+    else:
+        prof = load_profile(path)
+        if args.iteration_ms is not None:
+            if not args.iteration_ms > 0:
+                raise ConfigError(f"--iteration-ms must be > 0, got {args.iteration_ms}")
+            prof.iteration_s = args.iteration_ms / 1e3
+    bandwidth, alpha = args.bandwidth_gbps, args.alpha_us
+    if args.link:
+        fit = _load_link(args.link)
+        bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
+        alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
+    codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
+    if args.measure_codec:
+        codec = measure_codec_cost()
+    cfg = NetworkConfig(
+        workers=args.workers,
+        bandwidth_gbps=bandwidth if bandwidth is not None else 10.0,
+        alpha_s=(alpha or 0.0) * 1e-6,
+        compression=args.compression,
+        codec_s_per_byte=codec,
+        overlap=not args.no_overlap,
+        scheme=args.scheme,
+        local_steps=args.local_steps,
+    )
+    buckets = make_buckets(
+        prof,
+        args.buckets,
+        bucket_cap_mb=args.bucket_cap_mb,
+        cycle_ms=args.cycle_ms,
+        fusion_mb=args.fusion_mb,
+    )
+    study = run_study(
+        prof,
+        buckets,
+        cfg,
+        _reduction(args.reduction, path),
+        target=args.target,
+        bucket_kind=args.buckets,
+    )
+    study["profile_path"] = str(path)
+    res = study["result"]
+    print(
+        f"{prof.model}: {cfg.workers} workers at {fmt_rate(cfg.bandwidth_gbps)}: step "
+        f"{fmt_time(res['step_s'])}, exposed communication {fmt_time(res['exposed_s'])}, "
+        f"scaling factor {res['scaling_factor']:.1%}, link busy {res['link_utilization']:.0%}"
+    )
+    c = study["needed"]["compression"]
+    print(
+        f"compression needed for SF {args.target:.0%}: "
+        + (f"{c:.2f}x" if c is not None else "none suffices")
+    )
+    out = _write_json(study, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _load_study(path: str) -> dict[str, Any]:
+    from thinwire.analysis.study import SIMULATION_FORMAT
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read simulation {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict) or data.get("format") != SIMULATION_FORMAT:
+        raise ConfigError(
+            f"{path}:1: not a thinwire simulation (run thinwire analyze simulate first)"
+        )
+    for key in ("profile", "result", "needed", "alternatives", "sweeps", "buckets", "target"):
+        if key not in data:
+            raise ConfigError(f"{path}: simulation lacks {key!r}; re-run thinwire analyze simulate")
+    return data
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from thinwire.analysis.report import render_report
+
+    study = _load_study(args.simulation)
+    print(render_report(study))
+    if args.plots:
+        from thinwire.analysis.plots import write_plots
+
+        paths = write_plots(study, args.plots)
+        print("\nplots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if math.isnan(v):
+        raise argparse.ArgumentTypeError("NaN is not a value")
+    return v
+
+
+def register(subparsers: Any) -> None:
+    """Add ``thinwire analyze profile|bench|simulate|report``."""
+    p = subparsers.add_parser(
+        "analyze",
+        help="is the network the bottleneck? profile, simulate, report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    pr = verbs.add_parser("profile", help="time one worker's step and gradient ready times")
+    pr.add_argument("--model", default="tiny", choices=("tiny", "small", "base"))
+    pr.add_argument("--batch-size", type=int, default=8)
+    pr.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
+    pr.add_argument("--steps", type=int, default=5, help="measured steps; medians (default 5)")
+    pr.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    pr.add_argument(
+        "--observe-ddp",
+        action="store_true",
+        help="also record the buckets a real DDP (1-rank gloo group) launches",
+    )
+    pr.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP cap for --observe-ddp")
+    pr.add_argument("--from-bklog", metavar="PATH", help="convert a paper .bk.log instead")
+    pr.add_argument("--iteration-ms", type=float, default=None, help="iteration time for a log")
+    pr.add_argument("-o", "--out", default="profile.json")
+    pr.set_defaults(func=_cmd_profile)
+
+    be = verbs.add_parser("bench", help="measure allreduce times and fit latency + bandwidth")
+    be.add_argument("--workers", type=int, default=2, help="local ranks if not under torchrun")
+    be.add_argument("--min-bytes", type=_size, default=4096)
+    be.add_argument("--max-bytes", type=_size, default=16 * 2**20)
+    be.add_argument("--warmup", type=int, default=3)
+    be.add_argument("--iters", type=int, default=10)
+    be.add_argument("-o", "--out", default="link.json")
+    be.set_defaults(func=_cmd_bench)
+
+    si = verbs.add_parser("simulate", help="predict the step on another network")
+    si.add_argument("profile", help="profile.json from 'analyze profile', or a paper .bk.log")
+    si.add_argument("--workers", type=int, default=8, help="data-parallel workers n (>= 1)")
+    si.add_argument(
+        "--bandwidth-gbps",
+        type=_number,
+        default=None,
+        help="link rate per worker, Gbit/s (default 10, or the --link fit)",
+    )
+    si.add_argument(
+        "--alpha-us",
+        type=_number,
+        default=None,
+        help="latency per message, microseconds (default 0, or the --link fit)",
+    )
+    si.add_argument("--link", help="link.json from 'analyze bench' (bandwidth and alpha)")
+    si.add_argument(
+        "--compression",
+        type=_number,
+        default=1.0,
+        help="ratio c >= 1 dividing the wire bytes (inf allowed)",
+    )
+    si.add_argument("--scheme", default="ring", choices=("ring", "onebit", "localsgd"))
+    si.add_argument("--local-steps", type=int, default=1, help="H for --scheme localsgd")
+    si.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="communicate after the backward pass, not during it",
+    )
+    si.add_argument("--buckets", default="ddp", choices=("ddp", "horovod", "observed"))
+    si.add_argument(
+        "--bucket-cap-mb",
+        type=_number,
+        default=None,
+        help="DDP bucket cap (default DDP's: 25 MiB, first bucket 1 MiB)",
+    )
+    si.add_argument("--cycle-ms", type=_number, default=5.0, help="Horovod cycle")
+    si.add_argument("--fusion-mb", type=_number, default=64.0, help="Horovod threshold")
+    si.add_argument(
+        "--reduction",
+        default="auto",
+        help="cost of the adds: auto, cpu (measure here), none, or a bytes,seconds "
+        "table file (auto: cuda_vec_add.log beside a .bk.log, else cpu)",
+    )
+    si.add_argument(
+        "--codec-ns-per-byte",
+        type=_number,
+        default=None,
+        help="compress+decompress cost per uncompressed byte, ns",
+    )
+    si.add_argument(
+        "--measure-codec",
+        action="store_true",
+        help="measure a pure-torch 1-bit pack/unpack here and charge it",
+    )
+    si.add_argument(
+        "--iteration-ms", type=float, default=None, help="override the single-worker iteration time"
+    )
+    si.add_argument("--target", type=float, default=0.9, help="target scaling factor (0, 1]")
+    si.add_argument("-o", "--out", default="sim.json")
+    si.set_defaults(func=_cmd_simulate)
+
+    rp = verbs.add_parser("report", help="the one-screen answer, and plots")
+    rp.add_argument("simulation", help="sim.json from 'analyze simulate'")
+    rp.add_argument("--plots", metavar="DIR", help="write the four PNG figures here")
+    rp.set_defaults(func=_cmd_report)
