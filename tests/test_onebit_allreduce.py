@@ -1,0 +1,220 @@
+"""The two-phase 1-bit allreduce: exactness, error feedback, bad input, state, bytes."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from thinwire.comm import COUNTER, spawn
+from thinwire.comm.onebit_allreduce import (
+    LengthMismatchError,
+    NonFiniteError,
+    OneBitAllreduce,
+    onebit_padded_numel,
+    onebit_wire_bytes,
+)
+
+
+def _inputs(n: int, world: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen) for _ in range(world)]
+
+
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, 1.0, -1.0)
+
+
+def reference(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Straightforward single-process simulation of W ranks with zero error buffers."""
+    world, n = len(xs), xs[0].numel()
+    padded = onebit_padded_numel(n, world)
+    seg = padded // world
+    full = [torch.cat([x.reshape(-1).float(), torch.zeros(padded - n)]) for x in xs]
+    scales = [torch.linalg.vector_norm(x[:n]) / math.sqrt(n) for x in full]
+    signs = [_sign(x) for x in full]
+    out = []
+    for r in range(world):
+        acc = scales[0] * signs[0][r * seg : (r + 1) * seg]
+        for i in range(1, world):
+            acc = acc + scales[i] * signs[i][r * seg : (r + 1) * seg]
+        y = acc / world
+        real = min(seg, max(0, n - r * seg))
+        y[real:] = 0
+        s2 = torch.linalg.vector_norm(y[:real]) / math.sqrt(real) if real else torch.tensor(0.0)
+        out.append(s2 * _sign(y))
+    return torch.cat(out)[:n]
+
+
+def _reference_body(rank: int, world: int) -> list[tuple]:
+    results = []
+    for n in [1, 7, 8 * world + 3, 1000, 4096]:
+        COUNTER.reset()
+        xs = _inputs(n, world, seed=n)
+        out = OneBitAllreduce()(xs[rank])
+        snap = COUNTER.snapshot()
+        wire = sum(v["wire_bytes"] for k, v in snap.items() if k.startswith("onebit."))
+        results.append(("fp32", n, out, reference(xs), wire))
+    for dtype in (torch.float16, torch.bfloat16):
+        xs = [x.to(dtype) for x in _inputs(333, world, seed=1)]
+        out = OneBitAllreduce()(xs[rank])
+        results.append((str(dtype), 333, out, reference(xs).to(dtype), None))
+    # Non-contiguous 2-D input: every other column of a wider matrix.
+    wide = [x.view(10, 20) for x in _inputs(200, world, seed=2)]
+    views = [w[:, ::2] for w in wide]
+    assert not views[rank].is_contiguous()
+    out = OneBitAllreduce()(views[rank])
+    ref = reference([v.contiguous() for v in views]).view(10, 10)
+    results.append(("strided", 100, out, ref, None))
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bit_exact_against_reference_on_every_rank(world: int) -> None:
+    per_rank = spawn(_reference_body, world, timeout_s=170)
+    for rank_results in per_rank:
+        for kind, n, out, ref, wire in rank_results:
+            assert out.dtype == ref.dtype and out.shape == ref.shape, kind
+            assert torch.equal(out, ref), f"{kind} n={n}"
+            if wire is not None:
+                assert wire == onebit_wire_bytes(n, world)
+    # Identical output on every rank.
+    for results in per_rank[1:]:
+        for (_, _, a, _, _), (_, _, b, _, _) in zip(per_rank[0], results, strict=True):
+            assert torch.equal(a, b)
+
+
+def _converge_body(rank: int, world: int) -> tuple[float, float, bool]:
+    xs = _inputs(512, world, seed=7)
+    truth = torch.stack(xs).mean(0)
+    allreduce = OneBitAllreduce()
+    total = torch.zeros(512)
+    steps = 400
+    first_error = None
+    for step in range(steps):
+        out = allreduce(xs[rank])
+        if step == 0:
+            first_error = (out - truth).abs().max().item()
+        total += out
+    avg_error = (total / steps - truth).abs().max().item()
+    # In-place form on a copy gives the same result as the returned form.
+    again = xs[rank].clone()
+    ref = OneBitAllreduce()(xs[rank])
+    OneBitAllreduce()(again, out=again)
+    return first_error, avg_error, torch.equal(again, ref)
+
+
+@pytest.mark.timeout(180)
+def test_running_average_converges_to_true_mean() -> None:
+    for first_error, avg_error, inplace_ok in spawn(_converge_body, 2, timeout_s=170):
+        assert first_error > 0.3  # one call alone is a coarse approximation
+        assert avg_error < 0.05 * first_error  # error feedback removes the bias over time
+        assert inplace_ok
+
+
+def _bad_input_body(rank: int, world: int) -> dict:
+    report: dict = {}
+    xs = _inputs(50, world, seed=3)
+    allreduce, twin = OneBitAllreduce(), OneBitAllreduce()
+    allreduce(xs[rank])
+    twin(xs[rank])
+    before = allreduce.state_dict()
+    poisoned = xs[rank].clone()
+    if rank == 1:
+        poisoned[5] = float("nan")
+    try:
+        allreduce(poisoned)
+    except NonFiniteError as exc:
+        report["nan"] = str(exc)
+    after = allreduce.state_dict()
+    report["state_kept"] = all(
+        torch.equal(before[k], after[k]) for k in ("worker_error", "server_error")
+    )
+    report["continues"] = torch.equal(allreduce(xs[rank]), twin(xs[rank]))
+    inf = xs[rank].clone()
+    inf[0] = float("inf") if rank == 0 else 1.0
+    try:
+        allreduce(inf)
+    except NonFiniteError as exc:
+        report["inf"] = str(exc)
+    # Different lengths on different ranks: an error naming them, not a hang.
+    try:
+        OneBitAllreduce()(torch.ones(10 + 2 * rank))
+    except LengthMismatchError as exc:
+        report["mismatch"] = str(exc)
+    # The same instance called with another length on every rank.
+    try:
+        allreduce(torch.ones(51))
+    except ValueError as exc:
+        report["relength"] = str(exc)
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_nan_inf_and_length_errors_are_reported_on_every_rank() -> None:
+    for report in spawn(_bad_input_body, 2, timeout_s=100):
+        assert "non-finite input (NaN/Inf) on rank(s) [1]" in report["nan"]
+        assert report["state_kept"] and report["continues"]
+        assert "rank(s) [0]" in report["inf"]
+        assert report["mismatch"] == (
+            "1-bit allreduce: ranks disagree on the length: rank 0 has 10, rank 1 has 12"
+        )
+        assert "holds error buffers for 50 elements but got 51" in report["relength"]
+
+
+def _checkpoint_body(rank: int, world: int) -> bool:
+    gen = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(300, generator=gen) for _ in range(10)]
+    straight = OneBitAllreduce()
+    outs = [straight(x) for x in inputs]
+    first = OneBitAllreduce()
+    for x in inputs[:5]:
+        first(x)
+    saved = io.BytesIO()
+    torch.save(first.state_dict(), saved)
+    saved.seek(0)
+    resumed = OneBitAllreduce()
+    resumed.load_state_dict(torch.load(saved))
+    return all(torch.equal(resumed(x), o) for x, o in zip(inputs[5:], outs[5:], strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_resume_is_bit_identical() -> None:
+    assert spawn(_checkpoint_body, 3, timeout_s=100) == [True, True, True]
+
+
+def test_single_process_is_a_no_op() -> None:
+    x = torch.randn(5)
+    allreduce = OneBitAllreduce()
+    assert allreduce.world_size == 1
+    assert allreduce(x) is x
+    out = torch.empty(5)
+    assert allreduce(x, out=out) is out and torch.equal(out, x)
+    with pytest.raises(TypeError, match="float32/float16/bfloat16"):
+        allreduce(torch.ones(3, dtype=torch.int64))
+
+
+def test_state_dict_rejects_another_rank_or_world() -> None:
+    allreduce = OneBitAllreduce()
+    with pytest.raises(ValueError, match="world_size 4, this rank has 1"):
+        allreduce.load_state_dict({"numel": 3, "world_size": 4, "rank": 0})
+
+
+def test_compute_only_matches_reference_for_identical_ranks() -> None:
+    # The loopback stand-in does rank 0's full share of the work for W ranks that hold
+    # the same input, without a process group: its own segment comes out exact.
+    x = torch.randn(1024)
+    out = OneBitAllreduce.compute_only(4)(x)
+    assert torch.equal(out[:256], reference([x] * 4)[:256])
+
+
+def test_wire_bytes_formula() -> None:
+    assert onebit_wire_bytes(1000, 1) == 0
+    # 4 ranks, 1024 elements: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 28 scale bytes.
+    assert onebit_wire_bytes(1024, 4) == 192 + 84
+    n = 16 * 2**20
+    fp32_ring = 2 * 3 * 4 * n // 4
+    assert fp32_ring / onebit_wire_bytes(n, 4) == pytest.approx(32, rel=1e-3)
