@@ -277,7 +277,7 @@ class OneBitAllreduce:
             self._bufs = {k: v.to(tensor.device) for k, v in self._bufs.items()}
         b = self._bufs
         ours = self.numel == n
-        padded, seg, real = self._layout(n)
+        _, seg, real = self._layout(n)
 
         # Step 1 into the work buffer, so the error is untouched until everything passed.
         if ours:
