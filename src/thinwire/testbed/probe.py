@@ -2,7 +2,7 @@
 
 Run once per host (``thinwire testbed run --hosts 4 --rate 100mbit -- python -m
 thinwire.testbed.probe --mib 8``); each rank prints one JSON line starting with
-``PROBE``::
+``PROBE`` per size (``--mib 1,8,32`` measures three sizes in one process)::
 
     PROBE {"rank": 0, "world": 4, "bytes": 8388608, "iters": 3,
            "seconds_per_iter": 1.07, "busbw_bits": 94000000.0,
@@ -12,7 +12,7 @@ thinwire.testbed.probe --mib 8``); each rank prints one JSON line starting with
 what each rank's link carried per second under a ring allreduce, directly comparable
 with the link rate. ``wire_bytes`` is this rank's total from
 :data:`thinwire.comm.accounting.COUNTER` (warm-up included), the figure the NIC
-counters are checked against.
+counters are checked against; it is cumulative over the sizes measured so far.
 
 Tuning: use at least a few MiB per call so the per-call latency (a few ms on these
 links) does not pull the bus bandwidth down, and a warm-up call so connection set-up
@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from thinwire.comm.accounting import COUNTER
 from thinwire.comm.allreduce import all_reduce_mean_
@@ -37,46 +38,53 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=float, default=8.0, help="MiB per allreduce call")
-    parser.add_argument("--iters", type=int, default=3, help="timed calls")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    parser.add_argument(
+        "--mib", default="8", help="MiB per allreduce call; a comma list measures each"
+    )
+    parser.add_argument("--iters", type=int, default=3, help="timed calls per size")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first, per size")
     args = parser.parse_args(argv)
-    if args.mib <= 0 or args.iters < 1 or args.warmup < 0:
+    try:
+        sizes = [float(tok) for tok in str(args.mib).split(",")]
+    except ValueError:
+        parser.error(f"--mib {args.mib!r}: expected numbers separated by commas")
+    if any(m <= 0 for m in sizes) or args.iters < 1 or args.warmup < 0:
         parser.error("--mib must be > 0, --iters >= 1, --warmup >= 0")
     if not init_from_env():
         print("probe: RANK/WORLD_SIZE not set; run it under the testbed", file=sys.stderr)
         return 2
-    import torch.distributed as dist
-
     try:
-        w = world_size()
-        numel = max(1, int(args.mib * 2**20) // 4)
-        x = torch.ones(numel, dtype=torch.float32)
-        for _ in range(args.warmup):
-            all_reduce_mean_(x)
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            all_reduce_mean_(x)
-        dt = (time.perf_counter() - t0) / args.iters
-        nbytes = numel * 4
-        busbw = 2 * (w - 1) / w * nbytes * 8 / dt if w > 1 else 0.0
-        # The mean of ones is ones: a cheap check that the data really went around.
-        if not torch.allclose(x, torch.ones_like(x)):
-            raise RuntimeError("allreduce result is wrong")
-        record = {
-            "rank": dist.get_rank(),
-            "world": w,
-            "bytes": nbytes,
-            "iters": args.iters,
-            "seconds_per_iter": dt,
-            "busbw_bits": busbw,
-            "wire_bytes": COUNTER.wire_bytes,
-            "payload_bytes": COUNTER.payload_bytes,
-        }
-        print("PROBE " + json.dumps(record), flush=True)
+        for mib in sizes:
+            print("PROBE " + json.dumps(_measure(mib, args.iters, args.warmup)), flush=True)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _measure(mib: float, iters: int, warmup: int) -> dict[str, float | int]:
+    w = world_size()
+    numel = max(1, int(mib * 2**20) // 4)
+    x = torch.ones(numel, dtype=torch.float32)
+    for _ in range(warmup):
+        all_reduce_mean_(x)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        all_reduce_mean_(x)
+    dt = (time.perf_counter() - t0) / iters
+    nbytes = numel * 4
+    # The mean of ones is ones: a cheap check that the data really went around.
+    if not torch.allclose(x, torch.ones_like(x)):
+        raise RuntimeError("allreduce result is wrong")
+    return {
+        "rank": dist.get_rank(),
+        "world": w,
+        "bytes": nbytes,
+        "iters": iters,
+        "seconds_per_iter": dt,
+        "busbw_bits": 2 * (w - 1) / w * nbytes * 8 / dt if w > 1 else 0.0,
+        "wire_bytes": COUNTER.wire_bytes,
+        "payload_bytes": COUNTER.payload_bytes,
+    }
 
 
 if __name__ == "__main__":
