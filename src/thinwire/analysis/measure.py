@@ -205,10 +205,16 @@ def observe_ddp_buckets(
             return fut
 
         ddp.register_comm_hook(None, record)
-        for _ in range(iterations):
-            seen.clear()
-            ddp.zero_grad(set_to_none=True)
-            loss_fn(ddp, batch).backward()
+        try:
+            for _ in range(iterations):
+                seen.clear()
+                ddp.zero_grad(set_to_none=True)
+                loss_fn(ddp, batch).backward()
+        except RuntimeError as exc:
+            # Typically parameters the loss never uses: DDP then needs
+            # find_unused_parameters, whose buckets this observation would not represent.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else "error"
+            raise ConfigError(f"DDP could not train this model: {first}") from None
         return [indices for _, indices in seen]
     finally:
         dist.destroy_process_group()

@@ -19,9 +19,12 @@ user asked for (default 90%):
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 __all__ = ["fmt_bytes", "fmt_rate", "fmt_time", "recommend", "render_report"]
+
+WIDTH = 100
 
 
 def fmt_time(seconds: float) -> str:
@@ -142,8 +145,9 @@ def render_report(study: dict[str, Any]) -> str:
         f"profile     iteration {fmt_time(p['iteration_s'])} on one worker "
         f"({', '.join(x for x in parts if x)}), {p['source']}",
         f"            {fmt_bytes(p['grad_bytes'])} of gradients in {b['count']} "
-        f"{b['kind']} buckets; reductions priced by: {study['reduction']}; latency "
-        f"{fmt_time(cfg['alpha_s'])}/message",
+        f"{b['kind']} buckets",
+        f"            reductions priced by: {study['reduction']}; latency "
+        f"{fmt_time(cfg['alpha_s'])} per message",
     ]
     if p.get("frozen_params"):
         lines.append(
@@ -165,7 +169,11 @@ def render_report(study: dict[str, Any]) -> str:
         "",
     ]
     verdict, advice = recommend(study)
-    lines += [f"verdict     {verdict}", f"fix         {advice}", ""]
+    for label, text in (("verdict", verdict), ("fix", advice)):
+        lines += textwrap.wrap(
+            text, width=WIDTH, initial_indent=f"{label:12s}", subsequent_indent=" " * 12
+        )
+    lines.append("")
     c, bw, h = need["compression"], need["bandwidth_gbps"], need["local_steps"]
     needs = [
         f"compression >= {c:.2f}x" if c is not None else "no compression ratio suffices",

@@ -1,0 +1,181 @@
+"""``thinwire analyze``: the verbs chained, and bad input as one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from thinwire.cli.main import main
+
+
+def _golden() -> Path:
+    env = os.environ.get("THINWIRE_SHARED")
+    base = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared"
+    return base / "data" / "training-bottleneck"
+
+
+@pytest.mark.timeout(120)
+def test_profile_simulate_report_chain(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prof, sim, plots = tmp_path / "profile.json", tmp_path / "sim.json", tmp_path / "plots"
+    assert (
+        main(
+            [
+                "analyze",
+                "profile",
+                "--model",
+                "tiny",
+                "--batch-size",
+                "2",
+                "--warmup",
+                "1",
+                "--steps",
+                "2",
+                "--observe-ddp",
+                "-o",
+                str(prof),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "analyze",
+                "simulate",
+                str(prof),
+                "--workers",
+                "4",
+                "--bandwidth-gbps",
+                "0.1",
+                "--alpha-us",
+                "50",
+                "--buckets",
+                "observed",
+                "--reduction",
+                "none",
+                "-o",
+                str(sim),
+            ]
+        )
+        == 0
+    )
+    study = json.loads(sim.read_text())
+    p = json.loads(prof.read_text())
+    assert study["profile"]["grad_bytes"] == sum(x["nbytes"] for x in p["params"])
+    assert sum(study["buckets"]["nbytes"]) == study["profile"]["grad_bytes"]
+    res = study["result"]
+    assert res["scaling_factor"] == pytest.approx(
+        res["iteration_s"] / (res["iteration_s"] + res["exposed_s"])
+    )
+    capsys.readouterr()
+    assert main(["analyze", "report", str(sim), "--plots", str(plots)]) == 0
+    out = capsys.readouterr().out
+    assert "scaling factor" in out and "verdict" in out and "fix" in out
+    assert "Gbit/s" in out or "Mbit/s" in out
+    for name in ("sf_vs_bandwidth", "sf_vs_compression", "sf_heatmap", "gantt"):
+        assert (plots / f"{name}.png").stat().st_size > 1000
+
+
+@pytest.mark.skipif(not (_golden() / "resnet50.bk.log").exists(), reason="paper logs absent")
+def test_simulate_paper_log_via_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    sim = tmp_path / "r50.json"
+    assert (
+        main(
+            [
+                "analyze",
+                "simulate",
+                str(_golden() / "resnet50.bk.log"),
+                "--workers",
+                "64",
+                "--bandwidth-gbps",
+                "10",
+                "--buckets",
+                "horovod",
+                "-o",
+                str(sim),
+            ]
+        )
+        == 0
+    )
+    study = json.loads(sim.read_text())
+    assert study["reduction"] == "cuda_vec_add.log"  # found beside the log
+    assert study["result"]["scaling_factor"] == pytest.approx(0.54, abs=0.03)
+    capsys.readouterr()
+    assert main(["analyze", "report", str(sim)]) == 0
+    assert "IS the bottleneck" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workers", "0"], "workers must be an integer >= 1"),
+        (["--bandwidth-gbps", "-5"], "bandwidth must be"),
+        (["--compression", "0.5"], "compression ratio must be >= 1"),
+        (["--target", "1.5"], "target scaling factor must be in (0, 1]"),
+    ],
+)
+def test_simulate_rejects_impossible_parameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], message: str
+) -> None:
+    log = tmp_path / "m.bk.log"
+    log.write_text("c\n1\n2\n100,4000\n200,8000\n")
+    code = main(
+        [
+            "analyze",
+            "simulate",
+            str(log),
+            "--iteration-ms",
+            "10",
+            "--reduction",
+            "none",
+            "-o",
+            str(tmp_path / "s.json"),
+            *args,
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("thinwire: error: ") and message in err and "\n" not in err
+
+
+def test_malformed_inputs_name_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    log = tmp_path / "m.bk.log"
+    log.write_text("c\n1\n2\n100,4000\n2x0,8000\n")
+    assert main(["analyze", "simulate", str(log), "--iteration-ms", "10"]) == 2
+    assert f"{log}:5:" in capsys.readouterr().err
+    bad = tmp_path / "sim.json"
+    bad.write_text('{"format": "thinwire.profile/1"}')
+    assert main(["analyze", "report", str(bad)]) == 2
+    assert "not a thinwire simulation" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_bench_fits_a_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("thinwire.comm.bench", reason="thinwire bench allreduce not installed")
+    out = tmp_path / "link.json"
+    assert (
+        main(
+            [
+                "analyze",
+                "bench",
+                "--workers",
+                "2",
+                "--min-bytes",
+                "4K",
+                "--max-bytes",
+                "1M",
+                "--warmup",
+                "1",
+                "--iters",
+                "3",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    fit = json.loads(out.read_text())["fit"]
+    assert fit["bandwidth_gbps"] > 0 and fit["alpha_s"] >= 0 and fit["world_size"] == 2

@@ -1,0 +1,167 @@
+"""The what-if model against the paper's released profiles, and its analytic cases.
+
+Golden values (Zhang et al., arXiv 2006.10103, section 4 of
+shared/spec/network_analysis.md): Horovod fusion, no latency, the paper's vector-add
+table, n = 64, c = 1 -> ResNet50 SF ~0.54 at 10 Gbit/s and ~0.91 at 25 Gbit/s, VGG16
+~0.62 at 40 Gbit/s. Tolerance: +-0.03 absolute. The SFs are computed from the logs here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from thinwire.analysis import (
+    AddCost,
+    Bucket,
+    NetworkConfig,
+    ParamTiming,
+    Profile,
+    horovod_buckets,
+    read_bklog,
+    read_vec_add_table,
+    required_bandwidth,
+    required_compression,
+    required_local_steps,
+    simulate,
+)
+from thinwire.errors import ConfigError
+
+
+def _golden_dir() -> Path:
+    env = os.environ.get("THINWIRE_SHARED")
+    base = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared"
+    return base / "data" / "training-bottleneck"
+
+
+GOLDEN = _golden_dir()
+needs_golden = pytest.mark.skipif(
+    not (GOLDEN / "resnet50.bk.log").exists(),
+    reason=f"the paper's logs are not at {GOLDEN} (set THINWIRE_SHARED to the shared/ folder)",
+)
+
+
+@needs_golden
+@pytest.mark.parametrize(
+    ("model", "gbps", "expected"),
+    [("resnet50", 10, 0.54), ("resnet50", 25, 0.91), ("vgg16", 40, 0.62)],
+)
+def test_paper_scaling_factors(model: str, gbps: float, expected: float) -> None:
+    add = read_vec_add_table(GOLDEN / "cuda_vec_add.log")
+    prof = read_bklog(GOLDEN / f"{model}.bk.log")
+    res = simulate(prof, horovod_buckets(prof), NetworkConfig(workers=64, bandwidth_gbps=gbps), add)
+    assert res.scaling_factor == pytest.approx(expected, abs=0.03)
+    # Overlap matters: without it the same network scales strictly worse.
+    no_overlap = NetworkConfig(workers=64, bandwidth_gbps=gbps, overlap=False)
+    assert simulate(prof, horovod_buckets(prof), no_overlap, add).scaling_factor < (
+        res.scaling_factor
+    )
+
+
+@needs_golden
+def test_paper_logs_parse_and_paper_iteration_times() -> None:
+    r50 = read_bklog(GOLDEN / "resnet50.bk.log")
+    assert len(r50.params) == 161
+    assert r50.iteration_s == pytest.approx(0.12809)
+    # ResNet50 has ~25.6M fp32 parameters.
+    assert r50.grad_bytes / 4 == pytest.approx(25.56e6, rel=0.01)
+    ready = [p.ready_s for p in r50.ready]
+    assert ready == sorted(ready)
+    assert read_bklog(GOLDEN / "resnet101.bk.log").iteration_s == pytest.approx(0.19201)
+    assert read_bklog(GOLDEN / "vgg16.bk.log").iteration_s == pytest.approx(0.19452)
+
+
+@needs_golden
+def test_paper_compression_needed_is_small_at_10g() -> None:
+    # The paper's conclusion: ~2-5x suffices at 10 Gbit/s, not 100x.
+    add = read_vec_add_table(GOLDEN / "cuda_vec_add.log")
+    prof = read_bklog(GOLDEN / "resnet50.bk.log")
+    b = horovod_buckets(prof)
+    cfg = NetworkConfig(workers=64, bandwidth_gbps=10)
+    c = required_compression(prof, b, cfg, 0.9, add)
+    assert c is not None and 1.5 < c < 5
+    from dataclasses import replace
+
+    assert simulate(prof, b, replace(cfg, compression=c), add).scaling_factor >= 0.9
+    assert simulate(prof, b, replace(cfg, compression=c * 0.99), add).scaling_factor < 0.9
+    bw = required_bandwidth(prof, b, cfg, 0.9, add)
+    assert bw is not None and 10 < bw <= 25
+
+
+def _one_param_profile(nbytes: int, backward_s: float, iteration_s: float) -> Profile:
+    return Profile(
+        model="one",
+        iteration_s=iteration_s,
+        backward_s=backward_s,
+        params=[ParamTiming("w", 0, nbytes, ready_s=backward_s)],
+    )
+
+
+def test_bucket_ready_at_backward_end_is_fully_exposed() -> None:
+    prof = _one_param_profile(10_000_000, backward_s=0.05, iteration_s=0.1)
+    b = [Bucket((0,), 10_000_000, 0.05)]
+    cfg = NetworkConfig(workers=4, bandwidth_gbps=1, alpha_s=1e-4)
+    res = simulate(prof, b, cfg)
+    net = 2 * 8 * 10_000_000 * 3 / (4 * 1e9)
+    assert res.exposed_s == pytest.approx(net + 2 * 3 * 1e-4)
+    assert res.scaling_factor == pytest.approx(0.1 / (0.1 + net + 6e-4))
+    # Link utilization: the wire bytes over what the link carries in one step.
+    assert res.link_utilization == pytest.approx(net / res.step_s)
+
+
+def test_infinite_compression_leaves_only_reduction_cost() -> None:
+    prof = _one_param_profile(8_000_000, backward_s=0.02, iteration_s=0.05)
+    b = [Bucket((0,), 8_000_000, 0.02)]
+    add = AddCost((1e3, 1e7), (1e-5, 1e-3), "synthetic")
+    res = simulate(prof, b, NetworkConfig(workers=8, bandwidth_gbps=1, compression=math.inf), add)
+    assert res.exposed_s == pytest.approx(7 * add(1_000_000))
+    assert res.wire_bytes == 0
+
+
+def test_onebit_and_localsgd_volumes() -> None:
+    prof = _one_param_profile(4_000_000, backward_s=0.02, iteration_s=0.05)
+    b = [Bucket((0,), 4_000_000, 0.02)]
+    n = 8
+    onebit = simulate(prof, b, NetworkConfig(workers=n, scheme="onebit"))
+    assert onebit.wire_bytes == pytest.approx(2 * (n - 1) / n * 4_000_000 / 32 + 2 * (n - 1) * 4)
+    full = simulate(prof, b, NetworkConfig(workers=n))
+    local = simulate(prof, b, NetworkConfig(workers=n, scheme="localsgd", local_steps=10))
+    assert local.exposed_s == pytest.approx(full.exposed_s / 10)
+    h = required_local_steps(prof, b, NetworkConfig(workers=n, bandwidth_gbps=0.1), 0.9)
+    at_h = simulate(
+        prof, b, NetworkConfig(workers=n, bandwidth_gbps=0.1, scheme="localsgd", local_steps=h)
+    )
+    assert at_h.scaling_factor >= 0.9
+    if h > 1:
+        before = NetworkConfig(workers=n, bandwidth_gbps=0.1, scheme="localsgd", local_steps=h - 1)
+        assert simulate(prof, b, before).scaling_factor < 0.9
+
+
+def test_single_worker_and_no_gradients_communicate_nothing() -> None:
+    prof = _one_param_profile(1000, backward_s=0.01, iteration_s=0.02)
+    res = simulate(prof, [Bucket((0,), 1000, 0.01)], NetworkConfig(workers=1))
+    assert res.scaling_factor == 1.0 and res.wire_bytes == 0
+    frozen = Profile("f", 0.02, 0.01, [ParamTiming("w", 0, 1000, ready_s=None)])
+    assert frozen.grad_bytes == 0 and len(frozen.frozen) == 1
+    assert horovod_buckets(frozen) == []
+    res = simulate(frozen, [], NetworkConfig(workers=8))
+    assert res.scaling_factor == 1.0 and res.link_utilization == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"workers": 0}, "workers must be an integer >= 1"),
+        ({"bandwidth_gbps": -1.0}, "bandwidth must be .* > 0"),
+        ({"compression": 0.5}, r"compression ratio must be >= 1"),
+        ({"alpha_s": -1e-6}, "latency alpha must be >= 0"),
+        ({"scheme": "carrier-pigeon"}, "unknown scheme"),
+        ({"scheme": "localsgd", "local_steps": 0}, "local steps H must be"),
+    ],
+)
+def test_impossible_networks_are_rejected(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        NetworkConfig(**kwargs)
