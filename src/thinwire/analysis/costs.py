@@ -15,7 +15,7 @@ holds). Three ways to get one:
 * :meth:`AddCost.zero` charges nothing (for a link fit that already folds the
   reduction into its effective bandwidth).
 
-:func:`measure_codec_cost` times a pure-torch 1-bit sign packer and unpacker per input
+:func:`measure_codec_cost` times the compute of thinwire's 1-bit allreduce per input
 byte; the simulation charges it per bucket for compressed schemes when asked to.
 """
 
@@ -136,45 +136,36 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _pack_signs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # The reference 1-bit packer: one scale (mean magnitude) and 8 signs per byte.
-    scale = x.abs().mean()
-    bits = (x >= 0).to(torch.uint8)
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=x.device)
-    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8), scale
-
-
-def _unpack_signs(packed: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(1) >> shifts) & 1
-    return (bits.view(-1)[:numel].to(torch.float32) * 2 - 1) * scale
-
-
 def measure_codec_cost(
-    nbytes: int = 4 * 2**20, device: str | torch.device = "cpu", repeats: int = 5
+    nbytes: int = 4 * 2**20,
+    world_size: int = 8,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
 ) -> float:
-    """Seconds per input byte to 1-bit pack and unpack an fp32 tensor of ``nbytes``.
+    """Seconds per input byte of the compute of thinwire's 1-bit allreduce.
 
-    This prices the compute a 1-bit scheme adds around its collectives (pack on the
-    sender, unpack and re-pack at the chunk owner, unpack at the end: about two round
-    trips, so the simulation charges ``2 * cost * bucket_bytes``). It times a plain
-    pure-torch packer; a fused kernel would be cheaper, so treat it as an upper bound.
+    Times :meth:`thinwire.comm.onebit_allreduce.OneBitAllreduce.compute_only` (every
+    step of a ``world_size``-rank call -- error feedback, scales, sign packing, the chunk
+    owner's average, unpacking -- with the exchanges replaced by local copies) on an
+    fp32 tensor of ``nbytes``. The simulation charges ``cost * bucket_bytes`` per bucket
+    on top of the wire time. The owner's average is also priced by the reduction
+    table, so this slightly overcounts: an upper bound.
     """
+    from thinwire.comm.onebit_allreduce import OneBitAllreduce
+
     if nbytes < 4:
         raise ConfigError(f"codec measurement size must be >= 4 bytes, got {nbytes}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
     dev = torch.device(device)
     x = torch.randn(nbytes // 4, device=dev)
-    packed, scale = _pack_signs(x)  # warm-up
-    _unpack_signs(packed, scale, x.numel())
+    op = OneBitAllreduce.compute_only(world_size)
+    op(x)  # warm-up: allocates the buffers once, as a training run would
     times = []
     for _ in range(repeats):
         _sync(dev)
         t0 = time.perf_counter()
-        packed, scale = _pack_signs(x)
-        _unpack_signs(packed, scale, x.numel())
+        op(x)
         _sync(dev)
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / (x.numel() * 4)

@@ -18,11 +18,12 @@ bucket of ``S`` bytes over ``n`` workers on links of ``B`` bit/s:
 
   ``c`` divides only the network term. ``alpha = 0``, ``codec = 0`` and the paper's
   vector-add table reproduce the paper.
-* ``onebit`` (thinwire's two-phase 1-bit allreduce: an all-to-all of sign bits and one
-  scale per chunk, the chunk owner averages and re-compresses, an all-gather of the
-  result): ``2 (n-1)/n * S/32`` bytes plus ``2 (n-1)`` fp32 scales on the wire per worker,
-  the same reductions and ``2 (n-1)`` messages, plus ``2 * codec * S`` (two pack/unpack
-  rounds). Gradients are assumed fp32; ``compression`` must stay 1.
+* ``onebit`` (:class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`: an all-to-all of
+  sign bits, the chunk owner averages and re-compresses, an all-gather of the result):
+  about ``2 (n-1)/n * S/32`` bytes per worker (the implementation's exact count, with
+  padding, scales and metadata), the same reductions, ``3 (n-1)`` messages (three
+  collectives), plus ``codec * S`` (measure it with ``--measure-codec``). Gradients are
+  assumed fp32; ``compression`` must stay 1.
 * ``localsgd``: workers step alone and all-reduce the model every ``local_steps`` = H
   steps, after the step (nothing to overlap with), so the exposed time is amortised: a
   ring allreduce of all buckets divided by H.
@@ -46,6 +47,7 @@ from typing import Any
 from thinwire.analysis.buckets import Bucket
 from thinwire.analysis.costs import AddCost
 from thinwire.analysis.profile import Profile
+from thinwire.comm.onebit_allreduce import onebit_wire_bytes
 from thinwire.errors import ConfigError
 
 __all__ = [
@@ -61,8 +63,6 @@ __all__ = [
 ]
 
 SCHEMES = ("ring", "onebit", "localsgd")
-ONEBIT_RATIO = 32.0
-"""Bytes of an fp32 gradient per byte of its sign bits."""
 
 
 @dataclass(frozen=True)
@@ -185,17 +185,18 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
     if n == 1 or nbytes <= 0:
         return {"network_s": 0.0, "reduce_s": 0.0, "latency_s": 0.0, "codec_s": 0.0, "wire": 0.0}
     share = (n - 1) / n
+    messages = 2 * (n - 1)
     if cfg.scheme == "onebit":
-        wire = 2 * share * nbytes / ONEBIT_RATIO + 2 * (n - 1) * 4  # signs + fp32 scales
-        codec = 2 * cfg.codec_s_per_byte * nbytes
+        # The implementation's own count: padded sign bits of both phases + scales/meta.
+        wire = float(onebit_wire_bytes(math.ceil(nbytes / 4), n))
+        messages = 3 * (n - 1)  # scale gather, all-to-all, final gather
     else:
         wire = 0.0 if math.isinf(cfg.compression) else 2 * share * nbytes / cfg.compression
-        codec = cfg.codec_s_per_byte * nbytes
     return {
         "network_s": 8 * wire / cfg.bandwidth_bps,
         "reduce_s": (n - 1) * add(nbytes / n),
-        "latency_s": 2 * (n - 1) * cfg.alpha_s,
-        "codec_s": codec,
+        "latency_s": messages * cfg.alpha_s,
+        "codec_s": cfg.codec_s_per_byte * nbytes,
         "wire": wire,
     }
 

@@ -164,7 +164,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
     codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
     if args.measure_codec:
-        codec = measure_codec_cost()
+        codec = measure_codec_cost(world_size=args.workers)
     cfg = NetworkConfig(
         workers=args.workers,
         bandwidth_gbps=bandwidth if bandwidth is not None else 10.0,
@@ -340,7 +340,7 @@ def register(subparsers: Any) -> None:
     si.add_argument(
         "--measure-codec",
         action="store_true",
-        help="measure a pure-torch 1-bit pack/unpack here and charge it",
+        help="measure the compute of thinwire's 1-bit allreduce here and charge it",
     )
     si.add_argument(
         "--iteration-ms", type=float, default=None, help="override the single-worker iteration time"
