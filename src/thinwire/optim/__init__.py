@@ -1,1 +1,13 @@
-"""Optimizers that communicate: LAMB, 1-bit Adam, 1-bit LAMB."""
+"""Optimizers that communicate: LAMB, 1-bit Adam, 1-bit LAMB.
+
+Each is a ``torch.optim.Optimizer`` that averages what it needs across the ranks of the
+process group itself (one fused collective per step), or runs under PyTorch DDP via
+:meth:`~thinwire.optim.distributed.CommOptimizer.register_ddp`.
+"""
+
+from thinwire.optim.distributed import CommOptimizer
+from thinwire.optim.lamb import Lamb
+from thinwire.optim.onebit_adam import OneBitAdam
+from thinwire.optim.onebit_lamb import OneBitLamb
+
+__all__ = ["CommOptimizer", "Lamb", "OneBitAdam", "OneBitLamb"]

@@ -65,8 +65,56 @@ def _adamw(model: nn.Module, cfg: TrainConfig) -> Strategy:
     return Strategy(model=ddp, optimizer=opt)
 
 
+def _lamb_metrics(opt: Any) -> Callable[[], dict[str, float]]:
+    """Trust-ratio summary and skipped steps, for the metric records."""
+
+    def metrics() -> dict[str, float]:
+        coeffs = [c[0] if isinstance(c, tuple) else c for c in opt.get_lamb_coeffs()]
+        out: dict[str, float] = {"skipped_steps": opt.skipped_steps}
+        if coeffs:
+            out |= {"trust_ratio_min": min(coeffs), "trust_ratio_mean": sum(coeffs) / len(coeffs),
+                    "trust_ratio_max": max(coeffs)}  # fmt: skip
+        if hasattr(opt, "compressing"):
+            out["compressing"] = int(opt.compressing)
+        return out
+
+    return metrics
+
+
+def _lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
+    """LAMB with a fused fp32 gradient allreduce per step."""
+    from thinwire.optim import Lamb
+
+    opt = Lamb(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
+
+
+def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
+    from thinwire.optim import OneBitAdam
+
+    opt = OneBitAdam(
+        model.parameters(), lr=cfg.lr, freeze_step=cfg.effective_freeze_step(),
+        betas=cfg.betas, weight_decay=cfg.weight_decay,
+    )  # fmt: skip
+    return Strategy(model=model, optimizer=opt, metrics=lambda: {
+        "skipped_steps": opt.skipped_steps, "compressing": int(opt.compressing)})  # fmt: skip
+
+
+def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
+    from thinwire.optim import OneBitLamb
+
+    opt = OneBitLamb(
+        model.parameters(), lr=cfg.lr, freeze_step=cfg.effective_freeze_step(),
+        betas=cfg.betas, weight_decay=cfg.weight_decay,
+    )  # fmt: skip
+    return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
+
+
 ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], str]] = {
     "adamw": (_adamw, "PyTorch DDP (fp32 gradient allreduce) with AdamW: the baseline"),
+    "lamb": (_lamb, "LAMB, fp32 gradient allreduce (one fused buffer per step)"),
+    "onebit-adam": (_onebit_adam, "1-bit Adam: fp32 warmup, then 1-bit compressed momentum"),
+    "onebit-lamb": (_onebit_lamb, "1-bit LAMB: fp32 warmup, then 1-bit compressed momentum"),
 }
 """name -> (factory or ``"module:function"``, one-line description)."""
 

@@ -1,0 +1,271 @@
+"""What LAMB, 1-bit Adam and 1-bit LAMB share: they are distributed optimizers.
+
+Each is a ``torch.optim.Optimizer`` that also owns the communication of its step, so a
+user's training loop stays ``loss.backward(); opt.step()``:
+
+* **Construction** (after ``init_process_group``, or without a group for one process):
+  the parameters are broadcast from rank 0, so every rank starts equal, and their shapes
+  are compared across ranks (a mismatch fails here, naming both shapes, instead of
+  hanging later in a collective).
+* **Gradient averaging**: when the optimizer needs globally averaged gradients (LAMB
+  always, the 1-bit optimizers during warmup), it packs every gradient into ONE flat fp32
+  buffer and allreduces it once per step. Under PyTorch DDP, call :meth:`register_ddp`
+  instead: DDP then averages the gradients in warmup and stays silent after the freeze,
+  and the optimizer does not average again.
+* **Non-finite gradients**: checked after averaging (or inside the 1-bit collective,
+  which checks every rank's scale), so every rank decides alike; the step is skipped
+  and counted in :attr:`skipped_steps`, and no state is touched, so a GradScaler-style
+  loss-scale loop works.
+* **Precision**: fp32, fp16 and bf16 parameters and gradients; moments and an fp32
+  master copy of every low-precision parameter live in the optimizer state, so small
+  updates are not rounded away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thinwire.comm.accounting import record, ring_allreduce_bytes
+
+__all__ = ["CommOptimizer", "check_range"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False,
+                hi_open: bool = False) -> None:  # fmt: skip
+    """Raise ``ValueError`` naming ``name`` and its valid range unless ``value`` lies in it."""
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi):
+        left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}{right}, got {value}")
+
+
+class CommOptimizer(torch.optim.Optimizer):
+    """Base class: process group, start-up checks, fused gradient allreduce, fp32 masters."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.skipped_steps = 0
+        self._ddp_averages_grads = False
+        self._flat: torch.Tensor | None = None
+        self._onebit: Any = None  # the 1-bit collective, created at the first compressed step
+        self._onebit_state: dict[str, Any] | None = None  # loaded before that step
+        for p in self._params():
+            if p.is_complex():
+                raise ValueError(f"{type(self).__name__} does not support complex parameters")
+            if p.dtype not in _FLOATS:
+                raise ValueError(
+                    f"{type(self).__name__} supports float32/float16/bfloat16 parameters, "
+                    f"got {p.dtype}"
+                )
+        if self.world_size > 1:
+            self._check_shapes_agree()
+            self._broadcast_parameters()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _check_shapes_agree(self) -> None:
+        shapes = [tuple(p.shape) for p in self._params()]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, shapes, group=self.process_group)
+        for r, theirs in enumerate(everyone):
+            if theirs != shapes:
+                if len(theirs) != len(shapes):
+                    raise ValueError(
+                        f"rank {r} has {len(theirs)} parameters, rank {self.rank} has "
+                        f"{len(shapes)}: every rank must optimize the same model"
+                    )
+                i = next(i for i, (a, b) in enumerate(zip(theirs, shapes, strict=True)) if a != b)
+                raise ValueError(
+                    f"parameter {i} has shape {theirs[i]} on rank {r} but {shapes[i]} on rank "
+                    f"{self.rank}: every rank must optimize the same model"
+                )
+
+    def _broadcast_parameters(self) -> None:
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+        with torch.no_grad():
+            for p in self._params():
+                dist.broadcast(p.data, src=src, group=self.process_group)
+                nbytes = p.numel() * p.element_size()
+                record("optim.broadcast", nbytes, nbytes)
+
+    def _grads(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, its group) for every parameter that has a gradient this step."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                out.append((p, group))
+        return out
+
+    def _flat_buffer(self, numel: int, device: torch.device) -> torch.Tensor:
+        if self._flat is None or self._flat.numel() != numel or self._flat.device != device:
+            self._flat = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._flat
+
+    def _average_gradients(self, params: list[torch.Tensor]) -> bool:
+        """Allreduce every gradient in one fused fp32 buffer; False if any is non-finite.
+
+        The finiteness check runs after the allreduce, on the average every rank holds,
+        so all ranks reach the same decision without another collective.
+        """
+        if not params:
+            return True
+        if self.world_size == 1 or self._ddp_averages_grads:
+            return all(bool(torch.isfinite(p.grad).all()) for p in params)
+        total = sum(p.numel() for p in params)
+        flat = self._flat_buffer(total, params[0].device)
+        torch.cat([p.grad.reshape(-1).float() for p in params], out=flat)
+        flat.div_(self.world_size)
+        dist.all_reduce(flat, group=self.process_group)
+        nbytes = flat.numel() * 4
+        record("optim.allreduce", nbytes, ring_allreduce_bytes(nbytes, self.world_size))
+        if not bool(torch.isfinite(flat).all()):
+            return False
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+        return True
+
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 copy the update is applied to (the parameter itself when fp32)."""
+        if p.dtype == torch.float32:
+            return p.data
+        state = self.state[p]
+        if "master" not in state:
+            state["master"] = p.detach().float().clone()
+        return state["master"]
+
+    @staticmethod
+    def _write_back(p: torch.Tensor, master: torch.Tensor) -> None:
+        if p.dtype != torch.float32:
+            p.data.copy_(master)
+
+    def _skip(self) -> None:
+        self.skipped_steps += 1
+
+    def _compressed_average(
+        self,
+        params: list[torch.Tensor],
+        fill: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> list[torch.Tensor] | None:
+        """Exchange one value per element of ``params`` in ONE 1-bit compressed allreduce.
+
+        ``fill(p, view)`` writes parameter ``p``'s share into ``view`` (a slice of one
+        flat fp32 buffer shaped like ``p``); the buffer is averaged across the ranks with
+        error feedback (:class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`) and the
+        averaged views are returned in order. Returns None, with every error buffer and
+        every optimizer state untouched, if any rank's buffer held NaN/Inf.
+        """
+        from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
+
+        if self._onebit is None:
+            self._onebit = OneBitAllreduce(self.process_group)
+            if self._onebit_state is not None:
+                self._onebit.load_state_dict(self._onebit_state)
+                self._onebit_state = None
+        total = sum(p.numel() for p in params)
+        flat = self._flat_buffer(total, params[0].device)
+        views, offset = [], 0
+        for p in params:
+            view = flat[offset : offset + p.numel()].view(p.shape)
+            fill(p, view)
+            views.append(view)
+            offset += p.numel()
+        if self.world_size == 1:
+            return views if bool(torch.isfinite(flat).all()) else None
+        try:
+            self._onebit(flat, out=flat)
+        except NonFiniteError:
+            return None
+        return views
+
+    # ------------------------------------------------------------------ DDP
+
+    def needs_averaged_grads(self) -> bool:
+        """Whether the next step needs gradients averaged over the ranks (DDP hook asks)."""
+        return True
+
+    def register_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Use with a DDP-wrapped model: DDP averages gradients only while this optimizer
+        needs them averaged (warmup) and sends nothing after the freeze."""
+        from thinwire.optim.ddp_hook import OptimizerAwareHookState, optimizer_aware_hook
+
+        ddp_model.register_comm_hook(OptimizerAwareHookState(self), optimizer_aware_hook)
+        self._ddp_averages_grads = True
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["thinwire"] = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "skipped_steps": self.skipped_steps,
+            **self._extra_state(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        extra = sd.pop("thinwire", None)
+        if extra is not None:
+            if extra["world_size"] != self.world_size:
+                raise ValueError(
+                    f"{type(self).__name__} state was saved with world size "
+                    f"{extra['world_size']}, this group has {self.world_size}: the per-rank "
+                    "error-feedback state cannot be mapped onto a different number of ranks"
+                )
+            if extra["rank"] != self.rank:
+                raise ValueError(
+                    f"{type(self).__name__} state of rank {extra['rank']} loaded on rank "
+                    f"{self.rank}: each rank must load its own state"
+                )
+            self.skipped_steps = extra["skipped_steps"]
+            self._load_extra_state(extra)
+        super().load_state_dict(sd)
+        # torch casts floating state to each parameter's dtype; our moments and masters are
+        # fp32 whatever the parameter is, so put the saved tensors back as they were.
+        saved_ids = [i for g in sd["param_groups"] for i in g["params"]]
+        for pid, p in zip(saved_ids, self._params(), strict=True):
+            for key, value in sd["state"].get(pid, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point():
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
+    def _extra_state(self) -> dict[str, Any]:
+        onebit = self._onebit.state_dict() if self._onebit is not None else self._onebit_state
+        return {"onebit": onebit}
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        self._onebit_state = extra.get("onebit")
+        if self._onebit is not None:
+            if self._onebit_state is None:
+                self._onebit.reset()
+            else:
+                self._onebit.load_state_dict(self._onebit_state)
+            self._onebit_state = None
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # pragma: no cover
+        raise NotImplementedError

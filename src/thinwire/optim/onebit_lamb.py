@@ -1,0 +1,268 @@
+"""1-bit LAMB: large-batch LAMB's convergence with ~1 bit per element on the wire.
+
+Li et al., "1-bit LAMB: Communication Efficient Large-Scale Large-Batch Training with
+LAMB's Convergence Speed", arXiv 2104.06069.
+
+Error feedback cannot be put under LAMB directly: the trust ratio is a nonlinear
+function of the update, so compression error would change it. 1-bit LAMB therefore:
+
+* **Warmup** (steps 1..``freeze_step``): LAMB (no bias correction, as the reference) on
+  gradients averaged by a full-precision allreduce, while keeping an EMA ``c_freeze`` of
+  each layer's trust ratio. At ``freeze_step`` the variance ``v`` is frozen and a fresh
+  copy ``v_fresh`` keeps tracking the gradients.
+* **Compression stage**: gradients stay local. All layers' momenta, first brought to one
+  common scale (``scaling_coeff``, fixed at the first compressed step, so one sign+scale
+  fits every layer), travel in ONE fused error-compensated 1-bit allreduce per step. The
+  trust ratio becomes ``c_freeze * f``, where ``f`` = max over the layer of
+  ``(sqrt(v)+eps) / (sqrt(v_fresh)+eps)`` measures how far the frozen variance has drifted
+  from the fresh one (``v_fresh`` is fed with the global gradient reconstructed from the
+  momentum), clipped to [factor_min, factor_max] and to +-factor_threshold per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thinwire.optim.distributed import CommOptimizer, check_range
+from thinwire.optim.lamb import trust_ratio
+from thinwire.optim.onebit_adam import _masks
+
+__all__ = ["OneBitLamb"]
+
+
+class OneBitLamb(CommOptimizer):
+    """1-bit LAMB, data-parallel, on any torch.distributed backend.
+
+    Args:
+        params: parameters or parameter groups (a group may carry ``exp_avg_mask``, as
+            for :class:`~thinwire.optim.OneBitAdam`).
+        lr: learning rate, as for LAMB.
+        freeze_step: steps of full-precision LAMB before compression (required). The
+            frozen variance and the trust-ratio EMA must be representative: 15-25% of the
+            run is the usual choice. Shorter saves bandwidth; too short shows as a loss
+            bump after the freeze (the factor ``f`` then hits its clip bounds often,
+            visible in :meth:`get_lamb_coeffs`).
+        betas, eps, weight_decay: as for LAMB.
+        max_coeff, min_coeff: bounds of the warmup trust ratio.
+        coeff_beta: EMA rate of the trust ratio during warmup; 0.9 averages about the
+            last 10 steps.
+        factor_max, factor_min: bounds of the variance-drift factor ``f``.
+        factor_threshold: ``f`` may change by at most this fraction per step, which
+            damps the noise of the reconstructed gradient.
+        bias_correction: as for :class:`~thinwire.optim.OneBitAdam` (off by default).
+        process_group: ranks to average over (default: the default group, if any).
+
+    With one process it is LAMB-without-bias-correction in warmup and the same
+    frozen-variance rule afterwards, with exact (uncompressed) momenta.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        freeze_step: int = 100_000,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+        bias_correction: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        check_range("lr", lr, 0.0, float("inf"))
+        check_range("freeze_step", freeze_step, 1, float("inf"))
+        check_range("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
+        check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
+        check_range("eps", eps, 0.0, float("inf"), lo_open=True)
+        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        check_range("min_coeff", min_coeff, 0.0, float("inf"), lo_open=True)
+        check_range("max_coeff", max_coeff, min_coeff, float("inf"))
+        check_range("coeff_beta", coeff_beta, 0.0, 1.0, hi_open=True)
+        check_range("factor_min", factor_min, 0.0, float("inf"), lo_open=True)
+        check_range("factor_max", factor_max, factor_min, float("inf"))
+        check_range("factor_threshold", factor_threshold, 0.0, 1.0, hi_open=True)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+            factor_min=factor_min, factor_threshold=factor_threshold,
+            bias_correction=bias_correction,
+        )  # fmt: skip
+        super().__init__(params, defaults, process_group)
+        self.freeze_step = int(freeze_step)
+        self.global_step = 0
+        self.last_coeffs: list[float] = []
+        self.last_factors: list[float] = []
+
+    @property
+    def compressing(self) -> bool:
+        """True once the next step is in the compression stage."""
+        return self.global_step >= self.freeze_step
+
+    def needs_averaged_grads(self) -> bool:
+        return not self.compressing
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ok = self._compression_step() if self.compressing else self._warmup_step()
+        if not ok:
+            self._skip()
+        return loss
+
+    # ------------------------------------------------------------------ warmup
+
+    def _warmup_step(self) -> bool:
+        items = self._grads()
+        if not self._average_gradients([p for p, _ in items]):
+            return False
+        self.global_step += 1
+        t = self.global_step
+        coeffs = []
+        for p, group in items:
+            b1, b2 = group["betas"]
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["lamb_coeff_freeze"] = 0.0
+                state["last_factor"] = 1.0
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            g = p.grad.float()
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            if t == self.freeze_step:
+                state["exp_avg_sq_fresh"] = v.clone()
+            master = self._master(p)
+            u = self._direction(m, v, group, t, t)
+            if group["weight_decay"]:
+                u.add_(master, alpha=group["weight_decay"])
+            c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
+            beta = group["coeff_beta"]
+            state["lamb_coeff_freeze"] = beta * state["lamb_coeff_freeze"] + (1 - beta) * c
+            master.add_(u, alpha=-group["lr"] * c)
+            self._write_back(p, master)
+            coeffs.append(c)
+        self.last_coeffs, self.last_factors = coeffs, [1.0] * len(coeffs)
+        return True
+
+    def _direction(
+        self, m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], t: int, t_v: int
+    ) -> torch.Tensor:
+        """``m / (sqrt(v) + eps)``, bias-corrected when asked (a new tensor)."""
+        b1, b2 = group["betas"]
+        if group["bias_correction"]:
+            return (m / (1 - b1**t)).div_((v / (1 - b2**t_v)).sqrt_().add_(group["eps"]))
+        return m / v.sqrt().add_(group["eps"])
+
+    # ------------------------------------------------------------------ compression
+
+    def _compression_step(self) -> bool:
+        params, groups = [], {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "exp_avg" in self.state[p]:
+                    params.append(p)
+                    groups[p] = group
+        if params and "scaling_coeff" not in self.state[params[0]]:
+            self._set_scaling_coeffs(params)
+
+        def fill(p: torch.Tensor, view: torch.Tensor) -> None:
+            b1 = groups[p]["betas"][0]
+            state = self.state[p]
+            torch.mul(state["exp_avg"], b1, out=view)
+            if p.grad is not None:
+                view.add_(p.grad.float(), alpha=1 - b1)
+            view.mul_(state["scaling_coeff"])
+
+        views = self._compressed_average(params, fill)
+        if views is None:
+            return False
+        self.global_step += 1
+        t = self.global_step
+        masks = _masks(self.param_groups)
+        coeffs, factors = [], []
+        for p, view in zip(params, views, strict=True):
+            group, state = groups[p], self.state[p]
+            b1, b2 = group["betas"]
+            m, v, v_fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+            m_new = view.div_(state["scaling_coeff"])
+            # The averaged momentum implies the averaged gradient; feed it to v_fresh.
+            g_rec = (m_new - b1 * m).div_(1 - b1)
+            v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
+            m.copy_(m_new)
+            if masks.get(p) is not None:
+                m.mul_(masks[p])
+            master = self._master(p)
+            u = self._direction(m, v, group, t, self.freeze_step)
+            # Drift of the frozen variance from the fresh one: denom ratio, max over layer.
+            if group["bias_correction"]:
+                v_hat, v_fresh_hat = v / (1 - b2**self.freeze_step), v_fresh / (1 - b2**t)
+            else:
+                v_hat, v_fresh_hat = v, v_fresh
+            denom = v_hat.sqrt().add_(group["eps"])
+            f = float((denom / v_fresh_hat.sqrt().add_(group["eps"])).max())
+            if group["weight_decay"]:
+                u_norm = float(u.norm())
+                u.add_(master, alpha=group["weight_decay"])
+                full = float(u.norm())
+                rho = min(1.0, u_norm / full) if full > 0 else 1.0
+                f = f * rho + (1 - rho)
+            f = min(max(f, group["factor_min"]), group["factor_max"])
+            last = state["last_factor"]
+            thr = group["factor_threshold"]
+            f = min(max(f, last * (1 - thr)), last * (1 + thr))
+            state["last_factor"] = f
+            coeff = state["lamb_coeff_freeze"] * f
+            master.add_(u, alpha=-group["lr"] * coeff)
+            self._write_back(p, master)
+            coeffs.append(coeff)
+            factors.append(f)
+        self.last_coeffs, self.last_factors = coeffs, factors
+        return True
+
+    def _set_scaling_coeffs(self, params: list[torch.Tensor]) -> None:
+        """Bring every layer's momentum to the mean RMS, so one 1-bit scale fits all."""
+        rms = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(p.numel()) for p in params]
+        nonzero = [s for s in rms if s > 0]
+        mean = sum(nonzero) / len(nonzero) if nonzero else 1.0
+        for p, s in zip(params, rms, strict=True):
+            # A layer with all-zero momentum at the switch keeps scale 1 (nothing to match).
+            self.state[p]["scaling_coeff"] = mean / s if s > 0 else 1.0
+
+    # ------------------------------------------------------------------ introspection
+
+    def get_lamb_coeffs(self) -> list[tuple[float, float, float]]:
+        """Per parameter, in order: (trust ratio used in the last step, its frozen EMA
+        ``c_freeze``, variance-drift factor ``f``; 1 in warmup)."""
+        out = []
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "exp_avg" not in state or i >= len(self.last_coeffs):
+                    continue
+                out.append((self.last_coeffs[i], state["lamb_coeff_freeze"], self.last_factors[i]))
+                i += 1
+        return out
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), "global_step": self.global_step,
+                "last_coeffs": self.last_coeffs, "last_factors": self.last_factors}  # fmt: skip
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        super()._load_extra_state(extra)
+        self.global_step = extra["global_step"]
+        self.last_coeffs = list(extra["last_coeffs"])
+        self.last_factors = list(extra["last_factors"])
