@@ -22,7 +22,7 @@ from thinwire.cli.main import main
 from thinwire.errors import ConfigError
 from thinwire.testbed import Cluster, list_clusters, remove_clusters, unavailable_reason
 from thinwire.testbed import netns as nx
-from thinwire.testbed.cluster import STATE_DIR
+from thinwire.testbed.registry import STATE_DIR
 
 _REASON = unavailable_reason()
 pytestmark = [pytest.mark.root, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]

@@ -21,7 +21,8 @@ from types import FrameType
 
 from thinwire.errors import ConfigError
 from thinwire.testbed import netns as nx
-from thinwire.testbed.cluster import Cluster, list_clusters, remove_clusters
+from thinwire.testbed.cluster import Cluster
+from thinwire.testbed.registry import list_clusters, remove_clusters
 
 __all__ = ["register"]
 

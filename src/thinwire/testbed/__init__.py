@@ -6,14 +6,7 @@ carried. ``thinwire testbed up|down|status|run`` drives the same from the shell.
 root and iproute2; :func:`unavailable_reason` says why not when it cannot run.
 """
 
-from thinwire.testbed.cluster import (
-    Cluster,
-    ClusterInfo,
-    HostResult,
-    RunResult,
-    list_clusters,
-    remove_clusters,
-)
+from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.netns import (
     NicCounters,
     TestbedError,
@@ -22,6 +15,8 @@ from thinwire.testbed.netns import (
     parse_rate,
     unavailable_reason,
 )
+from thinwire.testbed.registry import ClusterInfo, list_clusters, remove_clusters
+from thinwire.testbed.results import HostResult, RunResult
 
 __all__ = [
     "Cluster",

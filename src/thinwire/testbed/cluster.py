@@ -23,7 +23,8 @@ forwarding, so nothing can leave the cluster.
 
 Teardown always happens: on leaving the ``with`` block, on an exception, on Ctrl-C.
 A process killed with SIGKILL cannot clean up; its namespaces stay behind and
-:func:`remove_clusters` (``thinwire testbed down``) finds and removes them, using the
+:func:`~thinwire.testbed.registry.remove_clusters` (``thinwire testbed down``) finds and
+removes them, using the
 owner record kept in ``/run/thinwire-testbed/ID.json`` to leave live runs alone.
 """
 
@@ -39,168 +40,31 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.testbed import netns as nx
 from thinwire.testbed.netns import HOST_IFNAME, NicCounters
+from thinwire.testbed.registry import (
+    forget,
+    list_clusters,
+    remove_namespaces,
+    write_state,
+)
+from thinwire.testbed.results import HostResult, RunResult
 
-__all__ = [
-    "MAX_HOSTS",
-    "STATE_DIR",
-    "SUBNET_PREFIX",
-    "Cluster",
-    "ClusterInfo",
-    "HostResult",
-    "RunResult",
-    "list_clusters",
-    "remove_clusters",
-]
+__all__ = ["DEFAULT_GRACE_S", "MAX_HOSTS", "SUBNET_PREFIX", "Cluster"]
 
 SUBNET_PREFIX = "10.213.0"
 """Hosts are ``SUBNET_PREFIX.(i+1)/24``, an address range used only inside namespaces."""
 
 MAX_HOSTS = 64
 DEFAULT_MASTER_PORT = 29500
-STATE_DIR = Path("/run/thinwire-testbed")
 
 # After the first rank fails, the others get this long to notice (gloo raises on a
 # closed peer socket within a second or two) before they are terminated.
 DEFAULT_GRACE_S = 5.0
 KILL_AFTER_S = 5.0
-
-
-@dataclass
-class HostResult:
-    """One host's part of a :meth:`Cluster.run`."""
-
-    host: int
-    namespace: str
-    address: str
-    returncode: int | None
-    """Exit status; negative = killed by that signal; None = never finished."""
-    log: str
-    """Path of the host's combined stdout/stderr."""
-    nic: NicCounters
-    """Bytes and packets on the host's interface during the run (after - before)."""
-    terminated: bool = False
-    """True if the testbed had to stop this host (another rank failed, or timeout)."""
-
-
-@dataclass
-class RunResult:
-    """Outcome of one distributed command on the cluster."""
-
-    command: list[str]
-    rate_bits: int | None
-    seconds: float
-    hosts: list[HostResult]
-    log_dir: str
-    timed_out: bool = False
-
-    @property
-    def ok(self) -> bool:
-        """Every host exited with status 0."""
-        return all(h.returncode == 0 for h in self.hosts)
-
-    @property
-    def returncode(self) -> int:
-        """0 if all hosts succeeded, else the status of the host that failed by itself.
-
-        Hosts the testbed stopped are only blamed when no host failed on its own (a
-        timeout); a status from a signal becomes 1.
-        """
-        failed = [h for h in self.hosts if h.returncode != 0]
-        if not failed:
-            return 0
-        culprit = next((h for h in failed if not h.terminated), failed[0])
-        rc = culprit.returncode
-        return rc if rc is not None and rc > 0 else 1
-
-    @property
-    def tx_bytes(self) -> int:
-        """Bytes all hosts put on their links during the run (Ethernet frames)."""
-        return sum(h.nic.tx_bytes for h in self.hosts)
-
-    def utilization(self, host: int) -> float | None:
-        """Fraction of host ``host``'s link used on average: ``tx bits / (rate * seconds)``.
-
-        Averaged over the whole run, process start-up included; None when unshaped.
-        """
-        if self.rate_bits is None or self.seconds <= 0:
-            return None
-        return self.hosts[host].nic.tx_bytes * 8 / (self.rate_bits * self.seconds)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ok"] = self.ok
-        d["rate"] = nx.format_rate(self.rate_bits)
-        for i, h in enumerate(d["hosts"]):
-            h["utilization"] = self.utilization(i)
-        return d
-
-    def summary(self) -> str:
-        """A small table: host, exit status, tx/rx MB, utilization, log file."""
-        lines = [
-            f"{len(self.hosts)} hosts at {nx.format_rate(self.rate_bits)}, "
-            f"{self.seconds:.2f} s{' (timed out)' if self.timed_out else ''}",
-            f"{'host':>4} {'address':<12} {'exit':>5} {'tx MB':>9} {'rx MB':>9} {'util':>6}  log",
-        ]
-        for i, h in enumerate(self.hosts):
-            util = self.utilization(i)
-            rc = "-" if h.returncode is None else str(h.returncode)
-            if h.terminated:
-                rc += "*"
-            lines.append(
-                f"{h.host:>4} {h.address:<12} {rc:>5} {h.nic.tx_bytes / 1e6:>9.2f} "
-                f"{h.nic.rx_bytes / 1e6:>9.2f} {'-' if util is None else f'{util:6.1%}':>6}  "
-                f"{h.log}"
-            )
-        if any(h.terminated for h in self.hosts):
-            lines.append("* stopped by the testbed after another host failed or the timeout")
-        return "\n".join(lines)
-
-
-@dataclass
-class ClusterInfo:
-    """What :func:`list_clusters` finds about one cluster on this machine."""
-
-    cluster_id: str
-    namespaces: list[str]
-    hosts: int
-    rate_bits: int | None
-    owner_pid: int | None
-    owner_alive: bool
-    addresses: list[str] = field(default_factory=list)
-
-
-def _proc_start_time(pid: int) -> str | None:
-    # Field 22 of /proc/PID/stat (start time in clock ticks) tells a reused pid apart.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _state_path(cluster_id: str) -> Path:
-    return STATE_DIR / f"{nx.validate_cluster_id(cluster_id)}.json"
-
-
-def _read_state(cluster_id: str) -> dict[str, Any]:
-    try:
-        return dict(json.loads(_state_path(cluster_id).read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def _owner_alive(state: Mapping[str, Any]) -> bool:
-    pid = state.get("owner_pid")
-    if not isinstance(pid, int):
-        return False
-    return _proc_start_time(pid) == state.get("owner_start")
 
 
 class Cluster:
@@ -215,7 +79,7 @@ class Cluster:
         cluster_id: 1-12 lowercase letters/digits; random if omitted. Names every
             namespace (``thinwire-ID-h0``...), so concurrent clusters never collide.
         persistent: keep the cluster when this object is closed (``thinwire testbed
-            up``); remove it later with :func:`remove_clusters`.
+            up``); remove it later with ``registry.remove_clusters``.
         master_port: port of the rendezvous on host 0 (each cluster has its own
             network stack, so the default never clashes with other runs).
     """
@@ -284,7 +148,12 @@ class Cluster:
             raise ConfigError(f"a testbed cluster with id {self.cluster_id!r} already exists")
         _check_root_namespace_clear()
         try:
-            self._write_state()
+            write_state(
+                self.cluster_id,
+                self.hosts,
+                self.rate_bits,
+                None if self.persistent else os.getpid(),
+            )
             br = self.bridge_namespace
             nx.add_namespace(br)
             self._created.append(br)
@@ -306,10 +175,9 @@ class Cluster:
     def down(self) -> None:
         """Stop every process left in the cluster and delete its namespaces."""
         names = set(self._created) | set(nx.list_namespaces().get(self.cluster_id, []))
-        _remove_namespaces(sorted(names))
+        remove_namespaces(sorted(names))
         self._created.clear()
-        with contextlib.suppress(OSError):
-            _state_path(self.cluster_id).unlink()
+        forget(self.cluster_id)
         self._is_up = False
 
     def close(self) -> None:
@@ -322,18 +190,6 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _write_state(self) -> None:
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
-        owner = None if self.persistent else os.getpid()
-        state = {
-            "cluster_id": self.cluster_id,
-            "hosts": self.hosts,
-            "rate_bits": self.rate_bits,
-            "owner_pid": owner,
-            "owner_start": _proc_start_time(owner) if owner else None,
-        }
-        _state_path(self.cluster_id).write_text(json.dumps(state))
 
     # -- measuring and running -------------------------------------------------------
 
@@ -496,16 +352,6 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def _remove_namespaces(names: Sequence[str]) -> None:
-    # Processes keep a namespace alive after 'ip netns delete' (only the name goes),
-    # so anything still running inside is killed first; hosts before the bridge.
-    for name in sorted(names, key=lambda n: n.endswith("-br")):
-        for pid in nx.namespace_pids(name):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        nx.delete_namespace(name)
-
-
 def _check_root_namespace_clear() -> None:
     # The range must stay private to the namespaces; refuse to run on a machine that
     # already uses it, so no address of ours can ever shadow a real one.
@@ -517,73 +363,3 @@ def _check_root_namespace_clear() -> None:
                     f"this machine already uses {SUBNET_PREFIX}.0/24 on {link.get('ifname')}; "
                     "the testbed needs that range for itself"
                 )
-
-
-def list_clusters() -> list[ClusterInfo]:
-    """Every testbed cluster on this machine (including leftovers of dead runs)."""
-    nx.require_available()
-    infos = []
-    for cid, names in nx.list_namespaces().items():
-        state = _read_state(cid)
-        hosts = sorted(
-            (n for n in names if not n.endswith("-br")), key=lambda n: int(n.rsplit("-h", 1)[1])
-        )
-        rate = nx.read_shaping(hosts[0], HOST_IFNAME) if hosts else None
-        addresses = []
-        for ns in hosts:
-            out = nx.ip("-j", "-4", "addr", "show", "dev", HOST_IFNAME, netns=ns, check=False)
-            with contextlib.suppress(ValueError, IndexError, KeyError):
-                addresses.append(json.loads(out)[0]["addr_info"][0]["local"])
-        pid = state.get("owner_pid")
-        infos.append(
-            ClusterInfo(
-                cluster_id=cid,
-                namespaces=names,
-                hosts=len(hosts),
-                rate_bits=rate,
-                owner_pid=pid if isinstance(pid, int) else None,
-                owner_alive=_owner_alive(state),
-                addresses=addresses,
-            )
-        )
-    return infos
-
-
-def remove_clusters(cluster_ids: Sequence[str] | None = None, *, force: bool = False) -> list[str]:
-    """Remove clusters; return the ids removed.
-
-    With ``cluster_ids`` None, every testbed cluster whose owning process is gone
-    (leftovers of a crashed run, and clusters made by ``thinwire testbed up``) is
-    removed; clusters of a live run are kept unless ``force``. Named clusters are
-    removed even if live only with ``force``.
-    """
-    nx.require_available()
-    present = nx.list_namespaces()
-    if cluster_ids is None:
-        wanted = list(present)
-    else:
-        wanted = [nx.validate_cluster_id(c) for c in cluster_ids]
-        missing = [c for c in wanted if c not in present]
-        if missing:
-            raise ConfigError(f"no testbed cluster with id {missing[0]!r} on this machine")
-    removed = []
-    for cid in wanted:
-        state = _read_state(cid)
-        if not force and _owner_alive(state):
-            if cluster_ids is not None:
-                raise ConfigError(
-                    f"cluster {cid!r} belongs to running process {state['owner_pid']}; "
-                    "stop it first or use --force"
-                )
-            continue
-        _remove_namespaces(present.get(cid, []))
-        with contextlib.suppress(OSError):
-            _state_path(cid).unlink()
-        removed.append(cid)
-    if cluster_ids is None and STATE_DIR.is_dir():
-        # State records whose namespaces are already gone (e.g. removed by hand).
-        for path in STATE_DIR.glob("*.json"):
-            with contextlib.suppress(ConfigError):
-                if path.stem not in present and not _owner_alive(_read_state(path.stem)):
-                    path.unlink(missing_ok=True)
-    return removed

@@ -1,0 +1,176 @@
+"""Finding and removing testbed clusters, including leftovers of runs that died.
+
+A cluster is its namespaces (``thinwire-ID-*``); the kernel is the only source of truth
+for what exists. Beside that, ``/run/thinwire-testbed/ID.json`` records who owns a
+cluster: the pid and start time of the process that made it (none for ``thinwire
+testbed up``, which makes clusters that outlive it). A cluster whose owner is gone is a
+leftover; ``down`` removes those and leaves live runs alone unless forced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from thinwire.errors import ConfigError
+from thinwire.testbed import netns as nx
+from thinwire.testbed.netns import HOST_IFNAME
+
+__all__ = [
+    "STATE_DIR",
+    "ClusterInfo",
+    "forget",
+    "list_clusters",
+    "read_state",
+    "remove_clusters",
+    "remove_namespaces",
+    "write_state",
+]
+
+STATE_DIR = Path("/run/thinwire-testbed")
+
+
+@dataclass
+class ClusterInfo:
+    """What :func:`list_clusters` finds about one cluster on this machine."""
+
+    cluster_id: str
+    namespaces: list[str]
+    hosts: int
+    rate_bits: int | None
+    owner_pid: int | None
+    owner_alive: bool
+    addresses: list[str] = field(default_factory=list)
+
+
+def _proc_start_time(pid: int) -> str | None:
+    # Field 22 of /proc/PID/stat (start time in clock ticks) tells a reused pid apart.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _state_path(cluster_id: str) -> Path:
+    return STATE_DIR / f"{nx.validate_cluster_id(cluster_id)}.json"
+
+
+def read_state(cluster_id: str) -> dict[str, Any]:
+    """The owner record of a cluster (empty if there is none or it is unreadable)."""
+    try:
+        return dict(json.loads(_state_path(cluster_id).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _owner_alive(state: Mapping[str, Any]) -> bool:
+    pid = state.get("owner_pid")
+    if not isinstance(pid, int):
+        return False
+    return _proc_start_time(pid) == state.get("owner_start")
+
+
+def remove_namespaces(names: Sequence[str]) -> None:
+    # Processes keep a namespace alive after 'ip netns delete' (only the name goes),
+    # so anything still running inside is killed first; hosts before the bridge.
+    for name in sorted(names, key=lambda n: n.endswith("-br")):
+        for pid in nx.namespace_pids(name):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        nx.delete_namespace(name)
+
+
+def list_clusters() -> list[ClusterInfo]:
+    """Every testbed cluster on this machine (including leftovers of dead runs)."""
+    nx.require_available()
+    infos = []
+    for cid, names in nx.list_namespaces().items():
+        state = read_state(cid)
+        hosts = sorted(
+            (n for n in names if not n.endswith("-br")), key=lambda n: int(n.rsplit("-h", 1)[1])
+        )
+        rate = nx.read_shaping(hosts[0], HOST_IFNAME) if hosts else None
+        addresses = []
+        for ns in hosts:
+            out = nx.ip("-j", "-4", "addr", "show", "dev", HOST_IFNAME, netns=ns, check=False)
+            with contextlib.suppress(ValueError, IndexError, KeyError):
+                addresses.append(json.loads(out)[0]["addr_info"][0]["local"])
+        pid = state.get("owner_pid")
+        infos.append(
+            ClusterInfo(
+                cluster_id=cid,
+                namespaces=names,
+                hosts=len(hosts),
+                rate_bits=rate,
+                owner_pid=pid if isinstance(pid, int) else None,
+                owner_alive=_owner_alive(state),
+                addresses=addresses,
+            )
+        )
+    return infos
+
+
+def remove_clusters(cluster_ids: Sequence[str] | None = None, *, force: bool = False) -> list[str]:
+    """Remove clusters; return the ids removed.
+
+    With ``cluster_ids`` None, every testbed cluster whose owning process is gone
+    (leftovers of a crashed run, and clusters made by ``thinwire testbed up``) is
+    removed; clusters of a live run are kept unless ``force``. Named clusters are
+    removed even if live only with ``force``.
+    """
+    nx.require_available()
+    present = nx.list_namespaces()
+    if cluster_ids is None:
+        wanted = list(present)
+    else:
+        wanted = [nx.validate_cluster_id(c) for c in cluster_ids]
+        missing = [c for c in wanted if c not in present]
+        if missing:
+            raise ConfigError(f"no testbed cluster with id {missing[0]!r} on this machine")
+    removed = []
+    for cid in wanted:
+        state = read_state(cid)
+        if not force and _owner_alive(state):
+            if cluster_ids is not None:
+                raise ConfigError(
+                    f"cluster {cid!r} belongs to running process {state['owner_pid']}; "
+                    "stop it first or use --force"
+                )
+            continue
+        remove_namespaces(present.get(cid, []))
+        with contextlib.suppress(OSError):
+            _state_path(cid).unlink()
+        removed.append(cid)
+    if cluster_ids is None and STATE_DIR.is_dir():
+        # State records whose namespaces are already gone (e.g. removed by hand).
+        for path in STATE_DIR.glob("*.json"):
+            with contextlib.suppress(ConfigError):
+                if path.stem not in present and not _owner_alive(read_state(path.stem)):
+                    path.unlink(missing_ok=True)
+    return removed
+
+
+def write_state(cluster_id: str, hosts: int, rate_bits: int | None, owner: int | None) -> None:
+    """Record a new cluster and its owning process (None: owned by nobody, persistent)."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    state = {
+        "cluster_id": cluster_id,
+        "hosts": hosts,
+        "rate_bits": rate_bits,
+        "owner_pid": owner,
+        "owner_start": _proc_start_time(owner) if owner else None,
+    }
+    _state_path(cluster_id).write_text(json.dumps(state))
+
+
+def forget(cluster_id: str) -> None:
+    """Drop the owner record of a cluster that was removed."""
+    with contextlib.suppress(OSError):
+        _state_path(cluster_id).unlink()
