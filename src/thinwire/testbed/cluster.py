@@ -24,8 +24,8 @@ forwarding, so nothing can leave the cluster.
 Teardown always happens: on leaving the ``with`` block, on an exception, on Ctrl-C.
 A process killed with SIGKILL cannot clean up; its namespaces stay behind and
 :func:`~thinwire.testbed.registry.remove_clusters` (``thinwire testbed down``) finds and
-removes them, using the
-owner record kept in ``/run/thinwire-testbed/ID.json`` to leave live runs alone.
+removes them, using the owner record kept in ``/run/thinwire-testbed/ID.json`` to leave
+live runs alone.
 """
 
 from __future__ import annotations
