@@ -23,6 +23,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "thinwire.cli.demo",
     "thinwire.cli.testbed",
     "thinwire.cli.analyze",
+    "thinwire.cli.bench",
 )
 
 

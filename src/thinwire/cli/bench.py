@@ -1,0 +1,167 @@
+"""``thinwire bench allreduce``: time allreduce methods over message sizes.
+
+Two ways to run it:
+
+* locally: ``thinwire bench allreduce --workers 4`` spawns 4 gloo ranks on loopback;
+* on real hosts: ``torchrun --nnodes 4 --nproc-per-node 1 ... -m thinwire bench
+  allreduce`` (the torchrun environment is detected; ``--workers`` is then ignored).
+
+Rank 0 prints an nccl-tests style table and, with ``--out DIR``, writes
+``allreduce.json`` and ``allreduce.png`` (median time vs size per method).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+import torch
+
+from thinwire.comm import bench
+from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
+from thinwire.errors import ConfigError
+
+__all__ = ["parse_size", "register", "size_range"]
+
+MAX_SIZE = 256 * 2**20
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gib": 2**30,
+}
+
+
+def parse_size(text: str) -> int:
+    """'4K', '4KiB', '64M', '1G' or a plain byte count -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read size {text!r}; use e.g. 4096, 4K, 64MiB")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def size_range(min_bytes: int, max_bytes: int) -> list[int]:
+    """Powers of two from ``min_bytes`` to ``max_bytes`` inclusive (both powers of two)."""
+    for name, v in (("--min-size", min_bytes), ("--max-size", max_bytes)):
+        if v < 4 or v & (v - 1):
+            raise ConfigError(f"{name} must be a power of two of at least 4 bytes, got {v}")
+    if min_bytes > max_bytes:
+        raise ConfigError(f"--min-size {min_bytes} is larger than --max-size {max_bytes}")
+    if max_bytes > MAX_SIZE:
+        raise ConfigError(f"--max-size {max_bytes} is above the supported 256 MiB")
+    sizes, s = [], min_bytes
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+def _methods(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in bench.METHODS]
+    if unknown or not names:
+        raise ConfigError(
+            f"unknown method {unknown[0] if unknown else text!r}; "
+            f"choose from {','.join(bench.METHODS)}"
+        )
+    return names
+
+
+def _rank_body(
+    rank: int, world: int, methods: list[str], sizes: list[int], warmup: int, iters: int, cuda: bool
+) -> list[dict[str, Any]]:
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    return bench.run_allreduce_bench(methods, sizes, warmup, iters)
+
+
+def _report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> None:
+    print(bench.format_table(rows))
+    if args.out:
+        from pathlib import Path
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"command": command, "torch": torch.__version__}
+        print(f"wrote {bench.write_json(rows, out / 'allreduce.json', meta)}")
+        png = bench.plot_times(rows, out / "allreduce.png")
+        print(f"wrote {png}" if png else "plot skipped: matplotlib is not installed")
+
+
+def run(args: argparse.Namespace) -> int:
+    methods = _methods(args.methods)
+    sizes = size_range(parse_size(args.min_size), parse_size(args.max_size))
+    if args.warmup < 1 or args.iters < 1:
+        raise ConfigError(f"--warmup and --iters must be >= 1, got {args.warmup} and {args.iters}")
+    command = "thinwire " + " ".join(sys.argv[1:]) if sys.argv else "thinwire bench allreduce"
+    if launched_by_torchrun():
+        import torch.distributed as dist
+
+        cuda = args.backend == "nccl"
+        if cuda:
+            import os
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        init_from_env(args.backend)
+        rows = bench.run_allreduce_bench(methods, sizes, args.warmup, args.iters)
+        if dist.get_rank() == 0:
+            _report(rows, args, command)
+        dist.destroy_process_group()
+        return 0
+    if args.workers < 2:
+        raise ConfigError(f"--workers must be at least 2, got {args.workers}")
+    cuda = args.backend == "nccl"
+    if cuda and not torch.cuda.is_available():
+        raise ConfigError("--backend nccl needs CUDA, which is not available here")
+    results = spawn(
+        _rank_body,
+        args.workers,
+        args=(methods, sizes, args.warmup, args.iters, cuda),
+        backend=args.backend,
+        timeout_s=args.timeout,
+    )
+    _report(results[0], args, command)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="measure collectives")
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    p = sub.add_parser(
+        "allreduce",
+        help="time allreduce methods over message sizes (nccl-tests style)",
+        description=(
+            "Time fp32, fp16/bf16, PowerSGD and thinwire's 1-bit allreduce over message "
+            "sizes (powers of two). Under torchrun it uses the launched group; otherwise "
+            "it spawns --workers local ranks."
+        ),
+    )
+    p.add_argument("--workers", type=int, default=4, help="local ranks to spawn (default 4)")
+    p.add_argument(
+        "--methods",
+        default=",".join(bench.METHODS),
+        help=f"comma-separated subset of {','.join(bench.METHODS)} (default: all)",
+    )
+    p.add_argument("--min-size", default="4KiB", help="smallest message (default 4KiB)")
+    p.add_argument(
+        "--max-size", default="64MiB", help="largest message, at most 256MiB (default 64MiB)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per point (default 2)")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per point (default 5)")
+    p.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="gloo (CPU, default) or nccl (one GPU per rank)",
+    )
+    p.add_argument("--out", default=None, help="directory for allreduce.json and allreduce.png")
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds before local ranks are stopped"
+    )
+    p.set_defaults(func=run)
