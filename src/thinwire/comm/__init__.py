@@ -14,3 +14,21 @@ __all__ = [
     "record",
     "spawn",
 ]
+
+# The 1-bit compressed allreduce, its DDP hook, and the allreduce benchmark.
+from thinwire.comm.onebit_allreduce import (
+    LengthMismatchError,
+    NonFiniteError,
+    OneBitAllreduce,
+    onebit_wire_bytes,
+)
+from thinwire.comm.onebit_hook import OneBitHookState, onebit_hook
+
+__all__ += [
+    "LengthMismatchError",
+    "NonFiniteError",
+    "OneBitAllreduce",
+    "OneBitHookState",
+    "onebit_hook",
+    "onebit_wire_bytes",
+]
