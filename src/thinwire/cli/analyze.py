@@ -65,6 +65,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             observe_ddp=args.observe_ddp,
             bucket_cap_mb=args.bucket_cap_mb,
         )
+    if not args.from_bklog:
+        from thinwire.analysis.costs import AddCost, measure_codec_cost
+
+        # Price the machine's adds and 1-bit compute now, on the profiled device, so
+        # every later simulation of this profile uses the same figures.
+        prof.meta["add_cost"] = AddCost.measure().to_json()
+        prof.meta["onebit_codec_s_per_byte"] = measure_codec_cost(world_size=4)
     out = save_profile(prof, args.out)
     s = prof.summary()
     print(
@@ -122,7 +129,7 @@ def _load_link(path: str) -> dict[str, Any]:
     return data["fit"]
 
 
-def _reduction(choice: str, profile_path: Path) -> Any:
+def _reduction(choice: str, profile_path: Path, meta: dict[str, Any]) -> Any:
     from thinwire.analysis.bklog import read_vec_add_table
     from thinwire.analysis.costs import AddCost
 
@@ -134,6 +141,9 @@ def _reduction(choice: str, profile_path: Path) -> Any:
         beside = profile_path.parent / "cuda_vec_add.log"
         if profile_path.name.endswith(".bk.log") and beside.exists():
             return read_vec_add_table(beside)
+        if "add_cost" in meta:
+            add = AddCost.from_json(meta["add_cost"])
+            return AddCost(add.sizes, add.seconds, f"{add.source} (at profile time)")
         return AddCost.measure()
     return read_vec_add_table(choice)
 
@@ -164,7 +174,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
     codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
     if args.measure_codec:
-        codec = measure_codec_cost(world_size=args.workers)
+        saved = prof.meta.get("onebit_codec_s_per_byte")
+        codec = float(saved) if saved is not None else measure_codec_cost(world_size=4)
     cfg = NetworkConfig(
         workers=args.workers,
         bandwidth_gbps=bandwidth if bandwidth is not None else 10.0,
@@ -186,7 +197,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         prof,
         buckets,
         cfg,
-        _reduction(args.reduction, path),
+        _reduction(args.reduction, path, prof.meta),
         target=args.target,
         bucket_kind=args.buckets,
     )
@@ -328,8 +339,9 @@ def register(subparsers: Any) -> None:
     si.add_argument(
         "--reduction",
         default="auto",
-        help="cost of the adds: auto, cpu (measure here), none, or a bytes,seconds "
-        "table file (auto: cuda_vec_add.log beside a .bk.log, else cpu)",
+        help="cost of the adds: auto, cpu (measure now), none, or a bytes,seconds "
+        "table file (auto: cuda_vec_add.log beside a .bk.log, else the table measured "
+        "at profile time)",
     )
     si.add_argument(
         "--codec-ns-per-byte",
@@ -340,7 +352,8 @@ def register(subparsers: Any) -> None:
     si.add_argument(
         "--measure-codec",
         action="store_true",
-        help="measure the compute of thinwire's 1-bit allreduce here and charge it",
+        help="charge the compute of thinwire's 1-bit allreduce (measured at profile "
+        "time, else now)",
     )
     si.add_argument(
         "--iteration-ms", type=float, default=None, help="override the single-worker iteration time"
