@@ -105,7 +105,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for r in rows:
         print(
             f"{fmt_bytes(r['size_bytes']):>10s} {fmt_time(r['time_s']):>10s} "
-            f"{fmt_rate(r['busbw_gbps']):>14s} {fmt_time(fit.predict(r['size_bytes'])):>10s}"
+            # The benchmark reports GB/s (the nccl-tests unit); links are sold in Gbit/s.
+            f"{fmt_rate(8 * r['busbw_gbps']):>14s} {fmt_time(fit.predict(r['size_bytes'])):>10s}"
         )
     print(
         f"fit: alpha {fmt_time(fit.alpha_s)} per allreduce "
