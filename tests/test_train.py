@@ -111,3 +111,31 @@ def test_old_checkpoints_are_pruned(tmp_path: Path) -> None:
     kept = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert kept == ["step-00000003", "step-00000004"]
     assert ckpt.latest_step(out) == 4
+
+
+def _train_peers(rank: int, world: int, cfgs: list[TrainConfig]) -> list[dict]:
+    from thinwire.comm.accounting import COUNTER
+
+    out = []
+    for cfg in cfgs:
+        COUNTER.reset()
+        out.append(train(cfg))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_pytorch_peer_hooks_train_in_sync_and_send_less(tmp_path: Path) -> None:
+    """The peers a PyTorch user would pick (fp16 hook, PowerSGD) run in the same trainer
+    and their bytes land on the same ledger as the fp32 baseline's."""
+    cfgs = [
+        tiny_config(tmp_path / algo, algo=algo, steps=8, extra={"powersgd_start": 2})
+        for algo in ("adamw", "adamw-fp16", "adamw-powersgd")
+    ]
+    per_rank = spawn(_train_peers, 2, (cfgs,), timeout_s=200)
+    fp32, fp16, psgd = per_rank[0]
+    for i in range(3):
+        assert per_rank[0][i]["param_sha256"] == per_rank[1][i]["param_sha256"]
+        assert per_rank[0][i]["final_val_loss"] < 5.0  # it learned something from ln(256)=5.5
+    assert fp16["comm_bytes"] == fp32["comm_bytes"] // 2
+    assert 0 < psgd["comm_bytes"] < fp32["comm_bytes"] / 2
+    assert "ddp.powersgd" in psgd["comm_by_op"]

@@ -53,16 +53,27 @@ class Strategy:
     """Whether the trainer's warmup+cosine schedule drives ``optimizer``'s learning rate."""
 
 
-def _adamw(model: nn.Module, cfg: TrainConfig) -> Strategy:
-    """Data parallel baseline: DDP's gradient allreduce (fp32, accounted) and AdamW."""
+def _ddp_adamw(
+    model: nn.Module,
+    cfg: TrainConfig,
+    hook: Any = allreduce_hook,
+    state: Any = None,
+    bucket_cap_mb: float | None = None,
+) -> Strategy:
+    """AdamW on a DDP-wrapped model whose gradients travel through ``hook``."""
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
     )
     if world_size() == 1:
         return Strategy(model=model, optimizer=opt)
-    ddp = DDP(model)
-    ddp.register_comm_hook(None, allreduce_hook)
+    ddp = DDP(model) if bucket_cap_mb is None else DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp.register_comm_hook(state, hook)
     return Strategy(model=ddp, optimizer=opt)
+
+
+def _adamw(model: nn.Module, cfg: TrainConfig) -> Strategy:
+    """Data parallel baseline: DDP's gradient allreduce (fp32, accounted) and AdamW."""
+    return _ddp_adamw(model, cfg)
 
 
 def _lamb_metrics(opt: Any) -> Callable[[], dict[str, float]]:
@@ -110,8 +121,35 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
     return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
 
 
+def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
+    """DDP+AdamW with one of PyTorch's own compression hooks: the peers a PyTorch user
+    would reach for (fp16 casting, PowerSGD rank ``extra["powersgd_rank"]``, default 4)."""
+
+    def make(model: nn.Module, cfg: TrainConfig) -> Strategy:
+        from thinwire.comm.peer_hooks import fp16_hook, make_powersgd_state, powersgd_hook
+
+        if kind == "fp16":
+            return _ddp_adamw(model, cfg, fp16_hook)
+        state = make_powersgd_state(
+            rank=int(cfg.extra.get("powersgd_rank", 4)),
+            start_iter=int(cfg.extra.get("powersgd_start", 10)),
+        )
+        # PowerSGD chains allreduces in future callbacks; on gloo, callbacks of different
+        # buckets may issue theirs in different orders on different ranks (a collective
+        # mismatch), so the model's gradients go in one bucket there.
+        one_bucket = 1024.0 if next(model.parameters()).device.type == "cpu" else None
+        return _ddp_adamw(model, cfg, powersgd_hook, state, bucket_cap_mb=one_bucket)
+
+    return make
+
+
 ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], str]] = {
     "adamw": (_adamw, "PyTorch DDP (fp32 gradient allreduce) with AdamW: the baseline"),
+    "adamw-fp16": (_adamw_with_hook("fp16"), "DDP+AdamW with PyTorch's fp16 compression hook"),
+    "adamw-powersgd": (
+        _adamw_with_hook("powersgd"),
+        "DDP+AdamW with PyTorch's PowerSGD hook (rank 4)",
+    ),
     "lamb": (_lamb, "LAMB, fp32 gradient allreduce (one fused buffer per step)"),
     "onebit-adam": (_onebit_adam, "1-bit Adam: fp32 warmup, then 1-bit compressed momentum"),
     "onebit-lamb": (_onebit_lamb, "1-bit LAMB: fp32 warmup, then 1-bit compressed momentum"),
