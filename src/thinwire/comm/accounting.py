@@ -22,12 +22,12 @@ import threading
 from dataclasses import dataclass, field
 
 __all__ = [
-    "OpStats",
-    "ByteCounter",
     "COUNTER",
+    "ByteCounter",
+    "OpStats",
+    "gather_bytes",
     "record",
     "ring_allreduce_bytes",
-    "gather_bytes",
 ]
 
 

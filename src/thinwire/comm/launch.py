@@ -34,12 +34,12 @@ import torch.multiprocessing as mp
 
 __all__ = [
     "DistributedError",
-    "launched_by_torchrun",
     "default_backend",
-    "init_from_env",
     "free_port",
-    "spawn",
+    "init_from_env",
+    "launched_by_torchrun",
     "rank",
+    "spawn",
     "world_size",
 ]
 
