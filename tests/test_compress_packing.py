@@ -88,3 +88,33 @@ def test_scratch_and_out_buffers_are_used() -> None:
     res = pack_bits(bits, out=out, scratch=scratch)
     assert res.data_ptr() == out.data_ptr()
     np.testing.assert_array_equal(out.numpy(), np.packbits(bits.numpy()))
+
+
+def test_pack_bits_of_unaligned_and_strided_views() -> None:
+    bits = torch.rand(200) < 0.5
+    for view in (bits[3:67], bits[::2][:64], bits[8:72]):
+        np.testing.assert_array_equal(pack_bits(view).numpy(), np.packbits(view.numpy()))
+
+
+def test_unpack_bits_into_out() -> None:
+    raw = torch.randint(0, 256, (16,), dtype=torch.uint8)
+    expected = np.unpackbits(raw.numpy()).astype(bool)
+    direct = torch.empty(128, dtype=torch.bool)
+    assert unpack_bits(raw, out=direct) is direct
+    np.testing.assert_array_equal(direct.numpy(), expected)
+    short = torch.empty(100, dtype=torch.uint8)
+    unpack_bits(raw, 100, out=short)
+    np.testing.assert_array_equal(short.numpy(), expected[:100])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_packing_matches_cpu() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(10_000, generator=gen)
+    bits = x >= 0
+    assert torch.equal(pack_bits(bits.cuda()).cpu(), pack_bits(bits))
+    assert torch.equal(pack_signs(x[:9_992].cuda()).cpu(), pack_signs(x[:9_992]))
+    packed = pack_bits(bits)
+    assert torch.equal(unpack_bits(packed.cuda(), 10_000).cpu(), unpack_bits(packed, 10_000))
+    scale = torch.tensor(0.25)
+    assert torch.equal(unpack_signs(packed.cuda(), scale.cuda()).cpu(), unpack_signs(packed, scale))

@@ -218,3 +218,15 @@ def test_wire_bytes_formula() -> None:
     n = 16 * 2**20
     fp32_ring = 2 * 3 * 4 * n // 4
     assert fp32_ring / onebit_wire_bytes(n, 4) == pytest.approx(32, rel=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compute_matches_cpu() -> None:
+    x = torch.randn(4099)
+    cpu = OneBitAllreduce.compute_only(4)
+    gpu = OneBitAllreduce.compute_only(4)
+    for _ in range(3):  # error feedback state carried on the device too
+        a = cpu(x)
+        b = gpu(x.cuda())
+        assert b.is_cuda
+        torch.testing.assert_close(b.cpu(), a)

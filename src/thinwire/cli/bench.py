@@ -130,6 +130,41 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """'10M' -> 10_000_000 elements (decimal units, as element counts usually are)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", text)
+    if not m:
+        raise ConfigError(f"cannot read element count {text!r}; use e.g. 1000000, 10M")
+    return int(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]
+
+
+def run_packing(args: argparse.Namespace) -> int:
+    numels = [_count(t) for t in args.numel.split(",") if t.strip()]
+    if not numels or any(n < 8 for n in numels):
+        raise ConfigError(f"--numel needs counts of at least 8 elements, got {args.numel!r}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(f"torch intra-op threads: {torch.get_num_threads()} (numpy: 1)")
+    print(
+        f"{'op':>13} {'elements':>11} {'numpy ms':>9} {'torch ms':>9} {'reuse ms':>9} "
+        f"{'np/torch':>9} {'np/reuse':>9}"
+    )
+    for r in bench.run_packing_bench(numels, args.repeats):
+        print(
+            f"{r['op']:>13} {r['numel']:>11} {r['numpy_s'] * 1e3:>9.2f} "
+            f"{r['torch_s'] * 1e3:>9.2f} {r['torch_reuse_s'] * 1e3:>9.2f} "
+            f"{r['speedup']:>8.2f}x {r['speedup_reuse']:>8.2f}x"
+        )
+    for n in numels:
+        c = bench.run_onebit_compute_bench(n, args.world, args.repeats)
+        print(
+            f"1-bit allreduce compute only, {n} fp32 elements, {args.world} ranks: "
+            f"{c['compute_s'] * 1e3:.1f} ms = {c['passes']:.1f} passes "
+            f"(one fp32 copy: {c['copy_s'] * 1e3:.1f} ms)"
+        )
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="measure collectives")
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
@@ -165,3 +200,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=3600.0, help="seconds before local ranks are stopped"
     )
     p.set_defaults(func=run)
+
+    q = sub.add_parser(
+        "packing",
+        help="bit packing vs numpy, and the compute cost of one 1-bit allreduce",
+        description=(
+            "Time torch bit packing/unpacking against numpy.packbits/unpackbits on the same "
+            "data, and one whole 1-bit allreduce without the network (in passes over memory)."
+        ),
+    )
+    q.add_argument("--numel", default="10M,100M", help="element counts (default 10M,100M)")
+    q.add_argument("--repeats", type=int, default=5, help="timed calls per point (default 5)")
+    q.add_argument("--world", type=int, default=4, help="ranks simulated in the 1-bit compute")
+    q.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    q.set_defaults(func=run_packing)

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,6 +45,7 @@ from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.comm.onebit_allreduce import OneBitAllreduce, onebit_wire_bytes
 from thinwire.compress.cast import BF16, FP16, CastCompressor
+from thinwire.compress.packing import pack_bits, pack_signs, unpack_bits, unpack_signs
 from thinwire.errors import ConfigError
 
 __all__ = [
@@ -52,6 +54,8 @@ __all__ = [
     "matrix_shape",
     "plot_times",
     "run_allreduce_bench",
+    "run_onebit_compute_bench",
+    "run_packing_bench",
     "write_json",
 ]
 
@@ -337,3 +341,112 @@ def plot_times(rows: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median time of each function, calling them in turn so they share the same noise."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_packing_bench(numels: Sequence[int], repeats: int = 5) -> list[dict[str, Any]]:
+    """Bit packing and unpacking in torch vs numpy on the same data (single process, CPU).
+
+    Four operations, each with numpy's natural spelling as the peer:
+
+    * ``pack_bits``: bool -> bytes, vs ``np.packbits(bits)``;
+    * ``unpack_bits``: bytes -> bool, vs ``np.unpackbits(packed)``;
+    * ``pack_signs``: fp32 -> sign bytes, vs ``np.packbits(x >= 0)``;
+    * ``unpack_signs``: bytes -> fp32 ``+-s``, vs ``unpackbits(p).astype(f32) * 2s - s``
+      (the fastest numpy spelling we found; ``np.where`` and table lookups are slower).
+
+    ``torch_s`` allocates its outputs like numpy does; ``torch_reuse_s`` passes ``out=``
+    and scratch buffers, as the compressed allreduce does. Runs with torch's current
+    intra-op thread count (``threads`` in the row); numpy is single-threaded.
+    """
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for n in numels:
+        for op, fns in _packing_cases(n - n % 8, gen).items():
+            med = _interleaved_medians(fns, repeats)
+            rows.append(
+                {
+                    "op": op,
+                    "numel": n - n % 8,
+                    "threads": torch.get_num_threads(),
+                    "numpy_s": med["numpy"],
+                    "torch_s": med["torch"],
+                    "torch_reuse_s": med["reuse"],
+                    "speedup": med["numpy"] / med["torch"],
+                    "speedup_reuse": med["numpy"] / med["reuse"],
+                }
+            )
+    return rows
+
+
+def _packing_cases(n: int, gen: torch.Generator) -> dict[str, dict[str, Callable[[], Any]]]:
+    x = torch.randn(n, generator=gen)
+    bits = x >= 0
+    packed = pack_bits(bits)
+    xn, bn, pn = x.numpy(), bits.numpy(), packed.numpy()
+    scale = np.float32(0.5)
+    out_b = torch.empty(n // 8, dtype=torch.uint8)
+    scratch = torch.empty(n, dtype=torch.uint8)
+    out_bits = torch.empty(n, dtype=torch.bool)
+    out_f = torch.empty(n)
+    ts = torch.tensor(0.5)
+    return {
+        "pack_bits": {
+            "numpy": lambda: np.packbits(bn),
+            "torch": lambda: pack_bits(bits),
+            "reuse": lambda: pack_bits(bits, out=out_b, scratch=scratch),
+        },
+        "unpack_bits": {
+            "numpy": lambda: np.unpackbits(pn),
+            "torch": lambda: unpack_bits(packed),
+            "reuse": lambda: unpack_bits(packed, out=out_bits),
+        },
+        "pack_signs": {
+            "numpy": lambda: np.packbits(xn >= 0),
+            "torch": lambda: pack_signs(x),
+            "reuse": lambda: pack_signs(x, out=out_b, scratch=scratch),
+        },
+        "unpack_signs": {
+            "numpy": lambda: np.unpackbits(pn).astype(np.float32) * (2 * scale) - scale,
+            "torch": lambda: unpack_signs(packed, ts),
+            "reuse": lambda: unpack_signs(packed, ts, out=out_f),
+        },
+    }
+
+
+def run_onebit_compute_bench(numel: int, world_size: int, repeats: int = 5) -> dict[str, Any]:
+    """Time one whole 1-bit allreduce of ``numel`` fp32 without the network, in passes.
+
+    Runs :meth:`OneBitAllreduce.compute_only` (rank 0's complete share of the work for
+    ``world_size`` ranks) and, interleaved, one ``copy_`` of the buffer (a "pass": read
+    and write ``4 * numel`` bytes). ``passes = compute_s / copy_s`` says how many plain
+    passes over memory the compression costs.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen)
+    out = torch.empty_like(x)
+    dst = torch.empty_like(x)
+    allreduce = OneBitAllreduce.compute_only(world_size)
+    med = _interleaved_medians(
+        {"onebit": lambda: allreduce(x, out=out), "copy": lambda: dst.copy_(x)}, repeats
+    )
+    return {
+        "numel": numel,
+        "world_size": world_size,
+        "threads": torch.get_num_threads(),
+        "compute_s": med["onebit"],
+        "copy_s": med["copy"],
+        "passes": med["onebit"] / med["copy"],
+    }

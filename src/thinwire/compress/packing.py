@@ -119,6 +119,10 @@ def pack_bits(
     if scratch is None:
         scratch = torch.empty(nbytes * 8, dtype=torch.uint8, device=flat.device)
     scratch = scratch[: nbytes * 8]
+    if n % 8 == 0 and flat.is_contiguous() and flat.storage_offset() % 8 == 0:
+        # One out-of-place multiply instead of a copy and an in-place one.
+        torch.mul(flat.view(torch.int64), _GATHER_MSB_FIRST, out=scratch.view(torch.int64))
+        return out[:nbytes].copy_(scratch.view(-1, 8)[:, 7])
     scratch[:n].copy_(flat)
     scratch[n:].zero_()
     return _pack_words_(scratch, out[:nbytes])
@@ -127,7 +131,11 @@ def pack_bits(
 def unpack_bits(
     packed: torch.Tensor, numel: int | None = None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: a bool tensor of ``numel`` (default ``8*len``) bits."""
+    """Inverse of :func:`pack_bits`: a bool tensor of ``numel`` (default ``8*len``) bits.
+
+    ``out``: optional bool/uint8 tensor of ``numel`` elements; written directly (no
+    intermediate) when it is contiguous and holds exactly ``8*len(packed)`` elements.
+    """
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_bits expects uint8, got {packed.dtype}")
     packed = packed.reshape(-1)
@@ -135,9 +143,21 @@ def unpack_bits(
     numel = total if numel is None else numel
     if not 0 <= numel <= total:
         raise ValueError(f"cannot unpack {numel} bits from {packed.numel()} bytes")
-    words = torch.empty(packed.numel(), dtype=torch.int64, device=packed.device)
+    direct = (
+        out is not None
+        and out.dtype in (torch.bool, torch.uint8)
+        and out.is_contiguous()
+        and out.numel() == total
+        and out.storage_offset() % 8 == 0
+    )
+    if direct:
+        words = out.view(torch.uint8).view(-1).view(torch.int64)
+    else:
+        words = torch.empty(packed.numel(), dtype=torch.int64, device=packed.device)
     # index_select takes int32/int64 indices; uint8 indexing would mean a mask.
     torch.index_select(_bits_table(packed.device), 0, packed.to(torch.int32), out=words)
+    if direct:
+        return out  # type: ignore[return-value]
     bits = words.view(torch.uint8).view(torch.bool)[:numel]
     if out is not None:
         out.reshape(-1).copy_(bits)
