@@ -167,3 +167,27 @@ def test_single_worker_and_no_gradients_communicate_nothing() -> None:
 def test_impossible_networks_are_rejected(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         NetworkConfig(**kwargs)
+
+
+@needs_golden
+def test_study_needs_are_those_of_plain_ddp_and_alternatives_are_priced() -> None:
+    from thinwire.analysis import run_study
+
+    add = read_vec_add_table(GOLDEN / "cuda_vec_add.log")
+    prof = read_bklog(GOLDEN / "resnet50.bk.log")
+    b = horovod_buckets(prof)
+    ring = NetworkConfig(workers=64, bandwidth_gbps=10)
+    onebit = NetworkConfig(
+        workers=64, bandwidth_gbps=10, scheme="onebit", overlap=False, codec_s_per_byte=1e-10
+    )
+    s_ring = run_study(prof, b, ring, add, onebit_codec_s_per_byte=1e-10)
+    s_one = run_study(prof, b, onebit, add)
+    assert s_one["needed"] == s_ring["needed"]
+    assert s_one["alternatives"] == s_ring["alternatives"]
+    names = [a["name"] for a in s_ring["alternatives"]]
+    assert names[0].startswith("fp32") and any(n.startswith("1-bit Adam") for n in names)
+    fp32 = s_ring["alternatives"][0]
+    assert fp32["scaling_factor"] == pytest.approx(s_ring["result"]["scaling_factor"])
+    # Every sweep value is a scaling factor, and more bandwidth never hurts.
+    for row in s_ring["sweeps"]["sf_by_workers_gbps"]:
+        assert all(0 < v <= 1 for v in row) and row == sorted(row)

@@ -143,7 +143,7 @@ def measure_codec_cost(
     nbytes: int = 4 * 2**20,
     world_size: int = 8,
     device: str | torch.device = "cpu",
-    repeats: int = 5,
+    repeats: int = 10,
 ) -> float:
     """Seconds per input byte of the compute of thinwire's 1-bit allreduce.
 

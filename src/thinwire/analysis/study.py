@@ -50,22 +50,36 @@ def _sf(profile: Profile, buckets: list[Bucket], cfg: NetworkConfig, add: AddCos
     return simulate(profile, buckets, cfg, add).scaling_factor
 
 
+def _plain(cfg: NetworkConfig) -> NetworkConfig:
+    # Plain DDP on the same network: fp32 ring, overlapped, no codec. A codec cost the
+    # user gave for a ring compressor is kept; the 1-bit scheme's is not a ring's.
+    codec = 0.0 if cfg.scheme == "onebit" else cfg.codec_s_per_byte
+    overlap = True if cfg.scheme == "onebit" else cfg.overlap
+    return replace(
+        cfg,
+        scheme="ring",
+        compression=1.0,
+        local_steps=1,
+        codec_s_per_byte=codec,
+        overlap=overlap,
+    )
+
+
 def _alternatives(
     profile: Profile,
     buckets: list[Bucket],
     cfg: NetworkConfig,
     add: AddCost,
     local_steps: int | None,
+    onebit_codec: float,
 ) -> list[dict[str, Any]]:
-    ring = replace(cfg, scheme="ring", compression=1.0, local_steps=1)
+    ring = _plain(cfg)
+    onebit = replace(ring, scheme="onebit", codec_s_per_byte=onebit_codec)
     options: list[tuple[str, NetworkConfig]] = [
         ("fp32 allreduce (plain DDP)", ring),
         ("fp16/bf16 allreduce (2x)", replace(ring, compression=2.0)),
-        ("1-bit allreduce, overlapped (comm hook)", replace(ring, scheme="onebit")),
-        (
-            "1-bit Adam/LAMB (1-bit, after backward)",
-            replace(ring, scheme="onebit", overlap=False),
-        ),
+        ("1-bit allreduce, overlapped (comm hook)", onebit),
+        ("1-bit Adam/LAMB (1-bit, after backward)", replace(onebit, overlap=False)),
     ]
     hs = sorted({h for h in (4, 16, local_steps) if h is not None and h > 1})
     options += [
@@ -86,16 +100,25 @@ def run_study(
     *,
     target: float = 0.9,
     bucket_kind: str = "ddp",
+    onebit_codec_s_per_byte: float | None = None,
     workers_sweep: list[int] | None = None,
     gbps_sweep: list[float] | None = None,
     ratio_sweep: list[float] | None = None,
 ) -> dict[str, Any]:
-    """Simulate ``cfg``, invert it for ``target``, price alternatives, sweep the grids."""
+    """Simulate ``cfg``, invert it for ``target``, price alternatives, sweep the grids.
+
+    The needed compression, bandwidth and Local-SGD period are those of plain DDP on
+    the same network (fp32 ring; overlapped when ``cfg`` is a 1-bit scheme).
+    ``onebit_codec_s_per_byte`` prices the 1-bit alternatives' compute (default: the
+    configured codec cost if ``cfg`` is 1-bit, else 0).
+    """
     add = add if add is not None else AddCost.zero()
     if not 0 < target <= 1:
         raise ConfigError(f"target scaling factor must be in (0, 1], got {target}")
     base = simulate(profile, buckets, cfg, add)
-    ring = replace(cfg, scheme="ring", compression=1.0)
+    ring = _plain(cfg)
+    if onebit_codec_s_per_byte is None:
+        onebit_codec_s_per_byte = cfg.codec_s_per_byte if cfg.scheme == "onebit" else 0.0
     need_c = required_compression(profile, buckets, ring, target, add)
     need_b = required_bandwidth(profile, buckets, ring, target, add)
     need_h = required_local_steps(profile, buckets, ring, target, add)
@@ -140,7 +163,8 @@ def run_study(
                 profile, buckets, replace(ring, compression=math.inf), add
             ),
         },
-        "alternatives": _alternatives(profile, buckets, cfg, add, need_h),
+        "alternatives": _alternatives(profile, buckets, cfg, add, need_h, onebit_codec_s_per_byte),
+        "onebit_codec_s_per_byte": onebit_codec_s_per_byte,
         "sweeps": {
             "workers": workers,
             "gbps": gbps,

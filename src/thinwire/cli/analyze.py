@@ -174,9 +174,12 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
         alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
     codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
+    saved = prof.meta.get("onebit_codec_s_per_byte")
+    onebit_codec = float(saved) if saved is not None else None
     if args.measure_codec:
-        saved = prof.meta.get("onebit_codec_s_per_byte")
-        codec = float(saved) if saved is not None else measure_codec_cost(world_size=4)
+        if onebit_codec is None:
+            onebit_codec = measure_codec_cost(world_size=4)
+        codec = onebit_codec
     cfg = NetworkConfig(
         workers=args.workers,
         bandwidth_gbps=bandwidth if bandwidth is not None else 10.0,
@@ -201,6 +204,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         _reduction(args.reduction, path, prof.meta),
         target=args.target,
         bucket_kind=args.buckets,
+        onebit_codec_s_per_byte=onebit_codec,
     )
     study["profile_path"] = str(path)
     res = study["result"]
