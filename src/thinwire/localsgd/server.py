@@ -1,0 +1,307 @@
+"""The parameter server of asynchronous Local-SGD, free of any transport or clock.
+
+:class:`ServerCore` holds the global parameters theta (one flat fp32 vector), the outer
+optimizer, the DyLU speed table and the shard book, and decides *what* happens; the
+multi-process runtime (:mod:`thinwire.localsgd.async_runtime`) and the virtual-clock
+simulator (:mod:`thinwire.localsgd.simulator`) only decide *when*: they call
+:meth:`~ServerCore.join`, :meth:`~ServerCore.submit`, :meth:`~ServerCore.due` and
+:meth:`~ServerCore.work_for` with the current time (wall or virtual), so a simulation
+runs exactly the code a real run does.
+
+Mechanics (Liu et al., 2024, https://arxiv.org/abs/2401.09135):
+
+* Each pseudo-gradient is applied on arrival, one at a time, by the outer optimizer
+  (Delayed Nesterov with ``N`` = live workers, or naive Nesterov).
+* **Grace period** ``grace_s``: a worker that arrives waits up to ``grace_s`` after the
+  first waiting arrival; everyone who arrived by then is applied in turn and restarts
+  from the same theta. 0 answers at once. ``sync=True`` waits for *all* live workers
+  instead, which with Delayed Nesterov (N = W, c = 0) is exactly synchronous DiLoCo.
+* **Budget**: the run ends after ``total_steps`` inner steps have been handed out and
+  returned; rounds are capped so the total is met exactly.
+* **Versions and epochs**: every theta sent out is tagged ``(epoch, version)``. A server
+  restored from a checkpoint starts a new epoch, and rejects updates tagged with an
+  older epoch: they were computed from parameters the restored server never had.
+* **Dead workers** (:meth:`drop`) leave DN's buffer size and DyLU's reference speed;
+  their shard is rewound and freed. A worker that shows up again is simply re-admitted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.dylu import SpeedTracker
+from thinwire.localsgd.outer import DelayedNesterov, Nesterov
+from thinwire.localsgd.shards import ShardBook
+
+__all__ = ["OUTER_CHOICES", "ServerCore", "Work"]
+
+OUTER_CHOICES = ("dn", "nesterov")
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the server tells a worker: run ``steps`` inner steps from theta ``version``."""
+
+    epoch: int
+    version: int
+    shard: int = 0
+    steps: int = 0
+    lr_clock: int = 0
+    planned: int = 1
+    stop: bool = False
+
+
+@dataclass
+class _Worker:
+    busy: bool = False
+    steps: int = 0
+    since: float = 0.0
+
+
+class ServerCore:
+    """Global parameters, outer optimizer and bookkeeping of one asynchronous run.
+
+    Args:
+        theta: initial global parameters, flattened (copied).
+        workers: W, the number of workers the run is planned for (DN's N by default).
+        local_steps: H, inner steps per round (of the fastest worker under DyLU).
+        total_steps: inner-step budget of the whole run, summed over workers.
+        shard_sizes: tokens per data shard (see :class:`ShardBook`).
+        outer: ``"dn"`` (Delayed Nesterov) or ``"nesterov"`` (naive, per arrival).
+        outer_lr, outer_momentum: outer optimizer lr and beta.
+        buffer_size: DN's N; default W. c: DN's c in ``[0, 1/N]``.
+        dylu: size rounds by measured speed (DyLU) instead of H for everyone.
+        grace_s: grace period in seconds (wall or virtual).
+        sync: wait for every live worker before answering (synchronous DiLoCo).
+    """
+
+    def __init__(
+        self,
+        theta: torch.Tensor,
+        *,
+        workers: int,
+        local_steps: int,
+        total_steps: int,
+        shard_sizes: list[int],
+        outer: str = "dn",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        buffer_size: int | None = None,
+        c: float = 0.0,
+        dylu: bool = False,
+        grace_s: float = 0.0,
+        sync: bool = False,
+        dylu_ema: float = 0.5,
+    ) -> None:
+        if workers < 1:
+            raise ConfigError(f"asynchronous Local-SGD needs >= 1 worker, got {workers}")
+        if local_steps < 1:
+            raise ConfigError(f"local steps H must be >= 1, got {local_steps}")
+        if total_steps < 1:
+            raise ConfigError(f"total inner steps must be >= 1, got {total_steps}")
+        if grace_s < 0 or not math.isfinite(grace_s):
+            raise ConfigError(f"grace period must be a finite number >= 0, got {grace_s}")
+        if outer not in OUTER_CHOICES:
+            raise ConfigError(f"unknown outer optimizer {outer!r}; choose one of {OUTER_CHOICES}")
+        self.theta = torch.nn.Parameter(theta.detach().reshape(-1).float().clone())
+        self.n_buffer = workers if buffer_size is None else buffer_size
+        self.opt: torch.optim.Optimizer
+        if outer == "dn":
+            self.opt = DelayedNesterov(
+                [self.theta], lr=outer_lr, momentum=outer_momentum, buffer_size=self.n_buffer, c=c
+            )
+        else:
+            self.opt = Nesterov([self.theta], lr=outer_lr, momentum=outer_momentum)
+        self.workers = workers
+        self.local_steps = local_steps
+        self.total_steps = total_steps
+        self.use_dylu = dylu
+        self.grace_s = grace_s
+        self.sync = sync
+        self.speeds = SpeedTracker(local_steps, ema=dylu_ema)
+        self.shards = ShardBook(shard_sizes, total_steps)
+        self.epoch = 0
+        self.version = 0
+        self.steps_applied = 0
+        self.steps_assigned = 0
+        self.updates_applied = 0
+        self.updates_rejected = 0
+        self.live: dict[int, _Worker] = {}
+        self.dead: set[int] = set()
+        self.retired: set[int] = set()
+        self.waiting: list[int] = []
+        self.deadline: float | None = None
+
+    # --- membership --------------------------------------------------------------------
+    def join(self, worker: int, now: float) -> None:
+        """``worker`` (new or restarted) wants parameters."""
+        self._admit(worker)
+        self._wait(worker, now)
+
+    def drop(self, worker: int) -> None:
+        """``worker`` is dead: forget its round, its speed and its place in DN's buffer."""
+        info = self.live.pop(worker, None)
+        if info is None:
+            return
+        if info.busy:
+            self.steps_assigned -= info.steps
+            self.shards.release(worker, completed=False)
+        self.speeds.remove(worker)
+        if worker in self.waiting:
+            self.waiting.remove(worker)
+        self.dead.add(worker)
+        self._resize_buffer()
+
+    def _admit(self, worker: int) -> None:
+        if worker not in self.live:
+            self.live[worker] = _Worker()
+            self.retired.discard(worker)
+            if worker in self.dead:
+                self.dead.discard(worker)
+                self._resize_buffer()
+
+    def _resize_buffer(self) -> None:
+        if isinstance(self.opt, DelayedNesterov):
+            self.opt.set_buffer_size(max(1, self.n_buffer - len(self.dead)))
+
+    def _wait(self, worker: int, now: float) -> None:
+        if worker not in self.waiting:
+            self.waiting.append(worker)
+        if self.deadline is None:
+            self.deadline = now + self.grace_s
+
+    # --- updates -----------------------------------------------------------------------
+    @torch.no_grad()
+    def submit(
+        self,
+        worker: int,
+        epoch: int,
+        pseudo_grad: torch.Tensor,
+        steps: int,
+        seconds_per_step: float,
+        now: float,
+    ) -> bool:
+        """Apply ``worker``'s pseudo-gradient unless it is stale; True if applied."""
+        known = worker in self.live
+        self._admit(worker)
+        info = self.live[worker]
+        was_busy, info.busy = info.busy, False
+        if epoch != self.epoch:
+            # Computed from a theta of another server epoch (before a restored checkpoint).
+            self.updates_rejected += 1
+            if was_busy:
+                self.steps_assigned -= info.steps
+                self.shards.release(worker, completed=False)
+            self._wait(worker, now)
+            return False
+        if pseudo_grad.numel() != self.theta.numel():
+            raise ConfigError(
+                f"worker {worker} sent {pseudo_grad.numel()} parameters, the server holds "
+                f"{self.theta.numel()}: the models differ"
+            )
+        if not (known and was_busy):
+            self.steps_assigned += steps  # a worker presumed dead came back with its round
+        self.shards.release(worker, completed=True)
+        self.theta.grad = pseudo_grad.reshape(-1).to(self.theta.dtype)
+        self.opt.step()
+        self.theta.grad = None
+        self.version += 1
+        self.updates_applied += 1
+        self.steps_applied += steps
+        self.speeds.report(worker, seconds_per_step)
+        self._wait(worker, now)
+        return True
+
+    # --- scheduling --------------------------------------------------------------------
+    def due(self, now: float) -> list[int]:
+        """Workers to answer now (their grace period is over, or the sync barrier is met)."""
+        if not self.waiting:
+            return []
+        if self.sync:
+            if any(w.busy for w in self.live.values()):
+                return []
+        elif self.deadline is None or now < self.deadline:
+            return []
+        out, self.waiting, self.deadline = self.waiting, [], None
+        return out
+
+    def work_for(self, worker: int, now: float) -> Work:
+        """The next round for ``worker``, or a stop order once the budget is handed out."""
+        remaining = self.total_steps - self.steps_assigned
+        if remaining <= 0 or worker not in self.live:
+            self.live.pop(worker, None)
+            self.retired.add(worker)
+            return Work(self.epoch, self.version, stop=True)
+        steps = self.speeds.steps(worker) if self.use_dylu else self.local_steps
+        steps = min(steps, remaining)
+        shard, clock = self.shards.take(worker, steps)
+        info = self.live[worker]
+        info.busy, info.steps, info.since = True, steps, now
+        self.steps_assigned += steps
+        return Work(self.epoch, self.version, shard, steps, clock, self.shards.planned[shard])
+
+    def overdue(self, now: float, factor: float, floor_s: float) -> list[int]:
+        """Busy workers silent for ``max(floor_s, factor * expected round time)``."""
+        out = []
+        for w, info in self.live.items():
+            if not info.busy:
+                continue
+            expected = self.speeds.expected_round_s(w, info.steps)
+            limit = floor_s if expected is None else max(floor_s, factor * expected)
+            if now - info.since > limit:
+                out.append(w)
+        return out
+
+    @property
+    def busy(self) -> int:
+        return sum(1 for w in self.live.values() if w.busy)
+
+    @property
+    def finished(self) -> bool:
+        """The budget is handed out and every live round has come back."""
+        return self.steps_assigned >= self.total_steps and self.busy == 0
+
+    # --- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """theta, outer state (m, Delta, t), versions, shard progress and lr clocks, speeds."""
+        return {
+            "theta": self.theta.detach().clone(),
+            "outer": self.opt.state_dict(),
+            "outer_kind": type(self.opt).__name__,
+            "epoch": self.epoch,
+            "version": self.version,
+            "steps_applied": self.steps_applied,
+            "updates_applied": self.updates_applied,
+            "updates_rejected": self.updates_rejected,
+            "shards": self.shards.state_dict(),
+            "speeds": self.speeds.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; starts a new epoch so older updates are rejected."""
+        theta = state["theta"]
+        if theta.numel() != self.theta.numel():
+            raise ConfigError(
+                f"checkpoint holds {theta.numel()} parameters, the model has {self.theta.numel()}"
+            )
+        if state["outer_kind"] != type(self.opt).__name__:
+            raise ConfigError(
+                f"checkpoint was written with outer optimizer {state['outer_kind']}, "
+                f"this run uses {type(self.opt).__name__}"
+            )
+        with torch.no_grad():
+            self.theta.copy_(theta)
+        self.opt.load_state_dict(state["outer"])
+        self._resize_buffer()
+        self.epoch = int(state["epoch"]) + 1
+        self.version = int(state["version"])
+        self.steps_applied = self.steps_assigned = int(state["steps_applied"])
+        self.updates_applied = int(state["updates_applied"])
+        self.updates_rejected = int(state["updates_rejected"])
+        self.shards.load_state_dict(state["shards"])
+        self.speeds.load_state_dict(state["speeds"])

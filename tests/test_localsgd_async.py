@@ -1,0 +1,200 @@
+"""Asynchronous Local-SGD on real ranks: runs, survives a killed worker, resumes, rejects bad input."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from thinwire.comm.launch import DistributedError, free_port, spawn
+from thinwire.errors import ConfigError
+from thinwire.localsgd.async_runtime import run, shape_signature, work_loop
+from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.worker import LocalWorker
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import TextData
+from thinwire.train.metrics import read_metrics
+from thinwire.train.model import GPT, GPTConfig
+
+
+def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
+    base = dict(
+        algo="async-diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16,
+        steps=6, local_steps=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=3,
+        eval_sequences=8, checkpoint_interval=2, out_dir=str(out_dir), progress=False,
+        device="cpu", extra={},
+    )  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
+    return run(cfg)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("outer", "dylu", "slowdown"), [("dn", True, (1.0, 2.0)), ("nesterov", False, None)]
+)
+def test_async_run_completes(tmp_path: Path, outer: str, dylu: bool, slowdown: Any) -> None:
+    cfg = _cfg(tmp_path, outer=outer, dylu=dylu, slowdown=slowdown, compress="bf16")
+    out = spawn(_run_rank, 3, (cfg,), timeout_s=120)
+    summary = out[0]
+    assert summary["inner_steps"] == cfg.steps * 2
+    assert summary["updates_applied"] >= cfg.steps * 2 // cfg.local_steps
+    assert summary["updates_rejected"] == 0
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[0]["step"] == 0 and records[-1]["step"] == cfg.steps * 2
+    assert summary["final_val_loss"] < records[0]["val_loss"] - 0.05  # it learned something
+    assert summary["comm_by_op"]["localsgd.pull"]["calls"] >= summary["updates_applied"]
+    assert sum(w["steps"] for w in out[1:]) == cfg.steps * 2
+    assert (tmp_path / "localsgd_server.pt").exists()
+
+
+@pytest.mark.timeout(200)
+def test_resume_continues_from_checkpoint(tmp_path: Path) -> None:
+    first = spawn(_run_rank, 3, (_cfg(tmp_path, steps=4),), timeout_s=120)[0]
+    blob = torch.load(tmp_path / "localsgd_server.pt", weights_only=False)
+    assert blob["steps_applied"] == 8 and blob["epoch"] == 0
+    second = spawn(_run_rank, 3, (_cfg(tmp_path, steps=8, resume=True),), timeout_s=120)[0]
+    assert second["inner_steps"] == 16
+    assert second["updates_applied"] > first["updates_applied"]
+    blob = torch.load(tmp_path / "localsgd_server.pt", weights_only=False)
+    assert blob["epoch"] == 1 and blob["steps_applied"] == 16
+    assert blob["outer"]["state"][0]["step"] == second["updates_applied"]
+
+
+# --- a worker killed mid-run ----------------------------------------------------------------
+def _rank_main(
+    rank: int, world: int, port: int, cfg: TrainConfig, kill_rank: int, results: Any
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    if rank == kill_rank:
+        # Train like any worker, then die abruptly (no goodbye, no cleanup) after 2 rounds.
+        gcfg = cfg.gpt_config()
+        torch.manual_seed(cfg.seed)
+        data = TextData(None, gcfg.seq_len, cfg.val_fraction, cfg.seed)
+        worker = LocalWorker(
+            GPT(gcfg), data.shards(world - 1), seq_len=gcfg.seq_len, batch_size=cfg.batch_size,
+            lr=cfg.lr, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
+        )  # fmt: skip
+
+        def die(rounds: int) -> None:
+            if rounds == 2:
+                os._exit(17)
+
+        work_loop(worker, Transport(), on_round=die)
+    out = run(cfg)
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(150)
+def test_killed_worker_does_not_stop_the_run(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, steps=10, extra={"dead_after_s": 3.0})
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 4, port, cfg, 3, results)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + 120
+    try:
+        while len(got) < 3 and time.monotonic() < deadline:
+            try:
+                r, out = results.get(timeout=1)
+                got[r] = out
+            except Exception:
+                continue
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    assert procs[3].exitcode == 17
+    assert set(got) == {0, 1, 2}
+    summary = got[0]
+    assert summary["dead_workers"] == [3]
+    # The budget is met by the survivors; the dead worker's unfinished round is not counted.
+    assert summary["inner_steps"] == cfg.steps * 3
+    assert got[1]["steps"] + got[2]["steps"] + 2 * cfg.local_steps >= cfg.steps * 3
+
+
+# --- bad input: clear errors at start, never a hang ----------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"slowdown": (1.0, 2.0, 3.0)}, "slowdown lists 3 factors but there are 2 workers"),
+        ({"local_steps": 0}, "local-steps must be >= 1"),
+        ({"extra": {"c": 0.9}}, "c must be in"),
+        ({"outer": "adam"}, "unknown outer optimizer"),
+    ],
+)
+def test_bad_config_fails_fast(tmp_path: Path, kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(DistributedError, match=match):
+        spawn(_run_rank, 3, (_cfg(tmp_path, **kw),), timeout_s=100)
+
+
+def _mismatched_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
+    if rank != 2:
+        return run(cfg)
+    data = TextData(None, 16, 0.05, 0)
+    model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, n_embd=32))  # one layer too many
+    worker = LocalWorker(model, data.shards(2), seq_len=16, batch_size=2, lr=1e-3,
+                         warmup_steps=0, min_lr_ratio=0.1)  # fmt: skip
+    return work_loop(worker, Transport())
+
+
+@pytest.mark.timeout(120)
+def test_worker_with_other_model_shape_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(
+        DistributedError, match=r"worker rank 2 has a model of|the server's model has"
+    ):
+        spawn(_mismatched_rank, 3, (_cfg(tmp_path),), timeout_s=100)
+
+
+def test_shape_signature_differs() -> None:
+    a = GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, n_embd=32))
+    b = GPT(GPTConfig(seq_len=16, n_layer=1, n_head=4, n_embd=32))  # same shapes, other heads
+    c = GPT(GPTConfig(seq_len=17, n_layer=1, n_head=2, n_embd=32))
+    assert shape_signature(a) == shape_signature(b)
+    assert shape_signature(a) != shape_signature(c)
+    with pytest.raises(ConfigError):
+        TrainConfig(local_steps=0).validate()
+
+
+def _flaky_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
+    if rank != 1:
+        return run(cfg)
+    gcfg = cfg.gpt_config()
+    torch.manual_seed(cfg.seed)
+    data = TextData(None, gcfg.seq_len, cfg.val_fraction, cfg.seed)
+    worker = LocalWorker(GPT(gcfg), data.shards(world - 1), seq_len=gcfg.seq_len,
+                         batch_size=cfg.batch_size, lr=cfg.lr, warmup_steps=0, min_lr_ratio=0.1)  # fmt: skip
+
+    def fail_once(rounds: int) -> None:
+        if rounds == 2:
+            raise RuntimeError("simulated failure in round 2")
+
+    return work_loop(worker, Transport(), on_round=fail_once)
+
+
+@pytest.mark.timeout(120)
+def test_failed_worker_rejoins(tmp_path: Path) -> None:
+    out = spawn(_flaky_rank, 3, (_cfg(tmp_path, steps=8),), timeout_s=100)
+    summary, flaky, steady = out
+    assert flaky["restarts"] == 1
+    assert summary["inner_steps"] == 16 and summary["dead_workers"] == []
+    # The lost round was handed out again: the applied steps are exactly the budget.
+    assert flaky["steps"] + steady["steps"] == 16
