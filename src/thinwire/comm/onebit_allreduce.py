@@ -106,8 +106,15 @@ class _Exchange:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+
+    # Looked up at call time, so an instance made before init_process_group still works.
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
 
     def gather_meta(self, meta: torch.Tensor) -> torch.Tensor:
         out = meta.new_empty(self.world_size * meta.numel())
@@ -146,8 +153,15 @@ class _Loopback(_Exchange):
 
     def __init__(self, world_size: int) -> None:
         self.group = None
-        self.world_size = world_size
-        self.rank = 0
+        self._world_size = world_size
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        return 0
 
     def gather_meta(self, meta: torch.Tensor) -> torch.Tensor:
         return meta.reshape(1, -1).expand(self.world_size, -1)
