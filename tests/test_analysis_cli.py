@@ -66,6 +66,8 @@ def test_profile_simulate_report_chain(tmp_path: Path, capsys: pytest.CaptureFix
     p = json.loads(prof.read_text())
     assert study["profile"]["grad_bytes"] == sum(x["nbytes"] for x in p["params"])
     assert sum(study["buckets"]["nbytes"]) == study["profile"]["grad_bytes"]
+    caps = study["bucket_caps"]
+    assert caps and all(0 < c["scaling_factor"] <= 1 for c in caps)
     res = study["result"]
     assert res["scaling_factor"] == pytest.approx(
         res["iteration_s"] / (res["iteration_s"] + res["exposed_s"])

@@ -143,9 +143,9 @@ def render_report(study: dict[str, Any]) -> str:
         f"overlap {'on' if cfg['overlap'] else 'off'}",
         "",
         f"profile     iteration {fmt_time(p['iteration_s'])} on one worker "
-        f"({', '.join(x for x in parts if x)}), {p['source']}",
-        f"            {fmt_bytes(p['grad_bytes'])} of gradients in {b['count']} "
-        f"{b['kind']} buckets",
+        f"({', '.join(x for x in parts if x)})",
+        f"            {p['source']} on {p['device']}: {fmt_bytes(p['grad_bytes'])} of gradients "
+        f"in {b['count']} {b['kind']} buckets",
         f"            reductions priced by: {study['reduction']}; latency "
         f"{fmt_time(cfg['alpha_s'])} per message",
     ]
@@ -169,6 +169,13 @@ def render_report(study: dict[str, Any]) -> str:
         "",
     ]
     verdict, advice = recommend(study)
+    caps = study.get("bucket_caps") or []
+    best = max(caps, key=lambda c: c["scaling_factor"], default=None)
+    if best is not None and best["scaling_factor"] > res["scaling_factor"] + 0.01:
+        advice += (
+            f" Tuning alone helps too: DDP with bucket_cap_mb={best['cap_mb']:g} predicts SF "
+            f"{_pct(best['scaling_factor'])} (smaller buckets start during the backward pass)."
+        )
     for label, text in (("verdict", verdict), ("fix", advice)):
         lines += textwrap.wrap(
             text, width=WIDTH, initial_indent=f"{label:12s}", subsequent_indent=" " * 12

@@ -19,7 +19,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from thinwire.analysis.buckets import Bucket
+from thinwire.analysis.buckets import Bucket, ddp_buckets
 from thinwire.analysis.costs import AddCost
 from thinwire.analysis.profile import Profile
 from thinwire.analysis.simulate import (
@@ -37,6 +37,7 @@ SIMULATION_FORMAT = "thinwire.simulation/1"
 STANDARD_GBPS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 25, 40, 100, 200, 400)
 STANDARD_RATIOS = (1, 1.5, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 1024)
 STANDARD_WORKERS = (2, 4, 8, 16, 32, 64)
+STANDARD_CAPS_MB = (0.25, 0.5, 1, 2, 4, 8, 16, 25, 64, 256)
 
 
 def sweep_values(base: float, standard: tuple[float, ...], span: float) -> list[float]:
@@ -63,6 +64,15 @@ def _plain(cfg: NetworkConfig) -> NetworkConfig:
         codec_s_per_byte=codec,
         overlap=overlap,
     )
+
+
+def _cap_sweep(profile: Profile, cfg: NetworkConfig, add: AddCost) -> list[dict[str, float]]:
+    # DDP's bucket cap trades overlap (small buckets start early) against per-message
+    # latency; the report suggests a cap when one alone reaches the target.
+    return [
+        {"cap_mb": cap, "scaling_factor": _sf(profile, ddp_buckets(profile, cap), cfg, add)}
+        for cap in STANDARD_CAPS_MB
+    ]
 
 
 def _alternatives(
@@ -165,6 +175,7 @@ def run_study(
         },
         "alternatives": _alternatives(profile, buckets, cfg, add, need_h, onebit_codec_s_per_byte),
         "onebit_codec_s_per_byte": onebit_codec_s_per_byte,
+        "bucket_caps": _cap_sweep(profile, cfg, add) if bucket_kind in ("ddp", "observed") else [],
         "sweeps": {
             "workers": workers,
             "gbps": gbps,
