@@ -191,3 +191,23 @@ def test_study_needs_are_those_of_plain_ddp_and_alternatives_are_priced() -> Non
     # Every sweep value is a scaling factor, and more bandwidth never hurts.
     for row in s_ring["sweeps"]["sf_by_workers_gbps"]:
         assert all(0 < v <= 1 for v in row) and row == sorted(row)
+
+
+def test_report_names_frozen_parameters_and_handles_nothing_to_send() -> None:
+    from thinwire.analysis import ddp_buckets, render_report, run_study
+
+    prof = Profile(
+        "m",
+        0.1,
+        0.05,
+        [ParamTiming("w", 0, 4_000_000, ready_s=0.05), ParamTiming("f", 1, 400, ready_s=None)],
+    )
+    cfg = NetworkConfig(workers=4, bandwidth_gbps=0.1)
+    text = render_report(run_study(prof, ddp_buckets(prof), cfg))
+    assert "1 parameters (400 B) never got a gradient" in text
+    assert "IS the bottleneck" in text
+    frozen = Profile("f", 0.1, 0.05, [ParamTiming("f", 0, 400, ready_s=None)])
+    study = run_study(frozen, ddp_buckets(frozen), cfg)
+    assert study["result"]["scaling_factor"] == 1.0
+    text = render_report(study)
+    assert "nothing to communicate" in text and "NOT the bottleneck" in text
