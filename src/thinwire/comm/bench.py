@@ -15,16 +15,17 @@ buffer of that size across the group:
   factors would not be smaller than the matrix);
 * ``onebit``: :class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`.
 
-Timing: ``warmup`` untimed calls, then ``iters`` timed ones, each between a barrier and
-the end of the call (CUDA synchronised). Every rank measures every call; the time of a
-call is the slowest rank's, and ``time_s`` is the median over calls. Like nccl-tests,
+Timing: ``warmup`` untimed calls per method, then ``iters`` rounds in which the methods
+take turns, each call timed from a barrier to its end (CUDA synchronised); taking turns
+means a burst of load on a shared machine hits every method alike. Every rank measures
+every call; the time of a call is the slowest rank's, and ``time_s`` is the median. Like nccl-tests,
 ``algbw = size / time`` and ``busbw = algbw * 2 (W-1)/W`` (the bandwidth a ring
 allreduce of the uncompressed data would need to match that time), both in GB/s
 (1e9 bytes/s). ``wire_bytes`` is the analytical number of bytes one rank sends.
 
 For ``onebit`` the row also has ``compute_s``: the median time of the same call with
-the network replaced by local copies (:meth:`OneBitAllreduce.compute_only`), run on
-all ranks at once so they compete for cores as in the real call. ``time_s -
+the network replaced by local copies (:meth:`OneBitAllreduce.compute_only`), timed in
+the same rounds, on all ranks at once so they compete for cores as in the real call. ``time_s -
 compute_s`` approximates the wire time.
 """
 
@@ -165,29 +166,34 @@ def _make_op(
     raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def _time_calls(
-    op: Callable[[], None],
+def _time_interleaved(
+    ops: dict[str, Callable[[], None]],
     warmup: int,
     iters: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
-    barrier: bool = True,
-) -> list[float]:
-    """Per-call times, each the slowest rank's."""
-    for _ in range(warmup):
-        op()
-    times = []
+) -> dict[str, list[float]]:
+    """Per-call times of each op, each the slowest rank's.
+
+    The ops take turns within every iteration (each after a barrier), so a burst of
+    load on a shared machine hits all of them alike and their ratios stay meaningful.
+    """
+    for op in ops.values():
+        for _ in range(warmup):
+            op()
+    times: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(iters):
-        if barrier:
+        for name, op in ops.items():
             dist.barrier(group=group)
-        t0 = time.perf_counter()
-        op()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+            t0 = time.perf_counter()
+            op()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    names = list(ops)
+    slowest = torch.tensor([times[k] for k in names], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return slowest.cpu().tolist()
+    return dict(zip(names, slowest.cpu().tolist(), strict=True))
 
 
 def _validate(methods: Sequence[str], sizes_bytes: Sequence[int], warmup: int, iters: int) -> None:
@@ -243,17 +249,18 @@ def run_allreduce_bench(
     for size in sizes_bytes:
         n = size // 4
         x = torch.randn(n, generator=gen).to(device)
+        ops: dict[str, Callable[[], None]] = {}
+        wires: dict[str, int] = {}
         for method in methods:
-            op, wire = _make_op(method, x, group)
-            times = _time_calls(op, warmup, iters, group, device)
-            t = statistics.median(times)
-            compute = None
-            if method == "onebit":
-                local = OneBitAllreduce.compute_only(w)
-                out = torch.empty_like(x)
-                compute = statistics.median(
-                    _time_calls(lambda: local(x, out=out), warmup, iters, group, device)  # noqa: B023
-                )
+            ops[method], wires[method] = _make_op(method, x, group)
+        if "onebit" in methods:
+            local = OneBitAllreduce.compute_only(w)
+            local_out = torch.empty_like(x)
+            ops["onebit-compute"] = lambda: local(x, out=local_out)  # noqa: B023
+        times = _time_interleaved(ops, warmup, iters, group, device)
+        for method in methods:
+            t = statistics.median(times[method])
+            compute = statistics.median(times["onebit-compute"]) if method == "onebit" else None
             algbw = size / t / 1e9
             rows.append(
                 {
@@ -263,7 +270,7 @@ def run_allreduce_bench(
                     "time_s": t,
                     "algbw_gbps": algbw,
                     "busbw_gbps": algbw * 2 * (w - 1) / w,
-                    "wire_bytes": int(wire),
+                    "wire_bytes": int(wires[method]),
                     "world_size": w,
                     "backend": backend,
                     "compute_s": compute,
@@ -271,7 +278,7 @@ def run_allreduce_bench(
                     "iters": iters,
                 }
             )
-            del op
+        del ops
     return rows
 
 
