@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import run, shape_signature, work_loop
+from thinwire.localsgd.async_runtime import check_async_config, run, shape_signature, work_loop
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.train.config import TrainConfig
@@ -79,7 +79,7 @@ def _rank_main(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     if rank == kill_rank:
-        # Train like any worker, then die abruptly (no goodbye, no cleanup) after 2 rounds.
+        # Train like any worker, then die abruptly (no goodbye, no cleanup).
         gcfg = cfg.gpt_config()
         torch.manual_seed(cfg.seed)
         data = TextData(None, gcfg.seq_len, cfg.val_fraction, cfg.seed)
@@ -89,10 +89,10 @@ def _rank_main(
         )  # fmt: skip
 
         def die(rounds: int) -> None:
-            if rounds == 2:
-                os._exit(17)
+            os._exit(17)  # after its first round, before pushing it
 
         work_loop(worker, Transport(), on_round=die)
+        raise AssertionError("unreachable: the worker died")
     out = run(cfg)
     results.put((rank, out))
     dist.destroy_process_group()
@@ -125,25 +125,34 @@ def test_killed_worker_does_not_stop_the_run(tmp_path: Path) -> None:
     assert set(got) == {0, 1, 2}
     summary = got[0]
     assert summary["dead_workers"] == [3]
-    # The budget is met by the survivors; the dead worker's unfinished round is not counted.
+    # The survivors meet the budget; the dead worker's lost round was handed out again.
     assert summary["inner_steps"] == cfg.steps * 3
-    assert got[1]["steps"] + got[2]["steps"] + 2 * cfg.local_steps >= cfg.steps * 3
+    assert got[1]["steps"] + got[2]["steps"] == cfg.steps * 3
 
 
 # --- bad input: clear errors at start, never a hang ----------------------------------------
 @pytest.mark.timeout(120)
+def test_bad_slowdown_fails_fast_on_every_rank(tmp_path: Path) -> None:
+    with pytest.raises(DistributedError, match="slowdown lists 3 factors but there are 2 workers"):
+        spawn(_run_rank, 3, (_cfg(tmp_path, slowdown=(1.0, 2.0, 3.0)),), timeout_s=100)
+
+
 @pytest.mark.parametrize(
-    ("kw", "match"),
+    ("kw", "workers", "match"),
     [
-        ({"slowdown": (1.0, 2.0, 3.0)}, "slowdown lists 3 factors but there are 2 workers"),
-        ({"local_steps": 0}, "local-steps must be >= 1"),
-        ({"extra": {"c": 0.9}}, "c must be in"),
-        ({"outer": "adam"}, "unknown outer optimizer"),
+        ({"local_steps": 0}, 2, "local-steps must be >= 1"),
+        ({"extra": {"c": 0.9}}, 2, r"c must be in \[0, 1/N\]"),
+        ({"outer": "adam"}, 2, "unknown outer optimizer"),
+        ({"compress": "onebit"}, 2, "compresses pushes with none, fp16 or bf16"),
+        ({"slowdown": (1.0, 0.5)}, 2, "factors must be >= 1"),
+        ({}, 0, "at least 2 ranks"),
     ],
 )
-def test_bad_config_fails_fast(tmp_path: Path, kw: dict[str, Any], match: str) -> None:
-    with pytest.raises(DistributedError, match=match):
-        spawn(_run_rank, 3, (_cfg(tmp_path, **kw),), timeout_s=100)
+def test_bad_config_is_rejected_before_any_message(
+    tmp_path: Path, kw: dict[str, Any], workers: int, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_async_config(_cfg(tmp_path, **kw), workers)
 
 
 def _mismatched_rank(rank: int, world: int, cfg: TrainConfig) -> Any:

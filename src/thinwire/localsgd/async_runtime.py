@@ -167,6 +167,8 @@ def serve(
         now = time.monotonic()
         for w in core.due(now):
             work = core.work_for(w, now)
+            if work is None:
+                continue
             try:
                 if work.stop:
                     transport.send(w, STOP, [])

@@ -222,7 +222,12 @@ class ServerCore:
         """Workers to answer now (their grace period is over, or the sync barrier is met)."""
         if not self.waiting:
             return []
-        if self.sync:
+        if self.steps_assigned >= self.total_steps:
+            # Nothing left to hand out. Stop orders wait until no round is in flight, since
+            # a round lost with a dead worker has to be handed out again.
+            if self.busy:
+                return []
+        elif self.sync:
             if any(w.busy for w in self.live.values()):
                 return []
         elif self.deadline is None or now < self.deadline:
@@ -230,9 +235,16 @@ class ServerCore:
         out, self.waiting, self.deadline = self.waiting, [], None
         return out
 
-    def work_for(self, worker: int, now: float) -> Work:
-        """The next round for ``worker``, or a stop order once the budget is handed out."""
+    def work_for(self, worker: int, now: float) -> Work | None:
+        """The next round for ``worker``, a stop order once the budget is done, or None.
+
+        None means "wait": the budget is handed out but rounds are still in flight (one of
+        them may come back to be redone); ``worker`` is put back among the waiting.
+        """
         remaining = self.total_steps - self.steps_assigned
+        if remaining <= 0 and self.busy and worker in self.live:
+            self._wait(worker, now)
+            return None
         if remaining <= 0 or worker not in self.live:
             self.live.pop(worker, None)
             self.retired.add(worker)
@@ -263,8 +275,8 @@ class ServerCore:
 
     @property
     def finished(self) -> bool:
-        """The budget is handed out and every live round has come back."""
-        return self.steps_assigned >= self.total_steps and self.busy == 0
+        """The budget is handed out (or no worker is left) and no round is in flight."""
+        return (self.steps_assigned >= self.total_steps or not self.live) and self.busy == 0
 
     # --- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
