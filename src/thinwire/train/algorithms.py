@@ -153,10 +153,19 @@ ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], 
     "lamb": (_lamb, "LAMB, fp32 gradient allreduce (one fused buffer per step)"),
     "onebit-adam": (_onebit_adam, "1-bit Adam: fp32 warmup, then 1-bit compressed momentum"),
     "onebit-lamb": (_onebit_lamb, "1-bit LAMB: fp32 warmup, then 1-bit compressed momentum"),
+    "diloco": (
+        "thinwire.localsgd.diloco:make_strategy",
+        "synchronous DiLoCo: H local AdamW steps, then one averaged outer Nesterov step",
+    ),
 }
 """name -> (factory or ``"module:function"``, one-line description)."""
 
-RUNNERS: dict[str, tuple[str, str]] = {}
+RUNNERS: dict[str, tuple[str, str]] = {
+    "async-diloco": (
+        "thinwire.localsgd.async_runtime:run",
+        "asynchronous Local-SGD: rank 0 serves, ranks 1.. train (--outer dn|nesterov, --dylu)",
+    ),
+}
 """name -> (``"module:function"`` taking a TrainConfig, one-line description)."""
 
 
