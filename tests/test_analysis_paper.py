@@ -211,3 +211,23 @@ def test_report_names_frozen_parameters_and_handles_nothing_to_send() -> None:
     assert study["result"]["scaling_factor"] == 1.0
     text = render_report(study)
     assert "nothing to communicate" in text and "NOT the bottleneck" in text
+
+
+def test_hierarchical_allreduce_costs() -> None:
+    from thinwire.analysis.simulate import bucket_cost
+
+    s = 8_000_000
+    add = AddCost.zero()
+    one_node = bucket_cost(
+        s, NetworkConfig(workers=8, workers_per_node=8, alpha_s=1e-3, intra_node_gbps=100), add
+    )
+    # A single node never touches the network: only the intra-node phases, no latency.
+    assert one_node["wire"] == 0 and one_node["latency_s"] == 0
+    assert one_node["network_s"] == pytest.approx(8 * 2 * 7 / 8 * s / 100e9)
+    flat = NetworkConfig(workers=32, bandwidth_gbps=10, alpha_s=1e-3)
+    hier = NetworkConfig(workers=32, bandwidth_gbps=10, alpha_s=1e-3, workers_per_node=8)
+    f, h = bucket_cost(s, flat, add), bucket_cost(s, hier, add)
+    assert h["latency_s"] == pytest.approx(2 * 3 * 1e-3) and f["latency_s"] == pytest.approx(62e-3)
+    assert h["wire"] == pytest.approx(2 * 3 / 4 * s)
+    with pytest.raises(ConfigError, match="dividing workers=30"):
+        NetworkConfig(workers=30, workers_per_node=8)

@@ -137,8 +137,10 @@ def render_report(study: dict[str, Any]) -> str:
         f"backward {fmt_time(p['backward_s'])}",
         f"optimizer {fmt_time(p['optimizer_s'])}" if p.get("optimizer_s") else None,
     ]
+    g = cfg.get("workers_per_node", 1)
+    nodes = f" ({g}/node, hierarchical)" if g > 1 else ""
     lines = [
-        f"thinwire analyze: {p['model']} on {cfg['workers']} workers at "
+        f"thinwire analyze: {p['model']} on {cfg['workers']} workers{nodes} at "
         f"{fmt_rate(cfg['bandwidth_gbps'])}, {scheme}, "
         f"overlap {'on' if cfg['overlap'] else 'off'}",
         "",

@@ -24,6 +24,9 @@ bucket of ``S`` bytes over ``n`` workers on links of ``B`` bit/s:
   padding, scales and metadata), the same reductions, ``3 (n-1)`` messages (three
   collectives), plus ``codec * S`` (measure it with ``--measure-codec``). Gradients are
   assumed fp32; ``compression`` must stay 1.
+* hierarchical (``workers_per_node = g > 1``, ring and Local-SGD): reduce-scatter in
+  each node over ``intra_node_gbps``, ring allreduce of the shards across the ``n/g``
+  nodes, all-gather in each node; only ``2 (n/g - 1)`` messages cross the network.
 * ``localsgd``: workers step alone and all-reduce the model every ``local_steps`` = H
   steps, after the step (nothing to overlap with), so the exposed time is amortised: a
   ring allreduce of all buckets divided by H.
@@ -87,6 +90,12 @@ class NetworkConfig:
     """``ring``, ``onebit`` or ``localsgd`` (see the module docstring)."""
     local_steps: int = 1
     """H for ``localsgd``: steps between model averages (>= 1)."""
+    workers_per_node: int = 1
+    """g > 1: hierarchical allreduce on nodes of g workers (must divide ``workers``);
+    ``bandwidth_gbps`` is then each node's network link. Fewer messages cross the slow
+    network (``2 (n/g - 1)`` instead of ``2 (n - 1)``): it pays off when latency does."""
+    intra_node_gbps: float = 800.0
+    """Link rate between the workers of one node (NVLink ~ 800-2400, PCIe ~ 100-250)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or int(self.workers) != self.workers or self.workers < 1:
@@ -105,6 +114,15 @@ class NetworkConfig:
             raise ConfigError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
         if self.scheme == "onebit" and self.compression != 1:
             raise ConfigError("the onebit scheme fixes its own ratio (32x); leave compression at 1")
+        g = self.workers_per_node
+        if int(g) != g or g < 1 or self.workers % g:
+            raise ConfigError(
+                f"workers per node must be an integer >= 1 dividing workers={self.workers}, got {g}"
+            )
+        if not (self.intra_node_gbps > 0 and math.isfinite(self.intra_node_gbps)):
+            raise ConfigError(
+                f"intra-node bandwidth must be > 0 Gbit/s, got {self.intra_node_gbps}"
+            )
         if int(self.local_steps) != self.local_steps or self.local_steps < 1:
             raise ConfigError(f"local steps H must be an integer >= 1, got {self.local_steps}")
 
@@ -186,6 +204,9 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
         return {"network_s": 0.0, "reduce_s": 0.0, "latency_s": 0.0, "codec_s": 0.0, "wire": 0.0}
     share = (n - 1) / n
     messages = 2 * (n - 1)
+    g = cfg.workers_per_node
+    if g > 1 and cfg.scheme != "onebit":
+        return _hierarchical_cost(nbytes, cfg, add)
     if cfg.scheme == "onebit":
         # The implementation's own count: padded sign bits of both phases + scales/meta.
         wire = float(onebit_wire_bytes(math.ceil(nbytes / 4), n))
@@ -198,6 +219,24 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
         "latency_s": messages * cfg.alpha_s,
         "codec_s": cfg.codec_s_per_byte * nbytes,
         "wire": wire,
+    }
+
+
+def _hierarchical_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, float]:
+    # Reduce-scatter inside each node (g workers), g parallel ring allreduces of one
+    # S/g shard each across the m nodes (together they move 2 (m-1)/m * S through each
+    # node's link), all-gather inside each node. Intra-node messages are taken as free
+    # of latency; compression applies to the inter-node phase only.
+    g = cfg.workers_per_node
+    m = cfg.workers // g
+    inter = 0.0 if math.isinf(cfg.compression) else 2 * (m - 1) / m * nbytes / cfg.compression
+    intra_s = 8 * 2 * (g - 1) / g * nbytes / (cfg.intra_node_gbps * 1e9)
+    return {
+        "network_s": 8 * inter / cfg.bandwidth_bps + intra_s,
+        "reduce_s": (g - 1) * add(nbytes / g) + (m - 1) * add(nbytes / (g * m)),
+        "latency_s": 2 * (m - 1) * cfg.alpha_s,
+        "codec_s": cfg.codec_s_per_byte * nbytes,
+        "wire": inter,
     }
 
 

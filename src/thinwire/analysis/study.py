@@ -132,7 +132,9 @@ def run_study(
     need_c = required_compression(profile, buckets, ring, target, add)
     need_b = required_bandwidth(profile, buckets, ring, target, add)
     need_h = required_local_steps(profile, buckets, ring, target, add)
-    workers = sorted(set(workers_sweep or STANDARD_WORKERS) | {cfg.workers})
+    g = cfg.workers_per_node
+    # With nodes of g workers, only whole nodes make a cluster.
+    workers = sorted({w for w in (workers_sweep or STANDARD_WORKERS) if w % g == 0} | {cfg.workers})
     gbps = gbps_sweep or sweep_values(cfg.bandwidth_gbps, STANDARD_GBPS, 1000.0)
     ratios = ratio_sweep or list(STANDARD_RATIOS)
     for v in gbps:

@@ -182,6 +182,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         codec = onebit_codec
     cfg = NetworkConfig(
         workers=args.workers,
+        workers_per_node=args.workers_per_node,
+        intra_node_gbps=args.intra_node_gbps,
         bandwidth_gbps=bandwidth if bandwidth is not None else 10.0,
         alpha_s=(alpha or 0.0) * 1e-6,
         compression=args.compression,
@@ -317,6 +319,15 @@ def register(subparsers: Any) -> None:
         type=_number,
         default=None,
         help="latency per message, microseconds (default 0, or the --link fit)",
+    )
+    si.add_argument(
+        "--workers-per-node",
+        type=int,
+        default=1,
+        help="g > 1: hierarchical allreduce; --bandwidth-gbps is then each node's link",
+    )
+    si.add_argument(
+        "--intra-node-gbps", type=_number, default=800.0, help="link rate inside a node"
     )
     si.add_argument("--link", help="link.json from 'analyze bench' (bandwidth and alpha)")
     si.add_argument(
