@@ -1,35 +1,268 @@
-"""``thinwire demo``: the whole story on built-in defaults, in a few minutes on a laptop CPU.
+"""``thinwire demo``: the whole story on built-in defaults, in a few minutes on a CPU.
 
-It trains the small GPT on the bundled Shakespeare corpus with 4 local workers and prints
-the run summary. As the project grows, the demo grows with it.
+1. **Analyze** the job: profile the small GPT on one worker, then predict with the
+   what-if model whether the network is its bottleneck on W workers at the chosen link
+   rate, and which thinwire algorithm would fix it.
+2. **Train** it with LAMB (fp32 gradient allreduce) and with 1-bit LAMB, same settings,
+   back to back. As root (and with iproute2) the W workers are W emulated hosts joined
+   by links rate-limited with ``tc`` (:mod:`thinwire.testbed`), so the time saved is
+   measured on a real slow network and the bytes are read off the hosts' NICs;
+   otherwise the workers talk over loopback and the demo says so.
+3. **Compare** side by side: validation loss, samples/s (whole run and after the
+   freeze), training time, bytes per worker; and a plot (``OUT/demo.png``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
-from thinwire.cli.train import config_from_args, format_summary, run_training
+from thinwire.errors import ConfigError
+from thinwire.train.config import TrainConfig
+from thinwire.train.metrics import atomic_write_text, read_metrics
 
-__all__ = ["register"]
+__all__ = ["register", "run_demo"]
+
+ALGOS = ("lamb", "onebit-lamb")
+LABELS = {"lamb": "LAMB", "onebit-lamb": "1-bit LAMB"}
 
 
 def register(sub: Any) -> None:
-    from thinwire.cli.train import add_train_arguments
-
     p = sub.add_parser(
-        "demo", help="run the main job on its built-in defaults", description=__doc__
+        "demo",
+        help="the whole story on built-in defaults: analyze, train LAMB vs 1-bit LAMB, compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_train_arguments(p)
-    p.set_defaults(func=_main, out=None)
+    p.add_argument("--workers", type=int, default=4, help="workers / emulated hosts (default 4)")
+    p.add_argument("--rate", default="100mbit", help="emulated link rate (default 100mbit)")
+    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
+    p.add_argument("--freeze-step", type=int, default=None, help="default: 20%% of --steps")
+    p.add_argument("--lr", type=float, default=1e-2, help="learning rate of both runs")
+    p.add_argument("--out", default="runs/demo", help="output directory (replaced)")
+    p.add_argument("--no-testbed", action="store_true", help="train over loopback, even as root")
+    p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--n-layer", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--n-embd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--n-head", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=_main)
+
+
+def _base_config(args: argparse.Namespace) -> TrainConfig:
+    cfg = TrainConfig(
+        model=args.model, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+        n_embd=args.n_embd, steps=args.steps, batch_size=args.batch_size,
+        freeze_step=args.freeze_step, lr=args.lr, warmup_steps=max(1, args.steps // 10),
+        eval_interval=max(1, args.steps // 6), eval_sequences=64,
+        log_interval=max(1, args.steps // 30), checkpoint_interval=0, progress=False,
+    )  # fmt: skip
+    cfg.validate()
+    return cfg
+
+
+def _prepare_out(out: Path) -> None:
+    """Replace a previous demo's output, but never a directory the demo did not make."""
+    if out.exists() and any(out.iterdir()):
+        if not (out / "demo.json").exists() and not (out / ".thinwire-demo").exists():
+            raise ConfigError(
+                f"{out} exists and is not a thinwire demo output; choose another --out"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ".thinwire-demo").touch()
+
+
+# ------------------------------------------------------------------------ 1. analyze
+
+
+def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path) -> dict[str, Any]:
+    """Profile one worker and predict the job on ``workers`` hosts at ``rate``."""
+    from thinwire.analysis import NetworkConfig, make_buckets, run_study, write_plots
+    from thinwire.analysis.costs import measure_codec_cost
+    from thinwire.analysis.measure import profile_gpt
+    from thinwire.analysis.report import render_report
+    from thinwire.testbed.netns import parse_rate
+
+    bits = parse_rate(rate)
+    gbps = bits / 1e9 if bits else 100.0  # "unlimited": veth runs at tens of Gbit/s
+    profile = profile_gpt(cfg.model, batch_size=cfg.batch_size, warmup=2, steps=4)
+    study = run_study(
+        profile, make_buckets(profile, "ddp"), NetworkConfig(workers=workers, bandwidth_gbps=gbps),
+        onebit_codec_s_per_byte=measure_codec_cost(world_size=workers),
+    )  # fmt: skip
+    atomic_write_text(out / "study.json", json.dumps(study, indent=2) + "\n")
+    with contextlib.suppress(ImportError):  # plots need matplotlib; the report does not
+        write_plots(study, out / "analysis")
+    print(render_report(study))
+    return study
+
+
+# ------------------------------------------------------------------------ 2. train
+
+
+def _stage_speed(run_dir: Path, freeze: int, samples_per_step: int) -> float | None:
+    from thinwire.testbed.experiments import stage_times
+
+    st = stage_times(read_metrics(run_dir / "metrics.jsonl"), freeze, samples_per_step)
+    return st["compression"].get("samples_per_s")
+
+
+def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool) -> list[dict]:
+    """Train LAMB and 1-bit LAMB; one row per run, same keys either way."""
+    rows = []
+    freeze = cfg.effective_freeze_step()
+    if testbed:
+        from thinwire.testbed.experiments import compare_on_testbed
+
+        for r in compare_on_testbed(list(ALGOS), cfg, workers, [rate], out / "train"):
+            rows.append({
+                "algo": r["algo"], "final_val_loss": r["final_val_loss"],
+                "samples_per_s": r["samples_per_s"],
+                "compression_samples_per_s": r["compression_samples_per_s"],
+                "train_time_s": json.loads((Path(r["out_dir"]) / "summary.json").read_text())["train_time_s"],
+                "comm_bytes": r["accounted_mb"] * 1e6, "nic_bytes": r["nic_tx_mb_per_host"] * 1e6,
+                "run_dir": r["out_dir"],
+            })  # fmt: skip
+        return rows
+    from thinwire.train.compare import compare
+
+    result = compare(list(ALGOS), cfg, workers, out / "train", overwrite=True)
+    for algo, r in result["runs"].items():
+        run_dir = out / "train" / algo
+        rows.append({
+            "algo": algo, "final_val_loss": r["final_val_loss"],
+            "samples_per_s": r["samples_per_s"],
+            "compression_samples_per_s": _stage_speed(run_dir, freeze, cfg.batch_size * workers),
+            "train_time_s": r["train_time_s"], "comm_bytes": r["comm_bytes"], "nic_bytes": None,
+            "run_dir": str(run_dir),
+        })  # fmt: skip
+    return rows
+
+
+# ------------------------------------------------------------------------ 3. compare
+
+
+def side_by_side(rows: list[dict[str, Any]]) -> str:
+    """A table with one column per algorithm and the 1-bit/fp32 ratio."""
+    a, b = rows[0], rows[1]
+
+    def ratio(x: float | None, y: float | None) -> str:
+        return f"{y / x:.2f}x" if x and y else "-"
+
+    def mib(v: float | None) -> str:
+        return "-" if v is None else f"{v / 2**20:,.2f} MiB"
+
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = [
+        ("", LABELS[a["algo"]], LABELS[b["algo"]], "1-bit / fp32"),
+        ("final validation loss", num(a["final_val_loss"], ".4f"), num(b["final_val_loss"], ".4f"),
+         ratio(a["final_val_loss"], b["final_val_loss"])),
+        ("samples/s, whole run", num(a["samples_per_s"], ".1f"), num(b["samples_per_s"], ".1f"),
+         ratio(a["samples_per_s"], b["samples_per_s"])),
+        ("samples/s, after freeze", num(a["compression_samples_per_s"], ".1f"),
+         num(b["compression_samples_per_s"], ".1f"),
+         ratio(a["compression_samples_per_s"], b["compression_samples_per_s"])),
+        ("training time", f"{a['train_time_s']:.1f} s", f"{b['train_time_s']:.1f} s",
+         ratio(a["train_time_s"], b["train_time_s"])),
+        ("bytes sent per worker", mib(a["comm_bytes"]), mib(b["comm_bytes"]),
+         ratio(a["comm_bytes"], b["comm_bytes"])),
+        ("bytes on each host's NIC", mib(a["nic_bytes"]), mib(b["nic_bytes"]),
+         ratio(a["nic_bytes"], b["nic_bytes"])),
+    ]  # fmt: skip
+    widths = [max(len(row[i]) for row in lines) for i in range(4)]
+    return "\n".join(
+        "  " + row[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
+        for row in lines
+    )  # fmt: skip
+
+
+def plot_demo(rows: list[dict[str, Any]], freeze: int, path: Path, title: str) -> Path | None:
+    """Loss vs samples, loss vs training seconds, cumulative MiB vs step."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for row in rows:
+        recs = read_metrics(Path(row["run_dir"]) / "metrics.jsonl")
+        train = [r for r in recs if "time_s" in r]
+        val = [r for r in recs if "val_loss" in r and r["step"] > 0]
+        times = {r["step"]: r["time_s"] for r in train}
+        label = LABELS[row["algo"]]
+        axes[0].plot(
+            [r["samples"] for r in val], [r["val_loss"] for r in val], marker=".", label=label
+        )
+        axes[1].plot(
+            [times[r["step"]] for r in val if r["step"] in times],
+            [r["val_loss"] for r in val if r["step"] in times],
+            marker=".",
+            label=label,
+        )
+        axes[2].plot(
+            [r["step"] for r in train], [r["comm_bytes"] / 2**20 for r in train], label=label
+        )
+    axes[2].axvline(freeze, color="grey", ls=":", lw=1)
+    for ax, xl, yl in (
+        (axes[0], "training samples", "validation loss (nats/byte)"),
+        (axes[1], "training time (s)", "validation loss (nats/byte)"),
+        (axes[2], "step (dotted: freeze)", "MiB sent per worker, cumulative"),
+    ):
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from thinwire.testbed.netns import unavailable_reason
+
+    cfg = _base_config(args)
+    if args.workers < 2:
+        raise ConfigError(
+            f"the demo compares distributed runs: --workers must be >= 2, got {args.workers}"
+        )
+    out = Path(args.out)
+    _prepare_out(out)
+    reason = "--no-testbed was given" if args.no_testbed else unavailable_reason()
+    where = (f"{args.workers} emulated hosts on {args.rate} links" if reason is None
+             else f"{args.workers} local workers over loopback (network not slowed: {reason})")  # fmt: skip
+
+    print(
+        f"== 1/3  Is the network the bottleneck? {cfg.model} GPT, {args.workers} workers, {args.rate}\n"
+    )
+    analyze(cfg, args.workers, args.rate, out)
+    print(f"\n== 2/3  Training with LAMB and with 1-bit LAMB on {where}\n")
+    rows = train_both(cfg, args.workers, args.rate, out, testbed=reason is None)
+    print(
+        f"\n== 3/3  Side by side ({cfg.steps} steps, freeze at step {cfg.effective_freeze_step()})\n"
+    )
+    print(side_by_side(rows))
+    plot = plot_demo(
+        rows, cfg.effective_freeze_step(), out / "demo.png", f"{cfg.model} GPT, {where}"
+    )
+    if plot is not None:
+        print(f"\nplot: {plot}")
+    result = {"where": where, "config": cfg.to_dict(), "runs": rows, "study": "study.json"}
+    atomic_write_text(out / "demo.json", json.dumps(result, indent=2, default=str) + "\n")
+    return result
 
 
 def _main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    cfg.out_dir = args.out or "runs/demo"
-    if not args.resume:
-        cfg.resume = False
-    print(f"thinwire demo: training {cfg.model} GPT with {cfg.algo} on {args.workers} workers")
-    summary = run_training(cfg, args.workers, args.timeout)
-    print(format_summary(summary))
+    run_demo(args)
     return 0

@@ -1,0 +1,46 @@
+"""``thinwire demo`` end to end on tiny settings (loopback; the testbed path is covered by
+the testbed experiment tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from thinwire.cli.demo import _prepare_out
+from thinwire.cli.main import main
+
+
+@pytest.mark.timeout(300)
+def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "demo"
+    args = ["demo", "--no-testbed", "--workers", "2", "--steps", "10", "--batch-size", "4",
+            "--seq-len", "16", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    for needle in (
+        "Is the network the bottleneck",
+        "verdict",
+        "1-bit LAMB",
+        "final validation loss",
+        "bytes sent per worker",
+        "samples/s, after freeze",
+    ):
+        assert needle in text, needle  # fmt: skip
+    result = json.loads((out / "demo.json").read_text())
+    lamb, onebit = result["runs"]
+    assert (lamb["algo"], onebit["algo"]) == ("lamb", "onebit-lamb")
+    # freeze at 2 of 10 steps: 1-bit sends far less than LAMB's fp32 allreduce
+    assert onebit["comm_bytes"] < lamb["comm_bytes"] / 3
+    assert (out / "demo.png").stat().st_size > 10_000
+    assert (out / "study.json").exists()
+    # a second demo replaces the first one's output; a foreign directory is refused
+    _prepare_out(out)
+    assert not (out / "demo.json").exists()
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert main([*args[:-1], str(foreign)]) == 2
+    assert (foreign / "notes.txt").read_text() == "keep me"
