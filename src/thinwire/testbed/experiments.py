@@ -34,10 +34,11 @@ Tuning and reading the numbers:
 * Speedups are ratios to the first algorithm of the list, within the same rate and the
   same round: the methods of a rate run back to back on one cluster, round after round
   (``repeats``), so a neighbour's load on a shared machine hits them alike.
-* ``nic_over_accounted`` compares what the interfaces sent (mean over hosts, whole run,
-  start-up broadcast and rendezvous included) with what rank 0's collectives recorded
-  (:mod:`thinwire.comm.accounting`, every op including the trainer's own). Expect
-  1.00-1.05 (Ethernet/IP/TCP headers); much more means unaccounted traffic.
+* ``nic_over_accounted`` compares what all interfaces sent (whole run, start-up
+  broadcasts and rendezvous included) with what the collectives recorded
+  (:mod:`thinwire.comm.accounting`, every op including the trainer's own; rank 0's
+  record, see :func:`expected_tx_total`). Expect 1.00-1.05 (Ethernet/IP/TCP headers);
+  much more means unaccounted traffic, less means bytes claimed but never sent.
 * Hosts share the machine's cores (``OMP_NUM_THREADS`` = cores / hosts), so with more
   hosts than cores the "unlimited" rate measures this machine's CPU, not a network.
 """
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -62,6 +64,7 @@ from thinwire.train.config import TrainConfig
 
 __all__ = [
     "compare_on_testbed",
+    "expected_tx_total",
     "format_table",
     "main",
     "plot_comparison",
@@ -175,6 +178,20 @@ def _accounted_total(summary: dict[str, Any]) -> int:
     return sum(int(op["wire_bytes"]) for op in summary.get("comm_by_op", {}).values())
 
 
+def expected_tx_total(comm_by_op: dict[str, dict[str, int]], world: int) -> float:
+    """Bytes all hosts together should send, from rank 0's per-op accounting.
+
+    Allreduces (plain and 1-bit) are symmetric, so every rank sends what rank 0 recorded.
+    A broadcast records its payload on every rank, but on the wire only W-1 receivers
+    must get it, whatever tree gloo uses: W-1 payloads in all, not W.
+    """
+    total = 0.0
+    for op, stats in comm_by_op.items():
+        wire = int(stats["wire_bytes"])
+        total += wire * (world - 1 if op.endswith(".broadcast") else world)
+    return total
+
+
 def train_on_testbed(
     cfg: TrainConfig,
     hosts: int,
@@ -203,8 +220,9 @@ def train_on_testbed(
     Returns:
         rank 0's ``summary.json`` plus ``testbed`` (hosts, rate, wall seconds, per-host NIC
         tx/rx bytes and link utilization), ``accounted_wire_bytes`` (rank 0, all ops),
-        ``nic_over_accounted``, ``stages`` (see :func:`stage_times`) and
-        ``final_train_loss``. A failed host raises ``RuntimeError`` naming its log.
+        ``nic_over_accounted`` (all hosts' NIC tx over :func:`expected_tx_total`),
+        ``stages`` (see :func:`stage_times`) and ``final_train_loss``. A failed host
+        raises ``RuntimeError`` naming its log.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -219,6 +237,9 @@ def train_on_testbed(
     c = Cluster(hosts, rate) if cluster is None else cluster
     if own:
         c.up()
+    # The machine's load before and after: on a shared machine, the first thing to check
+    # when one run of a series looks out of line.
+    load_before = os.getloadavg()[0]
     try:
         res = c.run(argv, timeout_s=timeout_s, log_dir=out_dir / "hosts")
     finally:
@@ -230,6 +251,7 @@ def train_on_testbed(
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x]
     world = int(summary["world_size"])
     accounted = _accounted_total(summary)
+    expected = expected_tx_total(summary.get("comm_by_op", {}), world)
     tx = [h.nic.tx_bytes for h in res.hosts]
     result = {
         **summary,
@@ -243,9 +265,10 @@ def train_on_testbed(
             "utilization": [res.utilization(i) for i in range(len(res.hosts))],
             "log_dir": res.log_dir,
             "command": argv,
+            "load_avg_1min": [load_before, os.getloadavg()[0]],
         },
         "accounted_wire_bytes": accounted,
-        "nic_over_accounted": statistics.fmean(tx) / accounted if accounted else None,
+        "nic_over_accounted": sum(tx) / expected if expected else None,
         "stages": stage_times(records, cfg.effective_freeze_step(), cfg.batch_size * world),
         "final_train_loss": _final_train_loss(records),
     }
@@ -270,6 +293,7 @@ def _row(res: dict[str, Any], repeat: int) -> dict[str, Any]:
         "final_val_loss": res["final_val_loss"],
         "final_train_loss": res["final_train_loss"],
         "wall_s": res["testbed"]["wall_s"],
+        "load_avg_1min": res["testbed"]["load_avg_1min"],
         "out_dir": res["out_dir"],
     }
 
@@ -318,7 +342,9 @@ def compare_on_testbed(
                     )  # fmt: skip
                     row = _row(res, rep)
                     print(f"[{t0}] {label} round {rep} {algo}: {row['samples_per_s']:.2f} "
-                          f"samples/s, {row['wall_s']:.0f} s wall", flush=True)  # fmt: skip
+                          f"samples/s, {row['wall_s']:.0f} s wall, load "
+                          f"{row['load_avg_1min'][0]:.1f}->{row['load_avg_1min'][1]:.1f}",
+                          flush=True)  # fmt: skip
                     round_rows.append(row)
                 base = round_rows[0]
                 for row in round_rows:
@@ -341,8 +367,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| rate | round | algorithm | samples/s (run) | x first | step s warmup "
         "| step s compression | samples/s compression | x first | NIC tx MB/host "
-        "| NIC / accounted | final val loss | final train loss |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| NIC / accounted | final val loss | final train loss | load |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         lines.append(
@@ -351,9 +377,14 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"| {f(r['compression_step_s'], '.3f')} | {f(r['compression_samples_per_s'], '.2f')} "
             f"| {f(r.get('compression_speedup'), '.2f')} | {r['nic_tx_mb_per_host']:.1f} "
             f"| {f(r['nic_over_accounted'], '.3f')} | {r['final_val_loss']:.4f} "
-            f"| {r['final_train_loss']:.4f} |"
+            f"| {r['final_train_loss']:.4f} | {_load(r)} |"
         )
     return "\n".join(lines)
+
+
+def _load(row: dict[str, Any]) -> str:
+    load = row.get("load_avg_1min")
+    return "-" if not load else f"{load[0]:.1f}->{load[1]:.1f}"
 
 
 def _curve(run_dir: str) -> list[dict[str, Any]]:
@@ -392,7 +423,8 @@ def plot_comparison(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))], rates)
     ax.set_ylabel("seconds per step")
     ax.set_title("step time by stage (hatched: warmup)")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.45)  # room for the legend above the bars
+    ax.legend(fontsize=6, ncol=2, loc="upper left")
     first = [r for r in rows if r["rate"] == rates[0] and r["repeat"] == 0]
     for k, r in enumerate(first):
         curve = _curve(r["out_dir"])
