@@ -118,3 +118,34 @@ def test_cuda_packing_matches_cpu() -> None:
     assert torch.equal(unpack_bits(packed.cuda(), 10_000).cpu(), unpack_bits(packed, 10_000))
     scale = torch.tensor(0.25)
     assert torch.equal(unpack_signs(packed.cuda(), scale.cuda()).cpu(), unpack_signs(packed, scale))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_native_kernels_match_pure_torch() -> None:
+    from thinwire.compress import packing
+    from thinwire.compress.native import load
+
+    if load() is None:
+        pytest.skip("native packing kernels could not be built here")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(100_000, generator=gen)
+    x[:6] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), -1e-38])
+    bits = torch.rand(100_000, generator=gen) < 0.5
+    scale = torch.tensor(0.37)
+    results = {}
+    try:
+        for native in (False, True):
+            assert packing.use_native(native) == native
+            packed = pack_bits(bits)
+            results[native] = (
+                pack_signs(x),
+                packed,
+                unpack_bits(packed, 99_999),
+                unpack_signs(packed, scale),
+                pack_bits(bits[:-3]),  # tail byte: pure fallback inside
+            )
+    finally:
+        packing.use_native(False)
+    for a, b in zip(results[False], results[True], strict=True):
+        assert torch.equal(a, b)

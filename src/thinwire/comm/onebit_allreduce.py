@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from thinwire.comm.accounting import gather_bytes, record
 from thinwire.compress.onebit import DEFAULT_CHUNK, rms_scale, subtract_signs_
-from thinwire.compress.packing import pack_signs, sign_table
+from thinwire.compress.packing import native_enabled, pack_signs, unpack_signs
 
 __all__ = [
     "LengthMismatchError",
@@ -378,19 +378,21 @@ class OneBitAllreduce:
     def _average_signs(self, y: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:
         """y = (sum over source ranks of s_i * sign_i) / W, chunk by chunk, in rank order."""
         w = self.world_size
-        tables = sign_table(y.device).unsqueeze(0) * scales.view(w, 1, 1)  # (W, 256, 8): +-s_i
-        index = self._bufs["index"][: bits.numel()].view(w, -1)
-        index.copy_(bits)
+        index = None
+        if not native_enabled(y.device):  # the table lookup needs int32 indices
+            index = self._bufs["index"][: bits.numel()].view(w, -1)
+            index.copy_(bits)
         tmp = self._bufs["tmp"]
         rows_per_chunk = tmp.numel() // 8
         for r0 in range(0, bits.shape[1], rows_per_chunk):
             r1 = min(bits.shape[1], r0 + rows_per_chunk)
-            acc = y[r0 * 8 : r1 * 8].view(-1, 8)
-            torch.index_select(tables[0], 0, index[0, r0:r1], out=acc)
-            part = tmp[: (r1 - r0) * 8].view(-1, 8)
-            for i in range(1, w):
-                torch.index_select(tables[i], 0, index[i, r0:r1], out=part)
-                acc.add_(part)
+            acc = y[r0 * 8 : r1 * 8]
+            part = tmp[: (r1 - r0) * 8]
+            for i in range(w):
+                idx = None if index is None else index[i, r0:r1]
+                unpack_signs(bits[i, r0:r1], scales[i], out=part if i else acc, index=idx)
+                if i:
+                    acc.add_(part)
         y.div_(w)
 
     def _commit(
@@ -409,17 +411,19 @@ class OneBitAllreduce:
         """dst[:n] = concat_r(s_r * sign_r), straight into ``dst`` (fp32, contiguous)."""
         n = dst.numel()
         w, rows = bits.shape
-        index = self._bufs["index"][: w * rows]
-        index.copy_(bits.reshape(-1))
-        tables = sign_table(dst.device).unsqueeze(0) * scales.view(w, 1, 1)
+        index = None
+        if not native_enabled(dst.device):
+            index = self._bufs["index"][: w * rows].view(w, rows)
+            index.copy_(bits)
         full = n // 8  # rows entirely inside dst
         for r in range(w):
             r0, r1 = r * rows, min((r + 1) * rows, full)
             if r1 > r0:
-                torch.index_select(tables[r], 0, index[r0:r1], out=dst[r0 * 8 : r1 * 8].view(-1, 8))
+                idx = None if index is None else index[r, : r1 - r0]
+                unpack_signs(bits[r, : r1 - r0], scales[r], out=dst[r0 * 8 : r1 * 8], index=idx)
         if n % 8:
-            r = full // rows
-            tail = tables[r].index_select(0, index[full : full + 1]).view(-1)
+            r, row = divmod(full, rows)
+            tail = unpack_signs(bits[r, row : row + 1], scales[r])
             dst[full * 8 :].copy_(tail[: n % 8])
 
     # ------------------------------------------------------------------ state

@@ -21,7 +21,7 @@ import math
 import torch
 
 from thinwire.compress.base import Compressed, Compressor
-from thinwire.compress.packing import pack_signs, packed_numel, unpack_signs
+from thinwire.compress.packing import native_enabled, pack_signs, packed_numel, unpack_signs
 
 __all__ = ["DEFAULT_CHUNK", "OneBitCompressor", "rms_scale", "subtract_signs_"]
 
@@ -67,7 +67,7 @@ def subtract_signs_(
     """
     if numel == 0:
         return buf
-    if index is None:
+    if index is None and not native_enabled(buf.device):
         index = packed.to(torch.int32)
     chunk = max(8, chunk - chunk % 8)
     tmp = torch.empty(min(chunk, packed_numel(numel) * 8), dtype=torch.float32, device=buf.device)
@@ -79,7 +79,7 @@ def subtract_signs_(
             packed[start // 8 : start // 8 + rows],
             table_scale,
             out=tmp[: rows * 8],
-            index=index[start // 8 : start // 8 + rows],
+            index=None if index is None else index[start // 8 : start // 8 + rows],
         )
         buf[start:stop].sub_(vals[: stop - start])
     return buf

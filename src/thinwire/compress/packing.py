@@ -19,6 +19,9 @@ How it is fast without a compiled kernel:
   :func:`unpack_signs`, which writes the dequantised values straight into the output
   without an intermediate boolean tensor).
 
+Optional compiled kernels (:mod:`thinwire.compress.native`, enabled with
+:func:`use_native`) do the same on CPU in one pass each, bit for bit.
+
 Tuning: all functions take ``out=``/``scratch=`` buffers so a caller that runs every
 step (the compressed allreduce) allocates nothing; fresh multi-megabyte tensors cost
 page faults that show up as a large share of the time on CPU. The multiply relies on
@@ -28,19 +31,23 @@ byte order (checked at import).
 
 from __future__ import annotations
 
+import os
 import sys
+from types import ModuleType
 
 import numpy as np
 import torch
 
 __all__ = [
     "BIT_ORDER",
+    "native_enabled",
     "pack_bits",
     "pack_signs",
     "packed_numel",
     "sign_table",
     "unpack_bits",
     "unpack_signs",
+    "use_native",
 ]
 
 BIT_ORDER = "big"
@@ -51,6 +58,36 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform
 
 # 0x8040201008040201 as a signed int64: byte k of a word (bit 8k) moves to bit 63 - k.
 _GATHER_MSB_FIRST = int(np.array(0x8040201008040201, dtype=np.uint64).astype(np.int64))
+
+_NATIVE: dict[str, ModuleType | None] = {}
+
+
+def use_native(enabled: bool = True) -> bool:
+    """Switch CPU packing to the compiled kernels of :mod:`thinwire.compress.native`.
+
+    Returns whether they are now in use (False if they could not be built). The output
+    is bit-identical either way; only the speed differs. ``THINWIRE_NATIVE_PACKING=1``
+    in the environment turns them on at first use.
+    """
+    if not enabled:
+        _NATIVE["module"] = None
+        return False
+    from thinwire.compress import native
+
+    _NATIVE["module"] = native.load()
+    return _NATIVE["module"] is not None
+
+
+def _native(device: torch.device) -> ModuleType | None:
+    if "module" not in _NATIVE:
+        use_native(os.environ.get("THINWIRE_NATIVE_PACKING", "") == "1")
+    return _NATIVE["module"] if device.type == "cpu" else None
+
+
+def native_enabled(device: torch.device) -> bool:
+    """Whether packing on ``device`` runs the compiled kernels (CPU only)."""
+    return _native(device) is not None
+
 
 _BITS_TABLE: dict[torch.device, torch.Tensor] = {}
 _SIGN_TABLE: dict[torch.device, torch.Tensor] = {}
@@ -116,16 +153,21 @@ def pack_bits(
     nbytes = packed_numel(n)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    out = out[:nbytes]
+    native = _native(flat.device)
+    if native is not None and n % 8 == 0 and flat.is_contiguous() and out.is_contiguous():
+        native.pack_bits(flat, out)
+        return out
     if scratch is None:
         scratch = torch.empty(nbytes * 8, dtype=torch.uint8, device=flat.device)
     scratch = scratch[: nbytes * 8]
     if n % 8 == 0 and flat.is_contiguous() and flat.storage_offset() % 8 == 0:
         # One out-of-place multiply instead of a copy and an in-place one.
         torch.mul(flat.view(torch.int64), _GATHER_MSB_FIRST, out=scratch.view(torch.int64))
-        return out[:nbytes].copy_(scratch.view(-1, 8)[:, 7])
+        return out.copy_(scratch.view(-1, 8)[:, 7])
     scratch[:n].copy_(flat)
     scratch[n:].zero_()
-    return _pack_words_(scratch, out[:nbytes])
+    return _pack_words_(scratch, out)
 
 
 def unpack_bits(
@@ -154,8 +196,12 @@ def unpack_bits(
         words = out.view(torch.uint8).view(-1).view(torch.int64)
     else:
         words = torch.empty(packed.numel(), dtype=torch.int64, device=packed.device)
-    # index_select takes int32/int64 indices; uint8 indexing would mean a mask.
-    torch.index_select(_bits_table(packed.device), 0, packed.to(torch.int32), out=words)
+    native = _native(packed.device)
+    if native is not None:
+        native.unpack_bits(packed.contiguous(), words.view(torch.uint8))
+    else:
+        # index_select takes int32/int64 indices; uint8 indexing would mean a mask.
+        torch.index_select(_bits_table(packed.device), 0, packed.to(torch.int32), out=words)
     if direct:
         return out  # type: ignore[return-value]
     bits = words.view(torch.uint8).view(torch.bool)[:numel]
@@ -176,12 +222,16 @@ def pack_signs(
     n = x.numel()
     if n % 8:
         raise ValueError(f"pack_signs needs a multiple of 8 elements, got {n}")
+    if out is None:
+        out = torch.empty(n // 8, dtype=torch.uint8, device=x.device)
+    native = _native(x.device)
+    if native is not None and x.dtype == torch.float32 and x.is_contiguous():
+        native.pack_signs(x.reshape(-1), out)
+        return out
     if scratch is None:
         scratch = torch.empty(n, dtype=torch.uint8, device=x.device)
     scratch = scratch[:n]
     torch.ge(x.reshape(-1), 0, out=scratch.view(torch.bool))
-    if out is None:
-        out = torch.empty(n // 8, dtype=torch.uint8, device=x.device)
     return _pack_words_(scratch, out)
 
 
@@ -205,10 +255,14 @@ def unpack_signs(
     """
     packed = packed.reshape(-1)
     m = packed.numel()
+    if out is None:
+        out = torch.empty(m * 8, dtype=torch.float32, device=packed.device)
+    native = _native(packed.device)
+    if native is not None and out.is_contiguous():
+        native.unpack_signs(packed.contiguous(), float(scale), out)
+        return out
     table = sign_table(packed.device) * scale
     if index is None:
         index = packed.to(torch.int32)
-    if out is None:
-        out = torch.empty(m * 8, dtype=torch.float32, device=packed.device)
     torch.index_select(table, 0, index, out=out.view(m, 8))
     return out
