@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import re
 import shlex
 import sys
@@ -188,7 +187,8 @@ def compare(
     ref = runs[reference]
     for r in runs.values():
         r["loss_ratio"] = r["final_val_loss"] / ref["final_val_loss"]
-        r["bytes_reduction"] = ref["comm_bytes"] / r["comm_bytes"] if r["comm_bytes"] else math.inf
+        # None when this run sent nothing (one worker): no ratio to speak of
+        r["bytes_reduction"] = ref["comm_bytes"] / r["comm_bytes"] if r["comm_bytes"] else None
     result = {
         "date": datetime.date.today().isoformat(),
         "command": command,
@@ -259,7 +259,7 @@ def format_comparison(result: dict[str, Any]) -> str:
             f"{r['final_val_loss']:.4f}",
             f"{r['loss_ratio']:.4f}",
             f"{r['comm_bytes'] / 2**20:,.2f}",
-            f"{r['bytes_reduction']:.2f}x",
+            "-" if r["bytes_reduction"] is None else f"{r['bytes_reduction']:.2f}x",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
