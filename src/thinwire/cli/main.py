@@ -24,6 +24,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "thinwire.cli.testbed",
     "thinwire.cli.analyze",
     "thinwire.cli.bench",
+    "thinwire.cli.simulate",
 )
 
 
