@@ -144,6 +144,8 @@ def test_native_kernels_match_pure_torch() -> None:
                 unpack_bits(packed, 99_999),
                 unpack_signs(packed, scale),
                 pack_bits(bits[:-3]),  # tail byte: pure fallback inside
+                pack_bits(bits[:8008]),  # 1001 bytes: the vector loop leaves one
+                pack_signs(x[:8008]),
             )
     finally:
         packing.use_native(False)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.comm.onebit_allreduce import OneBitAllreduce, onebit_wire_bytes
+from thinwire.compress import packing
 from thinwire.compress.cast import BF16, FP16, CastCompressor
 from thinwire.compress.packing import pack_bits, pack_signs, unpack_bits, unpack_signs
 from thinwire.errors import ConfigError
@@ -350,20 +351,33 @@ def plot_times(rows: Sequence[dict[str, Any]], path: str | Path) -> Path | None:
     return path
 
 
-def _interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median time of each function, calling them in turn so they share the same noise."""
+_CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _interleaved_medians(
+    fns: dict[str, Callable[[], Any]], repeats: int, clock: str = "wall"
+) -> dict[str, float]:
+    """Median time of each function, calling them in turn so they share the same noise.
+
+    ``clock="cpu"`` measures CPU time of this process (all its threads) instead of wall
+    time: on a shared, oversubscribed machine it counts only the work done, not the time
+    spent waiting for a core.
+    """
+    now = _CLOCKS[clock]
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(now() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run_packing_bench(numels: Sequence[int], repeats: int = 5) -> list[dict[str, Any]]:
+def run_packing_bench(
+    numels: Sequence[int], repeats: int = 5, clock: str = "wall"
+) -> list[dict[str, Any]]:
     """Bit packing and unpacking in torch vs numpy on the same data (single process, CPU).
 
     Four operations, each with numpy's natural spelling as the peer:
@@ -374,31 +388,40 @@ def run_packing_bench(numels: Sequence[int], repeats: int = 5) -> list[dict[str,
     * ``unpack_signs``: bytes -> fp32 ``+-s``, vs ``unpackbits(p).astype(f32) * 2s - s``
       (the fastest numpy spelling we found; ``np.where`` and table lookups are slower).
 
-    ``torch_s`` allocates its outputs like numpy does; ``torch_reuse_s`` passes ``out=``
-    and scratch buffers, as the compressed allreduce does. Runs with torch's current
-    intra-op thread count (``threads`` in the row); numpy is single-threaded.
+    ``torch_s`` is the pure-torch path and ``native_s`` the compiled kernels
+    (:mod:`thinwire.compress.native`; None if they cannot be built), both writing into
+    reused ``out=``/scratch buffers as the compressed allreduce does; numpy allocates
+    its outputs (it has no ``out=``). torch runs with its current intra-op thread count
+    (``threads`` in the row); numpy is single-threaded. ``clock``: ``"wall"`` or
+    ``"cpu"`` (process CPU time, see :func:`_interleaved_medians`).
     """
     rows = []
     gen = torch.Generator().manual_seed(0)
+    has_native = packing.use_native(True)
+    packing.use_native(False)
     for n in numels:
-        for op, fns in _packing_cases(n - n % 8, gen).items():
-            med = _interleaved_medians(fns, repeats)
+        for op, fns in _packing_cases(n - n % 8, gen, has_native).items():
+            med = _interleaved_medians(fns, repeats, clock)
+            native = med.get("native")
             rows.append(
                 {
                     "op": op,
+                    "clock": clock,
                     "numel": n - n % 8,
                     "threads": torch.get_num_threads(),
                     "numpy_s": med["numpy"],
                     "torch_s": med["torch"],
-                    "torch_reuse_s": med["reuse"],
+                    "native_s": native,
                     "speedup": med["numpy"] / med["torch"],
-                    "speedup_reuse": med["numpy"] / med["reuse"],
+                    "speedup_native": None if native is None else med["numpy"] / native,
                 }
             )
     return rows
 
 
-def _packing_cases(n: int, gen: torch.Generator) -> dict[str, dict[str, Callable[[], Any]]]:
+def _packing_cases(
+    n: int, gen: torch.Generator, has_native: bool
+) -> dict[str, dict[str, Callable[[], Any]]]:
     x = torch.randn(n, generator=gen)
     bits = x >= 0
     packed = pack_bits(bits)
@@ -409,51 +432,74 @@ def _packing_cases(n: int, gen: torch.Generator) -> dict[str, dict[str, Callable
     out_bits = torch.empty(n, dtype=torch.bool)
     out_f = torch.empty(n)
     ts = torch.tensor(0.5)
-    return {
-        "pack_bits": {
-            "numpy": lambda: np.packbits(bn),
-            "torch": lambda: pack_bits(bits),
-            "reuse": lambda: pack_bits(bits, out=out_b, scratch=scratch),
-        },
-        "unpack_bits": {
-            "numpy": lambda: np.unpackbits(pn),
-            "torch": lambda: unpack_bits(packed),
-            "reuse": lambda: unpack_bits(packed, out=out_bits),
-        },
-        "pack_signs": {
-            "numpy": lambda: np.packbits(xn >= 0),
-            "torch": lambda: pack_signs(x),
-            "reuse": lambda: pack_signs(x, out=out_b, scratch=scratch),
-        },
-        "unpack_signs": {
-            "numpy": lambda: np.unpackbits(pn).astype(np.float32) * (2 * scale) - scale,
-            "torch": lambda: unpack_signs(packed, ts),
-            "reuse": lambda: unpack_signs(packed, ts, out=out_f),
-        },
+    ops: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "pack_bits": (
+            lambda: np.packbits(bn),
+            lambda: pack_bits(bits, out=out_b, scratch=scratch),
+        ),
+        "unpack_bits": (lambda: np.unpackbits(pn), lambda: unpack_bits(packed, out=out_bits)),
+        "pack_signs": (
+            lambda: np.packbits(xn >= 0),
+            lambda: pack_signs(x, out=out_b, scratch=scratch),
+        ),
+        "unpack_signs": (
+            lambda: np.unpackbits(pn).astype(np.float32) * (2 * scale) - scale,
+            lambda: unpack_signs(packed, ts, out=out_f),
+        ),
     }
+    cases: dict[str, dict[str, Callable[[], Any]]] = {}
+    for name, (with_numpy, with_torch) in ops.items():
+        cases[name] = {"numpy": with_numpy, "torch": _with_native(with_torch, False)}
+        if has_native:
+            cases[name]["native"] = _with_native(with_torch, True)
+    return cases
 
 
-def run_onebit_compute_bench(numel: int, world_size: int, repeats: int = 5) -> dict[str, Any]:
+def _with_native(fn: Callable[[], Any], enabled: bool) -> Callable[[], Any]:
+    def run() -> Any:
+        packing.use_native(enabled)  # cached after the first build: a dict update
+        try:
+            return fn()
+        finally:
+            packing.use_native(False)
+
+    return run
+
+
+def run_onebit_compute_bench(
+    numel: int, world_size: int, repeats: int = 5, clock: str = "wall"
+) -> dict[str, Any]:
     """Time one whole 1-bit allreduce of ``numel`` fp32 without the network, in passes.
 
     Runs :meth:`OneBitAllreduce.compute_only` (rank 0's complete share of the work for
-    ``world_size`` ranks) and, interleaved, one ``copy_`` of the buffer (a "pass": read
-    and write ``4 * numel`` bytes). ``passes = compute_s / copy_s`` says how many plain
-    passes over memory the compression costs.
+    ``world_size`` ranks) with pure-torch packing (``compute_s``) and with the compiled
+    kernels (``native_s``, None if unavailable), and, interleaved, one ``copy_`` of the
+    buffer (a "pass": read and write ``4 * numel`` bytes). ``passes = compute_s /
+    copy_s`` says how many plain passes over memory the compression costs.
     """
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=gen)
     out = torch.empty_like(x)
     dst = torch.empty_like(x)
-    allreduce = OneBitAllreduce.compute_only(world_size)
-    med = _interleaved_medians(
-        {"onebit": lambda: allreduce(x, out=out), "copy": lambda: dst.copy_(x)}, repeats
-    )
+    pure = OneBitAllreduce.compute_only(world_size)
+    fns: dict[str, Callable[[], Any]] = {
+        "onebit": _with_native(lambda: pure(x, out=out), False),
+        "copy": lambda: dst.copy_(x),
+    }
+    if packing.use_native(True):
+        fast = OneBitAllreduce.compute_only(world_size)
+        fns["native"] = _with_native(lambda: fast(x, out=out), True)
+    packing.use_native(False)
+    med = _interleaved_medians(fns, repeats, clock)
+    native = med.get("native")
     return {
         "numel": numel,
         "world_size": world_size,
         "threads": torch.get_num_threads(),
+        "clock": clock,
         "compute_s": med["onebit"],
+        "native_s": native,
         "copy_s": med["copy"],
         "passes": med["onebit"] / med["copy"],
+        "native_passes": None if native is None else native / med["copy"],
     }

@@ -79,21 +79,23 @@ void pack_signs(const torch::Tensor& x, torch::Tensor& out) {
   });
 }
 
+// Input bytes must be 0 or 1 (a bool tensor), as for the pure path.
 void pack_bits(const torch::Tensor& bits, torch::Tensor& out) {
   const uint8_t* src = bits.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, out.numel(), GRAIN, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
 #if defined(__AVX2__)
-    const __m256i zero = _mm256_setzero_si256();
+    // Reverse each group of 8 bytes, move bit 0 of every byte to bit 7, and take the
+    // byte mask: 32 inputs become 4 output bytes with element 0 in the top bit.
+    const __m256i reverse8 = _mm256_setr_epi8(
+        7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8,
+        7, 6, 5, 4, 3, 2, 1, 0, 15, 14, 13, 12, 11, 10, 9, 8);
     for (; i + 4 <= end; i += 4) {
       __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 8 * i));
-      // Nonzero bytes -> mask bits, 4 output bytes at a time.
-      uint32_t m = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, zero)));
-      dst[i] = T.reverse[m & 0xff];
-      dst[i + 1] = T.reverse[(m >> 8) & 0xff];
-      dst[i + 2] = T.reverse[(m >> 16) & 0xff];
-      dst[i + 3] = T.reverse[m >> 24];
+      v = _mm256_slli_epi16(_mm256_shuffle_epi8(v, reverse8), 7);
+      uint32_t m = static_cast<uint32_t>(_mm256_movemask_epi8(v));
+      std::memcpy(dst + i, &m, 4);
     }
 #endif
     for (; i < end; ++i) {
