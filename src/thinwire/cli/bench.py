@@ -13,6 +13,7 @@ Rank 0 prints an nccl-tests style table and, with ``--out DIR``, writes
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from typing import Any
@@ -88,7 +89,11 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) 
 
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"command": command, "torch": torch.__version__}
+        meta = {
+            "command": command,
+            "torch": torch.__version__,
+            "native_packing": os.environ.get("THINWIRE_NATIVE_PACKING") == "1",
+        }
         print(f"wrote {bench.write_json(rows, out / 'allreduce.json', meta)}")
         png = bench.plot_times(rows, out / "allreduce.png")
         print(f"wrote {png}" if png else "plot skipped: matplotlib is not installed")
@@ -105,8 +110,6 @@ def run(args: argparse.Namespace) -> int:
 
         cuda = args.backend == "nccl"
         if cuda:
-            import os
-
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         init_from_env(args.backend)
         rows = bench.run_allreduce_bench(methods, sizes, args.warmup, args.iters)
