@@ -49,6 +49,7 @@ the all_to_all, the final gather), which dominate below ~1 MiB on a WAN.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,12 +117,18 @@ class _Exchange:
     def rank(self) -> int:
         return dist.get_rank(self.group) if dist.is_initialized() else 0
 
-    def gather_meta(self, meta: torch.Tensor) -> torch.Tensor:
-        out = meta.new_empty(self.world_size * meta.numel())
-        _all_gather_flat(out, meta, group=self.group)
+    def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start gathering every rank's (scale, length, built-for length); returns a wait."""
         w = self.world_size
+        out = meta.new_empty(w * meta.numel())
+        work = _all_gather_flat(out, meta, group=self.group, async_op=True)
         record("onebit.meta", _META_BYTES, (w - 1) * _META_BYTES)
-        return out.view(w, -1)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return out.view(w, -1)
+
+        return wait
 
     def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
         dist.all_to_all_single(recv, send, group=self.group)
@@ -163,8 +170,8 @@ class _Loopback(_Exchange):
     def rank(self) -> int:
         return 0
 
-    def gather_meta(self, meta: torch.Tensor) -> torch.Tensor:
-        return meta.reshape(1, -1).expand(self.world_size, -1)
+    def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: meta.reshape(1, -1).expand(self.world_size, -1)
 
     def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
         chunk = send.numel() // self.world_size
@@ -309,11 +316,13 @@ class OneBitAllreduce:
                 scale.new_tensor(self.numel, dtype=torch.float64),
             ]
         )
-        metas = self._exchange.gather_meta(meta).cpu()
+        wait_meta = self._exchange.start_meta(meta)
+        if ours:  # packing overlaps the tiny gather; the bits are only sent if all is well
+            pack_signs(b["work"], out=b["send"], scratch=b["bools"])
+        metas = wait_meta().cpu()
         self._check(metas, n, fresh)
 
         # Phase 1: every rank's sign bits for segment r go to rank r.
-        pack_signs(b["work"], out=b["send"], scratch=b["bools"])
         self._exchange.all_to_all(b["recv"], b["send"])
 
         # Server: y = mean_i(s_i * sign_i) + server_error over segment r.
