@@ -235,6 +235,15 @@ class ServerCore:
         out, self.waiting, self.deadline = self.waiting, [], None
         return out
 
+    def wake_at(self) -> float | None:
+        """When :meth:`due` can next answer without another arrival (a grace period ends);
+        None when only an arrival can change anything. For event-driven clocks."""
+        if not self.waiting or self.sync:
+            return None
+        if self.steps_assigned >= self.total_steps and self.busy:
+            return None
+        return self.deadline
+
     def work_for(self, worker: int, now: float) -> Work | None:
         """The next round for ``worker``, a stop order once the budget is done, or None.
 

@@ -1,0 +1,192 @@
+"""``thinwire simulate async``: heterogeneous Local-SGD workers on a virtual clock.
+
+Runs sync DiLoCo, naive async, Delayed Nesterov and DN+DyLU on the same inner-step
+budget with per-worker seconds-per-step, writes ``results.json`` and two plots (loss
+vs inner steps, loss vs simulated time) to ``--out``, and prints a comparison table:
+final validation loss (ratio to sync) and simulated time to reach sync's final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.simulator import METHODS, SimConfig, gpt_config, simulate, time_to_reach
+from thinwire.train.data import TextData
+from thinwire.train.metrics import atomic_write_text
+
+__all__ = ["register", "run_async", "summarize"]
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{name} needs at least one value")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("simulate", help="simulate Local-SGD on a virtual clock")
+    sub = parser.add_subparsers(dest="simulate_command", required=True, metavar="WHAT")
+    p = sub.add_parser(
+        "async",
+        help="sync DiLoCo vs naive async vs Delayed Nesterov vs DN+DyLU",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    p.add_argument(
+        "--seconds-per-step",
+        default="0.58,0.75,1.51,3.33",
+        help="virtual seconds per inner step, one per worker (default: the paper's toy speeds)",
+    )
+    p.add_argument("--jitter", type=float, default=0.0, help="relative per-round time noise")
+    p.add_argument("--local-steps", type=int, default=50, help="H (default 50)")
+    p.add_argument("--steps", type=int, default=500, help="inner steps per worker (budget)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer lr of every method")
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--c", type=float, default=0.0, help="Delayed Nesterov's c in [0, 1/W]")
+    p.add_argument("--grace", type=float, default=0.0, help="grace period, virtual seconds")
+    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW lr")
+    p.add_argument("--warmup-steps", type=int, default=20, help="inner warmup per shard")
+    p.add_argument("--data", default=None, help="text file (default: bundled corpus)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-points", type=int, default=20, help="validation passes per run")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steadier timing)"
+    )
+    p.add_argument("--out", default="runs/simulate", help="output directory")
+    p.set_defaults(func=run_async)
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios to sync DiLoCo: final loss, and simulated time to reach sync's final loss."""
+    by = {r["method"]: r for r in results}
+    out: dict[str, Any] = {}
+    ref = by.get("sync")
+    for m, r in by.items():
+        row: dict[str, Any] = {
+            "final_val_loss": r["final_val_loss"],
+            "sim_time_s": r["sim_time_s"],
+            "updates": r["updates"],
+        }
+        if ref is not None:
+            target = ref["final_val_loss"]
+            reach = time_to_reach(r["curve"], target)
+            row["loss_vs_sync"] = r["final_val_loss"] / target
+            row["time_to_sync_loss_s"] = reach
+            row["speedup_to_sync_loss"] = ref["sim_time_s"] / reach if reach else None
+        out[m] = row
+    return out
+
+
+def _plot(results: list[dict[str, Any]], out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for key, label, name in (
+        ("steps", "inner steps applied (all workers)", "loss_vs_steps.png"),
+        ("time_s", "simulated wall-clock (s)", "loss_vs_time.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in results:
+            xs = [p[key] for p in r["curve"]]
+            ys = [p["val_loss"] for p in r["curve"]]
+            ax.plot(xs, ys, marker=".", label=r["method"])
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss")
+        ax.set_ylim(top=min(max(p["val_loss"] for r in results for p in r["curve"]), 4.0))
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(str(out / name))
+    return paths
+
+
+def run_async(args: argparse.Namespace) -> int:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    speeds = _floats(args.seconds_per_step, "--seconds-per-step")
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if not 0.0 <= args.c <= 1.0 / len(speeds):
+        raise ConfigError(f"--c must be in [0, 1/W] = [0, {1 / len(speeds):.4g}], got {args.c}")
+    torch.set_num_threads(args.threads)
+    configs = [
+        SimConfig(
+            method=m,
+            seconds_per_step=speeds,
+            jitter=args.jitter,
+            local_steps=args.local_steps,
+            steps_per_worker=args.steps,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            c=args.c,
+            grace_s=args.grace,
+            model=args.model,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            data=args.data,
+            seed=args.seed,
+            eval_points=args.eval_points,
+        )
+        for m in methods
+    ]
+    for c in configs:
+        c.validate()  # every bad option before the first (long) run
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = TextData(args.data, gpt_config(configs[0]).seq_len, 0.05, args.seed)
+    results = []
+    for c in configs:
+        t0 = time.perf_counter()
+        r = simulate(c, data)
+        r["wall_s"] = time.perf_counter() - t0
+        results.append(r)
+        print(
+            f"{c.method:8s} final val loss {r['final_val_loss']:.4f}  updates {r['updates']:5d}  "
+            f"simulated {r['sim_time_s']:9.1f} s  (computed in {r['wall_s']:.0f} s)",
+            flush=True,
+        )
+    summary = summarize(results)
+    command = "thinwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    blob = {"command": command, "summary": summary, "runs": results}
+    atomic_write_text(out / "results.json", json.dumps(blob, indent=2) + "\n")
+    print(
+        f"\n{'method':8s} {'val loss':>9s} {'vs sync':>8s} {'t to sync loss':>15s} {'speedup':>8s}"
+    )
+    for m, row in summary.items():
+        reach = row.get("time_to_sync_loss_s")
+        speed = row.get("speedup_to_sync_loss")
+        print(
+            f"{m:8s} {row['final_val_loss']:9.4f} {row.get('loss_vs_sync', math.nan):8.4f} "
+            f"{(f'{reach:.0f} s' if reach else 'never'):>15s} "
+            f"{(f'{speed:.2f}x' if speed else '-'):>8s}"
+        )
+    plots = _plot(results, out)
+    print(f"wrote {out / 'results.json'}" + "".join(f", {p}" for p in plots))
+    return 0
