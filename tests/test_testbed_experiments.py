@@ -16,7 +16,12 @@ import pytest
 
 from thinwire.errors import ConfigError
 from thinwire.testbed import list_clusters, unavailable_reason
-from thinwire.testbed.experiments import stage_times, train_argv, train_on_testbed
+from thinwire.testbed.experiments import (
+    expected_tx_total,
+    stage_times,
+    train_argv,
+    train_on_testbed,
+)
 from thinwire.train.config import TrainConfig
 
 _REASON = unavailable_reason()
@@ -69,6 +74,15 @@ def test_stage_times_spreads_coarse_intervals() -> None:
     assert st["compression"]["mean_step_s"] == pytest.approx(0.5)
     with pytest.raises(ConfigError, match="no training records"):
         stage_times([{"step": 0, "val_loss": 3.0}], 1, 1)
+
+
+def test_expected_tx_counts_broadcasts_once_per_receiver() -> None:
+    ops = {
+        "optim.allreduce": {"calls": 2, "payload_bytes": 800, "wire_bytes": 600},
+        "trainer.broadcast": {"calls": 1, "payload_bytes": 100, "wire_bytes": 100},
+    }
+    # 4 ranks each send the allreduce's 600 bytes; the broadcast reaches 3 receivers.
+    assert expected_tx_total(ops, 4) == 4 * 600 + 3 * 100
 
 
 def test_non_empty_out_dir_is_refused(tmp_path: Path) -> None:
