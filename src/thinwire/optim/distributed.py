@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from thinwire.comm.accounting import record, ring_allreduce_bytes
 
-__all__ = ["CommOptimizer", "check_range"]
+__all__ = ["CommOptimizer", "TwoStageOptimizer", "check_adam_hyperparameters", "check_range"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -44,6 +44,17 @@ def check_range(name: str, value: float, lo: float, hi: float, lo_open: bool = F
     if not (ok_lo and ok_hi):
         left, right = "(" if lo_open else "[", ")" if hi_open else "]"
         raise ValueError(f"{name} must be in {left}{lo}, {hi}{right}, got {value}")
+
+
+def check_adam_hyperparameters(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """The checks every Adam-family optimizer here shares (ValueError naming the knob)."""
+    check_range("lr", lr, 0.0, float("inf"))
+    check_range("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
+    check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
+    check_range("eps", eps, 0.0, float("inf"), lo_open=True)
+    check_range("weight_decay", weight_decay, 0.0, float("inf"))
 
 
 class CommOptimizer(torch.optim.Optimizer):
@@ -148,6 +159,18 @@ class CommOptimizer(torch.optim.Optimizer):
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
         return True
+
+    def _update_moments(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Adam's ``m`` and ``v`` of ``p`` (fp32, created at first use) fed ``p.grad``."""
+        b1, b2 = group["betas"]
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        g = p.grad.float()
+        state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        return state
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 copy the update is applied to (the parameter itself when fp32)."""
@@ -269,3 +292,66 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # pragma: no cover
         raise NotImplementedError
+
+
+class TwoStageOptimizer(CommOptimizer):
+    """A full-precision warmup of ``freeze_step`` steps, then a compression stage.
+
+    Subclasses implement ``_warmup_step()`` and ``_compression_step()``; each returns
+    False (and changes nothing) when the step must be skipped for non-finite values, and
+    advances :attr:`global_step` itself when it applies an update.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        freeze_step: int,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        check_range("freeze_step", freeze_step, 1, float("inf"))
+        super().__init__(params, defaults, process_group)
+        self.freeze_step = int(freeze_step)
+        self.global_step = 0
+
+    @property
+    def compressing(self) -> bool:
+        """True once the next step is in the compression stage."""
+        return self.global_step >= self.freeze_step
+
+    def needs_averaged_grads(self) -> bool:
+        return not self.compressing
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ok = self._compression_step() if self.compressing else self._warmup_step()
+        if not ok:
+            self._skip()
+        return loss
+
+    def _warmup_step(self) -> bool:
+        raise NotImplementedError
+
+    def _compression_step(self) -> bool:
+        raise NotImplementedError
+
+    def _momentum_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, group) of every parameter with momentum: the same set on every
+        rank, so the fused compressed buffer has the same layout everywhere."""
+        return [
+            (p, group)
+            for group in self.param_groups
+            for p in group["params"]
+            if "exp_avg" in self.state[p]
+        ]
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), "global_step": self.global_step}
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        super()._load_extra_state(extra)
+        self.global_step = extra["global_step"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.optim.distributed import CommOptimizer, check_range
+from thinwire.optim.distributed import CommOptimizer, check_adam_hyperparameters, check_range
 
 __all__ = ["Lamb", "trust_ratio"]
 
@@ -61,11 +61,7 @@ class Lamb(CommOptimizer):
         min_coeff: float = 0.01,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        check_range("lr", lr, 0.0, float("inf"))
-        check_range("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
-        check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
-        check_range("eps", eps, 0.0, float("inf"), lo_open=True)
-        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         check_range("min_coeff", min_coeff, 0.0, float("inf"), lo_open=True)
         check_range("max_coeff", max_coeff, min_coeff, float("inf"))
         defaults = dict(
@@ -91,14 +87,8 @@ class Lamb(CommOptimizer):
         coeffs = []
         for p, group in items:
             b1, b2 = group["betas"]
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state = self._update_moments(p, group)
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            g = p.grad.float()
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
             master = self._master(p)
             if group["bias_correction"]:
                 denom = (v / (1 - b2**t)).sqrt_().add_(group["eps"])

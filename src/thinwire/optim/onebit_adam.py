@@ -15,18 +15,18 @@ Convergence Speed", arXiv 2102.02888.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thinwire.optim.distributed import CommOptimizer, check_range
+from thinwire.optim.distributed import TwoStageOptimizer, check_adam_hyperparameters
 
 __all__ = ["OneBitAdam"]
 
 
-class OneBitAdam(CommOptimizer):
+class OneBitAdam(TwoStageOptimizer):
     """1-bit Adam, data-parallel, on any torch.distributed backend.
 
     Args:
@@ -61,64 +61,25 @@ class OneBitAdam(CommOptimizer):
         bias_correction: bool = False,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        check_range("lr", lr, 0.0, float("inf"))
-        check_range("freeze_step", freeze_step, 1, float("inf"))
-        check_range("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
-        check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
-        check_range("eps", eps, 0.0, float("inf"), lo_open=True)
-        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             bias_correction=bias_correction,
         )  # fmt: skip
-        super().__init__(params, defaults, process_group)
-        self.freeze_step = int(freeze_step)
-        self.global_step = 0
-
-    @property
-    def compressing(self) -> bool:
-        """True once the next step is in the compression stage."""
-        return self.global_step >= self.freeze_step
-
-    def needs_averaged_grads(self) -> bool:
-        return not self.compressing
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        ok = self._compression_step() if self.compressing else self._warmup_step()
-        if not ok:
-            self._skip()
-            return loss
-        self.global_step += 1
-        self._apply_updates()
-        return loss
+        super().__init__(params, defaults, freeze_step, process_group)
 
     def _warmup_step(self) -> bool:
         items = self._grads()
         if not self._average_gradients([p for p, _ in items]):
             return False
         for p, group in items:
-            b1, b2 = group["betas"]
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            g = p.grad.float()
-            state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-            state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            self._update_moments(p, group)
+        self._apply_updates()
         return True
 
     def _compression_step(self) -> bool:
-        params, betas = [], {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if "exp_avg" in self.state[p]:  # every rank has the same set
-                    params.append(p)
-                    betas[p] = group["betas"][0]
+        items = self._momentum_params()
+        betas = {p: group["betas"][0] for p, group in items}
 
         def fill(p: torch.Tensor, view: torch.Tensor) -> None:
             b1 = betas[p]
@@ -126,6 +87,7 @@ class OneBitAdam(CommOptimizer):
             if p.grad is not None:
                 view.add_(p.grad.float(), alpha=1 - b1)
 
+        params = [p for p, _ in items]
         views = self._compressed_average(params, fill)
         if views is None:
             return False
@@ -135,35 +97,26 @@ class OneBitAdam(CommOptimizer):
             m.copy_(view)
             if masks.get(p) is not None:
                 m.mul_(masks[p])
+        self._apply_updates()
         return True
 
     def _apply_updates(self) -> None:
+        self.global_step += 1
         t = self.global_step
-        for group in self.param_groups:
+        for p, group in self._momentum_params():
             b1, b2 = group["betas"]
-            for p in group["params"]:
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    continue
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if group["bias_correction"]:
-                    t_v = min(t, self.freeze_step)
-                    denom = (v / (1 - b2**t_v)).sqrt_().add_(group["eps"])
-                    u = (m / (1 - b1**t)).div_(denom)
-                else:
-                    u = m / v.sqrt().add_(group["eps"])
-                master = self._master(p)
-                if group["weight_decay"]:
-                    u.add_(master, alpha=group["weight_decay"])
-                master.add_(u, alpha=-group["lr"])
-                self._write_back(p, master)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), "global_step": self.global_step}
-
-    def _load_extra_state(self, extra: dict[str, Any]) -> None:
-        super()._load_extra_state(extra)
-        self.global_step = extra["global_step"]
+            m, v = self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]
+            if group["bias_correction"]:
+                t_v = min(t, self.freeze_step)
+                denom = (v / (1 - b2**t_v)).sqrt_().add_(group["eps"])
+                u = (m / (1 - b1**t)).div_(denom)
+            else:
+                u = m / v.sqrt().add_(group["eps"])
+            master = self._master(p)
+            if group["weight_decay"]:
+                u.add_(master, alpha=group["weight_decay"])
+            master.add_(u, alpha=-group["lr"])
+            self._write_back(p, master)
 
 
 def _masks(groups: list[dict[str, Any]]) -> dict[torch.Tensor, torch.Tensor | None]:

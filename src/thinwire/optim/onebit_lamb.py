@@ -22,20 +22,24 @@ function of the update, so compression error would change it. 1-bit LAMB therefo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thinwire.optim.distributed import CommOptimizer, check_range
+from thinwire.optim.distributed import (
+    TwoStageOptimizer,
+    check_adam_hyperparameters,
+    check_range,
+)
 from thinwire.optim.lamb import trust_ratio
 from thinwire.optim.onebit_adam import _masks
 
 __all__ = ["OneBitLamb"]
 
 
-class OneBitLamb(CommOptimizer):
+class OneBitLamb(TwoStageOptimizer):
     """1-bit LAMB, data-parallel, on any torch.distributed backend.
 
     Args:
@@ -78,12 +82,7 @@ class OneBitLamb(CommOptimizer):
         bias_correction: bool = False,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        check_range("lr", lr, 0.0, float("inf"))
-        check_range("freeze_step", freeze_step, 1, float("inf"))
-        check_range("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
-        check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
-        check_range("eps", eps, 0.0, float("inf"), lo_open=True)
-        check_range("weight_decay", weight_decay, 0.0, float("inf"))
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         check_range("min_coeff", min_coeff, 0.0, float("inf"), lo_open=True)
         check_range("max_coeff", max_coeff, min_coeff, float("inf"))
         check_range("coeff_beta", coeff_beta, 0.0, 1.0, hi_open=True)
@@ -96,30 +95,9 @@ class OneBitLamb(CommOptimizer):
             factor_min=factor_min, factor_threshold=factor_threshold,
             bias_correction=bias_correction,
         )  # fmt: skip
-        super().__init__(params, defaults, process_group)
-        self.freeze_step = int(freeze_step)
-        self.global_step = 0
+        super().__init__(params, defaults, freeze_step, process_group)
         self.last_coeffs: list[float] = []
         self.last_factors: list[float] = []
-
-    @property
-    def compressing(self) -> bool:
-        """True once the next step is in the compression stage."""
-        return self.global_step >= self.freeze_step
-
-    def needs_averaged_grads(self) -> bool:
-        return not self.compressing
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        ok = self._compression_step() if self.compressing else self._warmup_step()
-        if not ok:
-            self._skip()
-        return loss
 
     # ------------------------------------------------------------------ warmup
 
@@ -131,17 +109,10 @@ class OneBitLamb(CommOptimizer):
         t = self.global_step
         coeffs = []
         for p, group in items:
-            b1, b2 = group["betas"]
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["lamb_coeff_freeze"] = 0.0
-                state["last_factor"] = 1.0
+            state = self._update_moments(p, group)
+            state.setdefault("lamb_coeff_freeze", 0.0)
+            state.setdefault("last_factor", 1.0)
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            g = p.grad.float()
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
             if t == self.freeze_step:
                 state["exp_avg_sq_fresh"] = v.clone()
             master = self._master(p)
@@ -169,12 +140,8 @@ class OneBitLamb(CommOptimizer):
     # ------------------------------------------------------------------ compression
 
     def _compression_step(self) -> bool:
-        params, groups = [], {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if "exp_avg" in self.state[p]:
-                    params.append(p)
-                    groups[p] = group
+        items = self._momentum_params()
+        params, groups = [p for p, _ in items], dict(items)
         if params and "scaling_coeff" not in self.state[params[0]]:
             self._set_scaling_coeffs(params)
 
@@ -258,11 +225,10 @@ class OneBitLamb(CommOptimizer):
         return out
 
     def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), "global_step": self.global_step,
-                "last_coeffs": self.last_coeffs, "last_factors": self.last_factors}  # fmt: skip
+        return {**super()._extra_state(), "last_coeffs": self.last_coeffs,
+                "last_factors": self.last_factors}  # fmt: skip
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         super()._load_extra_state(extra)
-        self.global_step = extra["global_step"]
         self.last_coeffs = list(extra["last_coeffs"])
         self.last_factors = list(extra["last_factors"])
