@@ -40,11 +40,8 @@ def _run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    ("outer", "dylu", "slowdown"), [("dn", True, (1.0, 2.0)), ("nesterov", False, None)]
-)
-def test_async_run_completes(tmp_path: Path, outer: str, dylu: bool, slowdown: Any) -> None:
-    cfg = _cfg(tmp_path, outer=outer, dylu=dylu, slowdown=slowdown, compress="bf16")
+def test_async_run_completes(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, outer="dn", dylu=True, slowdown=(1.0, 2.0), compress="bf16")
     out = spawn(_run_rank, 3, (cfg,), timeout_s=120)
     summary = out[0]
     assert summary["inner_steps"] == cfg.steps * 2

@@ -90,7 +90,12 @@ def test_bad_h(h: Any, match: str) -> None:
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, compress="int3")
 
 
-def _two_ranks(rank: int, world: int, compress: str) -> dict[str, Any]:
+def _two_ranks(rank: int, world: int) -> dict[str, Any]:
+    return {c: _two_ranks_one(rank, c) for c in ("none", "bf16", "onebit")}
+
+
+def _two_ranks_one(rank: int, compress: str) -> dict[str, Any]:
+    COUNTER.reset()
     model = _model(seed=rank)  # different inits: DiLoCo broadcasts rank 0's
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with DiLoCo(model, opt, sync_every=3, compress=compress) as d:
@@ -101,10 +106,15 @@ def _two_ranks(rank: int, world: int, compress: str) -> dict[str, Any]:
     return {"start": start, "flat": flat, "outer": d.outer_steps, "bytes": COUNTER.snapshot()}
 
 
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict[str, Any]]:
+    return spawn(_two_ranks, 2, timeout_s=100)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("compress", ["none", "bf16", "onebit"])
-def test_two_ranks_average_and_stay_equal(compress: str) -> None:
-    a, b = spawn(_two_ranks, 2, (compress,), timeout_s=100)
+def test_two_ranks_average_and_stay_equal(compress: str, two_rank_results: list) -> None:
+    a, b = (r[compress] for r in two_rank_results)
     for p, q in zip(a["start"], b["start"], strict=True):
         assert torch.equal(p, q)  # rank 0's initial weights everywhere
     assert torch.equal(a["flat"], b["flat"]) and a["outer"] == 1
