@@ -25,7 +25,10 @@ Fault tolerance:
   rejects updates computed before the restart.
 
 ``cfg.extra`` options: ``grace_s`` (grace period, default 0), ``shards`` (default W),
-``c`` (DN's c, default 0), ``dead_after_s`` (heartbeat silence that means a dead worker,
+``c`` (DN's c, default 0), ``sync`` (True: every round waits for all workers, which with
+DN's N = W and c = 0 is synchronous DiLoCo through the server; the baseline for
+``--slowdown`` comparisons, since the allreduce DiLoCo of ``--algo diloco`` has no
+slowdown emulation), ``dead_after_s`` (heartbeat silence that means a dead worker,
 default 10), ``dylu_ema`` (default 0.5).
 """
 
@@ -335,6 +338,10 @@ def check_async_config(cfg: Any, workers: int) -> None:
         raise ConfigError(
             f"Delayed Nesterov c must be in [0, 1/N] = [0, {1 / workers:.4g}], got {c}"
         )
+    if cfg.extra.get("sync") and (cfg.outer != "dn" or cfg.dylu or c != 0):
+        raise ConfigError(
+            "sync mode is synchronous DiLoCo: it needs outer dn with c = 0 and no DyLU"
+        )
     if float(cfg.extra.get("grace_s", 0.0)) < 0:
         raise ConfigError(f"grace_s must be >= 0, got {cfg.extra['grace_s']}")
 
@@ -393,7 +400,7 @@ def run(cfg: Any) -> dict[str, Any]:
         parameters_to_vector(model.parameters()), workers=workers, local_steps=cfg.local_steps,
         total_steps=cfg.steps * workers, shard_sizes=[len(s) for s in shards], outer=cfg.outer,
         outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, c=float(extra.get("c", 0.0)),
-        dylu=cfg.dylu, grace_s=float(extra.get("grace_s", 0.0)),
+        dylu=cfg.dylu, grace_s=float(extra.get("grace_s", 0.0)), sync=bool(extra.get("sync")),
         dylu_ema=float(extra.get("dylu_ema", 0.5)),
     )  # fmt: skip
     ckpt_path = out_dir / "localsgd_server.pt"
@@ -427,6 +434,7 @@ def run(cfg: Any) -> dict[str, Any]:
         "workers": workers,
         "outer": cfg.outer,
         "dylu": cfg.dylu,
+        "sync": bool(extra.get("sync")),
         "steps": core.steps_applied // workers,
         "inner_steps": core.steps_applied,
         "updates_applied": core.updates_applied,
