@@ -34,6 +34,7 @@ default 10), ``dylu_ema`` (default 0.5).
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -359,7 +360,7 @@ def run(cfg: Any) -> dict[str, Any]:
         write_run_identity,
     )
     from thinwire.train.data import TextData
-    from thinwire.train.metrics import MetricsWriter
+    from thinwire.train.metrics import MetricsWriter, atomic_write_text
     from thinwire.train.model import GPT
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -410,6 +411,11 @@ def run(cfg: Any) -> dict[str, Any]:
         core.load_state_dict(safe_load(ckpt_path))
         resume_step = core.steps_applied
     else:
+        if ckpt_path.exists():
+            raise ConfigError(
+                f"output directory {out_dir} already holds an asynchronous run; pass --resume "
+                "to continue it or choose another --out"
+            )
         write_run_identity(out_dir, identity)
     metrics = MetricsWriter(out_dir, True, resume_step, cfg.tensorboard)
     batches = data.val_batches(cfg.eval_sequences, cfg.batch_size)
@@ -428,7 +434,7 @@ def run(cfg: Any) -> dict[str, Any]:
         metrics.close()
     wall = time.monotonic() - t0
     trained = (core.steps_applied - steps0) * cfg.batch_size
-    return {
+    summary = {
         "algo": cfg.algo,
         "world_size": world,
         "workers": workers,
@@ -449,3 +455,5 @@ def run(cfg: Any) -> dict[str, Any]:
         "comm_by_op": COUNTER.snapshot(),
         "out_dir": str(out_dir),
     }
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
