@@ -1,0 +1,189 @@
+"""Prediction-vs-measurement logic of thinwire.analysis.validate on synthetic inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from thinwire.analysis.profile import ParamTiming, Profile, save_profile
+from thinwire.analysis.validate import (
+    TCP_PAYLOAD_SHARE,
+    Link,
+    ValidationConfig,
+    error_pct,
+    format_table,
+    main,
+    measured_step_s,
+    merge_profiles,
+    plot_validation,
+    predict_step,
+    summarize,
+)
+from thinwire.comm.onebit_allreduce import onebit_wire_bytes
+from thinwire.errors import ConfigError
+
+MIB = 2**20
+
+
+def _profile(scale: float = 1.0, observed: list[list[int]] | None = None) -> Profile:
+    # Three gradients ready during a 0.6 s backward pass (reverse registration order).
+    params = [
+        ParamTiming("a", 0, 4 * MIB, ready_s=0.6 * scale),
+        ParamTiming("b", 1, 2 * MIB, ready_s=0.4 * scale),
+        ParamTiming("c", 2, MIB, ready_s=0.1 * scale),
+    ]
+    return Profile(
+        model="toy",
+        iteration_s=1.0 * scale,
+        backward_s=0.6 * scale,
+        forward_s=0.3 * scale,
+        optimizer_s=0.1 * scale,
+        params=params,
+        observed_buckets=observed,
+    )
+
+
+def test_merge_profiles_averages_times_and_ready_times() -> None:
+    a, b = _profile(1.0), _profile(3.0)
+    a.meta["onebit_codec_s_per_byte"] = 1e-9
+    b.meta["onebit_codec_s_per_byte"] = 3e-9
+    m = merge_profiles([a, b])
+    assert m.iteration_s == pytest.approx(2.0)
+    assert m.backward_s == pytest.approx(1.2)
+    assert m.optimizer_s == pytest.approx(0.2)
+    assert [p.ready_s for p in m.params] == pytest.approx([1.2, 0.8, 0.2])
+    assert m.meta["onebit_codec_s_per_byte"] == pytest.approx(2e-9)
+    assert m.meta["merged"] == 2
+
+
+def test_merge_profiles_rejects_different_models() -> None:
+    other = _profile()
+    other.params = other.params[:2]
+    with pytest.raises(ConfigError, match="differ in parameters"):
+        merge_profiles([_profile(), other])
+    with pytest.raises(ConfigError, match="no profiles"):
+        merge_profiles([])
+
+
+def test_onebit_is_one_collective_after_backward_with_codec() -> None:
+    # Analytic: the 1-bit optimizer sends ONE buffer after backward; the step is the
+    # iteration plus its wire time, 3 (n-1) latencies and the codec over all bytes.
+    prof, n = _profile(), 4
+    link = Link(bandwidth_gbps=0.1, alpha_per_message_s=1e-3, source="fitted")
+    codec = 2e-9
+    res = predict_step(prof, "onebit", link, n, codec)
+    total = 7 * MIB
+    wire = onebit_wire_bytes(total // 4, n)
+    expected = 1.0 + 8 * wire / 0.1e9 + 3 * (n - 1) * 1e-3 + codec * total
+    assert res.step_s == pytest.approx(expected)
+    assert len(res.events) == 1 and res.events[0].start_s == pytest.approx(0.6)
+
+
+def test_fused_fp32_is_a_ring_allreduce_after_backward() -> None:
+    prof, n = _profile(), 4
+    link = Link(bandwidth_gbps=0.05, alpha_per_message_s=2e-3)
+    res = predict_step(prof, "fp32-fused", link, n)
+    wire = 2 * (n - 1) / n * 7 * MIB
+    assert res.exposed_s == pytest.approx(8 * wire / 0.05e9 + 2 * (n - 1) * 2e-3)
+    # Overlap hides part of it: DDP's observed buckets start during backward.
+    ddp = predict_step(_profile(observed=[[2, 1], [0]]), "ddp", link, n)
+    assert [e.nbytes for e in ddp.events] == [3 * MIB, 4 * MIB]
+    assert ddp.events[0].start_s == pytest.approx(0.4)
+    assert 0 < ddp.exposed_s < res.exposed_s
+
+
+def test_predict_step_ignores_codec_for_fp32_and_rejects_unknown_scheme() -> None:
+    link = Link.nominal(100e6)
+    assert link.bandwidth_gbps == pytest.approx(0.1 * TCP_PAYLOAD_SHARE)
+    a = predict_step(_profile(), "fp32-fused", link, 4, codec_s_per_byte=1e-6)
+    b = predict_step(_profile(), "fp32-fused", link, 4)
+    assert a.step_s == b.step_s
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        predict_step(_profile(), "powersgd", link, 4)
+
+
+def _records(times: list[float]) -> list[dict[str, float]]:
+    return [{"step": i + 1, "step_s": t} for i, t in enumerate(times)] + [
+        {"step": len(times), "val_loss": 3.0}  # evaluation record: no step time
+    ]
+
+
+def test_measured_step_s_uses_only_the_requested_steps() -> None:
+    recs = _records([9.0, 9.0, 1.0, 2.0, 3.0, 100.0])
+    m = measured_step_s(recs, 3, 5)
+    assert (m["steps"], m["mean_s"], m["median_s"]) == (3, 2.0, 2.0)
+    assert m["stdev_s"] == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match=">= 2 logged steps"):
+        measured_step_s(recs, 6, 9)
+
+
+def test_error_and_summary() -> None:
+    assert error_pct(1.1, 1.0) == pytest.approx(10.0)
+    assert error_pct(0.8, 1.0) == pytest.approx(-20.0)
+    rows = [{"e": 10.0}, {"e": -20.0}, {"e": 15.0}, {"e": None}, {"e": math.nan}]
+    s = summarize(rows, "e")
+    assert (s["rows"], s["within_goal"], s["worst_abs_pct"]) == (3, 2, 20.0)
+
+
+def _row(rate: str, scheme: str, measured: float, predicted: float) -> dict[str, object]:
+    pred = {"step_s": predicted, "compute_s": 0.5 * predicted, "exposed_s": 0.5 * predicted}
+    return {
+        "rate": rate,
+        "scheme": scheme,
+        "measured": {"mean_s": measured, "median_s": measured, "stdev_s": 0.1},
+        "predicted": pred,
+        "predicted_alone": pred,
+        "predicted_nominal": pred,
+        "err_pct": error_pct(predicted, measured),
+        "err_alone_pct": error_pct(predicted, measured),
+        "err_nominal_pct": error_pct(predicted, measured),
+    }
+
+
+def _result() -> dict[str, object]:
+    rows = [_row("100mbit", "ddp", 2.0, 2.2), _row("100mbit", "onebit", 1.0, 1.5)]
+    return {
+        "format": "thinwire.validation/1",
+        "rates": [{"rate": "100mbit", "rows": rows, "load_avg_1min": {"a": 3.0, "b": 5.0}}],
+        "summary": {"err_pct": summarize(rows, "err_pct")},
+    }
+
+
+def test_table_and_plot_from_synthetic_result(tmp_path: Path) -> None:
+    table = format_table(_result())
+    assert "| 100mbit | fp32 DDP (adamw) | 2.000 +- 0.100, 2.000 s | 2.200 s | +10.0% |" in table
+    assert "+50.0%" in table and "3.0-5.0" in table
+    assert "Within 15%: 1 of 2 cases (worst 50.0%" in table
+    png = plot_validation(_result(), tmp_path / "v.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_rerenders_and_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = tmp_path / "validation.json"
+    src.write_text(json.dumps(_result()))
+    out = tmp_path / "again"
+    assert main(["--from-json", str(src), "--out", str(out), "--plot", str(out / "p.png")]) == 0
+    assert "fp32 DDP" in (out / "validation.md").read_text() and (out / "p.png").exists()
+    save_profile(_profile(), tmp_path / "notvalidation.json")
+    assert main(["--from-json", str(tmp_path / "notvalidation.json")]) == 2
+    assert "not a thinwire validation" in capsys.readouterr().err
+    assert main(["--rates", "100mbit", "--hosts", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "hosts must be >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rates": ("unlimited",)}, "needs a link rate"),
+        ({"rates": ("fast",)}, "rate"),
+        ({"freeze_step": 29}, "freeze-step"),
+        ({"onebit_algo": "adamw"}, "onebit algo"),
+        ({"rates": ()}, "no link rates"),
+    ],
+)
+def test_config_check(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ValidationConfig(**kwargs).check()  # type: ignore[arg-type]
