@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.train.algorithms import default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import atomic_write_text, read_metrics
 
@@ -41,10 +42,12 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=4, help="workers / emulated hosts (default 4)")
     p.add_argument("--rate", default="100mbit", help="emulated link rate (default 100mbit)")
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
-    p.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
+    p.add_argument("--steps", type=int, default=120, help="steps per run (default 120)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
-    p.add_argument("--freeze-step", type=int, default=None, help="default: 20%% of --steps")
-    p.add_argument("--lr", type=float, default=1e-2, help="learning rate of both runs")
+    p.add_argument("--freeze-step", type=int, default=None, help="default: 10%% of --steps")
+    p.add_argument(
+        "--lr", type=float, default=default_lr("onebit-lamb"), help="learning rate of both runs"
+    )
     p.add_argument("--out", default="runs/demo", help="output directory (replaced)")
     p.add_argument("--no-testbed", action="store_true", help="train over loopback, even as root")
     p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)

@@ -15,7 +15,13 @@ import torch.distributed as dist
 
 from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
-from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names, check_algorithm
+from thinwire.train.algorithms import (
+    ALGORITHMS,
+    RUNNERS,
+    algorithm_names,
+    check_algorithm,
+    default_lr,
+)
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import BUILTIN_CORPUS, load_text
 from thinwire.train.model import PRESETS
@@ -63,7 +69,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--n-head", type=int, default=None)
     m.add_argument("--n-embd", type=int, default=None)
     o = p.add_argument_group("optimizer")
-    o.add_argument("--lr", type=float, default=d.lr)
+    o.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default: tuned per algorithm)"
+    )
     o.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     o.add_argument("--weight-decay", type=float, default=d.weight_decay)
     o.add_argument("--grad-clip", type=float, default=d.grad_clip)
@@ -112,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         algo=args.algo, model=args.model, seq_len=args.seq_len, n_layer=args.n_layer,
         n_head=args.n_head, n_embd=args.n_embd, data=args.data, seed=args.seed,
-        steps=args.steps, stop_after=args.stop_after, batch_size=args.batch_size, lr=args.lr,
+        steps=args.steps, stop_after=args.stop_after, batch_size=args.batch_size,
+        lr=args.lr if args.lr is not None else default_lr(args.algo),
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, freeze_step=args.freeze_step,
         local_steps=args.local_steps, outer_lr=args.outer_lr,

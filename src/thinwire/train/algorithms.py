@@ -30,7 +30,16 @@ from thinwire.comm.launch import world_size
 from thinwire.errors import ConfigError
 from thinwire.train.config import TrainConfig
 
-__all__ = ["ALGORITHMS", "RUNNERS", "Strategy", "algorithm_names", "get_runner", "make_strategy"]
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_LR",
+    "RUNNERS",
+    "Strategy",
+    "algorithm_names",
+    "default_lr",
+    "get_runner",
+    "make_strategy",
+]
 
 
 @dataclass
@@ -159,6 +168,25 @@ ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], 
     ),
 }
 """name -> (factory or ``"module:function"``, one-line description)."""
+
+DEFAULT_LR: dict[str, float] = {
+    "adamw": 2e-3,
+    "adamw-fp16": 2e-3,
+    "adamw-powersgd": 2e-3,
+    "lamb": 2e-2,
+    "onebit-lamb": 2e-2,
+    "onebit-adam": 4e-3,
+}
+"""Peak learning rate ``thinwire train`` uses when ``--lr`` is not given: the best of a
+short sweep on the tiny preset, 4 workers x 32 sequences (docs/benchmarks.md,
+"Optimizers"). LAMB's trust ratio makes its step relative to the weight norm, hence ~10x
+Adam's. Algorithms not listed use :attr:`TrainConfig.lr`'s default."""
+
+
+def default_lr(algo: str) -> float:
+    """The tuned default peak learning rate of ``algo`` (see :data:`DEFAULT_LR`)."""
+    return DEFAULT_LR.get(algo, TrainConfig.lr)
+
 
 RUNNERS: dict[str, tuple[str, str]] = {
     "async-diloco": (

@@ -149,6 +149,7 @@ def _broadcast_parameters(model: nn.Module) -> None:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training on this rank; returns the run summary (complete on rank 0)."""
     cfg.validate()
+    COUNTER.reset()  # this run's bytes only, also when one process trains several times
     runner = get_runner(cfg.algo)
     if runner is not None:
         return runner(cfg)
