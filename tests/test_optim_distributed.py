@@ -254,3 +254,39 @@ def test_under_ddp_matches_plain_use() -> None:
             assert torch.equal(plain, with_ddp), name
             steps_averaged = FREEZE + 3 if name == "lamb" else FREEZE
             assert calls == steps_averaged, name  # one bucket per averaged step, none after
+
+
+def _dcp_round_trip(rank: int, world: int, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    steps, stop = FREEZE + 5, FREEZE + 2
+    model = _model()
+    opt = _make("onebit-lamb", model)
+    for t in range(steps):
+        _local_step(model, opt, rank, t)
+    straight = _digest(model)
+
+    model = _model()
+    opt = _make("onebit-lamb", model)
+    for t in range(stop):
+        _local_step(model, opt, rank, t)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    # A fresh run, brought to the same stage so its state has the shapes to load into
+    # (as torch.distributed.checkpoint.state_dict does for lazily created state).
+    model = _model(seed=7)
+    opt = _make("onebit-lamb", model)
+    for t in range(stop):
+        _local_step(model, opt, rank, 50 + t)
+    target = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(target, checkpoint_id=path)
+    model.load_state_dict(target["model"])
+    opt.load_state_dict(target["optim"])
+    for t in range(stop, steps):
+        _local_step(model, opt, rank, t)
+    return straight, _digest(model)
+
+
+@pytest.mark.timeout(150)
+def test_torch_distributed_checkpoint_keeps_each_ranks_error_feedback(tmp_path: Path) -> None:
+    for straight, resumed in spawn(_dcp_round_trip, 2, (str(tmp_path / "dcp"),), timeout_s=120):
+        assert torch.equal(straight, resumed)

@@ -57,6 +57,29 @@ def check_adam_hyperparameters(
     check_range("weight_decay", weight_decay, 0.0, float("inf"))
 
 
+def _as_tensor(value: Any) -> Any:
+    """Numbers and lists of numbers as tensors: ``torch.distributed.checkpoint`` loads
+    tensors in place but leaves plain Python numbers at the values the target held."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return torch.tensor(value, dtype=torch.int64)
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64)
+    if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+        return torch.tensor(value, dtype=torch.float64)
+    return value
+
+
+def _from_tensor(value: Any) -> Any:
+    """Inverse of :func:`_as_tensor`."""
+    if not torch.is_tensor(value) or value.dtype not in (torch.int64, torch.float64):
+        return value
+    if value.dim() == 1:
+        return value.tolist()
+    return int(value) if value.dtype == torch.int64 else float(value)
+
+
 class CommOptimizer(torch.optim.Optimizer):
     """Base class: process group, start-up checks, fused gradient allreduce, fp32 masters."""
 
@@ -242,12 +265,22 @@ class CommOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state plus ``"thinwire"``: the world size and, under the key
+        ``"rank{r}"``, this rank's own state (error-feedback buffers, counters).
+
+        Keying the per-rank part by rank lets ``torch.distributed.checkpoint`` save every
+        rank's entry (it would keep only one copy of a key all ranks share); the rest of
+        the state is identical on every rank.
+        """
         sd = super().state_dict()
+        for per_param in sd["state"].values():
+            for key, value in per_param.items():
+                if isinstance(value, float):
+                    per_param[key] = torch.tensor(value, dtype=torch.float64)
+        mine = {"skipped_steps": self.skipped_steps, **self._extra_state()}
         sd["thinwire"] = {
-            "rank": self.rank,
             "world_size": self.world_size,
-            "skipped_steps": self.skipped_steps,
-            **self._extra_state(),
+            f"rank{self.rank}": {k: _as_tensor(v) for k, v in mine.items()},
         }
         return sd
 
@@ -261,20 +294,25 @@ class CommOptimizer(torch.optim.Optimizer):
                     f"{extra['world_size']}, this group has {self.world_size}: the per-rank "
                     "error-feedback state cannot be mapped onto a different number of ranks"
                 )
-            if extra["rank"] != self.rank:
+            mine = extra.get(f"rank{self.rank}")
+            if mine is None:
+                saved = sorted(k for k in extra if k.startswith("rank"))
                 raise ValueError(
-                    f"{type(self).__name__} state of rank {extra['rank']} loaded on rank "
-                    f"{self.rank}: each rank must load its own state"
+                    f"{type(self).__name__} state holds {', '.join(saved)}, not rank "
+                    f"{self.rank}'s: each rank must load its own state"
                 )
-            self.skipped_steps = extra["skipped_steps"]
-            self._load_extra_state(extra)
+            mine = {k: _from_tensor(v) for k, v in mine.items()}
+            self.skipped_steps = mine["skipped_steps"]
+            self._load_extra_state(mine)
         super().load_state_dict(sd)
         # torch casts floating state to each parameter's dtype; our moments and masters are
         # fp32 whatever the parameter is, so put the saved tensors back as they were.
         saved_ids = [i for g in sd["param_groups"] for i in g["params"]]
         for pid, p in zip(saved_ids, self._params(), strict=True):
             for key, value in sd["state"].get(pid, {}).items():
-                if torch.is_tensor(value) and value.is_floating_point():
+                if torch.is_tensor(value) and value.dtype == torch.float64 and value.dim() == 0:
+                    self.state[p][key] = float(value)  # a scalar state_dict() made a tensor
+                elif torch.is_tensor(value) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, copy=True)
 
     def _extra_state(self) -> dict[str, Any]:
