@@ -176,3 +176,19 @@ def ckpt_latest(out: Path) -> int | None:
         return ckpt.latest_step(out)
     except Exception:
         return None
+
+
+def test_tensorboard_writes_events_or_says_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tb"
+    args = ["train", "--workers", "1", "--steps", "2", "--eval-interval", "2",
+            "--out", str(out), "--tensorboard", *SMALL]  # fmt: skip
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        err = _error(args, capsys)
+        assert "--tensorboard needs the tensorboard package" in err
+    else:
+        assert main(args) == 0
+        assert list((out / "tensorboard").glob("events.out.tfevents.*"))
