@@ -211,6 +211,10 @@ def _profile_worker(
     from thinwire.analysis.measure import profile_gpt
     from thinwire.analysis.profile import save_profile
 
+    # A session of its own, as every testbed host gets: with the kernel's autogroup
+    # scheduling (on by default on desktop and many cloud kernels) CPU time is shared
+    # fairly between sessions, so processes left in one session would split one share.
+    os.setsid()
     torch.set_num_threads(threads)
     # Observing DDP's buckets makes a one-rank process group; only one process does it,
     # before the barrier, so the timed steps of all processes start together.
@@ -240,23 +244,9 @@ def profile_processes(
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(processes)
     paths = [str(out_dir / f"profile-{i}.json") for i in range(processes)]
+    args = (barrier, model, batch_size, warmup, steps, threads, hosts, observe_ddp)
     procs = [
-        ctx.Process(
-            target=_profile_worker,
-            args=(
-                i,
-                barrier,
-                model,
-                batch_size,
-                warmup,
-                steps,
-                threads,
-                hosts,
-                observe_ddp,
-                paths[i],
-            ),
-        )
-        for i in range(processes)
+        ctx.Process(target=_profile_worker, args=(i, *args, paths[i])) for i in range(processes)
     ]
     for p in procs:
         p.start()
@@ -397,12 +387,17 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
     prof_args = dict(warmup=cfg.profile_warmup, steps=cfg.profile_steps, timeout_s=cfg.timeout_s)
     load: dict[str, float] = {}
 
-    def profile(tag: str, processes: int) -> Profile:
-        load[tag] = os.getloadavg()[0]
-        return profile_processes(
-            cfg.model, cfg.batch_size, processes, threads, cfg.hosts, out_dir / tag,
-            observe_ddp=processes == 1, **prof_args,  # type: ignore[arg-type]
-        )  # fmt: skip
+    def profile(point: int) -> dict[str, Profile]:
+        # Both profiles at one moment: the paper's one worker, and the testbed's sharing.
+        got = {}
+        for kind, procs in (("alone", 1), ("colocated", cfg.hosts)):
+            load[f"profile-{point}-{kind}"] = os.getloadavg()[0]
+            got[kind] = profile_processes(
+                cfg.model, cfg.batch_size, procs, threads, cfg.hosts,
+                out_dir / f"profile-{point}-{kind}", observe_ddp=point == 0 and procs == 1,
+                **prof_args,  # type: ignore[arg-type]
+            )  # fmt: skip
+        return got
 
     train_cfg = TrainConfig(
         model=cfg.model, batch_size=cfg.batch_size, steps=cfg.steps, freeze_step=cfg.freeze_step,
@@ -410,15 +405,17 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
         checkpoint_interval=0,
     )  # fmt: skip
     runs: dict[str, Any] = {}
+    algos = ("adamw", cfg.onebit_algo)
     with Cluster(cfg.hosts, rate) as cluster:
-        alone = profile("profile-alone", 1)
-        before = profile("profile-colocated-before", cfg.hosts)
         link = Link.nominal(float(rate_bits))  # type: ignore[arg-type]
         fit_info: dict[str, Any] | None = None
         if cfg.fit:
             load["fit"] = os.getloadavg()[0]
             link, fit_info = _fit_on_cluster(cluster, cfg, out_dir)
-        for algo in ("adamw", cfg.onebit_algo):
+        # Other work on a shared machine changes the compute time within minutes, so
+        # every run is sandwiched between profiles and predicted from their mean.
+        points = [profile(0)]
+        for algo in algos:
             load[algo] = os.getloadavg()[0]
             res = train_on_testbed(
                 replace(train_cfg, algo=algo), cfg.hosts, rate, out_dir / algo, cluster=cluster,
@@ -426,10 +423,17 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
             )  # fmt: skip
             runs[algo] = {"records": _records(out_dir / algo), "testbed": res["testbed"],
                           "first_compressing_step": res["stages"]["first_compressing_step"]}  # fmt: skip
-        after = profile("profile-colocated-after", cfg.hosts)
+            points.append(profile(len(points)))
     load["end"] = os.getloadavg()[0]
-    coloc = merge_profiles([before, after])
-    coloc.observed_buckets = alone.observed_buckets
+    observed = points[0]["alone"].observed_buckets
+    around: dict[str, dict[str, Profile]] = {}
+    for k, algo in enumerate(algos):
+        around[algo] = {
+            kind: merge_profiles([points[k][kind], points[k + 1][kind]])
+            for kind in ("alone", "colocated")
+        }
+        for p in around[algo].values():
+            p.observed_buckets = observed
 
     n, f = cfg.steps, cfg.freeze_step
     # (run, first step, last step) compared with each scheme; see the module docstring.
@@ -449,6 +453,7 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
             codec = float(p.meta.get("onebit_codec_s_per_byte", 0.0))
             return predict_step(p, s, lk, cfg.hosts, codec)
 
+        coloc, alone = around[algo]["colocated"], around[algo]["alone"]
         main_pred = pred(coloc, link)
         row = {
             "rate": format_rate(rate_bits),
@@ -473,15 +478,13 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
         "load_avg_1min": load,
         "link": asdict(link),
         "link_fit": fit_info,
-        "profiles": {
-            name: p.summary() | {"codec_s_per_byte": p.meta.get("onebit_codec_s_per_byte")}
-            for name, p in (
-                ("alone", alone),
-                ("colocated_before", before),
-                ("colocated_after", after),
-                ("colocated", coloc),
-            )
-        },
+        "profiles": [
+            {
+                kind: p.summary() | {"codec_s_per_byte": p.meta.get("onebit_codec_s_per_byte")}
+                for kind, p in point.items()
+            }
+            for point in points
+        ],
         "runs": {a: {k: v for k, v in r.items() if k != "records"} for a, r in runs.items()},
     }
 
