@@ -97,7 +97,7 @@ def _rank_main(
 
 @pytest.mark.timeout(150)
 def test_killed_worker_does_not_stop_the_run(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, steps=10, extra={"dead_after_s": 3.0})
+    cfg = _cfg(tmp_path, steps=10, extra={"dead_after_s": 5.0})
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

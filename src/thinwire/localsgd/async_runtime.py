@@ -193,12 +193,16 @@ def serve(
         if now >= next_beat_check:
             next_beat_check = now + min(1.0, dead_after_s / 4)
             for w in workers:
-                if w in core.retired or w in core.dead:
+                if w in core.retired:
                     continue
                 count = transport.heartbeat(w)
                 if count != beats[w][0]:
                     beats[w] = (count, now)
-                elif now - beats[w][1] > dead_after_s:
+                    if w in core.dead:
+                        # Only stalled (an overloaded host): it is alive. Offer it work, so
+                        # that a worker waiting for a reply is never left behind.
+                        core.join(w, now)
+                elif w not in core.dead and now - beats[w][1] > dead_after_s:
                     core.drop(w)
                     core.dead.add(w)  # also covers a worker that died before its hello
         if msg is None:
