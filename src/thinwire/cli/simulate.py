@@ -114,7 +114,9 @@ def _plot(results: list[dict[str, Any]], out: Path) -> list[str]:
             ax.plot(xs, ys, marker=".", label=r["method"])
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss")
-        ax.set_ylim(top=min(max(p["val_loss"] for r in results for p in r["curve"]), 4.0))
+        losses = [p["val_loss"] for r in results for p in r["curve"]]
+        # A diverged method (naive async at a large outer lr) must not squash the others.
+        ax.set_ylim(bottom=min(losses) - 0.1, top=min(max(losses), 4.0))
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
