@@ -34,8 +34,10 @@ def _slowdown(text: str) -> tuple[float, ...]:
         values = tuple(float(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 1,1,2,4, got {text!r}") from None
-    if any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"slowdown factors must be > 0, got {text!r}")
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"slowdown factors must be >= 1 (1 = full speed, 2 = half speed), got {text!r}"
+        )
     return values
 
 
@@ -92,6 +94,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     ls.add_argument(
         "--slowdown", type=_slowdown, default=None, help="per-worker factors, e.g. 1,1,2,4"
     )
+    ls.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help="async: seconds the server waits for more arrivals before applying them "
+        "together (use with --dylu when H is small)",
+    )
     ls.add_argument("--compress", default=d.compress, choices=("none", "fp16", "bf16", "onebit"))
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-interval", type=int, default=d.eval_interval)
@@ -127,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         local_steps=args.local_steps, outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum, outer=args.outer, dylu=args.dylu,
         slowdown=args.slowdown, compress=args.compress,
+        extra={} if args.grace is None else {"grace_s": args.grace},
         eval_interval=args.eval_interval, eval_sequences=args.eval_sequences,
         log_interval=args.log_interval, checkpoint_interval=args.checkpoint_interval,
         out_dir=args.out or f"runs/{args.algo}", resume=args.resume,
