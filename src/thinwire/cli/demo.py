@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.plotting import pyplot, save_figure
 from thinwire.train.algorithms import default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import atomic_write_text, read_metrics
@@ -189,12 +190,8 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
 
 def plot_demo(rows: list[dict[str, Any]], freeze: int, path: Path, title: str) -> Path | None:
     """Loss vs samples, loss vs training seconds, cumulative MiB vs step."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for row in rows:
@@ -227,9 +224,7 @@ def plot_demo(rows: list[dict[str, Any]], freeze: int, path: Path, title: str) -
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.plotting import pyplot, save_figure
 from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.netns import format_rate, parse_rate
 from thinwire.train.algorithms import check_algorithm
@@ -398,11 +399,12 @@ def _smooth(ys: list[float], k: int = 5) -> list[float]:
 
 def plot_comparison(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Three panels: step time per stage (per rate and algorithm), and, at the first
-    rate, training loss (5-step mean, round 0) against samples and against seconds."""
-    import matplotlib
+    rate, training loss (5-step mean, round 0) against samples and against seconds.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Raises :class:`ConfigError` when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
+        raise ConfigError("plots need matplotlib: pip install 'thinwire[plot]'")
 
     rates = list(dict.fromkeys(r["rate"] for r in rows))
     algos = list(dict.fromkeys(r["algo"] for r in rows))
@@ -438,11 +440,7 @@ def plot_comparison(rows: Sequence[dict[str, Any]], path: Path) -> Path:
         a.set_title(f"loss at {rates[0]}")
         a.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 from thinwire.comm.accounting import COUNTER
 from thinwire.comm.launch import launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
+from thinwire.plotting import pyplot, save_figure
 from thinwire.train.algorithms import check_algorithm
 from thinwire.train.checkpoint import latest_step
 from thinwire.train.config import TrainConfig
@@ -276,12 +277,8 @@ def plot_comparison(result: dict[str, Any], path: str | Path) -> Path | None:
     Returns the path, or None when matplotlib is not installed (``pip install
     'thinwire[plot]'``).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display on servers
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, r in result["runs"].items():
@@ -315,11 +312,7 @@ def plot_comparison(result: dict[str, Any], path: str | Path) -> Path | None:
     w = result["workers"]
     fig.suptitle(f"{w} workers, {result['base']['model']} model, {result['date']}", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
