@@ -37,7 +37,8 @@ def test_train_argv_carries_non_default_fields(tmp_path: Path) -> None:
     assert flags["--steps"] == "80"
     assert flags["--freeze-step"] == "16"
     assert flags["--batch-size"] == "8"
-    assert "--lr" not in flags  # defaults stay implicit
+    assert flags["--lr"] == str(cfg.lr)  # explicit: the CLI would pick a per-algorithm lr
+    assert "--warmup-steps" not in flags  # other defaults stay implicit
     assert argv[-3:] == ["--no-progress", "--eval-interval", "40"]
     assert "--out" in argv and argv[argv.index("--out") + 1] == str(tmp_path / "out")
 

@@ -105,7 +105,9 @@ def train_argv(
     argv = [sys.executable, "-m", "thinwire", "train"]
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in _FLAGS and value is not None and value != getattr(default, f.name):
+        # lr always: 'thinwire train' would otherwise pick its per-algorithm default
+        explicit = f.name == "lr" or value != getattr(default, f.name)
+        if f.name in _FLAGS and value is not None and explicit:
             argv += [_FLAGS[f.name], str(value)]
     if cfg.dylu:
         argv.append("--dylu")
