@@ -187,3 +187,29 @@ def test_cli_rerenders_and_rejects_bad_input(tmp_path: Path, capsys: pytest.Capt
 def test_config_check(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ValidationConfig(**kwargs).check()  # type: ignore[arg-type]
+
+
+@pytest.mark.root
+@pytest.mark.timeout(240)
+def test_smoke_on_the_testbed(tmp_path: Path) -> None:
+    from thinwire.analysis.validate import run_validation
+    from thinwire.testbed import list_clusters, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cfg = ValidationConfig(
+        model="tiny", batch_size=2, hosts=2, rates=("1gbit",), steps=6, freeze_step=2,
+        skip_steps=1, profile_warmup=1, profile_steps=2, fit=False,
+    )  # fmt: skip
+    before = {c.cluster_id for c in list_clusters()}
+    res = run_validation(cfg, tmp_path / "v")
+    rows = res["rates"][0]["rows"]
+    # Steps 2..2 leave no pair for the fused warmup: only DDP and the 1-bit stage.
+    assert [r["scheme"] for r in rows] == ["ddp", "onebit"]
+    for r in rows:
+        assert r["measured"]["steps"] >= 2 and r["measured"]["mean_s"] > 0
+        assert r["predicted"]["step_s"] >= r["predicted"]["compute_s"] > 0
+        assert math.isfinite(r["err_pct"])
+    assert json.loads((tmp_path / "v" / "validation.json").read_text())["rates"][0]["rows"]
+    assert {c.cluster_id for c in list_clusters()} <= before  # its cluster is gone

@@ -5,9 +5,10 @@ one worker and a link. This module puts that prediction next to reality: per lin
 it brings up a testbed cluster (:mod:`thinwire.testbed`, needs root) and
 
 1. profiles the GPT the trainer will train, with the batch and the threads a testbed
-   host gets (``cores // hosts``), twice: *alone* (one process, the paper's method) and
-   *co-located* (``hosts`` processes at once, no communication, so each sees the CPU
-   share a testbed host sees; before and after the training runs, averaged);
+   host gets (``cores // hosts``), two ways: *alone* (one process, the paper's method)
+   and *co-located* (``hosts`` processes at once, each in a session of its own like a
+   testbed host, no communication, so each sees the CPU share a host sees); before the
+   first run and after each one, every run predicted from the profiles around it;
 2. fits latency and bandwidth to a quick fp32 ``thinwire bench allreduce`` on the
    cluster (:func:`thinwire.analysis.fit.fit_link`), or takes the nominal rate;
 3. predicts the step of three schemes: fp32 DDP (``adamw``: observed DDP buckets,
@@ -33,6 +34,10 @@ Tuning and reading the numbers:
 * The testbed's hosts share this machine's cores, which real hosts do not; the
   co-located profile measures the compute under that sharing, the alone profile does
   not. Their gap is the CPU-contention error of the paper's method on this testbed.
+* Sessions matter. Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``)
+  shares the CPU fairly between sessions, not processes: 4 profile processes left in
+  one session took 4.3-4.8x the alone step on the 2-core machine, in 4 sessions 2.1x, and the
+  testbed's hosts (``start_new_session``) took 2.1x as well.
 * ``steps`` 30-40 with ``freeze_step`` ~10 gives ~20 samples per stage: enough for a
   mean within a few % on a quiet machine. On a loaded machine record ``load`` and
   repeat rather than lengthen.
