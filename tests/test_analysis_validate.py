@@ -213,3 +213,49 @@ def test_smoke_on_the_testbed(tmp_path: Path) -> None:
         assert math.isfinite(r["err_pct"])
     assert json.loads((tmp_path / "v" / "validation.json").read_text())["rates"][0]["rows"]
     assert {c.cluster_id for c in list_clusters()} <= before  # its cluster is gone
+
+
+def test_repredict_refits_the_link_from_saved_runs(tmp_path: Path) -> None:
+    # A saved validation (one rate) built by hand: profiles, training records, benchmark.
+    from dataclasses import asdict
+
+    from thinwire.analysis.validate import repredict
+
+    cfg = ValidationConfig(rates=("100mbit",), steps=8, freeze_step=3, skip_steps=1)
+    rdir = tmp_path / "100mbit"
+    for k in range(3):
+        for kind, scale in (("alone", 0.5), ("colocated", 1.0)):
+            prof = _profile(scale * (1 + k / 10), observed=[[2, 1], [0]] if k == 0 else None)
+            prof.meta["onebit_codec_s_per_byte"] = 1e-9
+            save_profile(prof, rdir / f"profile-{k}-{kind}" / "profile-0.json")
+    for algo, secs in (("adamw", 2.0), ("onebit-adam", 1.2)):
+        (rdir / algo).mkdir(parents=True)
+        lines = [json.dumps({"step": s, "step_s": secs + s / 100}) for s in range(1, 9)]
+        (rdir / algo / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    alpha, bw, n = 3e-3, 0.09e9, 4  # an exact ring: T = alpha + 8 * 2 (n-1)/n * S / B
+    rows = [
+        {"method": "fp32", "size_bytes": s, "world_size": n,
+         "time_s": alpha + 8 * 2 * (n - 1) / n * s / bw}
+        for s in (2**k for k in range(16, 25))
+    ]  # fmt: skip
+    (rdir / "bench").mkdir()
+    (rdir / "bench" / "allreduce.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    saved = {"format": "thinwire.validation/1", "config": asdict(cfg),
+             "rates": [{"rate": "100mbit", "rate_bits": 100e6, "profiles": [{}, {}, {}],
+                        "runs": {"adamw": {}, "onebit-adam": {}}, "load_avg_1min": {}}]}  # fmt: skip
+    (tmp_path / "validation.json").write_text(json.dumps(saved))
+    res = repredict(tmp_path, fit_min_bytes=MIB)
+    entry = res["rates"][0]
+    assert entry["link"]["bandwidth_gbps"] == pytest.approx(0.09, rel=1e-6)
+    assert entry["link"]["alpha_per_message_s"] == pytest.approx(alpha / 6, rel=1e-6)
+    assert entry["link_fit"]["fit"]["points"] == 5  # 1, 2, 4, 8, 16 MiB
+    assert [r["scheme"] for r in entry["rows"]] == ["ddp", "fp32-fused", "onebit"]
+    ddp = entry["rows"][0]
+    assert ddp["measured"]["first_step"] == 2 and ddp["measured"]["steps"] == 7
+    assert ddp["err_pct"] == pytest.approx(
+        error_pct(ddp["predicted"]["step_s"], ddp["measured"]["mean_s"])
+    )
+    # DDP runs between profiles 0 and 1: compute is their mean iteration (1.0 and 1.1 s).
+    assert ddp["predicted"]["compute_s"] == pytest.approx(1.05)
+    assert entry["rows"][2]["predicted"]["compute_s"] == pytest.approx(1.15)
+    assert res["refit"]["min_bytes"] == MIB

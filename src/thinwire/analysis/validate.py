@@ -77,6 +77,7 @@ __all__ = [
     "plot_validation",
     "predict_step",
     "profile_processes",
+    "repredict",
     "run_validation",
     "summarize",
 ]
@@ -430,52 +431,8 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
                           "first_compressing_step": res["stages"]["first_compressing_step"]}  # fmt: skip
             points.append(profile(len(points)))
     load["end"] = os.getloadavg()[0]
-    observed = points[0]["alone"].observed_buckets
-    around: dict[str, dict[str, Profile]] = {}
-    for k, algo in enumerate(algos):
-        around[algo] = {
-            kind: merge_profiles([points[k][kind], points[k + 1][kind]])
-            for kind in ("alone", "colocated")
-        }
-        for p in around[algo].values():
-            p.observed_buckets = observed
-
-    n, f = cfg.steps, cfg.freeze_step
-    # (run, first step, last step) compared with each scheme; see the module docstring.
-    spans = {
-        "ddp": ("adamw", cfg.skip_steps + 1, n),
-        "fp32-fused": (cfg.onebit_algo, 2, f),
-        "onebit": (cfg.onebit_algo, f + 2, n),
-    }
-    nominal = Link.nominal(float(rate_bits))  # type: ignore[arg-type]
-    rows = []
-    for scheme, (algo, first, last) in spans.items():
-        if last - first < 1:
-            continue
-        meas = measured_step_s(runs[algo]["records"], first, last)
-
-        def pred(p: Profile, lk: Link, s: str = scheme) -> SimResult:
-            codec = float(p.meta.get("onebit_codec_s_per_byte", 0.0))
-            return predict_step(p, s, lk, cfg.hosts, codec)
-
-        coloc, alone = around[algo]["colocated"], around[algo]["alone"]
-        main_pred = pred(coloc, link)
-        row = {
-            "rate": format_rate(rate_bits),
-            "scheme": scheme,
-            "algo": algo,
-            "measured": meas,
-            "predicted": _prediction(main_pred),
-            "predicted_alone": _prediction(pred(alone, link)),
-            "predicted_nominal": _prediction(pred(coloc, nominal)),
-            "link": asdict(link),
-            "codec_s_per_byte": float(coloc.meta.get("onebit_codec_s_per_byte", 0.0)),
-        }
-        m = meas["mean_s"]
-        row["err_pct"] = error_pct(row["predicted"]["step_s"], m)
-        row["err_alone_pct"] = error_pct(row["predicted_alone"]["step_s"], m)
-        row["err_nominal_pct"] = error_pct(row["predicted_nominal"]["step_s"], m)
-        rows.append(row)
+    records = {algo: r["records"] for algo, r in runs.items()}
+    rows = _predict_rows(cfg, float(rate_bits), points, records, link)  # type: ignore[arg-type]
     return {
         "rate": format_rate(rate_bits),
         "rate_bits": rate_bits,
@@ -492,6 +449,66 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
         ],
         "runs": {a: {k: v for k, v in r.items() if k != "records"} for a, r in runs.items()},
     }
+
+
+def _predict_rows(
+    cfg: ValidationConfig,
+    rate_bits: float,
+    points: list[dict[str, Profile]],
+    records: dict[str, list[dict[str, Any]]],
+    link: Link,
+) -> list[dict[str, Any]]:
+    """Predicted vs measured rows of one rate, from the profiles taken around the runs."""
+    from thinwire.testbed.netns import format_rate
+
+    observed = points[0]["alone"].observed_buckets
+    around: dict[str, dict[str, Profile]] = {}
+    algos = ("adamw", cfg.onebit_algo)
+    for k, algo in enumerate(algos):
+        around[algo] = {
+            kind: merge_profiles([points[k][kind], points[k + 1][kind]])
+            for kind in ("alone", "colocated")
+        }
+        for p in around[algo].values():
+            p.observed_buckets = observed
+
+    n, f = cfg.steps, cfg.freeze_step
+    # (run, first step, last step) compared with each scheme; see the module docstring.
+    spans = {
+        "ddp": ("adamw", cfg.skip_steps + 1, n),
+        "fp32-fused": (cfg.onebit_algo, 2, f),
+        "onebit": (cfg.onebit_algo, f + 2, n),
+    }
+    nominal = Link.nominal(rate_bits)
+    rows = []
+    for scheme, (algo, first, last) in spans.items():
+        if last - first < 1:
+            continue
+        meas = measured_step_s(records[algo], first, last)
+
+        def pred(p: Profile, lk: Link, s: str = scheme) -> SimResult:
+            codec = float(p.meta.get("onebit_codec_s_per_byte", 0.0))
+            return predict_step(p, s, lk, cfg.hosts, codec)
+
+        coloc, alone = around[algo]["colocated"], around[algo]["alone"]
+        main_pred = pred(coloc, link)
+        row = {
+            "rate": format_rate(int(rate_bits)),
+            "scheme": scheme,
+            "algo": algo,
+            "measured": meas,
+            "predicted": _prediction(main_pred),
+            "predicted_alone": _prediction(pred(alone, link)),
+            "predicted_nominal": _prediction(pred(coloc, nominal)),
+            "link": asdict(link),
+            "codec_s_per_byte": float(coloc.meta.get("onebit_codec_s_per_byte", 0.0)),
+        }
+        m = meas["mean_s"]
+        row["err_pct"] = error_pct(row["predicted"]["step_s"], m)
+        row["err_alone_pct"] = error_pct(row["predicted_alone"]["step_s"], m)
+        row["err_nominal_pct"] = error_pct(row["predicted_nominal"]["step_s"], m)
+        rows.append(row)
+    return rows
 
 
 def run_validation(
@@ -524,6 +541,57 @@ def run_validation(
     for rate in cfg.rates:
         result["rates"].append(_validate_rate(cfg, rate, out_dir / rate))
         _write(result, out_dir, plot)  # keep what is done if a later rate fails
+    return result
+
+
+def repredict(
+    src_dir: Path, fit_min_bytes: int | None = None, fit_max_bytes: int | None = None
+) -> dict[str, Any]:
+    """Predict an earlier validation again, with the link fitted over other message sizes.
+
+    Reads the profiles, training records and link benchmark saved under ``src_dir``
+    (a :func:`run_validation` output); nothing is measured again. Use it to see how much
+    of a miss the link fit explains: fit over the sizes of the job's buckets.
+    """
+    old = _read_result(Path(src_dir) / "validation.json")
+    cfg = ValidationConfig(**{**old["config"], "rates": tuple(old["config"]["rates"])})
+    lo = cfg.fit_min_bytes if fit_min_bytes is None else fit_min_bytes
+    hi = cfg.fit_max_bytes if fit_max_bytes is None else fit_max_bytes
+    new = {**old, "rates": [], "refit": {"min_bytes": lo, "max_bytes": hi, "from": str(src_dir)}}
+    for rate, entry in zip(cfg.rates, old["rates"], strict=True):
+        rdir = Path(src_dir) / rate
+        points = [
+            {
+                kind: merge_profiles(
+                    [load_profile(f) for f in sorted((rdir / f"profile-{k}-{kind}").glob("*.json"))]
+                )
+                for kind in ("alone", "colocated")
+            }
+            for k in range(len(entry["profiles"]))
+        ]
+        points[0]["alone"].observed_buckets = load_profile(
+            rdir / "profile-0-alone" / "profile-0.json"
+        ).observed_buckets
+        link = Link.nominal(float(entry["rate_bits"]))
+        fit_info = None
+        if cfg.fit:
+            rows = json.loads((rdir / "bench" / "allreduce.json").read_text())["rows"]
+            fit = fit_link([r for r in rows if lo <= r["size_bytes"] <= hi])
+            link = Link(fit.bandwidth_gbps, fit.alpha_per_message_s, "fitted")
+            fit_info = {"fit": fit.to_json()}
+        records = {algo: _records(rdir / algo) for algo in entry["runs"]}
+        rows_out = _predict_rows(cfg, float(entry["rate_bits"]), points, records, link)
+        new["rates"].append({**entry, "rows": rows_out, "link": asdict(link), "link_fit": fit_info})
+    return new
+
+
+def _read_result(path: Path) -> dict[str, Any]:
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read validation {path}: {exc}") from None
+    if not isinstance(result, dict) or result.get("format") != "thinwire.validation/1":
+        raise ConfigError(f"{path}: not a thinwire validation")
     return result
 
 
@@ -645,18 +713,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fit", action="store_true", help="nominal link rate, no latency")
     p.add_argument("--out", default="runs/validate")
     p.add_argument("--plot", default=None, help="PNG to draw")
-    p.add_argument("--from-json", default=None,
-                   help="re-render table and plot from an earlier validation.json")  # fmt: skip
+    p.add_argument(
+        "--from-json", default=None, help="re-render table and plot from an earlier validation.json"
+    )
+    p.add_argument("--refit-min-bytes", type=int, default=None,
+                   help="with --from-json: predict again, the link fitted from this size up")  # fmt: skip
     args = p.parse_args(argv)
     plot = Path(args.plot) if args.plot else None
     try:
-        if args.from_json:
-            try:
-                result = json.loads(Path(args.from_json).read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise ConfigError(f"cannot read validation {args.from_json}: {exc}") from None
-            if result.get("format") != "thinwire.validation/1":
-                raise ConfigError(f"{args.from_json}: not a thinwire validation")
+        if args.from_json and args.refit_min_bytes is not None:
+            result = repredict(Path(args.from_json).parent, args.refit_min_bytes)
+        elif args.from_json:
+            result = _read_result(Path(args.from_json))
         else:
             cfg = ValidationConfig(
                 model=args.model, batch_size=args.batch_size, hosts=args.hosts,
