@@ -182,6 +182,7 @@ def test_cli_rerenders_and_rejects_bad_input(tmp_path: Path, capsys: pytest.Capt
         ({"freeze_step": 29}, "freeze-step"),
         ({"onebit_algo": "adamw"}, "onebit algo"),
         ({"rates": ()}, "no link rates"),
+        ({"fit_min_bytes": 2**20, "fit_max_bytes": 2**20}, "two sizes"),
     ],
 )
 def test_config_check(kwargs: dict[str, object], message: str) -> None:

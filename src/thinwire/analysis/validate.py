@@ -24,7 +24,11 @@ Run (as root)::
 
     python -m thinwire.analysis.validate --model small --batch-size 8 --hosts 4 \\
         --rates 50mbit,100mbit,1gbit --steps 30 --freeze-step 10 \\
-        --out runs/validate --plot docs/figures/validate.png
+        --out runs/validate --plot runs/validate/validate.png
+
+    # the same runs predicted again with the link fitted over 1-16 MiB (nothing re-measured)
+    python -m thinwire.analysis.validate --from-json runs/validate/validation.json \\
+        --refit-min-bytes 1048576 --out runs/validate-refit
 
 Tuning and reading the numbers:
 
@@ -125,11 +129,17 @@ class ValidationConfig:
     onebit_algo: str = "onebit-adam"
     """``onebit-adam`` (optimizer cost close to the profile's AdamW) or ``onebit-lamb``."""
     profile_warmup: int = 2
+    """Untimed steps per profile (allocator growth, first-touch pages)."""
     profile_steps: int = 6
+    """Timed steps per profile; medians, so 5-10 resist one slow step."""
     fit: bool = True
     """Fit alpha and bandwidth with ``thinwire bench allreduce`` per rate (else nominal)."""
     fit_min_bytes: int = 64 * 1024
+    """Smallest benchmarked allreduce. Tuning: cover the job's bucket sizes and little
+    else; small messages bend the fit (on the testbed at 1 Gbit/s, 64 KiB-16 MiB fitted
+    1.06 Gbit/s + 4 ms and under-predicted 16 MiB by 16%; 1-16 MiB fitted 873 Mbit/s)."""
     fit_max_bytes: int = 16 * 2**20
+    """Largest benchmarked allreduce: at least the largest bucket."""
     timeout_s: float = 1200.0
     """Per training run and per profile."""
 
@@ -156,6 +166,11 @@ class ValidationConfig:
             )
         if not 0 <= self.skip_steps <= self.steps - 3:
             raise ConfigError(f"skip-steps must be in [0, steps - 3], got {self.skip_steps}")
+        if self.fit and not 4 <= 2 * self.fit_min_bytes <= self.fit_max_bytes:
+            raise ConfigError(
+                f"the link fit needs two sizes >= 4 bytes: min {self.fit_min_bytes}, "
+                f"max {self.fit_max_bytes} (max >= 2 x min)"
+            )
         if self.profile_steps < 1 or self.profile_warmup < 0:
             raise ConfigError("profile steps must be >= 1 and profile warmup >= 0")
 
@@ -711,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--onebit-algo", default=d.onebit_algo)
     p.add_argument("--profile-steps", type=int, default=d.profile_steps)
     p.add_argument("--no-fit", action="store_true", help="nominal link rate, no latency")
+    p.add_argument("--fit-min-bytes", type=int, default=d.fit_min_bytes)
+    p.add_argument("--fit-max-bytes", type=int, default=d.fit_max_bytes)
     p.add_argument("--out", default="runs/validate")
     p.add_argument("--plot", default=None, help="PNG to draw")
     p.add_argument(
@@ -731,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                 rates=tuple(r.strip() for r in args.rates.split(",") if r.strip()),
                 steps=args.steps, freeze_step=args.freeze_step, skip_steps=args.skip_steps,
                 onebit_algo=args.onebit_algo, profile_steps=args.profile_steps,
-                fit=not args.no_fit,
+                fit=not args.no_fit, fit_min_bytes=args.fit_min_bytes,
+                fit_max_bytes=args.fit_max_bytes,
             )  # fmt: skip
             result = run_validation(cfg, Path(args.out), plot)
     except ConfigError as exc:
