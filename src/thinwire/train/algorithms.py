@@ -109,12 +109,22 @@ def _lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
     return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
 
 
+def _bias_correction(cfg: TrainConfig) -> bool:
+    """1-bit optimizers in the trainer bias-correct by default (``extra["bias_correction"]``
+    turns it off, as in the reference). With a short warmup the raw variance is tiny
+    (1 - 0.999^t of its final size) and is frozen that way; coordinates with small
+    gradients then take huge steps from the +-scale noise of 1-bit momenta, which
+    diverged a 120-step tiny-GPT run at lr 0.02. Bias correction also makes ``lamb`` and
+    ``onebit-lamb`` the same rule until the freeze."""
+    return bool(cfg.extra.get("bias_correction", True))
+
+
 def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
     from thinwire.optim import OneBitAdam
 
     opt = OneBitAdam(
         model.parameters(), lr=cfg.lr, freeze_step=cfg.effective_freeze_step(),
-        betas=cfg.betas, weight_decay=cfg.weight_decay,
+        betas=cfg.betas, weight_decay=cfg.weight_decay, bias_correction=_bias_correction(cfg),
     )  # fmt: skip
     return Strategy(model=model, optimizer=opt, metrics=lambda: {
         "skipped_steps": opt.skipped_steps, "compressing": int(opt.compressing)})  # fmt: skip
@@ -125,7 +135,7 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
 
     opt = OneBitLamb(
         model.parameters(), lr=cfg.lr, freeze_step=cfg.effective_freeze_step(),
-        betas=cfg.betas, weight_decay=cfg.weight_decay,
+        betas=cfg.betas, weight_decay=cfg.weight_decay, bias_correction=_bias_correction(cfg),
     )  # fmt: skip
     return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
 
