@@ -43,7 +43,9 @@ class OneBitAdam(TwoStageOptimizer):
         eps: added to ``sqrt(v)``.
         weight_decay: added to the update (``+ weight_decay * p``), as in the reference.
         bias_correction: divide ``m`` by ``1-b1^t`` and ``v`` by ``1-b2^t`` (``v``'s factor
-            is frozen with ``v``). Off by default, like the reference.
+            is frozen with ``v``). Off by default, like the reference; turn it on for
+            short warmups (see :class:`~thinwire.optim.OneBitLamb`). ``thinwire train``
+            turns it on.
         process_group: ranks to average over (default: the default group, if any).
 
     With one process (or no process group) it is plain Adam without bias correction

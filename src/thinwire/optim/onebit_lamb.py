@@ -58,7 +58,12 @@ class OneBitLamb(TwoStageOptimizer):
         factor_max, factor_min: bounds of the variance-drift factor ``f``.
         factor_threshold: ``f`` may change by at most this fraction per step, which
             damps the noise of the reconstructed gradient.
-        bias_correction: as for :class:`~thinwire.optim.OneBitAdam` (off by default).
+        bias_correction: as for :class:`~thinwire.optim.OneBitAdam` (off by default, like
+            the reference). Turn it on for short warmups: without it the variance frozen
+            after a few hundred steps or fewer is a small fraction of its steady size
+            (``1 - b2^t``), and coordinates with small gradients then take huge steps
+            from the +-scale noise of the 1-bit momenta (a 120-step GPT run diverged).
+            ``thinwire train`` turns it on.
         process_group: ranks to average over (default: the default group, if any).
 
     With one process it is LAMB-without-bias-correction in warmup and the same
