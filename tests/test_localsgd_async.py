@@ -190,17 +190,21 @@ def _flaky_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
                          batch_size=cfg.batch_size, lr=cfg.lr, warmup_steps=0, min_lr_ratio=0.1)  # fmt: skip
 
     def fail_once(rounds: int) -> None:
-        if rounds == 2:
-            raise RuntimeError("simulated failure in round 2")
+        if rounds == 1:
+            raise RuntimeError("simulated failure in round 1")
 
     return work_loop(worker, Transport(), on_round=fail_once)
 
 
 @pytest.mark.timeout(120)
 def test_failed_worker_rejoins(tmp_path: Path) -> None:
-    out = spawn(_flaky_rank, 3, (_cfg(tmp_path, steps=8),), timeout_s=100)
+    # The flaky worker fails its first round. The steady one runs at a quarter speed and
+    # the budget is 32 inner steps, so the flaky worker gets its first round even when it
+    # starts last (before, failing in round 2 raced the steady worker for the budget).
+    cfg = _cfg(tmp_path, steps=16, slowdown=(1.0, 4.0))
+    out = spawn(_flaky_rank, 3, (cfg,), timeout_s=100)
     summary, flaky, steady = out
     assert flaky["restarts"] == 1
-    assert summary["inner_steps"] == 16 and summary["dead_workers"] == []
+    assert summary["inner_steps"] == 32 and summary["dead_workers"] == []
     # The lost round was handed out again: the applied steps are exactly the budget.
-    assert flaky["steps"] + steady["steps"] == 16
+    assert flaky["steps"] + steady["steps"] == 32
