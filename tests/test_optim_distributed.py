@@ -43,6 +43,15 @@ def _digest(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _trained(name: str, rank: int, steps: range, seed: int = 0, data_offset: int = 0) -> tuple:
+    """A fresh model and optimizer after local steps ``steps`` (data of step t + offset)."""
+    model = _model(seed=seed)
+    opt = _make(name, model)
+    for t in steps:
+        _local_step(model, opt, rank, t + data_offset)
+    return model, opt
+
+
 def _agreement(rank: int, world: int, steps: int) -> dict:
     out = {}
     for name in CLASSES:
@@ -105,20 +114,10 @@ def _resume_all(rank: int, world: int, steps: int, path: str) -> list[tuple]:
 
 def _resume(rank: int, name: str, steps: int, stop: int, path: str) -> tuple:
     Path(path).mkdir(parents=True, exist_ok=True)
-    model = _model()
-    opt = _make(name, model)
-    for t in range(steps):
-        _local_step(model, opt, rank, t)
-    straight = _digest(model)
-
-    model = _model()
-    opt = _make(name, model)
-    for t in range(stop):
-        _local_step(model, opt, rank, t)
+    straight = _digest(_trained(name, rank, range(steps))[0])
+    model, opt = _trained(name, rank, range(stop))
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{path}/rank{rank}.pt")
-    del model, opt
-    model = _model(seed=99)
-    opt = _make(name, model)
+    model, opt = _trained(name, rank, range(0), seed=99)
     blob = torch.load(f"{path}/rank{rank}.pt", weights_only=False)
     model.load_state_dict(blob["model"])
     opt.load_state_dict(blob["opt"])
@@ -137,10 +136,7 @@ def test_resume_is_bitwise_exact_across_the_freeze(tmp_path: Path) -> None:
 
 
 def _world_change(rank: int, world: int, path: str) -> str:
-    model = _model()
-    opt = _make("onebit-lamb", model)
-    for t in range(FREEZE + 1):
-        _local_step(model, opt, rank, t)
+    _, opt = _trained("onebit-lamb", rank, range(FREEZE + 1))
     if rank == 0:
         torch.save(opt.state_dict(), f"{path}/opt.pt")
     return "saved"
@@ -260,23 +256,12 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> tuple[torch.Tensor, tor
     import torch.distributed.checkpoint as dcp
 
     steps, stop = FREEZE + 5, FREEZE + 2
-    model = _model()
-    opt = _make("onebit-lamb", model)
-    for t in range(steps):
-        _local_step(model, opt, rank, t)
-    straight = _digest(model)
-
-    model = _model()
-    opt = _make("onebit-lamb", model)
-    for t in range(stop):
-        _local_step(model, opt, rank, t)
+    straight = _digest(_trained("onebit-lamb", rank, range(steps))[0])
+    model, opt = _trained("onebit-lamb", rank, range(stop))
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
     # A fresh run, brought to the same stage so its state has the shapes to load into
     # (as torch.distributed.checkpoint.state_dict does for lazily created state).
-    model = _model(seed=7)
-    opt = _make("onebit-lamb", model)
-    for t in range(stop):
-        _local_step(model, opt, rank, 50 + t)
+    model, opt = _trained("onebit-lamb", rank, range(stop), seed=7, data_offset=50)
     target = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(target, checkpoint_id=path)
     model.load_state_dict(target["model"])

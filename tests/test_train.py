@@ -46,8 +46,8 @@ def test_ddp_matches_single_process_with_same_global_batch(tmp_path: Path) -> No
     for (_, a), (_, b) in zip(multi_losses, single_losses, strict=True):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
     # Adam divides each coordinate by its own RMS, so a coordinate whose gradient is ~0 can
-    # turn a last-bit difference into a step of up to lr (3e-3); so: every coordinate within
-    # 2*lr*steps-free bound of 1e-3, and on average within 1e-6.
+    # turn a last-bit difference into a step of up to lr (3e-3): every coordinate within
+    # 1e-3, and on average within 1e-6.
     pm, ps = _final_params(multi), _final_params(single)
     diffs = torch.cat([(pm[k] - ps[k]).abs().flatten() for k in ps])
     assert diffs.max() < 1e-3

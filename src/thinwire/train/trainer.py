@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from thinwire.train.data import TextData
 from thinwire.train.metrics import MetricsWriter, Progress, atomic_write_text
 from thinwire.train.model import GPT
 
-__all__ = ["evaluate", "lr_at", "train"]
+__all__ = ["evaluate", "lr_at", "parameter_digest", "train"]
 
 TRAINER_OPS = "trainer."
 """Prefix of the trainer's own small collectives (loss logging, evaluation, start-up):
@@ -52,7 +53,7 @@ def _device(cfg: TrainConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for, but CUDA is not available")
-        local = int(__import__("os").environ.get("LOCAL_RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")
 
