@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 import zlib
@@ -63,7 +64,15 @@ from thinwire.localsgd.transport import (
 )
 from thinwire.localsgd.worker import LocalWorker, load_flat_
 
-__all__ = ["check_async_config", "evaluate_theta", "run", "serve", "shape_signature", "work_loop"]
+__all__ = [
+    "check_async_config",
+    "evaluate_theta",
+    "rejoin",
+    "run",
+    "serve",
+    "shape_signature",
+    "work_loop",
+]
 
 _COMPRESS = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -112,11 +121,21 @@ def serve(
     A worker is dead when its heartbeat has not moved for ``dead_after_s`` (a killed
     process), or when a send to it fails; it is *hung* (and dropped too) when a round
     takes ``max(hung_after_min_s, hung_after_factor * expected round time)``.
+
+    A worker process that says hello with a newer incarnation than the one admitted
+    (a restarted process, see :func:`rejoin`) replaces it: the older incarnation's link
+    is closed, its round in flight is lost (rewound and handed out again), and whatever
+    it still had queued is ignored. The newcomer starts as a worker that joined late:
+    no DyLU speed yet, back in Delayed Nesterov's N, the free shard with least progress.
     """
     numel, crc = signature
     start = time.monotonic()
-    heard: set[int] = set()
-    beats: dict[int, tuple[int, float]] = {w: (-1, start) for w in workers}
+    transport.publish(len(workers), numel, crc)
+    admitted: dict[int, int] = {}  # worker -> incarnation whose link is open
+    beats: dict[int, tuple[int, int, float]] = {w: (0, -1, start) for w in workers}
+    updates: dict[tuple[int, int], list[int]] = {}  # (worker, incarnation) -> [pushes, steps]
+    joins: list[dict[str, Any]] = []
+    stale = 0
     next_beat_check = start
     next_eval = eval_every_steps or math.inf
     next_ckpt = (
@@ -133,33 +152,68 @@ def serve(
     def accounted() -> bool:
         return all(w in core.retired or w in core.dead for w in workers)
 
+    def lost(w: int) -> None:
+        # The link broke (the process is gone): drop it, and let only a new incarnation
+        # back in, since nothing can reach the old one any more.
+        core.drop(w)
+        transport.close(w)
+
     while not (core.finished and accounted()):
         now = time.monotonic()
         if max_wall_s is not None and now - start > max_wall_s:
             raise TimeoutError(f"the server ran past max_wall_s={max_wall_s}")
         msg = transport.poll()
-        if msg is not None:
-            heard.add(msg.src)
-            if msg.kind == HELLO:
-                if (int(msg.fields[0]), int(msg.fields[1])) != (numel, crc):
-                    transport.send(msg.src, ERROR, [numel, crc])
-                    raise ConfigError(
-                        f"worker rank {msg.src} has a model of {int(msg.fields[0])} parameters "
-                        f"(shape checksum {int(msg.fields[1])}), the server's has {numel} "
-                        f"(checksum {crc}); start every rank with the same model settings"
-                    )
-                if msg.src in core.live:
-                    core.drop(msg.src)  # a restarted worker: its round in flight is lost
-                core.join(msg.src, now)
-            elif msg.kind == UPDATE:
-                epoch, steps, sps, code = (
-                    int(msg.fields[0]),
-                    int(msg.fields[1]),
-                    msg.fields[2],
-                    int(msg.fields[4]),
+        if msg is not None and (
+            msg.src not in workers
+            or msg.incarnation < admitted.get(msg.src, 0)
+            or (msg.kind != HELLO and msg.incarnation != admitted.get(msg.src))
+        ):
+            # An unknown rank, or a replaced process's leftovers (its link is closed, so
+            # there is no payload to drain).
+            stale += 1
+        elif msg is not None and msg.kind == HELLO:
+            w, inc = msg.src, msg.incarnation
+            if (int(msg.fields[0]), int(msg.fields[1])) != (numel, crc):
+                transport.refuse(w, inc, [numel, crc])
+                if msg.fields[2]:
+                    continue  # a late joiner with another model: it got the error, go on
+                raise ConfigError(
+                    f"worker rank {w} has a model of {int(msg.fields[0])} parameters "
+                    f"(shape checksum {int(msg.fields[1])}), the server's has {numel} "
+                    f"(checksum {crc}); start every rank with the same model settings"
                 )
-                grad = transport.recv_payload(msg.src, numel, DTYPES[code]).float()
-                core.submit(msg.src, epoch, grad, steps, sps, time.monotonic())
+            if admitted.get(w) != inc:
+                if w in core.live:
+                    core.drop(w)  # the older incarnation's round in flight is lost
+                try:
+                    transport.accept(w, inc)
+                except RuntimeError:  # it died between its hello and connecting
+                    core.drop(w)
+                    core.dead.add(w)
+                    continue
+                admitted[w] = inc
+                joins.append({"worker": w, "incarnation": inc, "time_s": now - start})
+            elif w in core.live:
+                core.drop(w)  # the same process after a failed round: that round is lost
+            core.join(w, now)
+        elif msg is not None and msg.kind == UPDATE:
+            w = msg.src
+            epoch, steps, sps, code = (
+                int(msg.fields[0]),
+                int(msg.fields[1]),
+                msg.fields[2],
+                int(msg.fields[4]),
+            )
+            try:
+                grad = transport.recv_payload(w, numel, DTYPES[code]).float()
+            except RuntimeError:  # killed between its header and its payload
+                lost(w)
+            else:
+                if core.submit(w, epoch, grad, steps, sps, time.monotonic()):
+                    tally = updates.setdefault((w, msg.incarnation), [0, 0])
+                    tally[0] += 1
+                    tally[1] += steps
+        if msg is not None:
             if core.steps_applied >= next_eval and evaluate is not None:
                 while next_eval <= core.steps_applied:
                     next_eval += eval_every_steps
@@ -186,8 +240,8 @@ def serve(
                         work.planned,
                     ]
                     transport.send(w, WORK, fields, core.theta.detach())
-            except RuntimeError:  # gloo: connection closed by a dead peer
-                core.drop(w)
+            except RuntimeError:  # gloo: connection closed by a dead peer (or no link)
+                lost(w)
         for w in core.overdue(now, hung_after_factor, hung_after_min_s):
             core.drop(w)
         if now >= next_beat_check:
@@ -195,21 +249,35 @@ def serve(
             for w in workers:
                 if w in core.retired:
                     continue
-                count = transport.heartbeat(w)
-                if count != beats[w][0]:
-                    beats[w] = (count, now)
-                    if w in core.dead:
+                # Watch the admitted incarnation; before the first hello, the newest drawn.
+                inc = admitted.get(w) or transport.latest_incarnation(w)
+                count = transport.heartbeat(w, inc)
+                watched, last, since = beats[w]
+                if inc != watched or count != last:
+                    beats[w] = (inc, count, now)
+                    if inc == watched and w in core.dead and transport.linked(w):
                         # Only stalled (an overloaded host): it is alive. Offer it work, so
                         # that a worker waiting for a reply is never left behind.
                         core.join(w, now)
-                elif w not in core.dead and now - beats[w][1] > dead_after_s:
+                elif w not in core.dead and now - since > dead_after_s:
                     core.drop(w)
                     core.dead.add(w)  # also covers a worker that died before its hello
         if msg is None:
             time.sleep(0.001)
     if checkpoint is not None:
         checkpoint(core)
-    out = {"wall_s": time.monotonic() - start, "dead_workers": sorted(core.dead)}
+    transport.mark_finished()
+    out = {
+        "wall_s": time.monotonic() - start,
+        "dead_workers": sorted(core.dead),
+        "incarnations": dict(sorted(admitted.items())),
+        "joins": joins,
+        "updates_by_incarnation": [
+            {"worker": w, "incarnation": i, "updates": n, "inner_steps": s}
+            for (w, i), (n, s) in sorted(updates.items())
+        ],
+        "stale_messages": stale,
+    }
     if evaluate is not None:
         out.update(_report(core, evaluate, on_eval, start))
     return out
@@ -242,26 +310,36 @@ def work_loop(
     on_round: Callable[[int], None] | None = None,
     heartbeat_s: float = 0.5,
     max_restarts: int = 3,
+    late: bool = False,
 ) -> dict[str, Any]:
     """A worker's loop: hello, then pull / train / push until the server says stop.
 
     A background thread bumps the worker's heartbeat every ``heartbeat_s`` seconds. A
     round that raises is abandoned; the worker resets its inner optimizer and joins
-    again, at most ``max_restarts`` times.
+    again, at most ``max_restarts`` times. ``late``: this process joins a running run
+    (see :func:`rejoin`), so a model mismatch turns only this worker away instead of
+    stopping the run. The worker's link to the server is opened by its hello and
+    closed when the loop returns or raises.
     """
     numel, crc = shape_signature(worker.model)
     stop_beating = threading.Event()
 
     def beat() -> None:
         while not stop_beating.wait(heartbeat_s):
-            transport.beat()
+            try:
+                transport.beat()
+            except RuntimeError:
+                return  # the store is gone with the server; the main loop will find out
 
     transport.beat()
     threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
     try:
-        return _work_rounds(worker, transport, server, compress, on_round, numel, crc, max_restarts)
+        return _work_rounds(
+            worker, transport, server, compress, on_round, numel, crc, max_restarts, late
+        )
     finally:
         stop_beating.set()
+        transport.close()
 
 
 def _work_rounds(
@@ -273,8 +351,10 @@ def _work_rounds(
     numel: int,
     crc: int,
     max_restarts: int,
+    late: bool,
 ) -> dict[str, Any]:
-    transport.send(server, HELLO, [numel, crc])
+    hello = [numel, crc, float(late)]
+    transport.send(server, HELLO, hello)
     rounds = steps = restarts = 0
     while True:
         msg = transport.recv(server)
@@ -304,7 +384,7 @@ def _work_rounds(
                 raise
             restarts += 1
             worker.reset()
-            transport.send(server, HELLO, [numel, crc])
+            transport.send(server, HELLO, hello)
             continue
         steps += result.steps
         fields = [
@@ -355,8 +435,125 @@ def run(cfg: Any) -> dict[str, Any]:
     """Trainer runner for ``--algo async-diloco``; call on every rank of a process group.
 
     Returns the run summary on rank 0 (final validation loss and perplexity, updates
-    applied and rejected, inner steps, samples/s, bytes) and the worker's counts elsewhere.
+    applied and rejected, inner steps, samples/s, bytes, and which worker incarnations
+    pushed how much) and the worker's counts elsewhere. Workers talk to the server over
+    links of their own (:mod:`~thinwire.localsgd.transport`); the launch's process group
+    only starts the processes, so a rank that dies leaves nothing in it to wait for.
     """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workers = world - 1
+    check_async_config(cfg, workers)
+    extra = cfg.extra
+    transport = Transport(
+        connect_timeout_s=float(extra.get("connect_timeout_s", 120.0)),
+        timeout_s=float(extra.get("link_timeout_s", 1800.0)),
+    )
+    if rank != 0:
+        worker = _make_worker(cfg, rank, workers)
+        return work_loop(worker, transport, compress=_COMPRESS[cfg.compress])
+    try:
+        return _run_server(cfg, transport, workers)
+    finally:
+        transport.mark_finished()  # late joiners are turned away, even after a failure
+        transport.close()
+
+
+def _make_worker(cfg: Any, rank: int, workers: int) -> LocalWorker:
+    from thinwire.train.data import TextData
+    from thinwire.train.model import GPT
+
+    gcfg = cfg.gpt_config()
+    torch.manual_seed(cfg.seed)
+    model = GPT(gcfg)
+    data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
+    shards = data.shards(int(cfg.extra.get("shards", workers)))
+    if _device(cfg).type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        model = model.to("cuda")
+    return LocalWorker(
+        model, shards, seq_len=gcfg.seq_len, batch_size=cfg.batch_size, lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio, betas=cfg.betas,
+        weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=cfg.seed,
+        slowdown=cfg.slowdown[rank - 1] if cfg.slowdown else 1.0,
+    )  # fmt: skip
+
+
+def _device(cfg: Any) -> torch.device:
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def rejoin(
+    cfg: Any,
+    rank: int,
+    *,
+    host: str | None = None,
+    port: int | str | None = None,
+    connect_timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Run worker ``rank`` again, in a fresh process, inside a running asynchronous run.
+
+    For a worker process that was killed (or its machine rebooted): start a new process
+    with the same settings as the run (the same ``thinwire train`` command, plus
+    ``--rejoin RANK``). It needs only the run's store, ``host:port`` (default: the
+    ``MASTER_ADDR`` and ``MASTER_PORT`` the run was launched with, i.e. rank 0's), and
+    never joins the launch's process group, whose rendezvous is long over. The server
+    admits it as a new incarnation of worker ``rank`` and ignores anything the old
+    process still had in flight. If the old process is in fact alive, it is cut off
+    and fails: the newest incarnation of a rank wins.
+
+    Returns the worker's counts (rounds, inner steps, restarts) with its ``worker``
+    rank and ``incarnation``.
+
+    Raises:
+        ConfigError: no address, nothing served there, the run has finished, ``rank``
+            is not a worker of the run, or the model or settings differ from the run's.
+            All are checked before this process says hello, so the run is not disturbed.
+    """
+    host = host or os.environ.get("MASTER_ADDR")
+    port = port or os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ConfigError(
+            "rejoining needs the run's store address: set MASTER_ADDR and MASTER_PORT to "
+            "those of the run's rank 0"
+        )
+    try:
+        port = int(port)
+    except ValueError:
+        raise ConfigError(f"MASTER_PORT must be a port number, got {port!r}") from None
+    if rank < 1:
+        raise ConfigError(
+            f"cannot rejoin as rank {rank}: rank 0 is the server (restart the whole run with "
+            "--resume); workers are ranks 1..W"
+        )
+    cfg.validate()
+    extra = cfg.extra
+    timeout = float(connect_timeout_s or extra.get("connect_timeout_s", 120.0))
+    transport = Transport.rejoin(
+        host, port, rank, connect_timeout_s=timeout,
+        timeout_s=float(extra.get("link_timeout_s", 1800.0)),
+    )  # fmt: skip
+    info = transport.run_info()
+    if info.finished:
+        raise ConfigError(f"the asynchronous run served at {host}:{port} has finished")
+    if rank > info.workers:
+        raise ConfigError(
+            f"cannot rejoin as rank {rank}: the run at {host}:{port} has workers "
+            f"1..{info.workers} (rank 0 is the server)"
+        )
+    check_async_config(cfg, info.workers)
+    worker = _make_worker(cfg, rank, info.workers)
+    numel, crc = shape_signature(worker.model)
+    if (numel, crc) != (info.numel, info.checksum):
+        raise ConfigError(
+            f"this worker's model has {numel} parameters (shape checksum {crc}), the run's "
+            f"has {info.numel} (checksum {info.checksum}); rejoin with the run's model settings"
+        )
+    out = work_loop(worker, transport, compress=_COMPRESS[cfg.compress], late=True)
+    return out | {"worker": rank, "incarnation": transport.incarnation}
+
+
+def _run_server(cfg: Any, transport: Transport, workers: int) -> dict[str, Any]:
     from thinwire.train.checkpoint import (
         atomic_save,
         check_run_identity,
@@ -367,34 +564,13 @@ def run(cfg: Any) -> dict[str, Any]:
     from thinwire.train.metrics import MetricsWriter, atomic_write_text
     from thinwire.train.model import GPT
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    workers = world - 1
-    check_async_config(cfg, workers)
+    world = workers + 1
     extra = cfg.extra
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    transport = Transport(group)
-    device = torch.device(
-        "cuda"
-        if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        else "cpu"
-    )
     gcfg = cfg.gpt_config()
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg)
     data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
     shards = data.shards(int(extra.get("shards", workers)))
-
-    if rank != 0:
-        if device.type == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            model = model.to(device)
-        worker = LocalWorker(
-            model, shards, seq_len=gcfg.seq_len, batch_size=cfg.batch_size, lr=cfg.lr,
-            warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio, betas=cfg.betas,
-            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=cfg.seed,
-            slowdown=cfg.slowdown[rank - 1] if cfg.slowdown else 1.0,
-        )  # fmt: skip
-        return work_loop(worker, transport, compress=_COMPRESS[cfg.compress])
 
     out_dir = Path(cfg.out_dir)
     identity = {k: cfg.to_dict()[k] for k in cfg.IDENTITY} | {
@@ -450,6 +626,10 @@ def run(cfg: Any) -> dict[str, Any]:
         "updates_applied": core.updates_applied,
         "updates_rejected": core.updates_rejected,
         "dead_workers": stats["dead_workers"],
+        "incarnations": stats["incarnations"],
+        "joins": stats["joins"],
+        "updates_by_incarnation": stats["updates_by_incarnation"],
+        "stale_messages": stats["stale_messages"],
         "parameters": model.num_parameters(),
         "final_val_loss": stats["val_loss"],
         "final_val_ppl": math.exp(min(stats["val_loss"], 50.0)),
