@@ -36,6 +36,10 @@ Choices this implementation makes (and tests):
   are in place (the new residual is written into the work buffer, then the two swap
   roles); the server average is accumulated rank by rank from a 256-entry table of
   ``+-s_i`` into one buffer, in cache-sized chunks, never W full float copies.
+* **Compute hides behind the wire.** Both phases are started asynchronously and the
+  error updates, which need only local data, are computed while the bits travel: the
+  worker error (a full pass over ``N``) during phase 1, the server error during
+  phase 2. On a slow link that removes most of the compression cost from the call.
 
 State (per rank): ``worker_error`` (n) and ``server_error`` (this rank's segment). Save
 it with :meth:`OneBitAllreduce.state_dict` on every rank and restore it with
@@ -130,29 +134,36 @@ class _Exchange:
 
         return wait
 
-    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
-        dist.all_to_all_single(recv, send, group=self.group)
+    def start_all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> Callable[[], None]:
+        """Start phase 1; returns a wait (compute may run while the bits travel)."""
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         record("onebit.phase1", send.numel(), gather_bytes(send.numel(), self.world_size))
+        return work.wait
 
-    def all_gather(
+    def start_all_gather(
         self,
         bits_out: torch.Tensor,
         bits: torch.Tensor,
         scales_out: torch.Tensor,
         scale: torch.Tensor,
-    ) -> None:
+    ) -> Callable[[], None]:
+        """Start phase 2 (the segments and their scales); returns a wait."""
         works = [
             _all_gather_flat(bits_out, bits, group=self.group, async_op=True),
             _all_gather_flat(scales_out, scale, group=self.group, async_op=True),
         ]
-        for w in works:
-            w.wait()
         w = self.world_size
         record(
             "onebit.phase2",
             bits.numel() + _SCALE_BYTES,
             gather_bytes(bits_out.numel(), w) + (w - 1) * _SCALE_BYTES,
         )
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+
+        return wait
 
 
 class _Loopback(_Exchange):
@@ -173,19 +184,21 @@ class _Loopback(_Exchange):
     def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: meta.reshape(1, -1).expand(self.world_size, -1)
 
-    def all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> None:
+    def start_all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> Callable[[], None]:
         chunk = send.numel() // self.world_size
         recv.view(self.world_size, chunk).copy_(send[:chunk].expand(self.world_size, chunk))
+        return lambda: None
 
-    def all_gather(
+    def start_all_gather(
         self,
         bits_out: torch.Tensor,
         bits: torch.Tensor,
         scales_out: torch.Tensor,
         scale: torch.Tensor,
-    ) -> None:
+    ) -> Callable[[], None]:
         bits_out.view(self.world_size, -1).copy_(bits.expand(self.world_size, -1))
         scales_out.copy_(scale.expand(self.world_size))
+        return lambda: None
 
 
 class OneBitAllreduce:
@@ -322,8 +335,12 @@ class OneBitAllreduce:
         metas = wait_meta().cpu()
         self._check(metas, n, fresh)
 
-        # Phase 1: every rank's sign bits for segment r go to rank r.
-        self._exchange.all_to_all(b["recv"], b["send"])
+        # Phase 1: every rank's sign bits for segment r go to rank r. While they travel,
+        # the next worker error x - s*sign(x) is computed in the work buffer (x is no
+        # longer needed: its bits are packed); it only replaces the error at the commit.
+        wait_phase1 = self._exchange.start_all_to_all(b["recv"], b["send"])
+        subtract_signs_(b["work"], b["send"], scale, n, self._index_of(b["send"]), self.chunk)
+        wait_phase1()
 
         # Server: y = mean_i(s_i * sign_i) + server_error over segment r.
         y = b["server_work"]
@@ -334,8 +351,15 @@ class OneBitAllreduce:
         scale2 = rms_scale(y, real).reshape(1)
         pack_signs(y, out=b["seg_bits"], scratch=b["bools"])
 
-        # Phase 2: every rank gets every segment and its scale.
-        self._exchange.all_gather(b["gathered"], b["seg_bits"], b["scales"], scale2)
+        # Phase 2: every rank gets every segment and its scale; meanwhile the next server
+        # error is computed, again without touching the committed one.
+        wait_phase2 = self._exchange.start_all_gather(
+            b["gathered"], b["seg_bits"], b["scales"], scale2
+        )
+        subtract_signs_(
+            y, b["seg_bits"], scale2.reshape(()), real, self._index_of(b["seg_bits"]), self.chunk
+        )
+        wait_phase2()
         scales2 = b["scales"].clone()
         if not bool(torch.isfinite(scales2).all()):
             bad = [r for r, v in enumerate(scales2.tolist()) if not math.isfinite(v)]
@@ -344,9 +368,9 @@ class OneBitAllreduce:
                 "error buffers left unchanged"
             )
 
-        # All ranks passed every check: commit both error updates (in place, then swap).
-        self._commit(b["work"], b["send"], scale, n, "worker_error", "work")
-        self._commit(y, b["seg_bits"], scale2.reshape(()), real, "server_error", "server_work")
+        # All ranks passed every check: commit both error updates by swapping buffers.
+        self._swap("worker_error", "work")
+        self._swap("server_error", "server_work")
 
         # Output: segment r is s2_r * sign. The old error buffer is free scratch now.
         if out is None:
@@ -404,17 +428,17 @@ class OneBitAllreduce:
                     acc.add_(part)
         y.div_(w)
 
-    def _commit(
-        self,
-        buf: torch.Tensor,
-        bits: torch.Tensor,
-        scale: torch.Tensor,
-        n: int,
-        err: str,
-        work: str,
-    ) -> None:
-        subtract_signs_(buf, bits, scale, n, chunk=self.chunk)
-        self._bufs[err], self._bufs[work] = buf, self._bufs[err]
+    def _index_of(self, bits: torch.Tensor) -> torch.Tensor | None:
+        """An int32 copy of ``bits`` in the reusable index buffer (None with native kernels,
+        which read the bytes directly)."""
+        if native_enabled(bits.device):
+            return None
+        index = self._bufs["index"][: bits.numel()]
+        return index.copy_(bits)
+
+    def _swap(self, err: str, work: str) -> None:
+        """Commit: the work buffer (holding the new error) becomes the error buffer."""
+        self._bufs[err], self._bufs[work] = self._bufs[work], self._bufs[err]
 
     def _unpack_segments(self, dst: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:
         """dst[:n] = concat_r(s_r * sign_r), straight into ``dst`` (fp32, contiguous)."""

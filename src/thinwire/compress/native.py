@@ -110,7 +110,24 @@ void unpack_bits(const torch::Tensor& packed, torch::Tensor& out) {
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, packed.numel(), GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) std::memcpy(dst + 8 * i, &T.bits[src[i]], 8);
+    int64_t i = begin;
+#if defined(__AVX2__)
+    // 4 input bytes -> 32 output bytes: byte j is copied to output bytes 8j..8j+7, each
+    // keeps one bit (element 0 = bit 7), and a compare turns it into 0/1.
+    const __m256i spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x0102040810204080ULL));
+    const __m256i one = _mm256_set1_epi8(1);
+    for (; i + 4 <= end; i += 4) {
+      uint32_t word;
+      std::memcpy(&word, src + i, 4);
+      __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)), spread);
+      v = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, select), select), one);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * i), v);
+    }
+#endif
+    for (; i < end; ++i) std::memcpy(dst + 8 * i, &T.bits[src[i]], 8);
   });
 }
 
