@@ -3,6 +3,10 @@
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) every process joins the existing group
 and ``--workers`` is ignored; otherwise ``--workers W`` gloo ranks are spawned on
 loopback (one process, no group, when W is 1).
+
+``--rejoin RANK`` (``--algo async-diloco`` only) starts worker RANK again, in a fresh
+process, inside a run that is still going (its old process died): set ``MASTER_ADDR``
+and ``MASTER_PORT`` to the run's rank 0 and repeat the run's other options.
 """
 
 from __future__ import annotations
@@ -122,6 +126,15 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_train_arguments(p)
+    p.add_argument(
+        "--rejoin",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="async-diloco: run worker RANK again in a fresh process inside the running run "
+        "whose rank 0 is at MASTER_ADDR:MASTER_PORT (after the worker's process died); give "
+        "the run's other options unchanged",
+    )
     p.set_defaults(func=_main)
 
 
@@ -198,6 +211,20 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def _main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.rejoin is not None:
+        if cfg.algo != "async-diloco":
+            raise ConfigError(
+                f"--rejoin restarts a worker of an asynchronous run (--algo async-diloco); "
+                f"--algo {cfg.algo} restarts with --resume"
+            )
+        from thinwire.localsgd.async_runtime import rejoin
+
+        out = rejoin(cfg, args.rejoin)
+        print(
+            f"  worker {out['worker']} (incarnation {out['incarnation']}): {out['rounds']} "
+            f"rounds, {out['steps']} inner steps"
+        )
+        return 0
     summary = run_training(cfg, args.workers, args.timeout)
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         return 0

@@ -1,0 +1,234 @@
+"""A killed worker process rejoins a running asynchronous Local-SGD run; bad rejoins fail fast.
+
+Every rank is its own process (as under a per-machine launch): the server runs the real
+``run``, the launched workers the real ``work_loop`` with a hook, and the restarted worker
+is ``thinwire train ... --rejoin 2``, a fresh interpreter that never joins the launch's
+process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from thinwire.cli.main import main as cli_main
+from thinwire.comm.launch import free_port
+from thinwire.errors import ConfigError
+from thinwire.localsgd.async_runtime import rejoin, run, work_loop
+from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.worker import LocalWorker
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import TextData
+from thinwire.train.model import GPT
+
+# The run's settings, once as command-line options (for the rejoining process) and once
+# as a config (for the launched ranks); the test asserts they agree.
+_ARGS = [
+    "--algo", "async-diloco", "--model", "tiny", "--n-layer", "1", "--n-embd", "32",
+    "--n-head", "2", "--seq-len", "16", "--steps", "12", "--local-steps", "2",
+    "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "2", "--eval-interval", "6",
+    "--eval-sequences", "8", "--checkpoint-interval", "4", "--device", "cpu",
+    "--no-progress",
+]  # fmt: skip
+
+
+def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
+    base = dict(
+        algo="async-diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16,
+        steps=12, local_steps=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=6,
+        eval_sequences=8, checkpoint_interval=4, out_dir=str(out_dir), progress=False,
+        device="cpu", extra={"dead_after_s": 3.0},
+    )  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _worker(cfg: TrainConfig, rank: int, workers: int) -> LocalWorker:
+    gcfg = cfg.gpt_config()
+    torch.manual_seed(cfg.seed)
+    data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
+    return LocalWorker(
+        GPT(gcfg), data.shards(workers), seq_len=gcfg.seq_len, batch_size=cfg.batch_size,
+        lr=cfg.lr, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
+    )  # fmt: skip
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: TrainConfig, role: str, events: Any, results: Any) -> None:  # fmt: skip
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        if role == "server":
+            results.put((rank, run(cfg)))
+            return
+        transport = Transport()
+        deadline = time.monotonic() + 90
+
+        def hook(rounds: int) -> None:
+            if role == "victim":
+                # One round done and not yet pushed: signal, then wait to be killed.
+                events["victim"].set()
+                time.sleep(600)
+            elif role == "survivor" and rounds == 1:
+                # Hold the budget back until the restarted worker 2 is alive (its
+                # heartbeat moved), so that it is certain to get rounds of its own.
+                while transport.heartbeat(2, 2) < 2:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("worker 2 did not come back")
+                    time.sleep(0.1)
+            elif role == "paused" and rounds == 1 and not events["go"].wait(90):
+                # (The wait keeps the run going while bad rejoins are tried against it.)
+                raise TimeoutError("the test never released the run")
+
+        out = work_loop(_worker(cfg, rank, world - 1), transport, on_round=hook)
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _start(cfg: TrainConfig, roles: list[str], events: dict[str, Any]) -> tuple[Any, list, int]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, len(roles), port, cfg, role, events, results))
+        for r, role in enumerate(roles)
+    ]
+    for p in procs:
+        p.start()
+    return results, procs, port
+
+
+def _collect(results: Any, want: set[int], deadline: float) -> dict[int, Any]:
+    got: dict[int, Any] = {}
+    while set(got) != want and time.monotonic() < deadline:
+        try:
+            r, out = results.get(timeout=1)
+            got[r] = out
+        except Exception:
+            continue
+    return got
+
+
+def _reap(procs: list) -> list[int | None]:
+    """Join every process; kill (and report as None) any that hangs."""
+    codes: list[int | None] = []
+    for p in procs:
+        p.join(timeout=20)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            codes.append(None)
+        else:
+            codes.append(p.exitcode)
+    return codes
+
+
+@pytest.mark.timeout(180)
+def test_killed_worker_process_rejoins(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    ctx = mp.get_context("spawn")
+    events = {"victim": ctx.Event(), "go": ctx.Event()}
+    results, procs, port = _start(cfg, ["server", "survivor", "victim"], events)
+    rejoiner: subprocess.Popen[str] | None = None
+    try:
+        assert events["victim"].wait(90), "worker 2 never finished a round"
+        os.kill(procs[2].pid, signal.SIGKILL)  # mid-run: a round computed, never pushed
+        procs[2].join(timeout=10)
+        assert procs[2].exitcode == -signal.SIGKILL
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        rejoiner = subprocess.Popen(
+            [sys.executable, "-m", "thinwire", "train", *_ARGS, "--out", str(tmp_path),
+             "--rejoin", "2"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        got = _collect(results, {0, 1}, time.monotonic() + 120)
+        out, err = rejoiner.communicate(timeout=60)
+    finally:
+        if rejoiner is not None and rejoiner.poll() is None:
+            rejoiner.kill()
+        codes = _reap(procs)
+    assert codes[:2] == [0, 0], codes  # server and survivor exit on their own, no hang
+    assert rejoiner.returncode == 0, err
+    assert "worker 2 (incarnation 2)" in out
+    summary = got[0]
+    budget = cfg.steps * 2
+    assert summary["inner_steps"] == budget
+    assert summary["dead_workers"] == []  # worker 2 is back, not dead
+    assert summary["incarnations"] == {1: 1, 2: 2}
+    assert [j["incarnation"] for j in summary["joins"] if j["worker"] == 2] == [1, 2]
+    pushes = {(u["worker"], u["incarnation"]): u for u in summary["updates_by_incarnation"]}
+    # The killed incarnation never pushed; the new one's pushes were applied after restart.
+    assert (2, 1) not in pushes
+    assert pushes[(2, 2)]["updates"] >= 1
+    # The killed worker's unfinished round was handed out again: the budget is met exactly
+    # by the survivor and the restarted worker.
+    rejoined_steps = int(out.split("rounds, ")[1].split(" inner")[0])
+    assert pushes[(2, 2)]["inner_steps"] == rejoined_steps
+    assert got[1]["steps"] + rejoined_steps == budget
+
+
+@pytest.mark.timeout(150)
+def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    ctx = mp.get_context("spawn")
+    events = {"victim": ctx.Event(), "go": ctx.Event()}
+    results, procs, port = _start(cfg, ["server", "paused", "paused"], events)
+    host = "127.0.0.1"
+    try:
+        # The run is up once the server has published its settings.
+        probe = Transport.rejoin(host, port, 1, connect_timeout_s=60)
+        info = probe.run_info()
+        assert (info.workers, info.finished) == (2, False)
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=r"has workers 1\.\.2"):
+            rejoin(cfg, 3, host=host, port=port)
+        with pytest.raises(ConfigError, match="rank 0 is the server"):
+            rejoin(cfg, 0, host=host, port=port)
+        with pytest.raises(ConfigError, match="rejoin with the run's model settings"):
+            rejoin(_cfg(tmp_path, n_layer=2), 1, host=host, port=port)
+        with pytest.raises(ConfigError, match="slowdown lists 3 factors"):
+            rejoin(_cfg(tmp_path, slowdown=(1.0, 1.0, 1.0)), 1, host=host, port=port)
+        assert time.monotonic() - t0 < 30  # clear errors, not timeouts
+        # No run at all at an address: a clear error after the connect timeout.
+        with pytest.raises(ConfigError, match="cannot reach the run's store"):
+            rejoin(cfg, 1, host=host, port=free_port(), connect_timeout_s=2)
+        # The CLI flag is for asynchronous runs only, and says so in one line.
+        assert cli_main(["train", "--algo", "diloco", "--rejoin", "1"]) == 2
+        events["go"].set()
+        got = _collect(results, {0, 1, 2}, time.monotonic() + 90)
+    finally:
+        events["go"].set()
+        codes = _reap(procs)
+    assert codes == [0, 0, 0]
+    summary = got[0]
+    # None of the bad rejoins said hello: the launched workers finished the run alone.
+    assert summary["inner_steps"] == cfg.steps * 2
+    assert summary["incarnations"] == {1: 1, 2: 1}
+    assert summary["stale_messages"] == 0
+    # A finished run turns late joiners away (the server's store may outlive the server
+    # under some launchers; here it is gone, which is just as clear).
+    with pytest.raises(ConfigError, match=r"has finished|cannot reach"):
+        rejoin(cfg, 1, host=host, port=port, connect_timeout_s=2)
+
+
+def test_cli_arguments_match_the_test_config(tmp_path: Path) -> None:
+    from thinwire.cli.main import build_parser
+    from thinwire.cli.train import config_from_args
+
+    args = build_parser().parse_args(["train", *_ARGS, "--out", str(tmp_path)])
+    from_cli = config_from_args(args).to_dict()
+    direct = _cfg(tmp_path).to_dict()
+    for key in from_cli.keys() - {"extra"}:
+        assert from_cli[key] == direct[key], key
