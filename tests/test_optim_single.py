@@ -144,6 +144,29 @@ def test_onebit_lamb_matches_reference_across_freeze(wd: float) -> None:
     assert len(coeffs) == 3 and all(0.5 * cf <= c <= 4.0 * cf for c, cf, _ in coeffs)
 
 
+def test_onebit_lamb_reloading_into_a_used_instance_forgets_its_frozen_variance() -> None:
+    """The compression stage caches sqrt(v) of the frozen variance; loading a state with
+    another frozen variance into the same instance must use the loaded one."""
+    params_a, params_b = _problem(), _problem()
+    opt_a = OneBitLamb(params_a, lr=0.01, freeze_step=2, bias_correction=True)
+    opt_b = OneBitLamb(params_b, lr=0.01, freeze_step=2, bias_correction=True)
+    list(_run(params_b, opt_b, 4))  # b: frozen at step 2, compressing since
+    saved = opt_b.state_dict()
+    saved_params = [p.detach().clone() for p in params_b]
+    for t in range(5):  # a freezes another variance (larger gradients) and caches it
+        for p, g in zip(params_a, _grads(t, params_a), strict=True):
+            p.grad = 3.0 * g
+        opt_a.step()
+    opt_a.load_state_dict(saved)
+    with torch.no_grad():
+        for pa, pb in zip(params_a, saved_params, strict=True):
+            pa.copy_(pb)
+    list(_run(params_a, opt_a, 3))
+    list(_run(params_b, opt_b, 3))
+    for pa, pb in zip(params_a, params_b, strict=True):
+        assert torch.equal(pa, pb)
+
+
 @pytest.mark.parametrize("cls", [Lamb, OneBitAdam, OneBitLamb])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params_keep_fp32_state(cls, dtype: torch.dtype) -> None:

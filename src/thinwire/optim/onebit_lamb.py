@@ -103,6 +103,9 @@ class OneBitLamb(TwoStageOptimizer):
         super().__init__(params, defaults, freeze_step, process_group)
         self.last_coeffs: list[float] = []
         self.last_factors: list[float] = []
+        # Derived, not state: rebuilt from exp_avg_sq after a load_state_dict.
+        self._denoms: dict[torch.Tensor, torch.Tensor] = {}
+        self._work: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ warmup
 
@@ -165,26 +168,31 @@ class OneBitLamb(TwoStageOptimizer):
         t = self.global_step
         masks = _masks(self.param_groups)
         coeffs, factors = [], []
+        largest = max(p.numel() for p in params)
+        work = self._scratch(2 * largest, params[0].device)
         for p, view in zip(params, views, strict=True):
             group, state = groups[p], self.state[p]
             b1, b2 = group["betas"]
-            m, v, v_fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+            m, v_fresh = state["exp_avg"], state["exp_avg_sq_fresh"]
+            s1 = work[: p.numel()].view(p.shape)
+            s2 = work[largest : largest + p.numel()].view(p.shape)
             m_new = view.div_(state["scaling_coeff"])
             # The averaged momentum implies the averaged gradient; feed it to v_fresh.
-            g_rec = (m_new - b1 * m).div_(1 - b1)
+            g_rec = torch.sub(m_new, torch.mul(m, b1, out=s1), out=s1).div_(1 - b1)
             v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
             m.copy_(m_new)
             if masks.get(p) is not None:
                 m.mul_(masks[p])
             master = self._master(p)
-            u = self._direction(m, v, group, t, self.freeze_step)
-            # Drift of the frozen variance from the fresh one: denom ratio, max over layer.
+            denom = self._frozen_denom(p, group)
             if group["bias_correction"]:
-                v_hat, v_fresh_hat = v / (1 - b2**self.freeze_step), v_fresh / (1 - b2**t)
+                u = torch.div(m, 1 - b1**t, out=s1).div_(denom)
+                fresh = torch.div(v_fresh, 1 - b2**t, out=s2)
             else:
-                v_hat, v_fresh_hat = v, v_fresh
-            denom = v_hat.sqrt().add_(group["eps"])
-            f = float((denom / v_fresh_hat.sqrt().add_(group["eps"])).max())
+                u = torch.div(m, denom, out=s1)
+                fresh = s2.copy_(v_fresh)
+            # Drift of the frozen variance from the fresh one: denom ratio, max over layer.
+            f = float(torch.div(denom, fresh.sqrt_().add_(group["eps"]), out=s2).max())
             if group["weight_decay"]:
                 u_norm = float(u.norm())
                 u.add_(master, alpha=group["weight_decay"])
@@ -203,6 +211,25 @@ class OneBitLamb(TwoStageOptimizer):
             factors.append(f)
         self.last_coeffs, self.last_factors = coeffs, factors
         return True
+
+    def _frozen_denom(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """``sqrt(v_hat) + eps`` of the frozen variance: constant after the freeze, so it is
+        computed once per parameter (4 bytes per element) instead of every step."""
+        denom = self._denoms.get(p)
+        if denom is None:
+            v = self.state[p]["exp_avg_sq"]
+            if group["bias_correction"]:
+                v = v / (1 - group["betas"][1] ** self.freeze_step)
+            denom = v.sqrt().add_(group["eps"])
+            self._denoms[p] = denom
+        return denom
+
+    def _scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A reusable fp32 work buffer (no per-step allocations of layer-sized temporaries)."""
+        buf = self._work
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self._work = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf[:numel]
 
     def _set_scaling_coeffs(self, params: list[torch.Tensor]) -> None:
         """Bring every layer's momentum to the mean RMS, so one 1-bit scale fits all."""
@@ -228,6 +255,10 @@ class OneBitLamb(TwoStageOptimizer):
                 out.append((self.last_coeffs[i], state["lamb_coeff_freeze"], self.last_factors[i]))
                 i += 1
         return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._denoms = {}  # the frozen variance may be another one now
+        super().load_state_dict(state_dict)
 
     def _extra_state(self) -> dict[str, Any]:
         return {**super()._extra_state(), "last_coeffs": self.last_coeffs,
