@@ -22,6 +22,7 @@ from thinwire.testbed.experiments import (
     train_argv,
     train_on_testbed,
 )
+from thinwire.train.algorithms import default_lr
 from thinwire.train.config import TrainConfig
 
 _REASON = unavailable_reason()
@@ -90,6 +91,35 @@ def test_non_empty_out_dir_is_refused(tmp_path: Path) -> None:
     (tmp_path / "old.txt").write_text("x")
     with pytest.raises(ConfigError, match="not empty"):
         train_on_testbed(TrainConfig(), 2, "1gbit", tmp_path)
+
+
+def test_each_algorithm_gets_its_tuned_lr_unless_one_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison command gives LAMB-style and Adam-style optimizers their own
+    default peak lr; ``--lr`` sets one for all. (Only the routing is checked here: the
+    cluster and the runs are replaced by recorders.)"""
+    import contextlib
+
+    from thinwire.testbed import experiments
+
+    seen: list[tuple[str, float]] = []
+
+    def fake_train(cfg: TrainConfig, *args: object, **kwargs: object) -> dict:
+        seen.append((cfg.algo, cfg.lr))
+        raise KeyboardInterrupt  # stop after recording: the rest needs a real cluster
+
+    monkeypatch.setattr(experiments, "Cluster", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(experiments, "train_on_testbed", fake_train)
+    for argv, want in [
+        (["--algos", "onebit-lamb"], ("onebit-lamb", default_lr("onebit-lamb"))),
+        (["--algos", "adamw-powersgd"], ("adamw-powersgd", default_lr("adamw-powersgd"))),
+        (["--algos", "onebit-lamb", "--lr", "0.005"], ("onebit-lamb", 0.005)),
+    ]:
+        with pytest.raises(KeyboardInterrupt):
+            experiments.main([*argv, "--rates", "1gbit", "--out", str(tmp_path / "o")])
+        assert seen[-1] == want
+    assert default_lr("onebit-lamb") != default_lr("adamw-powersgd")
 
 
 @pytest.mark.root

@@ -51,7 +51,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ from thinwire.errors import ConfigError
 from thinwire.plotting import pyplot, save_figure
 from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.netns import format_rate, parse_rate
-from thinwire.train.algorithms import check_algorithm
+from thinwire.train.algorithms import check_algorithm, default_lr
 from thinwire.train.config import TrainConfig
 
 __all__ = [
@@ -312,8 +312,14 @@ def compare_on_testbed(
     extra_args: list[str] | None = None,
     plot: Path | None = None,
     timeout_s: float = 1800.0,
+    lrs: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Train each of ``algos`` with ``cfg`` at each rate; one row per run, ratios included.
+
+    ``lrs`` overrides ``cfg.lr`` per algorithm (e.g. each one's tuned default from
+    :func:`thinwire.train.algorithms.default_lr`, which is what the command line uses
+    unless ``--lr`` is given): LAMB-style and Adam-style optimizers want peak learning
+    rates an order of magnitude apart, so one shared lr handicaps one side.
 
     Per rate one cluster is brought up and the algorithms run back to back on it,
     ``repeats`` rounds in turn. Each row carries ``speedup`` (whole-run samples/s) and
@@ -340,7 +346,8 @@ def compare_on_testbed(
                     run_dir = out_dir / f"{label}-r{rep}-{algo}"
                     t0 = time.strftime("%H:%M:%S")
                     res = train_on_testbed(
-                        replace(cfg, algo=algo), hosts, rate, run_dir, extra_args,
+                        replace(cfg, algo=algo, lr=(lrs or {}).get(algo, cfg.lr)),
+                        hosts, rate, run_dir, extra_args,
                         cluster=c, timeout_s=timeout_s,
                     )  # fmt: skip
                     row = _row(res, rep)
@@ -459,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--freeze-step", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak lr for every algorithm (default: each one's tuned default)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of all algorithms per rate")
     p.add_argument("--out", default="runs/testbed-e2e")
     p.add_argument("--plot", default=None, help="PNG to draw (needs matplotlib)")
@@ -470,12 +479,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(extra)} (train flags go after '--')")
     cfg = TrainConfig(model=args.model, batch_size=args.batch_size, steps=args.steps,
                       freeze_step=args.freeze_step)  # fmt: skip
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    if args.lr is not None:
+        cfg = replace(cfg, lr=args.lr)
     try:
+        lrs = None if args.lr is not None else {a: default_lr(a) for a in algos}
         rows = compare_on_testbed(
-            [a.strip() for a in args.algos.split(",") if a.strip()], cfg, args.hosts,
+            algos, cfg, args.hosts,
             [r.strip() for r in args.rates.split(",") if r.strip()], Path(args.out),
             repeats=args.repeats, extra_args=extra, timeout_s=args.timeout,
-            plot=Path(args.plot) if args.plot else None,
+            plot=Path(args.plot) if args.plot else None, lrs=lrs,
         )  # fmt: skip
     except ConfigError as exc:
         print(f"thinwire: error: {exc}", file=sys.stderr)
