@@ -18,7 +18,12 @@ it brings up a testbed cluster (:mod:`thinwire.testbed`, needs root) and
 4. trains ``adamw`` and the 1-bit optimizer on the cluster
    (:func:`thinwire.testbed.experiments.train_on_testbed`) and reads each step's time;
 5. writes ``validation.json``, a markdown table (predicted vs measured, error %) and a
-   plot.
+   plot (:mod:`thinwire.analysis.validate_report`).
+
+The pieces live beside this module: the co-located profiles in
+:mod:`thinwire.analysis.colocated`, the schemes, the link and the error arithmetic in
+:mod:`thinwire.analysis.validate_compare`, the outputs in
+:mod:`thinwire.analysis.validate_report`. This module runs the experiment and is its CLI.
 
 Run (as root)::
 
@@ -38,10 +43,8 @@ Tuning and reading the numbers:
 * The testbed's hosts share this machine's cores, which real hosts do not; the
   co-located profile measures the compute under that sharing, the alone profile does
   not. Their gap is the CPU-contention error of the paper's method on this testbed.
-* Sessions matter. Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``)
-  shares the CPU fairly between sessions, not processes: 4 profile processes left in
-  one session took 4.3-4.8x the alone step on the 2-core machine, in 4 sessions 2.1x, and the
-  testbed's hosts (``start_new_session``) took 2.1x as well.
+* Sessions matter: each co-located profile process runs in a session of its own, as a
+  testbed host does (why, and the numbers: :mod:`thinwire.analysis.colocated`).
 * ``steps`` 30-40 with ``freeze_step`` ~10 gives ~20 samples per stage: enough for a
   mean within a few % on a quiet machine. On a loaded machine record ``load`` and
   repeat rather than lengthen.
@@ -51,31 +54,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from thinwire.analysis.buckets import Bucket, make_buckets
-from thinwire.analysis.costs import AddCost
+from thinwire.analysis.colocated import host_threads, merge_profiles, profile_processes
 from thinwire.analysis.fit import fit_link
 from thinwire.analysis.profile import Profile, load_profile
-from thinwire.analysis.simulate import NetworkConfig, SimResult, simulate
+from thinwire.analysis.validate_compare import (
+    SCHEMES,
+    TCP_PAYLOAD_SHARE,
+    Link,
+    compare_rows,
+    error_pct,
+    measured_step_s,
+    predict_step,
+    summarize,
+)
+from thinwire.analysis.validate_report import (
+    format_table,
+    plot_validation,
+    read_result,
+    write_result,
+)
 from thinwire.errors import ConfigError
 
+# The names below stay importable from here, where earlier releases defined them.
 __all__ = [
     "SCHEMES",
     "TCP_PAYLOAD_SHARE",
     "Link",
     "ValidationConfig",
+    "error_pct",
     "format_table",
     "host_threads",
+    "main",
     "measured_step_s",
     "merge_profiles",
     "plot_validation",
@@ -85,27 +101,6 @@ __all__ = [
     "run_validation",
     "summarize",
 ]
-
-SCHEMES = ("ddp", "fp32-fused", "onebit")
-"""``ddp``: fp32 DDP (``adamw``); ``fp32-fused``: a 1-bit optimizer's warmup stage;
-``onebit``: its compression stage."""
-
-TCP_PAYLOAD_SHARE = 1448 / 1514
-"""TCP payload per Ethernet frame: the most of a tbf link's rate a TCP stream can use."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """The link the prediction assumes."""
-
-    bandwidth_gbps: float
-    alpha_per_message_s: float = 0.0
-    source: str = "nominal"
-    """``nominal`` (the set rate times :data:`TCP_PAYLOAD_SHARE`, no latency) or ``fitted``."""
-
-    @classmethod
-    def nominal(cls, rate_bits: float) -> Link:
-        return cls(rate_bits * TCP_PAYLOAD_SHARE / 1e9, 0.0, "nominal")
 
 
 @dataclass(frozen=True)
@@ -175,196 +170,6 @@ class ValidationConfig:
             raise ConfigError("profile steps must be >= 1 and profile warmup >= 0")
 
 
-def host_threads(hosts: int) -> int:
-    """Threads per host, as the testbed sets ``OMP_NUM_THREADS``."""
-    return max(1, (os.cpu_count() or 1) // hosts)
-
-
-# --- profiles --------------------------------------------------------------------------
-
-
-def merge_profiles(profiles: Sequence[Profile]) -> Profile:
-    """Mean of several profiles of the same model: step times and each gradient's ready time.
-
-    Used for the co-located processes (each saw its own share of the cores) and for the
-    profiles before and after a rate's runs (the machine's load drifts).
-    """
-    if not profiles:
-        raise ConfigError("no profiles to merge")
-    first = profiles[0]
-    shape = [(p.name, p.nbytes) for p in first.params]
-    for other in profiles[1:]:
-        if [(p.name, p.nbytes) for p in other.params] != shape:
-            raise ConfigError(
-                f"profiles of {first.model!r} and {other.model!r} differ in parameters"
-            )
-
-    def mean(vals: Sequence[float | None]) -> float | None:
-        got = [v for v in vals if v is not None]
-        return statistics.fmean(got) if got else None
-
-    params = [
-        replace(p, ready_s=mean([q.params[i].ready_s for q in profiles]))
-        for i, p in enumerate(first.params)
-    ]
-    merged = replace(
-        first,
-        iteration_s=statistics.fmean(p.iteration_s for p in profiles),
-        backward_s=statistics.fmean(p.backward_s for p in profiles),
-        forward_s=mean([p.forward_s for p in profiles]),
-        optimizer_s=mean([p.optimizer_s for p in profiles]),
-        params=params,
-        meta={**first.meta, "merged": len(profiles)},
-    )
-    codecs = [p.meta.get("onebit_codec_s_per_byte") for p in profiles]
-    if all(c is not None for c in codecs):
-        merged.meta["onebit_codec_s_per_byte"] = statistics.fmean(codecs)  # type: ignore[arg-type]
-    return merged
-
-
-def _profile_worker(
-    rank: int, barrier: Any, model: str, batch_size: int, warmup: int, steps: int,
-    threads: int, hosts: int, observe: bool, path: str,
-) -> None:  # fmt: skip
-    import torch
-
-    from thinwire.analysis.costs import measure_codec_cost
-    from thinwire.analysis.measure import profile_gpt
-    from thinwire.analysis.profile import save_profile
-
-    # A session of its own, as every testbed host gets: with the kernel's autogroup
-    # scheduling (on by default on desktop and many cloud kernels) CPU time is shared
-    # fairly between sessions, so processes left in one session would split one share.
-    os.setsid()
-    torch.set_num_threads(threads)
-    # Observing DDP's buckets makes a one-rank process group; only one process does it,
-    # before the barrier, so the timed steps of all processes start together.
-    observed = None
-    if observe and rank == 0:
-        observed = profile_gpt(model, batch_size, warmup=0, steps=1, observe_ddp=True)
-    barrier.wait()
-    prof = profile_gpt(model, batch_size, warmup=warmup, steps=steps)
-    barrier.wait()  # the codec is timed under the same sharing as the steps
-    prof.meta["onebit_codec_s_per_byte"] = measure_codec_cost(world_size=hosts)
-    if observed is not None:
-        prof.observed_buckets = observed.observed_buckets
-    save_profile(prof, path)
-
-
-def profile_processes(
-    model: str, batch_size: int, processes: int, threads: int, hosts: int, out_dir: Path, *,
-    warmup: int = 2, steps: int = 6, observe_ddp: bool = False, timeout_s: float = 1200.0,
-) -> Profile:  # fmt: skip
-    """Profile ``model`` in ``processes`` fresh processes at once; their mean.
-
-    Each process uses ``threads`` threads and also measures the 1-bit compute for
-    ``hosts`` ranks (``meta["onebit_codec_s_per_byte"]``). One process is the paper's
-    one-worker profile; ``hosts`` processes reproduce the CPU sharing of the testbed.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(processes)
-    paths = [str(out_dir / f"profile-{i}.json") for i in range(processes)]
-    args = (barrier, model, batch_size, warmup, steps, threads, hosts, observe_ddp)
-    procs = [
-        ctx.Process(target=_profile_worker, args=(i, *args, paths[i])) for i in range(processes)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    bad = [i for i, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"profiling process(es) {bad} failed or timed out ({timeout_s:.0f} s)")
-    profs = [load_profile(p) for p in paths]
-    merged = merge_profiles(profs)
-    merged.observed_buckets = profs[0].observed_buckets
-    merged.meta.update(processes=processes, threads=threads)
-    return merged
-
-
-# --- prediction and measurement ----------------------------------------------------------
-
-
-def _one_bucket(profile: Profile) -> list[Bucket]:
-    # The 1-bit optimizers pack every gradient (warmup) or momentum (compression) into
-    # ONE flat buffer after backward: one collective, whatever DDP would have done.
-    ready = profile.ready
-    if not ready:
-        return []
-    return [Bucket(tuple(p.index for p in ready), profile.grad_bytes, profile.backward_end_s)]
-
-
-def predict_step(
-    profile: Profile, scheme: str, link: Link, hosts: int, codec_s_per_byte: float = 0.0,
-    add: AddCost | None = None,
-) -> SimResult:  # fmt: skip
-    """Predicted step of ``scheme`` (one of :data:`SCHEMES`) on ``hosts`` workers.
-
-    ``add`` prices reductions; leave it None with a fitted link, whose effective
-    bandwidth already contains them. ``codec_s_per_byte`` is charged only by ``onebit``.
-    """
-    if scheme == "ddp":
-        kind = "observed" if profile.observed_buckets else "ddp"
-        buckets, overlap, sim_scheme, codec = make_buckets(profile, kind), True, "ring", 0.0
-    elif scheme == "fp32-fused":
-        buckets, overlap, sim_scheme, codec = _one_bucket(profile), False, "ring", 0.0
-    elif scheme == "onebit":
-        buckets, overlap, sim_scheme = _one_bucket(profile), False, "onebit"
-        codec = codec_s_per_byte
-    else:
-        raise ConfigError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
-    cfg = NetworkConfig(
-        workers=hosts, bandwidth_gbps=link.bandwidth_gbps, alpha_s=link.alpha_per_message_s,
-        codec_s_per_byte=codec, overlap=overlap, scheme=sim_scheme,
-    )  # fmt: skip
-    return simulate(profile, buckets, cfg, add)
-
-
-def measured_step_s(records: Sequence[dict[str, Any]], first: int, last: int) -> dict[str, Any]:
-    """Mean and median of the trainer's per-step seconds (``step_s``) of steps first..last.
-
-    Raises:
-        ConfigError: fewer than 2 logged steps in the range.
-    """
-    secs = [float(r["step_s"]) for r in records if "step_s" in r and first <= r["step"] <= last]
-    if len(secs) < 2:
-        raise ConfigError(f"need >= 2 logged steps in {first}..{last}, found {len(secs)}")
-    return {
-        "first_step": first,
-        "last_step": last,
-        "steps": len(secs),
-        "mean_s": statistics.fmean(secs),
-        "median_s": statistics.median(secs),
-        "stdev_s": statistics.stdev(secs),
-    }
-
-
-def error_pct(predicted: float, measured: float) -> float:
-    """Signed error of a prediction in % of the measurement (negative: predicted too fast)."""
-    return 100.0 * (predicted - measured) / measured
-
-
-def summarize(rows: Sequence[dict[str, Any]], key: str, goal_pct: float = 15.0) -> dict[str, Any]:
-    """How many rows' ``key`` error is within ``goal_pct``, and the worst one."""
-    errs = [abs(r[key]) for r in rows if r.get(key) is not None and math.isfinite(r[key])]
-    return {
-        "key": key,
-        "rows": len(errs),
-        "within_goal": sum(e <= goal_pct for e in errs),
-        "goal_pct": goal_pct,
-        "worst_abs_pct": max(errs) if errs else None,
-        "mean_abs_pct": statistics.fmean(errs) if errs else None,
-    }
-
-
 # --- one rate on the testbed -------------------------------------------------------------
 
 
@@ -391,10 +196,6 @@ def _fit_on_cluster(
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, filter(None, lines)) if "step_s" in r]
-
-
-def _prediction(sim: SimResult) -> dict[str, float]:
-    return {"step_s": sim.step_s, "compute_s": sim.iteration_s, "exposed_s": sim.exposed_s}
 
 
 def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str, Any]:
@@ -473,9 +274,8 @@ def _predict_rows(
     records: dict[str, list[dict[str, Any]]],
     link: Link,
 ) -> list[dict[str, Any]]:
-    """Predicted vs measured rows of one rate, from the profiles taken around the runs."""
-    from thinwire.testbed.netns import format_rate
-
+    """Predicted vs measured rows of one rate, each run predicted from the mean of the
+    profiles taken just before and just after it."""
     observed = points[0]["alone"].observed_buckets
     around: dict[str, dict[str, Profile]] = {}
     algos = ("adamw", cfg.onebit_algo)
@@ -494,36 +294,7 @@ def _predict_rows(
         "fp32-fused": (cfg.onebit_algo, 2, f),
         "onebit": (cfg.onebit_algo, f + 2, n),
     }
-    nominal = Link.nominal(rate_bits)
-    rows = []
-    for scheme, (algo, first, last) in spans.items():
-        if last - first < 1:
-            continue
-        meas = measured_step_s(records[algo], first, last)
-
-        def pred(p: Profile, lk: Link, s: str = scheme) -> SimResult:
-            codec = float(p.meta.get("onebit_codec_s_per_byte", 0.0))
-            return predict_step(p, s, lk, cfg.hosts, codec)
-
-        coloc, alone = around[algo]["colocated"], around[algo]["alone"]
-        main_pred = pred(coloc, link)
-        row = {
-            "rate": format_rate(int(rate_bits)),
-            "scheme": scheme,
-            "algo": algo,
-            "measured": meas,
-            "predicted": _prediction(main_pred),
-            "predicted_alone": _prediction(pred(alone, link)),
-            "predicted_nominal": _prediction(pred(coloc, nominal)),
-            "link": asdict(link),
-            "codec_s_per_byte": float(coloc.meta.get("onebit_codec_s_per_byte", 0.0)),
-        }
-        m = meas["mean_s"]
-        row["err_pct"] = error_pct(row["predicted"]["step_s"], m)
-        row["err_alone_pct"] = error_pct(row["predicted_alone"]["step_s"], m)
-        row["err_nominal_pct"] = error_pct(row["predicted_nominal"]["step_s"], m)
-        rows.append(row)
-    return rows
+    return compare_rows(around, records, spans, link, cfg.hosts, rate_bits)
 
 
 def run_validation(
@@ -555,7 +326,7 @@ def run_validation(
     }
     for rate in cfg.rates:
         result["rates"].append(_validate_rate(cfg, rate, out_dir / rate))
-        _write(result, out_dir, plot)  # keep what is done if a later rate fails
+        write_result(result, out_dir, plot)  # keep what is done if a later rate fails
     return result
 
 
@@ -568,7 +339,7 @@ def repredict(
     (a :func:`run_validation` output); nothing is measured again. Use it to see how much
     of a miss the link fit explains: fit over the sizes of the job's buckets.
     """
-    old = _read_result(Path(src_dir) / "validation.json")
+    old = read_result(Path(src_dir) / "validation.json")
     cfg = ValidationConfig(**{**old["config"], "rates": tuple(old["config"]["rates"])})
     lo = cfg.fit_min_bytes if fit_min_bytes is None else fit_min_bytes
     hi = cfg.fit_max_bytes if fit_max_bytes is None else fit_max_bytes
@@ -598,115 +369,6 @@ def repredict(
         rows_out = _predict_rows(cfg, float(entry["rate_bits"]), points, records, link)
         new["rates"].append({**entry, "rows": rows_out, "link": asdict(link), "link_fit": fit_info})
     return new
-
-
-def _read_result(path: Path) -> dict[str, Any]:
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read validation {path}: {exc}") from None
-    if not isinstance(result, dict) or result.get("format") != "thinwire.validation/1":
-        raise ConfigError(f"{path}: not a thinwire validation")
-    return result
-
-
-def _write(result: dict[str, Any], out_dir: Path, plot: Path | None) -> None:
-    rows = [r for rate in result["rates"] for r in rate["rows"]]
-    result["summary"] = {k: summarize(rows, k) for k in ("err_pct", "err_alone_pct",
-                                                          "err_nominal_pct")}  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "validation.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / "validation.md").write_text(format_table(result) + "\n")
-    if plot is not None and rows:
-        plot_validation(result, plot)
-
-
-# --- reporting ---------------------------------------------------------------------------
-
-_NAMES = {"ddp": "fp32 DDP (adamw)", "fp32-fused": "1-bit warmup (fp32 fused)",
-          "onebit": "1-bit (compression stage)"}  # fmt: skip
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """Markdown: per rate and scheme the measured and predicted step, and the errors."""
-    lines = [
-        "| link | scheme | measured step (mean +- sd, median) | predicted | error "
-        "| predicted compute + exposed | alone-profile prediction (error) "
-        "| nominal-link prediction (error) | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for rate in result["rates"]:
-        ld = rate["load_avg_1min"]
-        load = f"{min(ld.values()):.1f}-{max(ld.values()):.1f}" if ld else "-"
-        for r in rate["rows"]:
-            m, p = r["measured"], r["predicted"]
-            lines.append(
-                f"| {r['rate']} | {_NAMES.get(r['scheme'], r['scheme'])} "
-                f"| {m['mean_s']:.3f} +- {m['stdev_s']:.3f}, {m['median_s']:.3f} s "
-                f"| {p['step_s']:.3f} s | {r['err_pct']:+.1f}% "
-                f"| {p['compute_s']:.3f} + {p['exposed_s']:.3f} s "
-                f"| {r['predicted_alone']['step_s']:.3f} s ({r['err_alone_pct']:+.1f}%) "
-                f"| {r['predicted_nominal']['step_s']:.3f} s ({r['err_nominal_pct']:+.1f}%) "
-                f"| {load} |"
-            )
-    s = result.get("summary", {}).get("err_pct")
-    if s and s["rows"]:
-        lines.append("")
-        lines.append(
-            f"Within {s['goal_pct']:.0f}%: {s['within_goal']} of {s['rows']} cases "
-            f"(worst {s['worst_abs_pct']:.1f}%, mean |error| {s['mean_abs_pct']:.1f}%)."
-        )
-    return "\n".join(lines)
-
-
-def plot_validation(result: dict[str, Any], path: Path) -> Path:
-    """Left: measured vs predicted step per rate and scheme (prediction split into compute
-    and exposed communication). Right: predicted against measured, with the +-15% band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for rate in result["rates"] for r in rate["rows"]]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [2, 1]})
-    xs = range(len(rows))
-    ax.bar(
-        [x - 0.2 for x in xs],
-        [r["measured"]["mean_s"] for r in rows],
-        0.4,
-        yerr=[r["measured"]["stdev_s"] for r in rows],
-        color="0.55",
-        label="measured (mean, sd)",
-    )
-    comp = [r["predicted"]["compute_s"] for r in rows]
-    ax.bar([x + 0.2 for x in xs], comp, 0.4, color="C0", label="predicted: compute")
-    ax.bar([x + 0.2 for x in xs], [r["predicted"]["exposed_s"] for r in rows], 0.4, bottom=comp,
-           color="C1", label="predicted: exposed communication")  # fmt: skip
-    ax.scatter([x + 0.2 for x in xs], [r["predicted_alone"]["step_s"] for r in rows], marker="_",
-               s=300, color="k", zorder=3, label="prediction from the alone profile")  # fmt: skip
-    ax.set_xticks(list(xs), [f"{r['rate']}\n{r['scheme']}" for r in rows], fontsize=7)
-    ax.set_ylabel("seconds per step")
-    ax.set_title("step time on the emulated network: measured vs predicted")
-    ax.legend(fontsize=7)
-    lim = max(max(r["measured"]["mean_s"], r["predicted"]["step_s"]) for r in rows) * 1.1
-    grid = [0, lim]
-    bx.fill_between(grid, [0, lim * 0.85], [0, lim * 1.15], color="C2", alpha=0.2, label="+-15%")
-    bx.plot(grid, grid, color="C2")
-    for k, scheme in enumerate(SCHEMES):
-        sel = [r for r in rows if r["scheme"] == scheme]
-        bx.scatter([r["measured"]["mean_s"] for r in sel], [r["predicted"]["step_s"] for r in sel],
-                   color=f"C{k + 3}", label=_NAMES[scheme])  # fmt: skip
-    bx.set_xlim(0, lim)
-    bx.set_ylim(0, lim)
-    bx.set_xlabel("measured s/step")
-    bx.set_ylabel("predicted s/step (co-located profile)")
-    bx.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -741,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.from_json and args.refit_min_bytes is not None:
             result = repredict(Path(args.from_json).parent, args.refit_min_bytes)
         elif args.from_json:
-            result = _read_result(Path(args.from_json))
+            result = read_result(Path(args.from_json))
         else:
             cfg = ValidationConfig(
                 model=args.model, batch_size=args.batch_size, hosts=args.hosts,
@@ -756,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"thinwire: error: {exc}", file=sys.stderr)
         return 2
     if args.from_json:
-        _write(result, Path(args.out), plot)
+        write_result(result, Path(args.out), plot)
     print(format_table(result))
     return 0
 
