@@ -7,7 +7,11 @@ Two ways to run it:
   allreduce`` (the torchrun environment is detected; ``--workers`` is then ignored).
 
 Rank 0 prints an nccl-tests style table and, with ``--out DIR``, writes
-``allreduce.json`` and ``allreduce.png`` (median time vs size per method).
+``allreduce.json`` and ``allreduce.png`` (median time vs size per method)
+(:mod:`thinwire.comm.bench`).
+
+``thinwire bench packing`` times bit packing against numpy and the compute of one 1-bit
+allreduce, in one process (:mod:`thinwire.comm.bench_packing`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import torch
 
-from thinwire.comm import bench
+from thinwire.comm import bench, bench_packing
 from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
 
@@ -152,7 +156,7 @@ def run_packing(args: argparse.Namespace) -> int:
         f"{'op':>13} {'elements':>11} {'numpy ms':>9} {'torch ms':>9} {'native ms':>9} "
         f"{'np/torch':>9} {'np/native':>9}"
     )
-    for r in bench.run_packing_bench(numels, args.repeats, args.clock):
+    for r in bench_packing.run_packing_bench(numels, args.repeats, args.clock):
         nat, ratio = r["native_s"], r["speedup_native"]
         nat_s = "-" if nat is None else f"{nat * 1e3:.2f}"
         ratio_s = "-" if ratio is None else f"{ratio:.2f}x"
@@ -161,7 +165,7 @@ def run_packing(args: argparse.Namespace) -> int:
             f"{r['torch_s'] * 1e3:>9.2f} {nat_s:>9} {r['speedup']:>8.2f}x {ratio_s:>9}"
         )
     for n in numels:
-        c = bench.run_onebit_compute_bench(n, args.world, args.repeats, args.clock)
+        c = bench_packing.run_onebit_compute_bench(n, args.world, args.repeats, args.clock)
         line = (
             f"1-bit allreduce compute only, {n} fp32 elements, {args.world} ranks: "
             f"pure torch {c['compute_s'] * 1e3:.1f} ms = {c['passes']:.1f} passes"
