@@ -87,11 +87,23 @@ def _rank_main(rank: int, world: int, port: int, cfg: TrainConfig, role: str, ev
                     if time.monotonic() > deadline:
                         raise TimeoutError("worker 2 did not come back")
                     time.sleep(0.1)
-            elif role == "paused" and rounds == 1 and not events["go"].wait(90):
+            elif role == "stalled" and rounds == 1:
+                # Alive but stalled while a new process takes over as worker 2; then push
+                # the round it computed, which the server must ignore.
+                events["victim"].set()
+                while transport.heartbeat(2, 2) < 2:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("worker 2 was never replaced")
+                    time.sleep(0.1)
+            elif role in ("paused", "held") and rounds == 1 and not events["go"].wait(90):
                 # (The wait keeps the run going while bad rejoins are tried against it.)
                 raise TimeoutError("the test never released the run")
 
-        out = work_loop(_worker(cfg, rank, world - 1), transport, on_round=hook)
+        try:
+            out = work_loop(_worker(cfg, rank, world - 1), transport, on_round=hook)
+        except RuntimeError as exc:
+            out = {"error": str(exc).splitlines()[0]}
+            events["go"].set()  # a replaced worker's push has been read by now
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -177,6 +189,73 @@ def test_killed_worker_process_rejoins(tmp_path: Path) -> None:
     rejoined_steps = int(out.split("rounds, ")[1].split(" inner")[0])
     assert pushes[(2, 2)]["inner_steps"] == rejoined_steps
     assert got[1]["steps"] + rejoined_steps == budget
+
+
+def _rejoin_main(port: int, cfg: TrainConfig, results: Any) -> None:
+    torch.set_num_threads(1)
+    results.put(("rejoined", rejoin(cfg, 2, host="127.0.0.1", port=port)))
+
+
+@pytest.mark.timeout(150)
+def test_newest_incarnation_wins_over_a_stalled_one(tmp_path: Path) -> None:
+    # The stall is not a death (dead_after_s); the new worker 2 is slowed down, and worker
+    # 1 held until the old one has pushed, so that the budget outlasts the stale push.
+    cfg = _cfg(tmp_path, slowdown=(1.0, 20.0), extra={"dead_after_s": 30.0})
+    ctx = mp.get_context("spawn")
+    events = {"victim": ctx.Event(), "go": ctx.Event()}
+    results, procs, port = _start(cfg, ["server", "held", "stalled"], events)
+    try:
+        assert events["victim"].wait(90), "worker 2 never finished a round"
+        procs.append(ctx.Process(target=_rejoin_main, args=(port, cfg, results)))
+        procs[-1].start()
+        got = _collect(results, {0, 1, 2, "rejoined"}, time.monotonic() + 120)
+    finally:
+        codes = _reap(procs)
+    assert codes == [0, 0, 0, 0]  # nobody hangs; the replaced process returns an error
+    assert "error" in got[2]  # cut off when it pushed to a link the server had closed
+    summary = got[0]
+    assert summary["incarnations"] == {1: 1, 2: 2}
+    assert summary["stale_messages"] >= 1  # its push header was read and ignored
+    pushes = {(u["worker"], u["incarnation"]): u for u in summary["updates_by_incarnation"]}
+    assert (2, 1) not in pushes
+    assert pushes[(2, 2)]["inner_steps"] == got["rejoined"]["steps"] > 0
+    assert summary["inner_steps"] == got[1]["steps"] + got["rejoined"]["steps"] == cfg.steps * 2
+
+
+def _slow_server(port: int, results: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    t = Transport(store, rank=0, run_id="slow", connect_timeout_s=2, timeout_s=60)
+    t.publish(1, 4, 0)
+    while (msg := t.poll()) is None:
+        time.sleep(0.01)
+    t.accept(msg.src, msg.incarnation)
+    time.sleep(5)  # longer than the connect timeout: the worker must still be waiting
+    t.send(1, 3, [7.0], torch.arange(4.0))
+    results.put(("server", t.poll() is None))
+    t.close()
+    time.sleep(1)  # keep the store up until the worker has read everything
+
+
+@pytest.mark.timeout(60)
+def test_link_waits_longer_than_its_connect_timeout() -> None:
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    server = ctx.Process(target=_slow_server, args=(port, results))
+    server.start()
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        t = Transport(store, rank=1, run_id="slow", connect_timeout_s=2, timeout_s=60)
+        assert t.run_info().workers == 1
+        t.send(0, 1, [4.0, 0.0, 0.0])  # hello: opens the link
+        msg = t.recv(0)
+        assert (msg.kind, msg.fields[0]) == (3, 7.0)
+        assert torch.equal(t.recv_payload(0, 4, torch.float32), torch.arange(4.0))
+        assert t.incarnation == 1
+        t.close()
+    finally:
+        assert _reap([server]) == [0]
+    assert results.get(timeout=5) == ("server", True)
 
 
 @pytest.mark.timeout(150)

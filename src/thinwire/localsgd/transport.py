@@ -263,11 +263,11 @@ class Transport:
     # --- links ---------------------------------------------------------------------------
     def _open(self, worker: int, incarnation: int, pair_rank: int) -> dist.ProcessGroupGloo:
         prefix = f"pair/{worker}/{incarnation}"
-        pg = dist.ProcessGroupGloo(
+        # The group's own timeout bounds only the rendezvous (a short one, see the module
+        # docstring); every wait below passes the long one, which overrides it per call.
+        return dist.ProcessGroupGloo(
             dist.PrefixStore(prefix, self.store), pair_rank, 2, self.connect_timeout
         )
-        pg.set_timeout(self.timeout)
-        return pg
 
     def accept(self, worker: int, incarnation: int) -> None:
         """On the server: open the link to ``worker``'s ``incarnation`` (after its HELLO),
@@ -288,7 +288,7 @@ class Transport:
             values = [float(ERROR), *map(float, fields)]
             values += [0.0] * (HEADER_LEN - len(values))
             header = torch.tensor(values, dtype=torch.float64)
-            pg.send([header], 1, _HEADER_TAG).wait()
+            pg.send([header], 1, _HEADER_TAG).wait(self.connect_timeout)
         except RuntimeError:
             pass
         finally:
@@ -343,12 +343,12 @@ class Transport:
                     ) from None
         else:
             header = torch.tensor(values, dtype=torch.float64)
-            self._link(dst).send([header], 1, _HEADER_TAG).wait()
+            self._link(dst).send([header], 1, _HEADER_TAG).wait(self.timeout)
             record(f"{self.op_prefix}.ctrl", header.nbytes, header.nbytes)
         if payload is not None:
             payload = payload.detach().reshape(-1).cpu().contiguous()
             peer = 0 if dst == self.server else 1
-            self._link(dst).send([payload], peer, _PAYLOAD_TAG).wait()
+            self._link(dst).send([payload], peer, _PAYLOAD_TAG).wait(self.timeout)
             nbytes = payload.numel() * payload.element_size()
             record(f"{self.op_prefix}.{_KIND_NAMES[kind]}", nbytes, nbytes)
 
@@ -364,7 +364,7 @@ class Transport:
     def recv(self, src: int) -> Message:
         """On a worker: the next header from the server (blocking)."""
         buf = torch.zeros(HEADER_LEN, dtype=torch.float64)
-        self._link(src).recv([buf], 0, _HEADER_TAG).wait()
+        self._link(src).recv([buf], 0, _HEADER_TAG).wait(self.timeout)
         self.bytes_received += buf.nbytes
         return Message(src, int(buf[0]), buf[1:].tolist())
 
@@ -372,7 +372,7 @@ class Transport:
         """The payload that follows ``src``'s last header."""
         buf = torch.empty(numel, dtype=dtype)
         peer = 0 if src == self.server else 1
-        self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait()
+        self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait(self.timeout)
         self.bytes_received += buf.numel() * buf.element_size()
         return buf
 
