@@ -27,6 +27,9 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
         "final validation loss",
         "bytes sent per worker",
         "samples/s, after freeze",
+        "compute profiled in 2 processes at once",
+        "step after freeze, predicted",
+        "step after freeze, measured",
     ):
         assert needle in text, needle  # fmt: skip
     result = json.loads((out / "demo.json").read_text())
@@ -36,6 +39,10 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert onebit["comm_bytes"] < lamb["comm_bytes"] / 3
     assert (out / "demo.png").stat().st_size > 10_000
     assert (out / "study.json").exists()
+    # the analysis profiled both workers at once, as they then trained
+    assert len(list((out / "profile").glob("profile-*.json"))) == 2
+    for run in (lamb, onebit):
+        assert run["predicted_step_s"] > 0 and run["measured_step_s"] > 0
     # a second demo replaces the first one's output; a foreign directory is refused
     _prepare_out(out)
     assert not (out / "demo.json").exists()

@@ -13,8 +13,9 @@ Tuning and reading the numbers:
 * Sessions matter. Linux's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``)
   shares the CPU fairly between sessions, not processes: 4 profile processes left in
   one session took 4.3-4.8x the alone step on the 2-core machine, in 4 sessions 2.1x, and
-  the testbed's hosts (``start_new_session``) took 2.1x as well; each profile process
-  therefore gets a session of its own, as a testbed host does.
+  the testbed's hosts (``start_new_session``) took 2.1x as well. Profile with
+  ``own_session=True`` for testbed hosts, and with ``own_session=False`` for ranks that
+  :func:`thinwire.comm.launch.spawn` starts in the caller's session.
 * A machine shared with other work drifts within minutes: profile right before (and,
   to bracket a run, right after) what the profile predicts, and merge the two.
 """
@@ -82,7 +83,7 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
 
 def _profile_worker(
     rank: int, barrier: Any, model: str, batch_size: int, warmup: int, steps: int,
-    threads: int, hosts: int, observe: bool, path: str,
+    threads: int, hosts: int, observe: bool, own_session: bool, path: str,
 ) -> None:  # fmt: skip
     import torch
 
@@ -93,7 +94,8 @@ def _profile_worker(
     # A session of its own, as every testbed host gets: with the kernel's autogroup
     # scheduling (on by default on desktop and many cloud kernels) CPU time is shared
     # fairly between sessions, so processes left in one session would split one share.
-    os.setsid()
+    if own_session:
+        os.setsid()
     torch.set_num_threads(threads)
     # Observing DDP's buckets makes a one-rank process group; only one process does it,
     # before the barrier, so the timed steps of all processes start together.
@@ -112,6 +114,7 @@ def _profile_worker(
 def profile_processes(
     model: str, batch_size: int, processes: int, threads: int, hosts: int, out_dir: Path, *,
     warmup: int = 2, steps: int = 6, observe_ddp: bool = False, timeout_s: float = 1200.0,
+    own_session: bool = True,
 ) -> Profile:  # fmt: skip
     """Profile GPT preset ``model`` in ``processes`` fresh processes at once; their mean.
 
@@ -125,6 +128,9 @@ def profile_processes(
         steps: timed steps per process; medians, so 5-10 resist one slow step.
         observe_ddp: record DDP's real buckets (one process, before the timed steps).
         timeout_s: for all processes together.
+        own_session: put each process in a session of its own, as the testbed does
+            with its hosts (see the module docstring); False for ranks that share the
+            caller's session, as :func:`thinwire.comm.launch.spawn`'s do.
 
     Raises:
         RuntimeError: a process failed or did not finish within ``timeout_s``.
@@ -133,7 +139,7 @@ def profile_processes(
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(processes)
     paths = [str(out_dir / f"profile-{i}.json") for i in range(processes)]
-    args = (barrier, model, batch_size, warmup, steps, threads, hosts, observe_ddp)
+    args = (barrier, model, batch_size, warmup, steps, threads, hosts, observe_ddp, own_session)
     procs = [
         ctx.Process(target=_profile_worker, args=(i, *args, paths[i])) for i in range(processes)
     ]

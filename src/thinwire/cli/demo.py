@@ -1,8 +1,9 @@
 """``thinwire demo``: the whole story on built-in defaults, in a few minutes on a CPU.
 
-1. **Analyze** the job: profile the small GPT on one worker, then predict with the
-   what-if model whether the network is its bottleneck on W workers at the chosen link
-   rate, and which thinwire algorithm would fix it.
+1. **Analyze** the job: profile the GPT's W workers together, sharing the cores as they
+   will when they train, then predict with the what-if model whether the network is its
+   bottleneck on W workers at the chosen link rate, and which thinwire algorithm would
+   fix it.
 2. **Train** it with LAMB (fp32 gradient allreduce) and with 1-bit LAMB, same settings,
    back to back. As root (and with iproute2) the W workers are W emulated hosts joined
    by links rate-limited with ``tc`` (:mod:`thinwire.testbed`), so the time saved is
@@ -19,13 +20,17 @@ import contextlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thinwire.errors import ConfigError
 from thinwire.plotting import pyplot, save_figure
 from thinwire.train.algorithms import default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import atomic_write_text, read_metrics
+
+if TYPE_CHECKING:
+    from thinwire.analysis.profile import Profile
+    from thinwire.analysis.validate_compare import Link
 
 __all__ = ["register", "run_demo"]
 
@@ -85,26 +90,70 @@ def _prepare_out(out: Path) -> None:
 # ------------------------------------------------------------------------ 1. analyze
 
 
-def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path) -> dict[str, Any]:
-    """Profile one worker and predict the job on ``workers`` hosts at ``rate``."""
+def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool) -> Profile:
+    """Profile the workers as they will train, then predict the job on ``workers`` hosts.
+
+    The demo's workers share this machine's cores (``cores // workers`` threads each,
+    as the testbed gives its hosts and :func:`thinwire.comm.launch.spawn` its ranks), so
+    one process profiled alone computes faster than each of them will: ``workers``
+    processes are profiled at once instead (:mod:`thinwire.analysis.colocated`), each in
+    a session of its own when they will train as testbed hosts (which get one each), in
+    the demo's session when they will train over loopback. The 1-bit compute is timed
+    under the same sharing. Writes ``OUT/study.json``; returns the profile.
+    """
     from thinwire.analysis import NetworkConfig, make_buckets, run_study, write_plots
-    from thinwire.analysis.costs import measure_codec_cost
-    from thinwire.analysis.measure import profile_gpt
+    from thinwire.analysis.colocated import host_threads, profile_processes
     from thinwire.analysis.report import render_report
     from thinwire.testbed.netns import parse_rate
 
+    threads = host_threads(workers)
+    # 2 + 4 steps: the demo's budget is minutes; medians of 4 steps resist one slow one.
+    profile = profile_processes(
+        cfg.model, cfg.batch_size, workers, threads, workers, out / "profile",
+        warmup=2, steps=4, timeout_s=600.0, own_session=testbed,
+    )  # fmt: skip
+    print(
+        f"(compute profiled in {workers} processes at once, {threads} thread(s) each, "
+        f"as the {workers} workers will train)\n"
+    )
     bits = parse_rate(rate)
     gbps = bits / 1e9 if bits else 100.0  # "unlimited": veth runs at tens of Gbit/s
-    profile = profile_gpt(cfg.model, batch_size=cfg.batch_size, warmup=2, steps=4)
     study = run_study(
         profile, make_buckets(profile, "ddp"), NetworkConfig(workers=workers, bandwidth_gbps=gbps),
-        onebit_codec_s_per_byte=measure_codec_cost(world_size=workers),
+        onebit_codec_s_per_byte=float(profile.meta["onebit_codec_s_per_byte"]),
     )  # fmt: skip
     atomic_write_text(out / "study.json", json.dumps(study, indent=2) + "\n")
     with contextlib.suppress(ImportError):  # plots need matplotlib; the report does not
         write_plots(study, out / "analysis")
     print(render_report(study))
-    return study
+    return profile
+
+
+def _link(rate: str) -> Link:
+    """The link of the predicted steps: the set rate as a TCP stream can use it (the
+    analysis report uses the set rate itself, so its wire times are ~4% shorter)."""
+    from thinwire.analysis.validate_compare import Link
+    from thinwire.testbed.netns import parse_rate
+
+    bits = parse_rate(rate)
+    # "unlimited" (or loopback): veth and loopback run at tens of Gbit/s.
+    return Link.nominal(bits) if bits else Link(100.0, 0.0, "nominal")
+
+
+def predicted_steps(profile: Profile, workers: int, rate: str) -> dict[str, float]:
+    """Predicted seconds per step after the freeze, per algorithm, the way each trains.
+
+    LAMB averages all gradients in one fused fp32 allreduce after the backward pass
+    (scheme ``fp32-fused``), 1-bit LAMB sends its momentum through one 1-bit allreduce
+    after it (``onebit``, plus the 1-bit compute measured in the profile).
+    """
+    from thinwire.analysis.validate_compare import predict_step
+
+    link, codec = _link(rate), float(profile.meta.get("onebit_codec_s_per_byte", 0.0))
+    schemes = {"lamb": "fp32-fused", "onebit-lamb": "onebit"}
+    return {
+        algo: predict_step(profile, schemes[algo], link, workers, codec).step_s for algo in ALGOS
+    }
 
 
 # ------------------------------------------------------------------------ 2. train
@@ -115,6 +164,16 @@ def _stage_speed(run_dir: Path, freeze: int, samples_per_step: int) -> float | N
 
     st = stage_times(read_metrics(run_dir / "metrics.jsonl"), freeze, samples_per_step)
     return st["compression"].get("samples_per_s")
+
+
+def _measured_step(run_dir: Path, first: int, last: int) -> float | None:
+    """Mean logged seconds per step of steps ``first..last`` (None: fewer than 2 logged)."""
+    from thinwire.analysis.validate_compare import measured_step_s
+
+    try:
+        return measured_step_s(read_metrics(run_dir / "metrics.jsonl"), first, last)["mean_s"]
+    except ConfigError:
+        return None
 
 
 def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool) -> list[dict]:
@@ -165,6 +224,13 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
+    def sec(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f} s"
+
+    def secs(key: str) -> tuple[str, str, str]:
+        x, y = a.get(key), b.get(key)
+        return sec(x), sec(y), ratio(x, y)
+
     lines = [
         ("", LABELS[a["algo"]], LABELS[b["algo"]], "1-bit / fp32"),
         ("final validation loss", num(a["final_val_loss"], ".4f"), num(b["final_val_loss"], ".4f"),
@@ -174,6 +240,8 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
         ("samples/s, after freeze", num(a["compression_samples_per_s"], ".1f"),
          num(b["compression_samples_per_s"], ".1f"),
          ratio(a["compression_samples_per_s"], b["compression_samples_per_s"])),
+        ("step after freeze, predicted", *secs("predicted_step_s")),
+        ("step after freeze, measured", *secs("measured_step_s")),
         ("training time", f"{a['train_time_s']:.1f} s", f"{b['train_time_s']:.1f} s",
          ratio(a["train_time_s"], b["train_time_s"])),
         ("bytes sent per worker", mib(a["comm_bytes"]), mib(b["comm_bytes"]),
@@ -244,9 +312,16 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"== 1/3  Is the network the bottleneck? {cfg.model} GPT, {args.workers} workers, {args.rate}\n"
     )
-    analyze(cfg, args.workers, args.rate, out)
+    profile = analyze(cfg, args.workers, args.rate, out, testbed=reason is None)
     print(f"\n== 2/3  Training with LAMB and with 1-bit LAMB on {where}\n")
     rows = train_both(cfg, args.workers, args.rate, out, testbed=reason is None)
+    # Like with like: the steps after the first compressing one (which allocates the
+    # error-feedback buffers), for both runs; evaluation is not part of a logged step.
+    predicted = predicted_steps(profile, args.workers, args.rate)
+    first = cfg.effective_freeze_step() + 2
+    for row in rows:
+        row["predicted_step_s"] = predicted[row["algo"]]
+        row["measured_step_s"] = _measured_step(Path(row["run_dir"]), first, cfg.steps)
     print(
         f"\n== 3/3  Side by side ({cfg.steps} steps, freeze at step {cfg.effective_freeze_step()})\n"
     )
