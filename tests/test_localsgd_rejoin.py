@@ -64,7 +64,9 @@ def _worker(cfg: TrainConfig, rank: int, workers: int) -> LocalWorker:
     )  # fmt: skip
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: TrainConfig, role: str, events: Any, results: Any) -> None:  # fmt: skip
+def _rank_main(
+    rank: int, world: int, port: int, cfg: TrainConfig, role: str, events: Any, results: Any
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))

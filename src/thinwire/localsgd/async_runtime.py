@@ -16,10 +16,14 @@ Fault tolerance:
   independent of the round length, so nothing to tune for the model size. The run
   continues with the others.
 * A worker whose round fails with an exception reports nothing, rebuilds its inner
-  optimizer and joins again (``HELLO``); the server re-admits it. A *process* that was
-  killed cannot re-enter a running gloo group (its membership is fixed at start); under
-  ``torchrun --max-restarts`` the group restarts and ``--resume`` continues from the
-  server's checkpoint.
+  optimizer and joins again (``HELLO``); the server re-admits it.
+* A worker *process* that was killed comes back with :func:`rejoin` (``thinwire train
+  ... --rejoin RANK`` with ``MASTER_ADDR``/``MASTER_PORT`` of rank 0): every worker
+  talks to the server over a two-rank gloo link of its own, never over the launch's
+  process group, so a fresh process needs only the store's address. It is a new
+  *incarnation* of its rank; the server admits it as a worker that joined late and
+  ignores what the old incarnation left in flight. Launch each rank as its own process
+  for this (the local launcher and torchrun stop the whole group when one rank dies).
 * The server checkpoints ``theta, m, Delta, t``, shard progress and lr clocks every
   ``checkpoint_interval`` inner steps; ``--resume`` continues from it in a new epoch and
   rejects updates computed before the restart.
@@ -29,7 +33,9 @@ Fault tolerance:
 DN's N = W and c = 0 is synchronous DiLoCo through the server; the baseline for
 ``--slowdown`` comparisons, since the allreduce DiLoCo of ``--algo diloco`` has no
 slowdown emulation), ``dead_after_s`` (heartbeat silence that means a dead worker,
-default 10), ``dylu_ema`` (default 0.5).
+default 10), ``dylu_ema`` (default 0.5), ``connect_timeout_s`` (opening a worker's link,
+default 120; the server waits that long at most for a worker that said hello and died),
+``link_timeout_s`` (any later send or receive, default 1800; above the slowest round).
 """
 
 from __future__ import annotations
@@ -622,6 +628,7 @@ def _run_server(cfg: Any, transport: Transport, workers: int) -> dict[str, Any]:
         "dylu": cfg.dylu,
         "sync": bool(extra.get("sync")),
         "steps": core.steps_applied // workers,
+        "samples": core.steps_applied * cfg.batch_size,  # sequences trained on, all workers
         "inner_steps": core.steps_applied,
         "updates_applied": core.updates_applied,
         "updates_rejected": core.updates_rejected,

@@ -84,6 +84,7 @@ _CURRENT = f"{_NAMESPACE}/current"  # in the root store: the run id being served
 _RUN_ID = f"{_NAMESPACE}/run_id"  # in the launch's store: the same id, for launched workers
 _QUEUE = "to_server"
 _BLOB = f"<qq{HEADER_LEN}d"  # sender rank, sender incarnation, header
+_STORE_CONNECT_S = 10.0
 
 DTYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
 
@@ -196,13 +197,15 @@ class Transport:
                 being served there.
         """
         try:
+            # The store of a running run answers at once: do not retry for long.
             root = dist.TCPStore(
                 host,
                 port,
                 is_master=False,
-                timeout=timedelta(seconds=connect_timeout_s),
+                timeout=timedelta(seconds=min(connect_timeout_s, _STORE_CONNECT_S)),
                 wait_for_workers=False,
             )
+            root.set_timeout(timedelta(seconds=connect_timeout_s))
         except (RuntimeError, OSError) as exc:
             raise ConfigError(
                 f"cannot reach the run's store at {host}:{port} (MASTER_ADDR:MASTER_PORT of "
