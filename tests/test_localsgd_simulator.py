@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from thinwire.cli.main import main
 from thinwire.errors import ConfigError
-from thinwire.localsgd.simulator import SimConfig, simulate, time_to_reach
+from thinwire.localsgd.inner_state import restart_first_moment_
+from thinwire.localsgd.server import Work
+from thinwire.localsgd.simulator import SimConfig, gpt_config, simulate, time_to_reach
+from thinwire.localsgd.worker import LocalWorker
 from thinwire.train.data import TextData
+from thinwire.train.model import GPT
 
 _SMALL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16}
 
@@ -60,6 +66,50 @@ def test_bad_simulation_settings() -> None:
         simulate(_cfg("dn", local_steps=0))
     with pytest.raises(ConfigError, match=r"c must be in \[0, 1/N\]"):
         simulate(_cfg("dn", c=0.5))
+    with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
+        simulate(_cfg("dn-dylu", inner_momentum="reset"))
+
+
+@pytest.mark.timeout(60)
+def test_restarted_first_moment_forgets_earlier_rounds(data: TextData) -> None:
+    """A 1-step round (DyLU's slowest worker at small H) must not replay stale momentum.
+
+    Two workers with different momentum histories run the same 1-step round from the same
+    theta: with the carried first moment their pseudo-gradients differ (that moment is
+    what degraded DN+DyLU), after a restart they agree. The second moment and the step
+    count survive the restart.
+    """
+    torch.manual_seed(0)
+    model = GPT(gpt_config(_cfg("dn-dylu")))
+    shards = data.shards(2)
+    a = LocalWorker(model, shards, seq_len=16, batch_size=4, lr=3e-3, warmup_steps=0,
+                    min_lr_ratio=0.1)  # fmt: skip
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    a.run_round(theta.clone(), Work(0, 0, shard=0, steps=3, lr_clock=0, planned=50))
+    b = copy.deepcopy(a)
+    for state in b.opt.state.values():
+        state["exp_avg"].add_(torch.randn_like(state["exp_avg"]))  # another history
+    one_step = Work(0, 1, shard=1, steps=1, lr_clock=3, planned=50)
+    ga = copy.deepcopy(a).run_round(theta.clone(), one_step).pseudo_grad
+    gb = copy.deepcopy(b).run_round(theta.clone(), one_step).pseudo_grad
+    assert not torch.allclose(ga, gb)  # the carried moment dominates a 1-step round
+    squares = [s["exp_avg_sq"].clone() for s in a.opt.state.values()]
+    assert restart_first_moment_(a.opt) == restart_first_moment_(b.opt) == len(squares) > 0
+    for state, square in zip(a.opt.state.values(), squares, strict=True):
+        assert not state["exp_avg"].any()
+        assert torch.equal(state["exp_avg_sq"], square) and int(state["step"]) == 3
+    ga = a.run_round(theta.clone(), one_step).pseudo_grad
+    gb = b.run_round(theta.clone(), one_step).pseudo_grad
+    torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.timeout(120)
+def test_simulator_restarts_the_inner_moment_only_when_asked(data: TextData) -> None:
+    keep = simulate(_cfg("dn-dylu"), data)
+    fresh = simulate(_cfg("dn-dylu", inner_momentum="round"), data)
+    assert fresh["inner_steps"] == keep["inner_steps"] == 24
+    assert fresh["curve"][0] == keep["curve"][0]  # same start
+    assert fresh["final_val_loss"] != keep["final_val_loss"]
 
 
 @pytest.mark.timeout(200)

@@ -34,6 +34,7 @@ from torch.nn.utils import parameters_to_vector
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd.async_runtime import evaluate_theta
+from thinwire.localsgd.inner_state import check_inner_momentum, restart_first_moment_
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.train.data import TextData
@@ -64,6 +65,11 @@ class SimConfig:
     """Delayed Nesterov's c in ``[0, 1/W]``."""
     grace_s: float = 0.0
     """Grace period in virtual seconds."""
+    inner_momentum: str = "keep"
+    """``keep``: each worker's AdamW first moment persists across rounds (DiLoCo, and what
+    the multi-process runtime does). ``round``: it restarts at every round, which keeps
+    DN+DyLU from degrading when DyLU gives slow workers rounds of a few steps (see
+    :mod:`thinwire.localsgd.inner_state`)."""
     model: str = "tiny"
     model_overrides: dict[str, int] = field(default_factory=dict)
     """e.g. ``{"n_layer": 1}``: fields of :class:`GPTConfig` replacing the preset's."""
@@ -92,6 +98,7 @@ class SimConfig:
                 )
         if self.jitter < 0:
             raise ConfigError(f"jitter must be >= 0, got {self.jitter}")
+        check_inner_momentum(self.inner_momentum)
         if self.model not in PRESETS:
             raise ConfigError(f"unknown model preset {self.model!r}; valid: {', '.join(PRESETS)}")
 
@@ -158,6 +165,8 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
             work = core.work_for(w, now)
             if work is None or work.stop:
                 continue
+            if cfg.inner_momentum == "round":
+                restart_first_moment_(workers[w].opt)
             result = workers[w].run_round(core.theta.detach().clone(), work)
             factor = 1.0
             if cfg.jitter > 0:
