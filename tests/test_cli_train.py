@@ -109,6 +109,16 @@ def test_impossible_sizes(
     assert message in _error(args, capsys)
 
 
+def test_bad_inner_momentum_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for algo in ("async-diloco", "diloco"):
+        args = ["train", "--algo", algo, "--workers", "3", "--out", str(tmp_path / algo), *SMALL,
+                "--inner-momentum", "reset"]  # fmt: skip
+        assert "unknown inner momentum 'reset'; choose one of keep, round" in _error(args, capsys)
+        assert not (tmp_path / algo).exists()  # refused before any process started
+
+
 def _train_once(out: Path, *extra: str) -> int:
     return main(["train", "--workers", "1", "--steps", "4", "--eval-interval", "2",
                  "--out", str(out), *SMALL, *extra])  # fmt: skip

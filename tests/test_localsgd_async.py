@@ -15,7 +15,15 @@ import torch.multiprocessing as mp
 
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import check_async_config, run, shape_signature, work_loop
+from thinwire.localsgd.async_runtime import (
+    _make_worker,
+    check_async_config,
+    run,
+    shape_signature,
+    work_loop,
+)
+from thinwire.localsgd.inner_state import resolve_inner_momentum
+from thinwire.localsgd.server import Work
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.train.config import TrainConfig
@@ -47,6 +55,7 @@ def test_async_run_completes(tmp_path: Path) -> None:
     assert summary["inner_steps"] == cfg.steps * 2
     assert summary["updates_applied"] >= cfg.steps * 2 // cfg.local_steps
     assert summary["updates_rejected"] == 0
+    assert summary["inner_momentum"] == "round"  # the default with DyLU
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[0]["step"] == 0 and records[-1]["step"] == cfg.steps * 2
     assert summary["final_val_loss"] < records[0]["val_loss"] - 0.05  # it learned something
@@ -143,6 +152,7 @@ def test_bad_slowdown_fails_fast_on_every_rank(tmp_path: Path) -> None:
         ({"compress": "onebit"}, 2, "compresses pushes with none, fp16 or bf16"),
         ({"slowdown": (1.0, 0.5)}, 2, "factors must be >= 1"),
         ({}, 0, "at least 2 ranks"),
+        ({"inner_momentum": "reset"}, 2, "unknown inner momentum 'reset'"),
     ],
 )
 def test_bad_config_is_rejected_before_any_message(
@@ -150,6 +160,59 @@ def test_bad_config_is_rejected_before_any_message(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         check_async_config(_cfg(tmp_path, **kw), workers)
+
+
+# --- the inner first moment across rounds ----------------------------------------------
+def _first_moment_zero_at_each_step(worker: LocalWorker) -> list[bool]:
+    """Record, before every inner step, whether AdamW's first moment is all zeros."""
+    seen: list[bool] = []
+
+    def pre_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        moments = [s["exp_avg"] for s in opt.state.values() if "exp_avg" in s]
+        seen.append(bool(moments) and not any(bool(m.any()) for m in moments))
+
+    worker.opt.register_step_pre_hook(pre_step)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["keep", "round"])
+def test_worker_restarts_the_first_moment_each_round_only_in_round_mode(mode: str) -> None:
+    torch.manual_seed(0)
+    data = TextData(None, 16, 0.05, 0)
+    model = GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, n_embd=32))
+    worker = LocalWorker(model, data.shards(2), seq_len=16, batch_size=2, lr=1e-3,
+                         warmup_steps=0, min_lr_ratio=0.1, inner_momentum=mode)  # fmt: skip
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    zero_before_step = _first_moment_zero_at_each_step(worker)
+    worker.run_round(theta.clone(), Work(0, 0, shard=0, steps=3, lr_clock=0, planned=10))
+    squares = [s["exp_avg_sq"].clone() for s in worker.opt.state.values()]
+    worker.run_round(theta.clone(), Work(0, 1, shard=1, steps=2, lr_clock=0, planned=10))
+    # Step 1 of round 1 has no state yet (False either way); step 1 of round 2 starts from a
+    # zero first moment only when restarting, and within a round the moment builds up.
+    assert zero_before_step == [False, False, False, mode == "round", False]
+    for state, square in zip(worker.opt.state.values(), squares, strict=True):
+        assert int(state["step"]) == 5  # the step count carries over in both modes
+        assert not torch.equal(state["exp_avg_sq"], torch.zeros_like(square))
+    with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
+        LocalWorker(model, data.shards(2), seq_len=16, batch_size=2, lr=1e-3, warmup_steps=0,
+                    min_lr_ratio=0.1, inner_momentum="reset")  # fmt: skip
+
+
+def test_inner_momentum_default_follows_dylu(tmp_path: Path) -> None:
+    assert resolve_inner_momentum(None, dylu=True) == "round"
+    assert resolve_inner_momentum(None, dylu=False) == "keep"
+    assert resolve_inner_momentum("keep", dylu=True) == "keep"  # explicit wins
+    assert resolve_inner_momentum("round", dylu=False) == "round"
+    with pytest.raises(ConfigError, match="unknown inner momentum 'Round'"):
+        resolve_inner_momentum("Round", dylu=True)
+    # The runtime's workers get the resolved mode.
+    for kw, mode in [
+        ({"dylu": True}, "round"),
+        ({"dylu": False}, "keep"),
+        ({"dylu": True, "inner_momentum": "keep"}, "keep"),
+        ({"dylu": False, "inner_momentum": "round"}, "round"),
+    ]:
+        assert _make_worker(_cfg(tmp_path, **kw), 1, 2).inner_momentum == mode, kw
 
 
 def _mismatched_rank(rank: int, world: int, cfg: TrainConfig) -> Any:

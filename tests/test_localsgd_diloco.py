@@ -13,7 +13,8 @@ from torch import nn
 from thinwire.comm import COUNTER
 from thinwire.comm.launch import spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.diloco import DiLoCo
+from thinwire.localsgd.diloco import DiLoCo, make_strategy
+from thinwire.train.config import TrainConfig
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -88,6 +89,27 @@ def test_bad_h(h: Any, match: str) -> None:
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=h)
     with pytest.raises(ConfigError, match="unknown compression"):
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, compress="int3")
+
+
+@pytest.mark.parametrize("mode", [None, "keep", "round"])
+def test_trainer_diloco_restarts_the_inner_first_moment_only_when_asked(mode: str | None) -> None:
+    model = _model()
+    cfg = TrainConfig(algo="diloco", local_steps=2, inner_momentum=mode)
+    strategy = make_strategy(model, cfg)
+    opt = strategy.optimizer
+    for step in range(1, 4):  # the second step syncs (a round is H = 2 steps)
+        _inner_step(model, opt, step)
+        assert strategy.after_step is not None
+        strategy.after_step(step)
+        moments = [s["exp_avg"] for s in opt.state.values()]
+        zeroed = not any(bool(m.any()) for m in moments)
+        # Right after the sync the next round starts from a zero first moment in "round"
+        # mode; synchronous DiLoCo has no DyLU, so unset means "keep".
+        assert zeroed == (step == 2 and mode == "round"), step
+        assert all(bool(s["exp_avg_sq"].any()) and int(s["step"]) == step
+                   for s in opt.state.values())  # fmt: skip
+    with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
+        DiLoCo(model, opt, 2, inner_momentum="reset")
 
 
 def _two_ranks(rank: int, world: int) -> dict[str, Any]:

@@ -104,12 +104,19 @@ def test_restarted_first_moment_forgets_earlier_rounds(data: TextData) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_simulator_restarts_the_inner_moment_only_when_asked(data: TextData) -> None:
-    keep = simulate(_cfg("dn-dylu"), data)
+def test_simulator_restarts_the_inner_moment_by_default_with_dylu(data: TextData) -> None:
+    default = simulate(_cfg("dn-dylu"), data)
     fresh = simulate(_cfg("dn-dylu", inner_momentum="round"), data)
+    keep = simulate(_cfg("dn-dylu", inner_momentum="keep"), data)  # still reachable
+    assert default["config"]["inner_momentum"] == "round"
+    assert keep["config"]["inner_momentum"] == "keep"
+    assert default["curve"] == fresh["curve"]
     assert fresh["inner_steps"] == keep["inner_steps"] == 24
     assert fresh["curve"][0] == keep["curve"][0]  # same start
     assert fresh["final_val_loss"] != keep["final_val_loss"]
+    assert _cfg("dn").resolved_inner_momentum() == "keep"  # no DyLU: DiLoCo's rule
+    assert _cfg("sync").resolved_inner_momentum() == "keep"
+    assert _cfg("dn", inner_momentum="round").resolved_inner_momentum() == "round"
 
 
 @pytest.mark.timeout(200)
@@ -117,12 +124,21 @@ def test_cli_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
     rc = main(
         ["simulate", "async", "--methods", "sync,dn", "--seconds-per-step", "1,3",
          "--local-steps", "2", "--steps", "4", "--model", "tiny", "--batch-size", "2",
-         "--eval-points", "2", "--out", str(tmp_path)]
+         "--eval-points", "2", "--inner-momentum", "round", "--out", str(tmp_path)]
     )  # fmt: skip
     assert rc == 0
     blob = json.loads((tmp_path / "results.json").read_text())
     assert set(blob["summary"]) == {"sync", "dn"}
+    assert [r["config"]["inner_momentum"] for r in blob["runs"]] == ["round", "round"]
     assert blob["summary"]["sync"]["loss_vs_sync"] == 1.0
     assert (tmp_path / "loss_vs_time.png").exists()
     assert "speedup" in capsys.readouterr().out
     assert main(["simulate", "async", "--seconds-per-step", "1,x", "--out", str(tmp_path)]) == 2
+
+
+def test_cli_inner_momentum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["simulate", "async", "--inner-momentum", "reset", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "unknown inner momentum 'reset'" in err
+    assert not (tmp_path / "results.json").exists()

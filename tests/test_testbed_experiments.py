@@ -44,6 +44,18 @@ def test_train_argv_carries_non_default_fields(tmp_path: Path) -> None:
     assert "--out" in argv and argv[argv.index("--out") + 1] == str(tmp_path / "out")
 
 
+def test_train_argv_carries_the_inner_momentum(tmp_path: Path) -> None:
+    from thinwire.cli.main import build_parser
+    from thinwire.cli.train import config_from_args
+
+    cfg = TrainConfig(algo="async-diloco", dylu=True, inner_momentum="keep")
+    argv = train_argv(cfg, tmp_path / "out")
+    assert argv[argv.index("--inner-momentum") + 1] == "keep"
+    parsed = config_from_args(build_parser().parse_args(argv[3:]))
+    assert parsed.inner_momentum == "keep" and parsed.dylu
+    assert "--inner-momentum" not in train_argv(TrainConfig(dylu=True), tmp_path)
+
+
 def test_train_argv_refuses_fields_without_a_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="betas"):
         train_argv(TrainConfig(betas=(0.8, 0.99)), tmp_path)

@@ -4,6 +4,10 @@ Runs sync DiLoCo, naive async, Delayed Nesterov and DN+DyLU on the same inner-st
 budget with per-worker seconds-per-step, writes ``results.json`` and two plots (loss
 vs inner steps, loss vs simulated time) to ``--out``, and prints a comparison table:
 final validation loss (ratio to sync) and simulated time to reach sync's final loss.
+
+Each worker's inner AdamW first moment restarts every round under dn-dylu (its slow
+workers' rounds are a few steps long) and persists under the other methods;
+``--inner-momentum keep|round`` sets it for every method.
 """
 
 from __future__ import annotations
@@ -59,6 +63,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--c", type=float, default=0.0, help="Delayed Nesterov's c in [0, 1/W]")
     p.add_argument("--grace", type=float, default=0.0, help="grace period, virtual seconds")
+    p.add_argument(
+        "--inner-momentum",
+        default=None,
+        metavar="{keep,round}",
+        help="inner AdamW first moment: keep it across rounds, or restart it every round "
+        "(default: round for dn-dylu, keep for the other methods)",
+    )
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW lr")
@@ -148,6 +159,7 @@ def run_async(args: argparse.Namespace) -> int:
             outer_momentum=args.outer_momentum,
             c=args.c,
             grace_s=args.grace,
+            inner_momentum=args.inner_momentum,
             model=args.model,
             batch_size=args.batch_size,
             lr=args.lr,
@@ -171,7 +183,8 @@ def run_async(args: argparse.Namespace) -> int:
         results.append(r)
         print(
             f"{c.method:8s} final val loss {r['final_val_loss']:.4f}  updates {r['updates']:5d}  "
-            f"simulated {r['sim_time_s']:9.1f} s  (computed in {r['wall_s']:.0f} s)",
+            f"simulated {r['sim_time_s']:9.1f} s  inner momentum "
+            f"{r['config']['inner_momentum']:5s}  (computed in {r['wall_s']:.0f} s)",
             flush=True,
         )
     summary = summarize(results)

@@ -105,6 +105,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="async: seconds the server waits for more arrivals before applying them "
         "together (use with --dylu when H is small)",
     )
+    ls.add_argument(
+        "--inner-momentum",
+        default=d.inner_momentum,
+        metavar="{keep,round}",
+        help="diloco, async-diloco: the inner AdamW first moment is kept across rounds "
+        "(keep) or restarted every round (round); default round with --dylu, else keep",
+    )
     ls.add_argument("--compress", default=d.compress, choices=("none", "fp16", "bf16", "onebit"))
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-interval", type=int, default=d.eval_interval)
@@ -148,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_clip=args.grad_clip, freeze_step=args.freeze_step,
         local_steps=args.local_steps, outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum, outer=args.outer, dylu=args.dylu,
-        slowdown=args.slowdown, compress=args.compress,
+        slowdown=args.slowdown, compress=args.compress, inner_momentum=args.inner_momentum,
         extra={} if args.grace is None else {"grace_s": args.grace},
         eval_interval=args.eval_interval, eval_sequences=args.eval_sequences,
         log_interval=args.log_interval, checkpoint_interval=args.checkpoint_interval,

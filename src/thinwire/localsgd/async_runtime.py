@@ -7,7 +7,9 @@ with a good link to the others; it does no training.
 
 Per round a worker pulls theta (fp32), runs ``H`` (or DyLU's ``H_w``) inner AdamW steps
 on the shard the server gave it, and pushes ``theta - theta_w`` (fp32, or fp16/bf16 with
-``--compress``). The server applies each push on arrival (:class:`ServerCore`).
+``--compress``). The server applies each push on arrival (:class:`ServerCore`). The
+worker's AdamW first moment restarts at every round when ``cfg.inner_momentum`` is
+``round``, the default with DyLU (see :mod:`thinwire.localsgd.inner_state`).
 
 Fault tolerance:
 
@@ -57,6 +59,7 @@ from torch.nn.utils import parameters_to_vector
 
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
+from thinwire.localsgd.inner_state import resolve_inner_momentum
 from thinwire.localsgd.server import OUTER_CHOICES, ServerCore, Work
 from thinwire.localsgd.transport import (
     DTYPES,
@@ -481,6 +484,7 @@ def _make_worker(cfg: Any, rank: int, workers: int) -> LocalWorker:
         warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio, betas=cfg.betas,
         weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=cfg.seed,
         slowdown=cfg.slowdown[rank - 1] if cfg.slowdown else 1.0,
+        inner_momentum=resolve_inner_momentum(cfg.inner_momentum, cfg.dylu),
     )  # fmt: skip
 
 
@@ -626,6 +630,7 @@ def _run_server(cfg: Any, transport: Transport, workers: int) -> dict[str, Any]:
         "workers": workers,
         "outer": cfg.outer,
         "dylu": cfg.dylu,
+        "inner_momentum": resolve_inner_momentum(cfg.inner_momentum, cfg.dylu),
         "sync": bool(extra.get("sync")),
         "steps": core.steps_applied // workers,
         "samples": core.steps_applied * cfg.batch_size,  # sequences trained on, all workers

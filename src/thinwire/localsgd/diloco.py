@@ -4,7 +4,9 @@ DiLoCo (Douillard et al., 2023, https://arxiv.org/abs/2311.08105) runs on every 
 the user's own model and inner optimizer (AdamW) for ``H`` steps without any
 communication, then averages the *pseudo-gradients* ``theta - theta_w`` with one
 allreduce and lets an outer Nesterov optimizer move the global parameters theta. Every
-worker then continues from the new theta; its inner optimizer state stays local.
+worker then continues from the new theta; its inner optimizer state stays local (with
+``inner_momentum="round"`` the first moment restarts at every round instead, see
+:mod:`thinwire.localsgd.inner_state`).
 Communication drops by a factor H (the paper uses 500; 20-100 is typical for small
 models), at the price of a round that waits for the slowest worker (see
 :mod:`thinwire.localsgd.async_runtime` for the asynchronous variant).
@@ -39,6 +41,11 @@ from torch import nn
 from thinwire.comm.accounting import record
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.errors import ConfigError
+from thinwire.localsgd.inner_state import (
+    check_inner_momentum,
+    resolve_inner_momentum,
+    restart_first_moment_,
+)
 
 __all__ = ["COMPRESS_CHOICES", "DiLoCo", "make_strategy"]
 
@@ -62,6 +69,12 @@ class DiLoCo:
         process_group: the workers' group (default: the default group, if initialised).
         sync_initial: broadcast rank 0's parameters at construction so all replicas start
             equal (skip it when the caller already did).
+        inner_momentum: ``"keep"`` (DiLoCo) carries the inner optimizer's first moment
+            (``exp_avg``, or SGD's ``momentum_buffer``) from one round into the next;
+            ``"round"`` zeroes it after every outer step, keeping the second moment and
+            the step count. The restart was measured to help with DyLU's rounds of 1-3
+            steps (asynchronous runs); with synchronous rounds of H steps ``keep`` is
+            DiLoCo's rule and the default, and ``round`` is untested on quality.
     """
 
     def __init__(
@@ -76,7 +89,9 @@ class DiLoCo:
         compress: str = "none",
         process_group: dist.ProcessGroup | None = None,
         sync_initial: bool = True,
+        inner_momentum: str = "keep",
     ) -> None:
+        check_inner_momentum(inner_momentum)
         if int(sync_every) != sync_every or sync_every < 1:
             raise ConfigError(f"DiLoCo sync_every (H) must be an integer >= 1, got {sync_every}")
         if compress not in COMPRESS_CHOICES:
@@ -85,6 +100,7 @@ class DiLoCo:
         self.inner = inner_optimizer
         self.sync_every = int(sync_every)
         self.compress = compress
+        self.inner_momentum = inner_momentum
         self.group = process_group
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -145,7 +161,8 @@ class DiLoCo:
     @torch.no_grad()
     def sync(self) -> None:
         """Average the pseudo-gradients ``theta - theta_w``, step the outer optimizer, and
-        load the new theta into the model."""
+        load the new theta into the model (and restart the inner first moment with
+        ``inner_momentum="round"``: the next round starts here)."""
         pseudo = torch.cat(
             [
                 (g - p.detach()).reshape(-1).float()
@@ -162,6 +179,8 @@ class DiLoCo:
         for g, p in zip(self.global_params, self.params, strict=True):
             g.grad = None
             p.copy_(g)
+        if self.inner_momentum == "round":
+            restart_first_moment_(self.inner)
         self.outer_steps += 1
 
     # --- checkpoints -------------------------------------------------------------------
@@ -215,6 +234,8 @@ def make_strategy(model: nn.Module, cfg: Any) -> Any:
         outer_momentum=cfg.outer_momentum,
         compress=cfg.compress,
         sync_initial=False,  # the trainer broadcasts rank 0's weights before this
+        # Synchronous DiLoCo has no DyLU (every round is H steps): the default is keep.
+        inner_momentum=resolve_inner_momentum(cfg.inner_momentum, dylu=False),
     )
     return Strategy(
         model=model,

@@ -34,7 +34,7 @@ from torch.nn.utils import parameters_to_vector
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd.async_runtime import evaluate_theta
-from thinwire.localsgd.inner_state import check_inner_momentum, restart_first_moment_
+from thinwire.localsgd.inner_state import resolve_inner_momentum
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.train.data import TextData
@@ -65,11 +65,12 @@ class SimConfig:
     """Delayed Nesterov's c in ``[0, 1/W]``."""
     grace_s: float = 0.0
     """Grace period in virtual seconds."""
-    inner_momentum: str = "keep"
-    """``keep``: each worker's AdamW first moment persists across rounds (DiLoCo, and what
-    the multi-process runtime does). ``round``: it restarts at every round, which keeps
-    DN+DyLU from degrading when DyLU gives slow workers rounds of a few steps (see
-    :mod:`thinwire.localsgd.inner_state`)."""
+    inner_momentum: str | None = None
+    """``keep``: each worker's AdamW first moment persists across rounds (DiLoCo).
+    ``round``: it restarts at every round, which keeps DN+DyLU from degrading when DyLU
+    gives slow workers rounds of a few steps (see :mod:`thinwire.localsgd.inner_state`).
+    ``None`` (default): ``round`` for ``dn-dylu``, ``keep`` for the other methods, the
+    same rule as ``thinwire train``."""
     model: str = "tiny"
     model_overrides: dict[str, int] = field(default_factory=dict)
     """e.g. ``{"n_layer": 1}``: fields of :class:`GPTConfig` replacing the preset's."""
@@ -98,9 +99,13 @@ class SimConfig:
                 )
         if self.jitter < 0:
             raise ConfigError(f"jitter must be >= 0, got {self.jitter}")
-        check_inner_momentum(self.inner_momentum)
+        self.resolved_inner_momentum()
         if self.model not in PRESETS:
             raise ConfigError(f"unknown model preset {self.model!r}; valid: {', '.join(PRESETS)}")
+
+    def resolved_inner_momentum(self) -> str:
+        """``inner_momentum``, or its default for this method when unset."""
+        return resolve_inner_momentum(self.inner_momentum, dylu=self.method == "dn-dylu")
 
 
 def gpt_config(cfg: SimConfig) -> GPTConfig:
@@ -120,6 +125,7 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
     if data is None:
         data = TextData(cfg.data, gcfg.seq_len, 0.05, cfg.seed)
     shards = data.shards(w_count)
+    inner_momentum = cfg.resolved_inner_momentum()
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg)
     total = cfg.steps_per_worker * w_count
@@ -141,6 +147,7 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
             min_lr_ratio=cfg.min_lr_ratio,
             weight_decay=cfg.weight_decay,
             seed=cfg.seed,
+            inner_momentum=inner_momentum,
         )
         for w in range(1, w_count + 1)
     }
@@ -165,8 +172,6 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
             work = core.work_for(w, now)
             if work is None or work.stop:
                 continue
-            if cfg.inner_momentum == "round":
-                restart_first_moment_(workers[w].opt)
             result = workers[w].run_round(core.theta.detach().clone(), work)
             factor = 1.0
             if cfg.jitter > 0:
@@ -198,7 +203,7 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
         record(now)
     return {
         "method": cfg.method,
-        "config": {k: v for k, v in asdict(cfg).items()},
+        "config": asdict(cfg) | {"inner_momentum": inner_momentum},
         "parameters": model.num_parameters(),
         "final_val_loss": curve[-1]["val_loss"],
         "inner_steps": core.steps_applied,

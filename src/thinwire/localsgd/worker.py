@@ -2,7 +2,9 @@
 
 :class:`LocalWorker` is transport-free; the multi-process runtime and the simulator both
 drive it. Its inner optimizer state persists across rounds (DiLoCo keeps each worker's
-AdamW moments local), and every round starts by loading the pulled theta into the model.
+AdamW moments local), except the first moment with ``inner_momentum="round"``, which
+restarts at every round (see :mod:`thinwire.localsgd.inner_state`); every round starts by
+loading the pulled theta into the model.
 
 Batches depend only on ``(seed, shard, shard clock)``, never on which worker runs them,
 so a run is reproducible and a shard that changes hands continues the same data stream.
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
+from thinwire.localsgd.inner_state import check_inner_momentum, restart_first_moment_
 from thinwire.localsgd.server import Work
 from thinwire.localsgd.shards import inner_lr
 from thinwire.train.data import TokenSplit
@@ -56,6 +59,11 @@ class LocalWorker:
         betas, weight_decay: AdamW settings. grad_clip: global norm clip, 0 disables.
         seed: data seed. slowdown: multiply each step's time by this factor by sleeping,
             to emulate slower hardware on one machine (1.0 = no slowdown).
+        inner_momentum: ``"keep"`` (DiLoCo: the AdamW first moment persists across rounds)
+            or ``"round"`` (it restarts at the start of every round; second moment and
+            step count are kept). Use ``"round"`` when rounds are short (DyLU with a
+            small H); runs resolve the default with
+            :func:`~thinwire.localsgd.inner_state.resolve_inner_momentum`.
     """
 
     def __init__(
@@ -73,7 +81,9 @@ class LocalWorker:
         grad_clip: float = 0.0,
         seed: int = 0,
         slowdown: float = 1.0,
+        inner_momentum: str = "keep",
     ) -> None:
+        check_inner_momentum(inner_momentum)
         self.model = model
         self.params = list(model.parameters())
         self.device = self.params[0].device
@@ -84,6 +94,7 @@ class LocalWorker:
         self.grad_clip = grad_clip
         self.seed = seed
         self.slowdown = slowdown
+        self.inner_momentum = inner_momentum
         self._adamw = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         self.opt = torch.optim.AdamW(self.params, **self._adamw)
 
@@ -106,6 +117,10 @@ class LocalWorker:
         """Load ``theta``, run ``work.steps`` inner steps, return ``theta - theta_w``."""
         theta = theta.to(self.device, torch.float32)
         load_flat_(self.params, theta)
+        if self.inner_momentum == "round":
+            # A few-step round would otherwise mostly replay momentum built from gradients
+            # at global parameters that outer updates have since moved past.
+            restart_first_moment_(self.opt)
         self.model.train()
         total_loss = 0.0
         t0 = time.perf_counter()

@@ -83,6 +83,7 @@ _FLAGS: dict[str, str] = {
     "grad_clip": "--grad-clip", "freeze_step": "--freeze-step",
     "local_steps": "--local-steps", "outer_lr": "--outer-lr",
     "outer_momentum": "--outer-momentum", "outer": "--outer", "compress": "--compress",
+    "inner_momentum": "--inner-momentum",
     "eval_interval": "--eval-interval", "eval_sequences": "--eval-sequences",
     "log_interval": "--log-interval", "checkpoint_interval": "--checkpoint-interval",
     "device": "--device",

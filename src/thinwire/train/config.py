@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.inner_state import check_inner_momentum
 from thinwire.train.model import PRESETS, GPTConfig
 
 __all__ = ["TrainConfig"]
@@ -80,6 +81,11 @@ class TrainConfig:
     """Per-worker slowdown factors (e.g. ``1,1,2,4``) to emulate uneven hardware."""
     compress: str = "none"
     """Compression of pseudo-gradients: ``none``, ``fp16``, ``bf16`` or ``onebit``."""
+    inner_momentum: str | None = None
+    """Local-SGD inner AdamW first moment: ``keep`` it across rounds (DiLoCo) or restart
+    it every ``round`` (second moment and step count kept). ``None``: ``round`` with DyLU,
+    whose slow workers get rounds of a few steps that would mostly replay stale momentum,
+    ``keep`` otherwise. See :mod:`thinwire.localsgd.inner_state`."""
 
     # --- measuring, saving -------------------------------------------------------------
     eval_interval: int = 50
@@ -147,6 +153,8 @@ class TrainConfig:
             raise ConfigError(f"freeze-step must be >= 0, got {self.freeze_step}")
         if self.local_steps < 1:
             raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
+        if self.inner_momentum is not None:
+            check_inner_momentum(self.inner_momentum)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         self.gpt_config()
