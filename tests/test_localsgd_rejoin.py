@@ -268,8 +268,18 @@ def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
     results, procs, port = _start(cfg, ["server", "paused", "paused"], events)
     host = "127.0.0.1"
     try:
-        # The run is up once the server has published its settings.
-        probe = Transport.rejoin(host, port, 1, connect_timeout_s=60)
+        # The run is up once the server has registered it (after every launched rank
+        # joined) and published its settings: poll for that, as a restarted worker
+        # arriving this early would have to.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                probe = Transport.rejoin(host, port, 1, connect_timeout_s=60)
+                break
+            except ConfigError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         info = probe.run_info()
         assert (info.workers, info.finished) == (2, False)
         t0 = time.monotonic()
