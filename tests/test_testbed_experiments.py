@@ -56,6 +56,16 @@ def test_train_argv_carries_the_inner_momentum(tmp_path: Path) -> None:
     assert "--inner-momentum" not in train_argv(TrainConfig(dylu=True), tmp_path)
 
 
+def test_train_argv_carries_the_async_options_of_extra(tmp_path: Path) -> None:
+    from thinwire.cli.main import build_parser
+    from thinwire.cli.train import config_from_args
+
+    cfg = TrainConfig(algo="async-diloco", extra={"sync": True, "grace_s": 1.5})
+    parsed = config_from_args(build_parser().parse_args(train_argv(cfg, tmp_path)[3:]))
+    assert parsed.extra == {"sync": True, "grace_s": 1.5}
+    assert config_from_args(build_parser().parse_args(["train"])).extra == {}
+
+
 def test_train_argv_refuses_fields_without_a_flag(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="betas"):
         train_argv(TrainConfig(betas=(0.8, 0.99)), tmp_path)

@@ -103,7 +103,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="async: seconds the server waits for more arrivals before applying them "
-        "together (use with --dylu when H is small)",
+        "together (default 0; with --dylu the inner-momentum restart makes it unneeded)",
+    )
+    ls.add_argument(
+        "--sync",
+        action="store_true",
+        help="async-diloco: every round waits for all workers (synchronous DiLoCo "
+        "through the server: the baseline for --slowdown comparisons)",
     )
     ls.add_argument(
         "--inner-momentum",
@@ -145,6 +151,16 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_main)
 
 
+def _async_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """The asynchronous runtime's options that live in ``TrainConfig.extra``."""
+    extra: dict[str, Any] = {}
+    if args.grace is not None:
+        extra["grace_s"] = args.grace
+    if args.sync:
+        extra["sync"] = True
+    return extra
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         algo=args.algo, model=args.model, seq_len=args.seq_len, n_layer=args.n_layer,
@@ -156,7 +172,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         local_steps=args.local_steps, outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum, outer=args.outer, dylu=args.dylu,
         slowdown=args.slowdown, compress=args.compress, inner_momentum=args.inner_momentum,
-        extra={} if args.grace is None else {"grace_s": args.grace},
+        extra=_async_extra(args),
         eval_interval=args.eval_interval, eval_sequences=args.eval_sequences,
         log_interval=args.log_interval, checkpoint_interval=args.checkpoint_interval,
         out_dir=args.out or f"runs/{args.algo}", resume=args.resume,

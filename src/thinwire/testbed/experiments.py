@@ -90,7 +90,9 @@ _FLAGS: dict[str, str] = {
 }  # fmt: skip
 # Fields the command line cannot carry: refused when they differ from the default,
 # rather than silently training something else than the caller asked for.
-_NO_FLAG = ("min_lr_ratio", "betas", "extra", "resume", "tensorboard")
+_NO_FLAG = ("min_lr_ratio", "betas", "resume", "tensorboard")
+# ``TrainConfig.extra`` keys the command line carries (others are refused, as above).
+_EXTRA_FLAGS: dict[str, str] = {"grace_s": "--grace", "sync": "--sync"}
 
 
 def train_argv(
@@ -110,6 +112,16 @@ def train_argv(
         explicit = f.name == "lr" or value != getattr(default, f.name)
         if f.name in _FLAGS and value is not None and explicit:
             argv += [_FLAGS[f.name], str(value)]
+    unknown = sorted(set(cfg.extra) - set(_EXTRA_FLAGS))
+    if unknown:
+        raise ConfigError(
+            f"TrainConfig.extra[{unknown[0]!r}] cannot be passed to 'thinwire train' on the "
+            f"testbed (it carries {', '.join(_EXTRA_FLAGS)})"
+        )
+    if "grace_s" in cfg.extra:
+        argv += ["--grace", str(cfg.extra["grace_s"])]
+    if cfg.extra.get("sync"):
+        argv.append("--sync")
     if cfg.dylu:
         argv.append("--dylu")
     if cfg.slowdown is not None:
