@@ -68,6 +68,10 @@ class OneBitLamb(TwoStageOptimizer):
 
     With one process it is LAMB-without-bias-correction in warmup and the same
     frozen-variance rule afterwards, with exact (uncompressed) momenta.
+
+    Memory: besides LAMB's state (m, v) it keeps ``v_fresh`` and, in the compression
+    stage, ``sqrt(v_hat) + eps`` of the frozen variance (4 bytes per element each; the
+    latter is derived, not saved) plus one work buffer of twice the largest parameter.
     """
 
     def __init__(
