@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,6 +42,28 @@ def test_spawn_allreduce_mean_and_bytes(world: int) -> None:
 def test_failing_rank_is_reported_not_hung() -> None:
     with pytest.raises(DistributedError, match="rank 1 failed: ValueError: bad thing on rank one"):
         spawn(_raise_on_rank_one, 2, timeout_s=100)
+
+
+def _rank_one_dies(rank: int, world: int, how: str) -> int:
+    if rank == 1:
+        if how == "exit":
+            os._exit(9)  # as a SIGKILLed process: no result, no goodbye
+        raise ValueError("worker gave up")
+    time.sleep(1.0)  # the survivor finishes after the failure was noticed
+    return 10 + rank
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_ranks_that_may_fail_do_not_end_the_run(
+    how: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert spawn(_rank_one_dies, 2, (how,), timeout_s=100, may_fail={1}) == [10, None]
+    err = capfd.readouterr().err
+    assert "rank 1" in err and "the run continues without it" in err
+    # Without the allowance the same failure still ends the run with a clear error.
+    with pytest.raises(DistributedError, match="rank 1"):
+        spawn(_rank_one_dies, 2, (how,), timeout_s=100)
 
 
 def test_byte_formulas() -> None:

@@ -271,3 +271,42 @@ def test_failed_worker_rejoins(tmp_path: Path) -> None:
     assert summary["inner_steps"] == 32 and summary["dead_workers"] == []
     # The lost round was handed out again: the applied steps are exactly the budget.
     assert flaky["steps"] + steady["steps"] == 32
+
+
+# --- the built-in launcher outlives a killed worker ----------------------------------------
+@pytest.mark.timeout(180)
+def test_launcher_keeps_serving_when_a_worker_process_is_killed(tmp_path: Path) -> None:
+    """`thinwire train --algo async-diloco --workers 4` spawns the ranks itself; SIGKILL of
+    one worker process from outside must neither stop the launcher nor the run."""
+    import signal
+    import threading
+
+    from thinwire.cli.train import run_training
+
+    cfg = _cfg(tmp_path, steps=120, checkpoint_interval=0, extra={"dead_after_s": 3.0})
+    out: dict[str, Any] = {}
+
+    def launch() -> None:
+        try:
+            out["summary"] = run_training(cfg, workers=4, timeout_s=150)
+        except BaseException as exc:  # reported by the assertion below
+            out["error"] = exc
+
+    thread = threading.Thread(target=launch, daemon=True)
+    thread.start()
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    victim = None
+    while time.monotonic() < deadline and victim is None and thread.is_alive():
+        # Once the server has logged an update, kill rank 3 (a worker) mid-run.
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            victim = next((p for p in mp.active_children() if p.name == "thinwire-rank3"), None)
+        time.sleep(0.05)
+    assert victim is not None, out.get("error", "the run ended before a worker could be killed")
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(timeout=160)
+    assert not thread.is_alive(), "the launcher hung after a worker was killed"
+    assert "error" not in out, out.get("error")
+    summary = out["summary"]
+    assert summary["inner_steps"] == cfg.steps * 3  # the survivors met the whole budget
+    assert 3 in summary["dead_workers"]

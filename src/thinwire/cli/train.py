@@ -208,7 +208,12 @@ def run_training(cfg: TrainConfig, workers: int, timeout_s: float = 1800.0) -> d
 
         return train(cfg)
     backend = "nccl" if cfg.device == "cuda" else "gloo"
-    return spawn(_rank_main, workers, (cfg,), backend=backend, timeout_s=timeout_s)[0]
+    # Asynchronous Local-SGD outlives its workers (rank 0 serves the others): a worker
+    # that dies or is killed must not take the launcher, and with it the run, down.
+    may_fail = range(1, workers) if cfg.algo == "async-diloco" else ()
+    return spawn(
+        _rank_main, workers, (cfg,), backend=backend, timeout_s=timeout_s, may_fail=may_fail
+    )[0]
 
 
 def _mib(n: float) -> str:

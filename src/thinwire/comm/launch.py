@@ -22,9 +22,10 @@ import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -164,16 +165,23 @@ def spawn(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     master_addr: str = "127.0.0.1",
     env: dict[str, str] | None = None,
+    may_fail: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` new local ranks; return their results.
 
     ``fn`` must be importable by name (a module-level function): the ranks are fresh
-    interpreters. Results travel back through ``torch.save``, so tensors are fine.
+    interpreters (named ``thinwire-rank<r>``, as ``ps`` shows them). Results travel back
+    through ``torch.save``, so tensors are fine.
+
+    ``may_fail``: ranks whose death or exception does not end the run (e.g. the workers
+    of asynchronous Local-SGD, whose server carries on without them). Such a failure is
+    reported on stderr in one line and the rank's result is None; the other ranks keep
+    running until they report.
 
     Raises:
-        DistributedError: a rank raised (its message and traceback are included), died
-            without a result, or the ranks were still running after ``timeout_s``.
-            Remaining ranks are terminated first, so nothing hangs.
+        DistributedError: a rank not in ``may_fail`` raised (its message and traceback
+            are included) or died without a result, or ranks were still running after
+            ``timeout_s``. Remaining ranks are terminated first, so nothing hangs.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -185,28 +193,46 @@ def spawn(
             target=_worker,
             args=(r, fn, args, nprocs, backend, master_addr, port, timeout_s, results, env or {}),
             daemon=False,
+            name=f"thinwire-rank{r}",
         )
         for r in range(nprocs)
     ]
+    tolerated = set(may_fail)
+    failed: set[int] = set()
+
+    def tolerate(rank: int, why: str) -> bool:
+        if rank not in tolerated:
+            return False
+        if rank not in failed:
+            failed.add(rank)
+            print(
+                f"thinwire: rank {rank} {why}; the run continues without it "
+                f"(MASTER_ADDR={master_addr} MASTER_PORT={port})",
+                file=sys.stderr,
+            )
+        return True
+
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(outputs) < nprocs:
+        while len(outputs) + len(failed) < nprocs:
             try:
                 r, ok, payload = results.get(timeout=0.1)
             except queue.Empty:
                 dead = [
                     i
                     for i, p in enumerate(procs)
-                    if i not in outputs and p.exitcode is not None and p.exitcode != 0
+                    if i not in outputs
+                    and i not in failed
+                    and p.exitcode is not None
+                    and p.exitcode != 0
                 ]
-                if dead:
-                    i = dead[0]
-                    raise DistributedError(
-                        f"rank {i} exited with code {procs[i].exitcode} before reporting"
-                    ) from None
+                for i in dead:
+                    why = f"exited with code {procs[i].exitcode} before reporting"
+                    if not tolerate(i, why):
+                        raise DistributedError(f"rank {i} {why}") from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(nprocs)) - set(outputs))
                     raise DistributedError(
@@ -215,11 +241,13 @@ def spawn(
                 continue
             if not ok:
                 msg, tb = _decode(payload)
-                raise DistributedError(f"rank {r} failed: {msg}\n{tb}")
+                if not tolerate(r, f"failed: {msg}"):
+                    raise DistributedError(f"rank {r} failed: {msg}\n{tb}")
+                continue
             outputs[r] = _decode(payload)
     finally:
         for p in procs:
-            if p.is_alive() and len(outputs) < nprocs:
+            if p.is_alive() and len(outputs) + len(failed) < nprocs:
                 p.terminate()
         for p in procs:
             p.join(timeout=10)
@@ -227,4 +255,4 @@ def spawn(
                 p.kill()
                 p.join()
         results.close()
-    return [outputs[r] for r in range(nprocs)]
+    return [outputs.get(r) for r in range(nprocs)]
