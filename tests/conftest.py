@@ -32,3 +32,12 @@ def cli_env() -> dict[str, str]:
     env.pop("WORLD_SIZE", None)
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for children a test interrupts with SIGINT: a child inherits an
+    ignored SIGINT when the suite runs from a background shell job (``cmd &``), and
+    Python then never raises KeyboardInterrupt in it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import interruptible
 from thinwire.cli.main import main
 from thinwire.train import checkpoint as ckpt
 
@@ -162,6 +163,7 @@ def test_ctrl_c_keeps_last_checkpoint(tmp_path: Path, cli_env: dict[str, str]) -
         [sys.executable, "-m", "thinwire", "train", "--workers", "1", "--steps", "100000",
          "--checkpoint-interval", "3", "--eval-interval", "1000", "--out", str(out), *SMALL],
         env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=interruptible,
     )  # fmt: skip
     deadline = time.monotonic() + 150
     while ckpt_latest(out) is None or ckpt_latest(out) < 6:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import interruptible
 from thinwire.cli.main import main
 from thinwire.errors import ConfigError
 from thinwire.testbed import Cluster, list_clusters, remove_clusters, unavailable_reason
@@ -124,7 +125,7 @@ def test_ctrl_c_stops_hosts_and_tears_down(tmp_path: Path) -> None:
             c.run([sys.executable, "-c", "import time; time.sleep(120)"])
         """
     )
-    child = subprocess.Popen([sys.executable, "-c", code])
+    child = subprocess.Popen([sys.executable, "-c", code], preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
