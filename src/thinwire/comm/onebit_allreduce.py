@@ -390,10 +390,7 @@ class OneBitAllreduce:
     def _average_signs(self, y: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:
         """y = (sum over source ranks of s_i * sign_i) / W, chunk by chunk, in rank order."""
         w = self.world_size
-        index = None
-        if not native_enabled(y.device):  # the table lookup needs int32 indices
-            index = self._bufs["index"][: bits.numel()].view(w, -1)
-            index.copy_(bits)
+        index = self._index_of(bits)
         tmp = self._bufs["tmp"]
         rows_per_chunk = tmp.numel() // 8
         for r0 in range(0, bits.shape[1], rows_per_chunk):
@@ -408,12 +405,11 @@ class OneBitAllreduce:
         y.div_(w)
 
     def _index_of(self, bits: torch.Tensor) -> torch.Tensor | None:
-        """An int32 copy of ``bits`` in the reusable index buffer (None with native kernels,
-        which read the bytes directly)."""
+        """An int32 copy of ``bits`` (same shape) in the reusable index buffer: the pure-torch
+        table lookup needs int32 indices. None with native kernels, which read the bytes."""
         if native_enabled(bits.device):
             return None
-        index = self._bufs["index"][: bits.numel()]
-        return index.copy_(bits)
+        return self._bufs["index"][: bits.numel()].view(bits.shape).copy_(bits)
 
     def _swap(self, err: str, work: str) -> None:
         """Commit: the work buffer (holding the new error) becomes the error buffer."""
@@ -423,10 +419,7 @@ class OneBitAllreduce:
         """dst[:n] = concat_r(s_r * sign_r), straight into ``dst`` (fp32, contiguous)."""
         n = dst.numel()
         w, rows = bits.shape
-        index = None
-        if not native_enabled(dst.device):
-            index = self._bufs["index"][: w * rows].view(w, rows)
-            index.copy_(bits)
+        index = self._index_of(bits)
         full = n // 8  # rows entirely inside dst
         for r in range(w):
             r0, r1 = r * rows, min((r + 1) * rows, full)
