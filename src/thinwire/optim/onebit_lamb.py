@@ -128,7 +128,7 @@ class OneBitLamb(TwoStageOptimizer):
             if t == self.freeze_step:
                 state["exp_avg_sq_fresh"] = v.clone()
             master = self._master(p)
-            u = self._direction(m, v, group, t, t)
+            u = self._direction(m, v, group, t)
             if group["weight_decay"]:
                 u.add_(master, alpha=group["weight_decay"])
             c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
@@ -141,12 +141,13 @@ class OneBitLamb(TwoStageOptimizer):
         return True
 
     def _direction(
-        self, m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], t: int, t_v: int
+        self, m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], t: int
     ) -> torch.Tensor:
-        """``m / (sqrt(v) + eps)``, bias-corrected when asked (a new tensor)."""
+        """Warmup: ``m / (sqrt(v) + eps)``, bias-corrected at step ``t`` when asked (a new
+        tensor). The compression stage divides by :meth:`_frozen_denom` instead."""
         b1, b2 = group["betas"]
         if group["bias_correction"]:
-            return (m / (1 - b1**t)).div_((v / (1 - b2**t_v)).sqrt_().add_(group["eps"]))
+            return (m / (1 - b1**t)).div_((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
         return m / v.sqrt().add_(group["eps"])
 
     # ------------------------------------------------------------------ compression
