@@ -110,9 +110,7 @@ def test_impossible_sizes(
     assert message in _error(args, capsys)
 
 
-def test_bad_inner_momentum_is_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bad_inner_momentum_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for algo in ("async-diloco", "diloco"):
         args = ["train", "--algo", algo, "--workers", "3", "--out", str(tmp_path / algo), *SMALL,
                 "--inner-momentum", "reset"]  # fmt: skip

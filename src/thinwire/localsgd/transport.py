@@ -378,4 +378,3 @@ class Transport:
         self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait(self.timeout)
         self.bytes_received += buf.numel() * buf.element_size()
         return buf
-

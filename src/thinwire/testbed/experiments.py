@@ -479,8 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--freeze-step", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak lr for every algorithm (default: each one's tuned default)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak lr for every algorithm (default: each one's tuned default)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="rounds of all algorithms per rate")
     p.add_argument("--out", default="runs/testbed-e2e")
     p.add_argument("--plot", default=None, help="PNG to draw (needs matplotlib)")
