@@ -45,6 +45,8 @@ def test_run_allreduce_bench_rows_are_complete_and_agree_across_ranks() -> None:
         assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(W-1)/W = 1 at W=2
         assert (r["compute_s"] is not None) == (r["method"] == "onebit")
+        # Small messages go whole: nothing to tune.
+        assert r["pieces"] == (1 if r["method"] == "onebit" else None)
     by = {(r["size_bytes"], r["method"]): r for r in rows}
     n = 65536
     assert by[n, "fp32"]["wire_bytes"] == ring_allreduce_bytes(n, 2)
@@ -87,8 +89,9 @@ def test_sizes() -> None:
 def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "allreduce", "--workers", "2", "--methods", "fp32,onebit"]
     argv += ["--min-size", "4KiB", "--max-size", "8KiB", "--warmup", "1", "--iters", "1"]
-    assert main([*argv, "--out", str(tmp_path)]) == 0
+    assert main([*argv, "--pieces", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "allreduce.json").read_text())
+    assert {r["pieces"] for r in data["rows"] if r["method"] == "onebit"} == {2}
     assert [(r["size_bytes"], r["method"]) for r in data["rows"]] == [
         (4096, "fp32"),
         (4096, "onebit"),
@@ -106,6 +109,7 @@ def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
         (["--max-size", "1GiB"], "above the supported 256 MiB"),
         (["--workers", "1"], "--workers must be at least 2"),
         (["--iters", "0"], "--iters must be >= 1"),
+        (["--pieces", "0"], "--pieces takes 'auto' or a positive whole number, got '0'"),
     ],
 )
 def test_cli_bad_input_is_one_line_error(

@@ -48,33 +48,35 @@ def reference(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(out)[:n]
 
 
-def _reference_body(rank: int, world: int) -> list[tuple]:
+def _reference_body(rank: int, world: int, pieces: int | None) -> list[tuple]:
     results = []
     for n in [1, 7, 8 * world + 3, 1000, 4096]:
         COUNTER.reset()
         xs = _inputs(n, world, seed=n)
-        out = OneBitAllreduce()(xs[rank])
+        out = OneBitAllreduce(pieces=pieces)(xs[rank])
         snap = COUNTER.snapshot()
         wire = sum(v["wire_bytes"] for k, v in snap.items() if k.startswith("onebit."))
         results.append(("fp32", n, out, reference(xs), wire))
     for dtype in (torch.float16, torch.bfloat16):
         xs = [x.to(dtype) for x in _inputs(333, world, seed=1)]
-        out = OneBitAllreduce()(xs[rank])
+        out = OneBitAllreduce(pieces=pieces)(xs[rank])
         results.append((str(dtype), 333, out, reference(xs).to(dtype), None))
     # Non-contiguous 2-D input: every other column of a wider matrix.
     wide = [x.view(10, 20) for x in _inputs(200, world, seed=2)]
     views = [w[:, ::2] for w in wide]
     assert not views[rank].is_contiguous()
-    out = OneBitAllreduce()(views[rank])
+    out = OneBitAllreduce(pieces=pieces)(views[rank])
     ref = reference([v.contiguous() for v in views]).view(10, 10)
     results.append(("strided", 100, out, ref, None))
     return results
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 4])
-def test_bit_exact_against_reference_on_every_rank(world: int) -> None:
-    per_rank = spawn(_reference_body, world, timeout_s=170)
+@pytest.mark.parametrize(("world", "pieces"), [(2, None), (4, None), (4, 3)])
+def test_bit_exact_against_reference_on_every_rank(world: int, pieces: int | None) -> None:
+    # pieces=3 splits both phases into 3 collectives (2 where a segment has 2 bytes),
+    # with the partial last byte of an odd length falling inside a piece.
+    per_rank = spawn(_reference_body, world, (pieces,), timeout_s=170)
     for rank_results in per_rank:
         for kind, n, out, ref, wire in rank_results:
             assert out.dtype == ref.dtype and out.shape == ref.shape, kind
@@ -150,6 +152,22 @@ def _bad_input_body(rank: int, world: int) -> dict:
         allreduce(torch.ones(51))
     except ValueError as exc:
         report["relength"] = str(exc)
+    # A server scale that overflows (rank 1's server error is huge) is caught after
+    # phase 2's first piece; the later pieces are drained, so the next call is in step.
+    split = OneBitAllreduce(pieces=3)
+    split(xs[rank])
+    state = split.state_dict()
+    if rank == 1:
+        state["server_error"].fill_(3e38)
+    split.load_state_dict(state)
+    try:
+        split(xs[rank])
+    except NonFiniteError as exc:
+        report["server"] = str(exc)
+    report["server_state_kept"] = torch.equal(
+        split.state_dict()["worker_error"], state["worker_error"]
+    )
+    report["in_step"] = torch.equal(OneBitAllreduce(pieces=3)(xs[rank]), reference(xs))
     return report
 
 
@@ -163,6 +181,8 @@ def test_nan_inf_and_length_errors_are_reported_on_every_rank() -> None:
             "1-bit allreduce: ranks disagree on the length: rank 0 has 10, rank 1 has 12"
         )
         assert "holds error buffers for 50 elements but got 51" in report["relength"]
+        assert "server scale of rank(s) [1] overflowed" in report["server"]
+        assert report["server_state_kept"] and report["in_step"]
 
 
 def _checkpoint_body(rank: int, world: int) -> bool:
@@ -197,6 +217,11 @@ def test_single_process_is_a_no_op() -> None:
         allreduce(torch.ones(3, dtype=torch.int64))
 
 
+def test_pieces_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="pieces must be at least 1, got 0"):
+        OneBitAllreduce(pieces=0)
+
+
 def test_state_dict_rejects_another_rank_or_world() -> None:
     allreduce = OneBitAllreduce()
     with pytest.raises(ValueError, match="world_size 4, this rank has 1"):
@@ -207,14 +232,15 @@ def test_compute_only_matches_reference_for_identical_ranks() -> None:
     # The loopback stand-in does rank 0's full share of the work for W ranks that hold
     # the same input, without a process group: its own segment comes out exact.
     x = torch.randn(1024)
-    out = OneBitAllreduce.compute_only(4)(x)
-    assert torch.equal(out[:256], reference([x] * 4)[:256])
+    for pieces in (None, 4):
+        out = OneBitAllreduce.compute_only(4, pieces=pieces)(x)
+        assert torch.equal(out[:256], reference([x] * 4)[:256])
 
 
 def test_wire_bytes_formula() -> None:
     assert onebit_wire_bytes(1000, 1) == 0
-    # 4 ranks, 1024 elements: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 28 scale bytes.
-    assert onebit_wire_bytes(1024, 4) == 192 + 84
+    # 4 ranks, 1024 elements: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 36 meta bytes.
+    assert onebit_wire_bytes(1024, 4) == 192 + 108
     n = 16 * 2**20
     fp32_ring = 2 * 3 * 4 * n // 4
     assert fp32_ring / onebit_wire_bytes(n, 4) == pytest.approx(32, rel=1e-3)

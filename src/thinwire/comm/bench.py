@@ -26,7 +26,9 @@ allreduce of the uncompressed data would need to match that time), both in GB/s
 For ``onebit`` the row also has ``compute_s``: the median time of the same call with
 the network replaced by local copies (:meth:`OneBitAllreduce.compute_only`), timed in
 the same rounds, on all ranks at once so they compete for cores as in the real call. ``time_s -
-compute_s`` approximates the wire time.
+compute_s`` approximates the wire time. Both 1-bit instances first run the untimed calls
+that tune their piece count (see :mod:`thinwire.comm.piece_tuner`; at most 11), and the
+row reports the count chosen as ``pieces``.
 
 The single-process packing and 1-bit compute benchmarks (``thinwire bench packing``)
 are in :mod:`thinwire.comm.bench_packing`.
@@ -127,9 +129,10 @@ def _powersgd_op(
 
 
 def _make_op(
-    method: str, x: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[Callable[[], None], int]:
-    """A zero-argument callable doing one averaging of ``x``'s size, and its wire bytes."""
+    method: str, x: torch.Tensor, group: dist.ProcessGroup | None, pieces: int | None = None
+) -> tuple[Callable[[], None], int, OneBitAllreduce | None]:
+    """A zero-argument callable doing one averaging of ``x``'s size, its wire bytes, and
+    the 1-bit allreduce behind it (``onebit`` only)."""
     w = dist.get_world_size(group)
     n = x.numel()
     buf = x.clone()
@@ -139,7 +142,7 @@ def _make_op(
             buf.copy_(x)
             all_reduce_mean_(buf, group, op_name="bench.fp32")
 
-        return op, ring_allreduce_bytes(4 * n, w)
+        return op, ring_allreduce_bytes(4 * n, w), None
     if method in ("fp16", "bf16"):
         codec: CastCompressor = FP16 if method == "fp16" else BF16
 
@@ -148,7 +151,7 @@ def _make_op(
             all_reduce_mean_(message.tensors[0], group, op_name=f"bench.{method}")
             codec.decompress(message, out=buf)
 
-        return op, ring_allreduce_bytes(2 * n, w)
+        return op, ring_allreduce_bytes(2 * n, w), None
     if method.startswith("powersgd-r"):
 
         def reset_then(op: Callable[[], None]) -> Callable[[], None]:
@@ -159,14 +162,14 @@ def _make_op(
             return run
 
         inner, wire = _powersgd_op(buf, int(method.removeprefix("powersgd-r")), group)
-        return reset_then(inner), wire
+        return reset_then(inner), wire, None
     if method == "onebit":
-        allreduce = OneBitAllreduce(group)
+        allreduce = OneBitAllreduce(group, pieces=pieces)
 
         def op() -> None:
             allreduce(x, out=buf)
 
-        return op, onebit_wire_bytes(n, w)
+        return op, onebit_wire_bytes(n, w), allreduce
     raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -221,6 +224,7 @@ def run_allreduce_bench(
     warmup: int,
     iters: int,
     group: dist.ProcessGroup | None = None,
+    pieces: int | None = None,
 ) -> list[dict[str, Any]]:
     """Time each method at each size; call on every rank; every rank gets the same rows.
 
@@ -231,12 +235,13 @@ def run_allreduce_bench(
         iters: timed calls per (method, size); the median is reported.
         group: process group (default: the default group). The data lives on CUDA when
             the group's backend is NCCL (the current CUDA device), else on CPU.
+        pieces: the 1-bit allreduce's piece count (None: tuned by measuring).
 
     Returns:
         One dict per (size, method) with ``method``, ``size_bytes``, ``numel``,
         ``time_s`` (median), ``algbw_gbps``, ``busbw_gbps`` (GB/s), ``wire_bytes``,
-        ``world_size``, ``backend``, ``compute_s`` (``onebit`` only, else None),
-        ``warmup`` and ``iters``.
+        ``world_size``, ``backend``, ``compute_s`` and ``pieces`` (``onebit`` only,
+        else None), ``warmup`` and ``iters``.
     """
     if not dist.is_initialized():
         raise ConfigError("run_allreduce_bench needs an initialised process group")
@@ -255,12 +260,20 @@ def run_allreduce_bench(
         x = torch.randn(n, generator=gen).to(device)
         ops: dict[str, Callable[[], None]] = {}
         wires: dict[str, int] = {}
+        onebit: OneBitAllreduce | None = None
         for method in methods:
-            ops[method], wires[method] = _make_op(method, x, group)
-        if "onebit" in methods:
-            local = OneBitAllreduce.compute_only(w)
+            ops[method], wires[method], made = _make_op(method, x, group, pieces)
+            onebit = made or onebit
+        if onebit is not None:
+            local = OneBitAllreduce.compute_only(w, pieces=pieces)
             local_out = torch.empty_like(x)
             ops["onebit-compute"] = lambda: local(x, out=local_out)  # noqa: B023
+            # Untimed: the calls that tune the piece count. The collective's tuner decides
+            # the same on every rank; the local one may not, and needs no partner.
+            while not onebit.tuned:
+                ops["onebit"]()
+            while not local.tuned:
+                ops["onebit-compute"]()
         times = _time_interleaved(ops, warmup, iters, group, device)
         for method in methods:
             t = statistics.median(times[method])
@@ -278,6 +291,7 @@ def run_allreduce_bench(
                     "world_size": w,
                     "backend": backend,
                     "compute_s": compute,
+                    "pieces": onebit.pieces_in_use if method == "onebit" and onebit else None,
                     "warmup": warmup,
                     "iters": iters,
                 }
@@ -300,17 +314,19 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     fp32 = {r["size_bytes"]: r["time_s"] for r in rows if r["method"] == "fp32"}
     head = (
         f"{'size':>10} {'method':>12} {'time(ms)':>10} {'algbw(GB/s)':>12} "
-        f"{'busbw(GB/s)':>12} {'wire bytes':>12} {'vs fp32':>8} {'compute(ms)':>12}"
+        f"{'busbw(GB/s)':>12} {'wire bytes':>12} {'vs fp32':>8} {'compute(ms)':>12} "
+        f"{'pieces':>6}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = fp32.get(r["size_bytes"])
         ratio_s = f"{ratio / r['time_s']:.2f}x" if ratio else "-"
         comp = f"{r['compute_s'] * 1e3:.2f}" if r.get("compute_s") is not None else "-"
+        pieces = r.get("pieces") or "-"
         lines.append(
             f"{_human_bytes(r['size_bytes']):>10} {r['method']:>12} {r['time_s'] * 1e3:>10.3f} "
             f"{r['algbw_gbps']:>12.4f} {r['busbw_gbps']:>12.4f} {r['wire_bytes']:>12} "
-            f"{ratio_s:>8} {comp:>12}"
+            f"{ratio_s:>8} {comp:>12} {pieces:>6}"
         )
     return "\n".join(lines)
 

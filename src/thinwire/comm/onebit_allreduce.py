@@ -55,7 +55,9 @@ beside it made phase 2 2-7% slower on 4 emulated hosts.)
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import gather_bytes, record
+from thinwire.comm.piece_tuner import PieceTuner
 from thinwire.compress.onebit import DEFAULT_CHUNK, rms_scale, subtract_signs_
 from thinwire.compress.packing import native_enabled, pack_signs, unpack_signs
 
@@ -75,7 +78,9 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_META_BYTES = 24  # per rank, phase 1: (scale, length, length the state was built for) as fp64
+# per rank, before phase 1: (scale, length, length the state was built for, seconds the
+# previous call took) as fp64
+_META_BYTES = 32
 _SCALE_BYTES = 4  # per rank, phase 2: one fp32 scale
 
 
@@ -97,7 +102,7 @@ def onebit_wire_bytes(numel: int, world_size: int) -> int:
     """Analytical bytes one rank sends per call for ``numel`` elements.
 
     ``2 (W-1)/W * N/8`` for the sign bits of both phases (``N`` padded) plus the scale
-    exchanges ``(W-1) * (24 + 4)``; 0 for a single rank.
+    exchanges ``(W-1) * (32 + 4)``; 0 for a single rank.
     """
     if world_size <= 1:
         return 0
@@ -137,18 +142,31 @@ class _Exchange:
 
         return wait
 
-    def start_all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> Callable[[], None]:
-        """Start phase 1; returns a wait (compute may run while the bits travel)."""
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-        record("onebit.phase1", send.numel(), gather_bytes(send.numel(), self.world_size))
-        return work.wait
+    def start_all_to_all(
+        self, recvs: list[torch.Tensor], sends: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        """Start phase 1, one all_to_all per piece, all at once; returns one wait per piece
+        (compute may run while the bits travel)."""
+        works = [
+            dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            for recv, send in zip(recvs, sends, strict=True)
+        ]
+        total = sum(send.numel() for send in sends)
+        record("onebit.phase1", total, gather_bytes(total, self.world_size))
+        return [work.wait for work in works]
 
-    def start_all_gather(self, out: torch.Tensor, msg: torch.Tensor) -> Callable[[], None]:
-        """Start phase 2: every rank's message (its packed segment followed by its fp32
-        scale, as bytes) gathered into ``out``, in ONE collective; returns a wait."""
-        work = _all_gather_flat(out, msg, group=self.group, async_op=True)
-        record("onebit.phase2", msg.numel(), gather_bytes(out.numel(), self.world_size))
-        return work.wait
+    def start_all_gather(
+        self, outs: list[torch.Tensor], msgs: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        """Start phase 2, one all_gather per piece of every rank's message (its fp32 scale
+        as 4 bytes, then its packed segment), all at once; returns one wait per piece."""
+        works = [
+            _all_gather_flat(out, msg, group=self.group, async_op=True)
+            for out, msg in zip(outs, msgs, strict=True)
+        ]
+        total = sum(out.numel() for out in outs)
+        record("onebit.phase2", total // self.world_size, gather_bytes(total, self.world_size))
+        return [work.wait for work in works]
 
 
 class _Loopback(_Exchange):
@@ -169,14 +187,21 @@ class _Loopback(_Exchange):
     def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
         return lambda: meta.reshape(1, -1).expand(self.world_size, -1)
 
-    def start_all_to_all(self, recv: torch.Tensor, send: torch.Tensor) -> Callable[[], None]:
-        chunk = send.numel() // self.world_size
-        recv.view(self.world_size, chunk).copy_(send[:chunk].expand(self.world_size, chunk))
-        return lambda: None
+    def start_all_to_all(
+        self, recvs: list[torch.Tensor], sends: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        w = self.world_size
+        for recv, send in zip(recvs, sends, strict=True):
+            chunk = send.numel() // w
+            recv.view(w, chunk).copy_(send[:chunk].expand(w, chunk))
+        return [lambda: None for _ in sends]
 
-    def start_all_gather(self, out: torch.Tensor, msg: torch.Tensor) -> Callable[[], None]:
-        out.view(self.world_size, -1).copy_(msg.expand(self.world_size, -1))
-        return lambda: None
+    def start_all_gather(
+        self, outs: list[torch.Tensor], msgs: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        for out, msg in zip(outs, msgs, strict=True):
+            out.view(self.world_size, -1).copy_(msg.expand(self.world_size, -1))
+        return [lambda: None for _ in msgs]
 
 
 class OneBitAllreduce:
@@ -195,6 +220,13 @@ class OneBitAllreduce:
         chunk: elements per step of the server accumulation and error updates; the
             default (256K, 1 MiB of fp32) keeps temporaries in a CPU core's L2 cache.
             On GPU a larger value (e.g. 1 << 24) saves kernel launches.
+        pieces: how many pieces each phase is sent in (all started at once). The server
+            averages a piece while the next ones travel, and the output is unpacked the
+            same way, so compute hides behind the wire. ``None`` (default) measures:
+            the first calls try 1, 2, 4, ... pieces and keep the fastest (see
+            :mod:`thinwire.comm.piece_tuner`; the slow-link gain was 20-25% on 64 MiB).
+            Set it to skip tuning, e.g. 1 on a high-latency link where every extra
+            collective costs round trips. The result does not depend on it.
 
     Raises (on every rank alike, nothing changed):
         NonFiniteError: some rank's input (plus its error) holds NaN/Inf or overflows
@@ -205,22 +237,29 @@ class OneBitAllreduce:
     """
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, chunk: int = DEFAULT_CHUNK
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        chunk: int = DEFAULT_CHUNK,
+        pieces: int | None = None,
     ) -> None:
+        if pieces is not None and pieces < 1:
+            raise ValueError(f"1-bit allreduce: pieces must be at least 1, got {pieces}")
         self._exchange: _Exchange = _Exchange(process_group)
         self.chunk = max(8, chunk - chunk % 8)
+        self.pieces = pieces
         self.numel: int | None = None
         self._bufs: dict[str, torch.Tensor] = {}
+        self._tuner: PieceTuner | None = None
+        self._last_seconds = 0.0  # this rank's time for its previous successful call
 
     @classmethod
-    def compute_only(cls, world_size: int, chunk: int = DEFAULT_CHUNK) -> OneBitAllreduce:
+    def compute_only(
+        cls, world_size: int, chunk: int = DEFAULT_CHUNK, pieces: int | None = None
+    ) -> OneBitAllreduce:
         """An instance that does all the arithmetic of a ``world_size``-rank call on one
         process and sends nothing: for timing the compression cost without a network."""
-        obj = cls.__new__(cls)
+        obj = cls(None, chunk, pieces)
         obj._exchange = _Loopback(world_size)
-        obj.chunk = max(8, chunk - chunk % 8)
-        obj.numel = None
-        obj._bufs = {}
         return obj
 
     @property
@@ -257,15 +296,42 @@ class OneBitAllreduce:
             # phase 2 message: this rank's packed segment, then its scale as 4 bytes
             "message": zeros(seg // 8 + 4, torch.uint8),
             "gathered": zeros(self.world_size * (seg // 8 + 4), torch.uint8),
+            # phase 1 pieces, piece-major: piece j holds slice j of every rank's chunk
+            "send_pieces": zeros(padded // 8, torch.uint8),
             "index": zeros(padded // 8, torch.int32),
             "tmp": zeros(min(self.chunk, max(8, seg))),
         }
         self.numel = n
+        # A fresh tuner on every rank at the same call keeps their choices in step.
+        self._tuner = PieceTuner(seg // 8) if self.pieces is None else None
+        self._last_seconds = 0.0
+
+    @property
+    def pieces_in_use(self) -> int | None:
+        """The piece count calls use now (None before the first call, or while tuning)."""
+        if self.pieces is not None:
+            return self.pieces
+        return self._tuner.choice if self._tuner is not None else None
+
+    @property
+    def tuned(self) -> bool:
+        """True once calls run at their final piece count (always, with ``pieces`` set or
+        one rank). Tuning takes at most 11 calls on the same buffer length."""
+        if self.pieces is not None or self.world_size == 1:
+            return True
+        return self._tuner is not None and self._tuner.done
+
+    def _cuts(self, seg8: int, previous_seconds: float) -> list[int]:
+        """Byte offsets of this call's pieces inside a segment's bits (same on every rank)."""
+        k = self._tuner.next(previous_seconds) if self._tuner is not None else self.pieces or 1
+        k = max(1, min(k, seg8))
+        return [seg8 * j // k for j in range(k + 1)]
 
     def reset(self) -> None:
         """Drop the error buffers; the next call starts from zero error at any length."""
         self.numel = None
         self._bufs = {}
+        self._tuner = None
 
     # ------------------------------------------------------------------ the call
 
@@ -281,6 +347,7 @@ class OneBitAllreduce:
                 return tensor
             return out.copy_(tensor)
 
+        started = time.perf_counter()
         n = tensor.numel()
         fresh = self.numel is None
         if fresh:
@@ -288,6 +355,8 @@ class OneBitAllreduce:
         elif self._bufs["work"].device != tensor.device:
             self._bufs = {k: v.to(tensor.device) for k, v in self._bufs.items()}
         b = self._bufs
+        # Reported to every rank's piece tuner; stays 0 (unknown) if this call raises.
+        previous, self._last_seconds = self._last_seconds, 0.0
         ours = self.numel == n
         _, seg, real = self._layout(n)
 
@@ -305,6 +374,7 @@ class OneBitAllreduce:
                 scale.double(),
                 scale.new_tensor(n, dtype=torch.float64),
                 scale.new_tensor(self.numel, dtype=torch.float64),
+                scale.new_tensor(previous, dtype=torch.float64),
             ]
         )
         wait_meta = self._exchange.start_meta(meta)
@@ -313,34 +383,56 @@ class OneBitAllreduce:
         metas = wait_meta().cpu()
         self._check(metas, n, fresh)
 
-        # Phase 1: every rank's sign bits for segment r go to rank r. While they travel,
-        # the next worker error x - s*sign(x) is computed in the work buffer (x is no
-        # longer needed: its bits are packed); it only replaces the error at the commit.
-        wait_phase1 = self._exchange.start_all_to_all(b["recv"], b["send"])
+        # Phase 1: every rank's sign bits for segment r go to rank r, in pieces. While
+        # they travel, the next worker error x - s*sign(x) is computed in the work buffer
+        # (x is no longer needed: its bits are packed); it only replaces the error at the
+        # commit. Then the server averages each piece as it lands, while later pieces
+        # are still on the wire.
+        cuts = self._cuts(seg // 8, float(metas[:, 3].max()))
+        recvs = self._pieces(b["recv"], cuts)
+        if len(cuts) > 2:
+            by_dest = b["send"].view(w, seg // 8)
+            sends = self._pieces(b["send_pieces"], cuts)
+            for j, piece in enumerate(sends):
+                piece.copy_(by_dest[:, cuts[j] : cuts[j + 1]])
+        else:
+            sends = [b["send"].view(w, -1)]
+        waits = self._exchange.start_all_to_all(
+            [r.view(-1) for r in recvs], [p.view(-1) for p in sends]
+        )
         subtract_signs_(b["work"], b["send"], scale, n, self._index_of(b["send"]), self.chunk)
-        wait_phase1()
 
         # Server: y = mean_i(s_i * sign_i) + server_error over segment r.
         y = b["server_work"]
         scales = metas[:, 0].to(device=tensor.device, dtype=torch.float32)
-        self._average_signs(y, b["recv"].view(w, seg // 8), scales)
-        y[real:].zero_()
-        y.add_(b["server_error"])
+        for j, wait in enumerate(waits):
+            wait()
+            lo, hi = 8 * cuts[j], 8 * cuts[j + 1]
+            self._average_signs(y[lo:hi], recvs[j], scales)
+            if hi > real:  # padding stays exactly zero
+                y[max(lo, real) : hi].zero_()
+            y[lo:hi].add_(b["server_error"][lo:hi])
         scale2 = rms_scale(y, real).reshape(1)
-        seg8 = seg // 8
-        seg_bits = b["message"][:seg8]
+        message = b["message"]
+        message[:_SCALE_BYTES].copy_(scale2.view(torch.uint8))
+        seg_bits = message[_SCALE_BYTES:]
         pack_signs(y, out=seg_bits, scratch=b["bools"])
-        b["message"][seg8:].copy_(scale2.view(torch.uint8))
 
-        # Phase 2: every rank gets every segment and its scale (one all_gather of the
-        # messages); meanwhile the next server error is computed, again without touching
-        # the committed one.
-        wait_phase2 = self._exchange.start_all_gather(b["gathered"], b["message"])
+        # Phase 2: every rank gets every segment and its scale (the scale rides in the
+        # first piece, so unpacking can start as soon as that piece lands); meanwhile the
+        # next server error is computed, again without touching the committed one.
+        msg_cuts = [0] + [_SCALE_BYTES + c for c in cuts[1:]]
+        gathered = self._pieces(b["gathered"], msg_cuts)
+        waits = self._exchange.start_all_gather(
+            [g.view(-1) for g in gathered],
+            [message[msg_cuts[j] : msg_cuts[j + 1]] for j in range(len(gathered))],
+        )
         subtract_signs_(y, seg_bits, scale2.reshape(()), real, self._index_of(seg_bits), self.chunk)
-        wait_phase2()
-        gathered = b["gathered"].view(w, seg8 + 4)
-        scales2 = gathered[:, seg8:].contiguous().view(torch.float32).reshape(w)
+        waits[0]()
+        scales2 = gathered[0][:, :_SCALE_BYTES].contiguous().view(torch.float32).reshape(w)
         if not bool(torch.isfinite(scales2).all()):
+            for wait in waits[1:]:  # leave no collective of this call in flight
+                wait()
             bad = [r for r, v in enumerate(scales2.tolist()) if not math.isfinite(v)]
             raise NonFiniteError(
                 f"1-bit allreduce: the server scale of rank(s) {bad} overflowed; "
@@ -351,14 +443,19 @@ class OneBitAllreduce:
         self._swap("worker_error", "work")
         self._swap("server_error", "server_work")
 
-        # Output: segment r is s2_r * sign. The old error buffer is free scratch now.
+        # Output: segment r is s2_r * sign, unpacked piece by piece as the pieces land.
+        # The old error buffer is free scratch now.
         if out is None:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         direct = out.dtype == torch.float32 and out.is_contiguous()
         dst = out.view(-1) if direct else b["work"][:n]
-        self._unpack_segments(dst, gathered[:, :seg8], scales2)
+        for j, wait in enumerate(waits):
+            wait()
+            bits = gathered[j][:, _SCALE_BYTES:] if j == 0 else gathered[j]
+            self._unpack_rows(dst, bits, scales2, cuts[j], seg // 8)
         if not direct:
             out.copy_(dst.view(out.shape))
+        self._last_seconds = time.perf_counter() - started
         return out
 
     def _check(self, metas: torch.Tensor, n: int, fresh: bool) -> None:
@@ -415,21 +512,33 @@ class OneBitAllreduce:
         """Commit: the work buffer (holding the new error) becomes the error buffer."""
         self._bufs[err], self._bufs[work] = self._bufs[work], self._bufs[err]
 
-    def _unpack_segments(self, dst: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:
-        """dst[:n] = concat_r(s_r * sign_r), straight into ``dst`` (fp32, contiguous)."""
+    def _pieces(self, buf: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
+        """Views of a piece-major buffer: piece j is a contiguous ``[W, cuts[j+1] - cuts[j]]``
+        block (one row per rank) starting at ``W * cuts[j]``."""
+        w = self.world_size
+        return [buf[w * a : w * b].view(w, b - a) for a, b in itertools.pairwise(cuts)]
+
+    def _unpack_rows(
+        self, dst: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, row0: int, seg8: int
+    ) -> None:
+        """Unpack ``bits[r]`` (bytes ``row0...`` of rank r's segment) as ``s_r * sign`` into
+        ``dst`` (fp32, contiguous), for every rank r, clipped to ``dst``'s length."""
         n = dst.numel()
-        w, rows = bits.shape
+        rows = bits.shape[1]
         index = self._index_of(bits)
-        full = n // 8  # rows entirely inside dst
-        for r in range(w):
-            r0, r1 = r * rows, min((r + 1) * rows, full)
-            if r1 > r0:
-                idx = None if index is None else index[r, : r1 - r0]
-                unpack_signs(bits[r, : r1 - r0], scales[r], out=dst[r0 * 8 : r1 * 8], index=idx)
-        if n % 8:
-            r, row = divmod(full, rows)
-            tail = unpack_signs(bits[r, row : row + 1], scales[r])
-            dst[full * 8 :].copy_(tail[: n % 8])
+        for r in range(bits.shape[0]):
+            start = 8 * (r * seg8 + row0)
+            if start >= n:
+                break
+            whole = min(rows, (n - start) // 8)  # bytes entirely inside dst
+            if whole:
+                idx = None if index is None else index[r, :whole]
+                end = start + 8 * whole
+                unpack_signs(bits[r, :whole], scales[r], out=dst[start:end], index=idx)
+            rest = n - start - 8 * whole
+            if whole < rows and 0 < rest < 8:  # the last, partial byte
+                tail = unpack_signs(bits[r, whole : whole + 1], scales[r])
+                dst[n - rest :].copy_(tail[:rest])
 
     # ------------------------------------------------------------------ state
 

@@ -1,0 +1,80 @@
+"""The piece-count tuner of the 1-bit allreduce: deterministic, picks the fastest, cheap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from thinwire.comm import spawn
+from thinwire.comm.onebit_allreduce import OneBitAllreduce
+from thinwire.comm.piece_tuner import CANDIDATES, MIN_PIECE_BYTES, PieceTuner
+
+
+def _drive(tuner: PieceTuner, seconds_for: dict[int, float], calls: int = 20) -> list[int]:
+    """Feed the tuner the time each count 'takes'; return the counts it asked for."""
+    used: list[int] = []
+    previous = 0.0
+    for _ in range(calls):
+        k = tuner.next(previous)
+        used.append(k)
+        previous = seconds_for[k]
+    return used
+
+
+def test_picks_the_fastest_count_after_trying_each() -> None:
+    tuner = PieceTuner(16 * MIN_PIECE_BYTES)
+    assert tuner.candidates == list(CANDIDATES)
+    times = {1: 0.44, 2: 0.41, 4: 0.37, 8: 0.35, 16: 0.36}
+    used = _drive(tuner, times)
+    assert tuner.choice == 8 and tuner.done
+    # 1 warm-up call, then two calls per count, then the choice for good.
+    assert used[:11] == [1, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+    assert set(used[11:]) == {8}
+
+
+def test_stops_trying_larger_counts_once_they_are_clearly_slower() -> None:
+    tuner = PieceTuner(16 * MIN_PIECE_BYTES)
+    used = _drive(tuner, {1: 0.155, 2: 0.16, 4: 0.20, 8: 0.21, 16: 0.22})
+    assert tuner.choice == 1
+    assert 8 not in used and 16 not in used  # 4 was >20% slower than 1: no further tries
+
+
+def test_same_observations_give_the_same_choice_and_unknown_times_are_ignored() -> None:
+    times = {1: 0.3, 2: 0.2, 4: 0.25, 8: 0.4, 16: 0.5}
+    a, b = PieceTuner(1 << 20), PieceTuner(1 << 20)
+    assert _drive(a, times) == _drive(b, times)
+    # A call that raised reports 0: it neither counts as fast nor stalls the tuning.
+    c = PieceTuner(1 << 20)
+    seq = [0.0, 0.0, 0.3, 0.0, 0.3] + [0.2, 0.2, 0.25, 0.25, 0.4, 0.4] + [0.0] * 5
+    for t in seq:
+        c.next(t)
+    assert c.choice == 2
+
+
+def test_small_segments_are_sent_whole_without_tuning() -> None:
+    tuner = PieceTuner(MIN_PIECE_BYTES - 1)
+    assert tuner.candidates == [1] and tuner.done
+    assert {tuner.next(0.1) for _ in range(3)} == {1}
+
+
+def _tuned_body(rank: int, world: int) -> tuple[int | None, bool, list[int]]:
+    gen = torch.Generator().manual_seed(rank)
+    n = 8 * world * 4 * MIN_PIECE_BYTES  # 4 * 16 KiB of bits per segment: 1, 2, 4 tried
+    tuned, whole = OneBitAllreduce(), OneBitAllreduce(pieces=1)
+    same = True
+    counts = []
+    for _ in range(10):
+        x = torch.randn(n, generator=gen)
+        same &= torch.equal(tuned(x), whole(x))
+        counts.append(tuned._tuner.current if tuned._tuner else -1)
+    return tuned.pieces_in_use, same, counts
+
+
+@pytest.mark.timeout(180)
+def test_ranks_agree_on_the_tuned_count_and_results_do_not_change() -> None:
+    results = spawn(_tuned_body, 2, timeout_s=170)
+    choices = {choice for choice, _, _ in results}
+    assert len(choices) == 1 and choices <= {1, 2, 4}  # same choice on every rank, tuned
+    assert all(same for _, same, _ in results)  # bit-identical to the one-piece call
+    assert results[0][2] == results[1][2]  # every call used the same count on both ranks
+    assert len(set(results[0][2])) > 1  # and more than one count was tried
