@@ -79,11 +79,27 @@ def _methods(text: str) -> list[str]:
 
 
 def _rank_body(
-    rank: int, world: int, methods: list[str], sizes: list[int], warmup: int, iters: int, cuda: bool
+    rank: int,
+    world: int,
+    methods: list[str],
+    sizes: list[int],
+    warmup: int,
+    iters: int,
+    cuda: bool,
+    pieces: int | None,
 ) -> list[dict[str, Any]]:
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    return bench.run_allreduce_bench(methods, sizes, warmup, iters)
+    return bench.run_allreduce_bench(methods, sizes, warmup, iters, pieces=pieces)
+
+
+def _pieces(text: str) -> int | None:
+    """'auto' -> None (tuned by measuring); else a positive piece count."""
+    if text.strip().lower() == "auto":
+        return None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"--pieces takes 'auto' or a positive whole number, got {text!r}")
+    return int(text)
 
 
 def _report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -> None:
@@ -106,6 +122,7 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) 
 def run(args: argparse.Namespace) -> int:
     methods = _methods(args.methods)
     sizes = size_range(parse_size(args.min_size), parse_size(args.max_size))
+    pieces = _pieces(args.pieces)
     if args.warmup < 1 or args.iters < 1:
         raise ConfigError(f"--warmup and --iters must be >= 1, got {args.warmup} and {args.iters}")
     command = "thinwire " + " ".join(sys.argv[1:]) if sys.argv else "thinwire bench allreduce"
@@ -116,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         init_from_env(args.backend)
-        rows = bench.run_allreduce_bench(methods, sizes, args.warmup, args.iters)
+        rows = bench.run_allreduce_bench(methods, sizes, args.warmup, args.iters, pieces=pieces)
         if dist.get_rank() == 0:
             _report(rows, args, command)
         dist.destroy_process_group()
@@ -129,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     results = spawn(
         _rank_body,
         args.workers,
-        args=(methods, sizes, args.warmup, args.iters, cuda),
+        args=(methods, sizes, args.warmup, args.iters, cuda, pieces),
         backend=args.backend,
         timeout_s=args.timeout,
     )
@@ -200,6 +217,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per point (default 2)")
     p.add_argument("--iters", type=int, default=5, help="timed calls per point (default 5)")
+    p.add_argument(
+        "--pieces",
+        default="auto",
+        help="pieces per phase of the 1-bit allreduce: 'auto' (tuned by measuring, "
+        "default) or a count",
+    )
     p.add_argument(
         "--backend",
         choices=("gloo", "nccl"),
