@@ -25,7 +25,7 @@ def _grads(step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
 def _run(opt_params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, steps: int):
     for t in range(steps):
         for p, g in zip(opt_params, _grads(t, opt_params), strict=True):
-            p.grad = g.to(p.dtype)
+            p.grad = g.to(device=p.device, dtype=p.dtype)
         opt.step()
         yield t
 
@@ -238,3 +238,18 @@ def test_nan_gradient_skips_step_without_touching_state(cls) -> None:
         for p, b, m in zip(params, before, moments, strict=True):
             assert torch.equal(p.detach(), b)
             assert torch.equal(opt.state[p]["exp_avg"], m)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cls", [Lamb, OneBitAdam, OneBitLamb])
+def test_cuda_steps_match_cpu(cls) -> None:
+    # Across the freeze, with the state on the device; only float rounding may differ.
+    kw = {} if cls is Lamb else {"freeze_step": 3}
+    cpu = _problem(6)
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in _problem(6)]
+    opt_cpu, opt_gpu = cls(cpu, lr=0.01, **kw), cls(gpu, lr=0.01, **kw)
+    list(_run(cpu, opt_cpu, 6))
+    list(_run(gpu, opt_gpu, 6))
+    for pc, pg in zip(cpu, gpu, strict=True):
+        assert pg.is_cuda and opt_gpu.state[pg]["exp_avg"].is_cuda
+        torch.testing.assert_close(pg.detach().cpu(), pc.detach(), rtol=1e-4, atol=1e-5)
