@@ -256,3 +256,4 @@ def test_cuda_compute_matches_cpu() -> None:
         b = gpu(x.cuda())
         assert b.is_cuda
         torch.testing.assert_close(b.cpu(), a)
+    assert gpu.tuned and gpu.pieces_in_use == 1  # no tuning on CUDA unless asked

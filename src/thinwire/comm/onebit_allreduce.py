@@ -12,13 +12,13 @@ Per call, with ``x`` the rank's input (flat, fp32, padded with zeros to a multip
    packed 8 per byte; ``worker_error = x - s * sign``.
 2. phase 1: one small ``all_gather`` of ``(s, n)`` from every rank, then
    ``all_to_all_single`` of the packed bits: rank ``r`` receives every rank's bits for
-   segment ``r`` (``N/W`` elements).
+   segment ``r`` (``N/W`` elements), in one or more pieces.
 3. server (rank ``r`` for segment ``r``): ``y = (sum_i s_i * sign_i) / W`` (summed in
    rank order) ``+ server_error``; ``s2 = ||y|| / sqrt(len)``; ``server_error = y -
    s2 * sign(y)``; its sign bits are packed.
-4. phase 2: one ``all_gather`` of every rank's message, its packed segment followed by
-   its ``s2`` as 4 bytes; every rank unpacks ``s2_r * sign`` into segment ``r`` of the
-   output.
+4. phase 2: ``all_gather`` of every rank's message, its ``s2`` as 4 bytes followed by
+   its packed segment, in the same pieces; every rank unpacks ``s2_r * sign`` into
+   segment ``r`` of the output.
 
 Choices this implementation makes (and tests):
 
@@ -41,16 +41,20 @@ Choices this implementation makes (and tests):
   error updates, which need only local data, are computed while the bits travel: the
   worker error (a full pass over ``N``) during phase 1, the server error during
   phase 2. On a slow link that removes most of the compression cost from the call.
+* **Pieces.** Each phase may travel as several collectives, all started at once: the
+  server averages a piece as soon as it lands and the output is unpacked the same way,
+  while later pieces are still on the wire. On CPU the count is tuned by measuring
+  (:mod:`thinwire.comm.piece_tuner`); the result is bit-identical for any count.
 
 State (per rank): ``worker_error`` (n) and ``server_error`` (this rank's segment). Save
 it with :meth:`OneBitAllreduce.state_dict` on every rank and restore it with
 :meth:`OneBitAllreduce.load_state_dict`; the continuation is bit-identical.
 
 Tuning: one instance per buffer. Fuse everything that is exchanged in a step into one
-flat buffer and call once: every call costs 3 collective latencies (the scale gather,
-the all_to_all, the final gather), which dominate below ~1 MiB on a WAN. (The final
-gather carries the scales inside the bits message: a separate scale gather running
-beside it made phase 2 2-7% slower on 4 emulated hosts.)
+flat buffer and call once: every call costs at least 3 collective latencies (the scale
+gather, the all_to_all, the final gather), which dominate below ~1 MiB on a WAN. (The
+final gather carries the scales inside the bits message: a separate scale gather
+running beside it made phase 2 2-7% slower on 4 emulated hosts.)
 """
 
 from __future__ import annotations
@@ -222,11 +226,13 @@ class OneBitAllreduce:
             On GPU a larger value (e.g. 1 << 24) saves kernel launches.
         pieces: how many pieces each phase is sent in (all started at once). The server
             averages a piece while the next ones travel, and the output is unpacked the
-            same way, so compute hides behind the wire. ``None`` (default) measures:
-            the first calls try 1, 2, 4, ... pieces and keep the fastest (see
+            same way, so compute hides behind the wire. ``None`` (default) measures on
+            CPU: the first calls try 1, 2, 4, ... pieces and keep the fastest (see
             :mod:`thinwire.comm.piece_tuner`; the slow-link gain was 20-25% on 64 MiB).
-            Set it to skip tuning, e.g. 1 on a high-latency link where every extra
-            collective costs round trips. The result does not depend on it.
+            On CUDA it means 1: GPU packing is too fast for the overlap to matter, and
+            the host clock would not see the asynchronous kernels. Set it to skip
+            tuning, e.g. 1 on a high-latency link where every extra collective costs
+            round trips. The result does not depend on it.
 
     Raises (on every rank alike, nothing changed):
         NonFiniteError: some rank's input (plus its error) holds NaN/Inf or overflows
@@ -293,7 +299,7 @@ class OneBitAllreduce:
             "bools": zeros(padded, torch.uint8),
             "send": zeros(padded // 8, torch.uint8),
             "recv": zeros(padded // 8, torch.uint8),
-            # phase 2 message: this rank's packed segment, then its scale as 4 bytes
+            # phase 2 message: this rank's scale as 4 bytes, then its packed segment
             "message": zeros(seg // 8 + 4, torch.uint8),
             "gathered": zeros(self.world_size * (seg // 8 + 4), torch.uint8),
             # phase 1 pieces, piece-major: piece j holds slice j of every rank's chunk
@@ -302,8 +308,15 @@ class OneBitAllreduce:
             "tmp": zeros(min(self.chunk, max(8, seg))),
         }
         self.numel = n
-        # A fresh tuner on every rank at the same call keeps their choices in step.
-        self._tuner = PieceTuner(seg // 8) if self.pieces is None else None
+        self._new_tuner(device)
+
+    def _new_tuner(self, device: torch.device) -> None:
+        """Start tuning the piece count afresh (CPU, no fixed count). Every rank does this
+        at the same call (first call, new length, load, device move): their choices stay
+        in step."""
+        _, seg, _ = self._layout(self.numel or 0)
+        tune = self.pieces is None and device.type == "cpu"
+        self._tuner = PieceTuner(seg // 8) if tune else None
         self._last_seconds = 0.0
 
     @property
@@ -311,7 +324,9 @@ class OneBitAllreduce:
         """The piece count calls use now (None before the first call, or while tuning)."""
         if self.pieces is not None:
             return self.pieces
-        return self._tuner.choice if self._tuner is not None else None
+        if self._tuner is not None:
+            return self._tuner.choice
+        return None if self.numel is None else 1
 
     @property
     def tuned(self) -> bool:
@@ -319,7 +334,9 @@ class OneBitAllreduce:
         one rank). Tuning takes at most 11 calls on the same buffer length."""
         if self.pieces is not None or self.world_size == 1:
             return True
-        return self._tuner is not None and self._tuner.done
+        if self._tuner is not None:
+            return self._tuner.done
+        return self.numel is not None  # allocated without a tuner: CUDA, 1 piece
 
     def _cuts(self, seg8: int, previous_seconds: float) -> list[int]:
         """Byte offsets of this call's pieces inside a segment's bits (same on every rank)."""
@@ -354,6 +371,7 @@ class OneBitAllreduce:
             self._allocate(n, tensor.device)
         elif self._bufs["work"].device != tensor.device:
             self._bufs = {k: v.to(tensor.device) for k, v in self._bufs.items()}
+            self._new_tuner(tensor.device)
         b = self._bufs
         # Reported to every rank's piece tuner; stays 0 (unknown) if this call raises.
         previous, self._last_seconds = self._last_seconds, 0.0
