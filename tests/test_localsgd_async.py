@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
 from thinwire.localsgd.async_runtime import (
-    _make_worker,
     check_async_config,
+    make_worker,
     run,
     shape_signature,
     work_loop,
@@ -212,7 +212,7 @@ def test_inner_momentum_default_follows_dylu(tmp_path: Path) -> None:
         ({"dylu": True, "inner_momentum": "keep"}, "keep"),
         ({"dylu": False, "inner_momentum": "round"}, "round"),
     ]:
-        assert _make_worker(_cfg(tmp_path, **kw), 1, 2).inner_momentum == mode, kw
+        assert make_worker(_cfg(tmp_path, **kw), 1, 2).inner_momentum == mode, kw
 
 
 def _mismatched_rank(rank: int, world: int, cfg: TrainConfig) -> Any:

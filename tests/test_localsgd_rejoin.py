@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import rejoin, run, work_loop
+from thinwire.localsgd.async_runtime import run, work_loop
+from thinwire.localsgd.rejoin import rejoin
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.train.config import TrainConfig

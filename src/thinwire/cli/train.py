@@ -245,7 +245,7 @@ def _main(args: argparse.Namespace) -> int:
                 f"--rejoin restarts a worker of an asynchronous run (--algo async-diloco); "
                 f"--algo {cfg.algo} restarts with --resume"
             )
-        from thinwire.localsgd.async_runtime import rejoin
+        from thinwire.localsgd.rejoin import rejoin
 
         out = rejoin(cfg, args.rejoin)
         print(

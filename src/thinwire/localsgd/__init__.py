@@ -7,7 +7,9 @@
 * :class:`SpeedTracker`, :func:`dylu_steps` (``dylu.py``): Dynamic Local Updates.
 * :class:`ServerCore` (``server.py``): the parameter server's logic, transport-free.
 * ``async_runtime.run`` (``--algo async-diloco``): the server and workers on
-  torch.distributed; ``simulator.simulate``: the same server on a virtual clock.
+  torch.distributed, with rank 0's run wiring in ``server_run.py`` and
+  ``rejoin.rejoin`` (``--rejoin RANK``) for a worker process that was killed;
+  ``simulator.simulate``: the same server on a virtual clock.
 
 See ``docs/localsgd.md`` for the user guide.
 """

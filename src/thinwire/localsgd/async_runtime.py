@@ -19,7 +19,8 @@ Fault tolerance:
   continues with the others.
 * A worker whose round fails with an exception reports nothing, rebuilds its inner
   optimizer and joins again (``HELLO``); the server re-admits it.
-* A worker *process* that was killed comes back with :func:`rejoin` (``thinwire train
+* A worker *process* that was killed comes back with
+  :func:`thinwire.localsgd.rejoin.rejoin` (``thinwire train
   ... --rejoin RANK`` with ``MASTER_ADDR``/``MASTER_PORT`` of rank 0): every worker
   talks to the server over a two-rank gloo link of its own, never over the launch's
   process group, so a fresh process needs only the store's address. It is a new
@@ -42,22 +43,17 @@ default 120; the server waits that long at most for a worker that said hello and
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parameters_to_vector
 
-from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
 from thinwire.localsgd.inner_state import resolve_inner_momentum
 from thinwire.localsgd.server import OUTER_CHOICES, ServerCore, Work
@@ -74,16 +70,18 @@ from thinwire.localsgd.transport import (
 from thinwire.localsgd.worker import LocalWorker, load_flat_
 
 __all__ = [
+    "COMPRESS",
     "check_async_config",
     "evaluate_theta",
-    "rejoin",
+    "make_worker",
     "run",
     "serve",
     "shape_signature",
     "work_loop",
 ]
 
-_COMPRESS = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPRESS = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""Push dtype for each ``--compress`` choice."""
 
 
 def shape_signature(model: nn.Module) -> tuple[int, int]:
@@ -132,7 +130,7 @@ def serve(
     takes ``max(hung_after_min_s, hung_after_factor * expected round time)``.
 
     A worker process that says hello with a newer incarnation than the one admitted
-    (a restarted process, see :func:`rejoin`) replaces it: the older incarnation's link
+    (a restarted process, see :func:`thinwire.localsgd.rejoin.rejoin`) replaces it: the older incarnation's link
     is closed, its round in flight is lost (rewound and handed out again), and whatever
     it still had queued is ignored. The newcomer starts as a worker that joined late:
     no DyLU speed yet, back in Delayed Nesterov's N, the free shard with least progress.
@@ -326,7 +324,7 @@ def work_loop(
     A background thread bumps the worker's heartbeat every ``heartbeat_s`` seconds. A
     round that raises is abandoned; the worker resets its inner optimizer and joins
     again, at most ``max_restarts`` times. ``late``: this process joins a running run
-    (see :func:`rejoin`), so a model mismatch turns only this worker away instead of
+    (see :func:`thinwire.localsgd.rejoin.rejoin`), so a model mismatch turns only this worker away instead of
     stopping the run. The worker's link to the server is opened by its hello and
     closed when the loop returns or raises.
     """
@@ -415,7 +413,7 @@ def check_async_config(cfg: Any, workers: int) -> None:
         )
     if cfg.outer not in OUTER_CHOICES:
         raise ConfigError(f"unknown outer optimizer {cfg.outer!r}; choose one of {OUTER_CHOICES}")
-    if cfg.compress not in _COMPRESS:
+    if cfg.compress not in COMPRESS:
         raise ConfigError(
             f"async-diloco compresses pushes with none, fp16 or bf16, got {cfg.compress!r}"
         )
@@ -458,16 +456,18 @@ def run(cfg: Any) -> dict[str, Any]:
         timeout_s=float(extra.get("link_timeout_s", 1800.0)),
     )
     if rank != 0:
-        worker = _make_worker(cfg, rank, workers)
-        return work_loop(worker, transport, compress=_COMPRESS[cfg.compress])
+        worker = make_worker(cfg, rank, workers)
+        return work_loop(worker, transport, compress=COMPRESS[cfg.compress])
+    from thinwire.localsgd.server_run import run_server
+
     try:
-        return _run_server(cfg, transport, workers)
+        return run_server(cfg, transport, workers)
     finally:
         transport.mark_finished()  # late joiners are turned away, even after a failure
         transport.close()
 
 
-def _make_worker(cfg: Any, rank: int, workers: int) -> LocalWorker:
+def make_worker(cfg: Any, rank: int, workers: int) -> LocalWorker:
     from thinwire.train.data import TextData
     from thinwire.train.model import GPT
 
@@ -491,165 +491,3 @@ def _make_worker(cfg: Any, rank: int, workers: int) -> LocalWorker:
 def _device(cfg: Any) -> torch.device:
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     return torch.device("cuda" if cuda else "cpu")
-
-
-def rejoin(
-    cfg: Any,
-    rank: int,
-    *,
-    host: str | None = None,
-    port: int | str | None = None,
-    connect_timeout_s: float | None = None,
-) -> dict[str, Any]:
-    """Run worker ``rank`` again, in a fresh process, inside a running asynchronous run.
-
-    For a worker process that was killed (or its machine rebooted): start a new process
-    with the same settings as the run (the same ``thinwire train`` command, plus
-    ``--rejoin RANK``). It needs only the run's store, ``host:port`` (default: the
-    ``MASTER_ADDR`` and ``MASTER_PORT`` the run was launched with, i.e. rank 0's), and
-    never joins the launch's process group, whose rendezvous is long over. The server
-    admits it as a new incarnation of worker ``rank`` and ignores anything the old
-    process still had in flight. If the old process is in fact alive, it is cut off
-    and fails: the newest incarnation of a rank wins.
-
-    Returns the worker's counts (rounds, inner steps, restarts) with its ``worker``
-    rank and ``incarnation``.
-
-    Raises:
-        ConfigError: no address, nothing served there, the run has finished, ``rank``
-            is not a worker of the run, or the model or settings differ from the run's.
-            All are checked before this process says hello, so the run is not disturbed.
-    """
-    host = host or os.environ.get("MASTER_ADDR")
-    port = port or os.environ.get("MASTER_PORT")
-    if not host or not port:
-        raise ConfigError(
-            "rejoining needs the run's store address: set MASTER_ADDR and MASTER_PORT to "
-            "those of the run's rank 0"
-        )
-    try:
-        port = int(port)
-    except ValueError:
-        raise ConfigError(f"MASTER_PORT must be a port number, got {port!r}") from None
-    if rank < 1:
-        raise ConfigError(
-            f"cannot rejoin as rank {rank}: rank 0 is the server (restart the whole run with "
-            "--resume); workers are ranks 1..W"
-        )
-    cfg.validate()
-    extra = cfg.extra
-    timeout = float(connect_timeout_s or extra.get("connect_timeout_s", 120.0))
-    transport = Transport.rejoin(
-        host, port, rank, connect_timeout_s=timeout,
-        timeout_s=float(extra.get("link_timeout_s", 1800.0)),
-    )  # fmt: skip
-    info = transport.run_info()
-    if info.finished:
-        raise ConfigError(f"the asynchronous run served at {host}:{port} has finished")
-    if rank > info.workers:
-        raise ConfigError(
-            f"cannot rejoin as rank {rank}: the run at {host}:{port} has workers "
-            f"1..{info.workers} (rank 0 is the server)"
-        )
-    check_async_config(cfg, info.workers)
-    worker = _make_worker(cfg, rank, info.workers)
-    numel, crc = shape_signature(worker.model)
-    if (numel, crc) != (info.numel, info.checksum):
-        raise ConfigError(
-            f"this worker's model has {numel} parameters (shape checksum {crc}), the run's "
-            f"has {info.numel} (checksum {info.checksum}); rejoin with the run's model settings"
-        )
-    out = work_loop(worker, transport, compress=_COMPRESS[cfg.compress], late=True)
-    return out | {"worker": rank, "incarnation": transport.incarnation}
-
-
-def _run_server(cfg: Any, transport: Transport, workers: int) -> dict[str, Any]:
-    from thinwire.train.checkpoint import (
-        atomic_save,
-        check_run_identity,
-        safe_load,
-        write_run_identity,
-    )
-    from thinwire.train.data import TextData
-    from thinwire.train.metrics import MetricsWriter, atomic_write_text
-    from thinwire.train.model import GPT
-
-    world = workers + 1
-    extra = cfg.extra
-    gcfg = cfg.gpt_config()
-    torch.manual_seed(cfg.seed)
-    model = GPT(gcfg)
-    data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
-    shards = data.shards(int(extra.get("shards", workers)))
-
-    out_dir = Path(cfg.out_dir)
-    identity = {k: cfg.to_dict()[k] for k in cfg.IDENTITY} | {
-        "workers": workers,
-        "outer": cfg.outer,
-    }
-    core = ServerCore(
-        parameters_to_vector(model.parameters()), workers=workers, local_steps=cfg.local_steps,
-        total_steps=cfg.steps * workers, shard_sizes=[len(s) for s in shards], outer=cfg.outer,
-        outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, c=float(extra.get("c", 0.0)),
-        dylu=cfg.dylu, grace_s=float(extra.get("grace_s", 0.0)), sync=bool(extra.get("sync")),
-        dylu_ema=float(extra.get("dylu_ema", 0.5)),
-    )  # fmt: skip
-    ckpt_path = out_dir / "localsgd_server.pt"
-    resume_step = None
-    if cfg.resume:
-        check_run_identity(out_dir, identity)
-        core.load_state_dict(safe_load(ckpt_path))
-        resume_step = core.steps_applied
-    else:
-        if ckpt_path.exists():
-            raise ConfigError(
-                f"output directory {out_dir} already holds an asynchronous run; pass --resume "
-                "to continue it or choose another --out"
-            )
-        write_run_identity(out_dir, identity)
-    metrics = MetricsWriter(out_dir, True, resume_step, cfg.tensorboard)
-    batches = data.val_batches(cfg.eval_sequences, cfg.batch_size)
-    sent0, t0 = COUNTER.wire_bytes, time.monotonic()
-    steps0 = core.steps_applied
-    try:
-        stats = serve(
-            core, transport, list(range(1, world)), shape_signature(model),
-            evaluate=lambda theta: evaluate_theta(model, theta, batches),
-            eval_every_steps=cfg.eval_interval * workers, on_eval=metrics.write,
-            checkpoint=lambda c: atomic_save(c.state_dict(), ckpt_path),
-            checkpoint_every_steps=cfg.checkpoint_interval * workers,
-            dead_after_s=float(extra.get("dead_after_s", 10.0)),
-        )  # fmt: skip
-    finally:
-        metrics.close()
-    wall = time.monotonic() - t0
-    trained = (core.steps_applied - steps0) * cfg.batch_size
-    summary = {
-        "algo": cfg.algo,
-        "world_size": world,
-        "workers": workers,
-        "outer": cfg.outer,
-        "dylu": cfg.dylu,
-        "inner_momentum": resolve_inner_momentum(cfg.inner_momentum, cfg.dylu),
-        "sync": bool(extra.get("sync")),
-        "steps": core.steps_applied // workers,
-        "samples": core.steps_applied * cfg.batch_size,  # sequences trained on, all workers
-        "inner_steps": core.steps_applied,
-        "updates_applied": core.updates_applied,
-        "updates_rejected": core.updates_rejected,
-        "dead_workers": stats["dead_workers"],
-        "incarnations": stats["incarnations"],
-        "joins": stats["joins"],
-        "updates_by_incarnation": stats["updates_by_incarnation"],
-        "stale_messages": stats["stale_messages"],
-        "parameters": model.num_parameters(),
-        "final_val_loss": stats["val_loss"],
-        "final_val_ppl": math.exp(min(stats["val_loss"], 50.0)),
-        "train_time_s": wall,
-        "samples_per_s": trained / wall if wall > 0 else float("nan"),
-        "comm_bytes": COUNTER.wire_bytes - sent0 + transport.bytes_received,
-        "comm_by_op": COUNTER.snapshot(),
-        "out_dir": str(out_dir),
-    }
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary

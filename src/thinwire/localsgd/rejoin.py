@@ -1,0 +1,96 @@
+"""Bring a killed worker of an asynchronous Local-SGD run back, in a fresh process.
+
+``thinwire train ... --rejoin RANK`` (the run's own command, plus the flag) calls
+:func:`rejoin`. The new process needs only the run's store address (``MASTER_ADDR`` and
+``MASTER_PORT`` of rank 0). It opens its own two-rank link to the server, is checked
+against the run (rank, model, settings) before it says hello, and is admitted as a new
+*incarnation* of its rank; whatever the old process left in flight is ignored. See
+:mod:`thinwire.localsgd.async_runtime` for the run itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.async_runtime import (
+    COMPRESS,
+    check_async_config,
+    make_worker,
+    shape_signature,
+    work_loop,
+)
+from thinwire.localsgd.transport import Transport
+
+__all__ = ["rejoin"]
+
+
+def rejoin(
+    cfg: Any,
+    rank: int,
+    *,
+    host: str | None = None,
+    port: int | str | None = None,
+    connect_timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Run worker ``rank`` again, in a fresh process, inside a running asynchronous run.
+
+    For a worker process that was killed (or its machine rebooted): start a new process
+    with the same settings as the run (the same ``thinwire train`` command, plus
+    ``--rejoin RANK``). It needs only the run's store, ``host:port`` (default: the
+    ``MASTER_ADDR`` and ``MASTER_PORT`` the run was launched with, i.e. rank 0's), and
+    never joins the launch's process group, whose rendezvous is long over. The server
+    admits it as a new incarnation of worker ``rank`` and ignores anything the old
+    process still had in flight. If the old process is in fact alive, it is cut off
+    and fails: the newest incarnation of a rank wins.
+
+    Returns the worker's counts (rounds, inner steps, restarts) with its ``worker``
+    rank and ``incarnation``.
+
+    Raises:
+        ConfigError: no address, nothing served there, the run has finished, ``rank``
+            is not a worker of the run, or the model or settings differ from the run's.
+            All are checked before this process says hello, so the run is not disturbed.
+    """
+    host = host or os.environ.get("MASTER_ADDR")
+    port = port or os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ConfigError(
+            "rejoining needs the run's store address: set MASTER_ADDR and MASTER_PORT to "
+            "those of the run's rank 0"
+        )
+    try:
+        port = int(port)
+    except ValueError:
+        raise ConfigError(f"MASTER_PORT must be a port number, got {port!r}") from None
+    if rank < 1:
+        raise ConfigError(
+            f"cannot rejoin as rank {rank}: rank 0 is the server (restart the whole run with "
+            "--resume); workers are ranks 1..W"
+        )
+    cfg.validate()
+    extra = cfg.extra
+    timeout = float(connect_timeout_s or extra.get("connect_timeout_s", 120.0))
+    transport = Transport.rejoin(
+        host, port, rank, connect_timeout_s=timeout,
+        timeout_s=float(extra.get("link_timeout_s", 1800.0)),
+    )  # fmt: skip
+    info = transport.run_info()
+    if info.finished:
+        raise ConfigError(f"the asynchronous run served at {host}:{port} has finished")
+    if rank > info.workers:
+        raise ConfigError(
+            f"cannot rejoin as rank {rank}: the run at {host}:{port} has workers "
+            f"1..{info.workers} (rank 0 is the server)"
+        )
+    check_async_config(cfg, info.workers)
+    worker = make_worker(cfg, rank, info.workers)
+    numel, crc = shape_signature(worker.model)
+    if (numel, crc) != (info.numel, info.checksum):
+        raise ConfigError(
+            f"this worker's model has {numel} parameters (shape checksum {crc}), the run's "
+            f"has {info.numel} (checksum {info.checksum}); rejoin with the run's model settings"
+        )
+    out = work_loop(worker, transport, compress=COMPRESS[cfg.compress], late=True)
+    return out | {"worker": rank, "incarnation": transport.incarnation}
