@@ -122,7 +122,7 @@ def test_ctrl_c_stops_hosts_and_tears_down(tmp_path: Path) -> None:
         import sys
         from thinwire.testbed import Cluster
         with Cluster(2, "100mbit", cluster_id={cid!r}) as c:
-            c.run([sys.executable, "-c", "import time; time.sleep(120)"])
+            c.run([sys.executable, "-c", "import time; time.sleep(120)"], log_dir={str(tmp_path)!r})
         """
     )
     child = subprocess.Popen([sys.executable, "-c", code], preexec_fn=interruptible)
@@ -224,7 +224,8 @@ def test_cli_up_status_run_down(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert cid in nx.list_namespaces()  # an attached cluster outlives the run
         assert main(["testbed", "down", cid]) == 0
         assert _gone(cid)
-        assert main(["testbed", "run", "--hosts", "2", "--rate", "1gbit", "--", "true"]) == 0
+        logs = ["--logs", str(tmp_path / "second")]
+        assert main(["testbed", "run", "--hosts", "2", "--rate", "1gbit", *logs, "--", "true"]) == 0
     finally:
         if cid in nx.list_namespaces():
             remove_clusters([cid], force=True)
