@@ -101,6 +101,7 @@ def test_sequence_longer_than_data(tmp_path: Path, capsys: pytest.CaptureFixture
         ("--workers", "0", "workers must be >= 1, got 0"),
         ("--n-head", "3", "must be divisible by n_head"),
         ("--model", "huge", "unknown model preset 'huge'"),
+        ("--shards", "0", "--shards must be >= 1, got 0"),
     ],
 )
 def test_impossible_sizes(

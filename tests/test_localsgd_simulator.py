@@ -68,6 +68,21 @@ def test_bad_simulation_settings() -> None:
         simulate(_cfg("dn", c=0.5))
     with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
         simulate(_cfg("dn-dylu", inner_momentum="reset"))
+    with pytest.raises(ConfigError, match="shards must be >= 1, got 0"):
+        simulate(_cfg("dn", shards=0))
+
+
+@pytest.mark.timeout(120)
+def test_more_shards_than_workers_are_balanced_by_least_progress(data: TextData) -> None:
+    # One shard per worker: each keeps its own, so the fast worker's runs past its plan.
+    own = simulate(_cfg("dn"), data)
+    assert len(own["shard_steps"]) == 3
+    assert max(own["shard_steps"]) > own["shard_planned"][0]
+    # Twice as many shards as workers: every shard gets its planned share.
+    spread = simulate(_cfg("dn", shards=6), data)
+    assert len(spread["shard_steps"]) == 6
+    assert spread["shard_steps"] == spread["shard_planned"]
+    assert spread["inner_steps"] == own["inner_steps"] == 24  # the same budget
 
 
 @pytest.mark.timeout(60)

@@ -60,9 +60,10 @@ def test_train_argv_carries_the_async_options_of_extra(tmp_path: Path) -> None:
     from thinwire.cli.main import build_parser
     from thinwire.cli.train import config_from_args
 
-    cfg = TrainConfig(algo="async-diloco", extra={"sync": True, "grace_s": 1.5})
+    extra = {"sync": True, "grace_s": 1.5, "shards": 12}
+    cfg = TrainConfig(algo="async-diloco", extra=extra)
     parsed = config_from_args(build_parser().parse_args(train_argv(cfg, tmp_path)[3:]))
-    assert parsed.extra == {"sync": True, "grace_s": 1.5}
+    assert parsed.extra == extra
     assert config_from_args(build_parser().parse_args(["train"])).extra == {}
 
 

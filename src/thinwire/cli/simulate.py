@@ -70,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="inner AdamW first moment: keep it across rounds, or restart it every round "
         "(default: round for dn-dylu, keep for the other methods)",
     )
+    p.add_argument("--shards", type=int, default=None, help="data shards (default: one per worker)")
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW lr")
@@ -160,6 +161,7 @@ def run_async(args: argparse.Namespace) -> int:
             c=args.c,
             grace_s=args.grace,
             inner_momentum=args.inner_momentum,
+            shards=args.shards,
             model=args.model,
             batch_size=args.batch_size,
             lr=args.lr,

@@ -106,6 +106,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "together (default 0; with --dylu the inner-momentum restart makes it unneeded)",
     )
     ls.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        help="async-diloco: data shards (default one per worker; more let the "
+        "least-progress rule balance uneven workers)",
+    )
+    ls.add_argument(
         "--sync",
         action="store_true",
         help="async-diloco: every round waits for all workers (synchronous DiLoCo "
@@ -158,6 +165,10 @@ def _async_extra(args: argparse.Namespace) -> dict[str, Any]:
         extra["grace_s"] = args.grace
     if args.sync:
         extra["sync"] = True
+    if args.shards is not None:
+        if args.shards < 1:
+            raise ConfigError(f"--shards must be >= 1, got {args.shards}")
+        extra["shards"] = args.shards
     return extra
 
 

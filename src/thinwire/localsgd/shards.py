@@ -11,8 +11,10 @@ runtime's default) a returning worker's only free shard is the one it just retur
 each worker keeps its shard, and a fast worker's shard runs past its plan (at the
 floor lr) while a slow worker's stays short of it. Measured at the paper's toy speeds
 (0.58 / 0.75 / 1.51 / 3.33 s per step, 200 planned steps per shard) the shards end at
-340 / 270 / 130 / 60 steps, with or without DyLU. Give the run more shards than
-workers for the least-progress rule to balance them.
+340 / 267 / 133 / 60 steps, with or without DyLU. Give the run more shards than
+workers (``--shards``) for the least-progress rule to balance them: with 4 per worker
+every shard ended within 47-55 of its 50 planned steps, and Delayed Nesterov without
+DyLU ended at a 7% lower loss (docs/benchmarks.md).
 
 The inner learning rate follows the *shard's* clock: linear warmup, then cosine decay to
 a floor ``min_lr_ratio * lr``. A worker that changes shard continues that shard's

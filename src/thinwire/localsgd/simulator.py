@@ -71,6 +71,10 @@ class SimConfig:
     gives slow workers rounds of a few steps (see :mod:`thinwire.localsgd.inner_state`).
     ``None`` (default): ``round`` for ``dn-dylu``, ``keep`` for the other methods, the
     same rule as ``thinwire train``."""
+    shards: int | None = None
+    """Data shards (``None``: one per worker, as ``thinwire train``). With one shard per
+    worker each worker keeps its own; more shards let the least-progress rule balance
+    them (see :mod:`thinwire.localsgd.shards`)."""
     model: str = "tiny"
     model_overrides: dict[str, int] = field(default_factory=dict)
     """e.g. ``{"n_layer": 1}``: fields of :class:`GPTConfig` replacing the preset's."""
@@ -99,6 +103,8 @@ class SimConfig:
                 )
         if self.jitter < 0:
             raise ConfigError(f"jitter must be >= 0, got {self.jitter}")
+        if self.shards is not None and self.shards < 1:
+            raise ConfigError(f"shards must be >= 1, got {self.shards}")
         self.resolved_inner_momentum()
         if self.model not in PRESETS:
             raise ConfigError(f"unknown model preset {self.model!r}; valid: {', '.join(PRESETS)}")
@@ -124,7 +130,7 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
     gcfg = gpt_config(cfg)
     if data is None:
         data = TextData(cfg.data, gcfg.seq_len, 0.05, cfg.seed)
-    shards = data.shards(w_count)
+    shards = data.shards(cfg.shards or w_count)
     inner_momentum = cfg.resolved_inner_momentum()
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg)
@@ -209,6 +215,8 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
         "inner_steps": core.steps_applied,
         "updates": core.updates_applied,
         "sim_time_s": now,
+        "shard_steps": list(core.shards.clock),
+        "shard_planned": list(core.shards.planned),
         "curve": curve,
     }
 

@@ -92,7 +92,7 @@ _FLAGS: dict[str, str] = {
 # rather than silently training something else than the caller asked for.
 _NO_FLAG = ("min_lr_ratio", "betas", "resume", "tensorboard")
 # ``TrainConfig.extra`` keys the command line carries (others are refused, as above).
-_EXTRA_FLAGS: dict[str, str] = {"grace_s": "--grace", "sync": "--sync"}
+_EXTRA_FLAGS: dict[str, str] = {"grace_s": "--grace", "sync": "--sync", "shards": "--shards"}
 
 
 def train_argv(
@@ -122,6 +122,8 @@ def train_argv(
         argv += ["--grace", str(cfg.extra["grace_s"])]
     if cfg.extra.get("sync"):
         argv.append("--sync")
+    if "shards" in cfg.extra:
+        argv += ["--shards", str(int(cfg.extra["shards"]))]
     if cfg.dylu:
         argv.append("--dylu")
     if cfg.slowdown is not None:
