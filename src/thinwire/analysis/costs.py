@@ -152,7 +152,10 @@ def measure_codec_cost(
     owner's average, unpacking -- with the exchanges replaced by local copies) on an
     fp32 tensor of ``nbytes``. The simulation charges ``cost * bucket_bytes`` per bucket
     on top of the wire time. The owner's average is also priced by the reduction
-    table, so this slightly overcounts: an upper bound.
+    table, and the real call hides much of this compute behind the wire (the error
+    updates run during the transfers, and the pieces overlap the rest), so this
+    overcounts: an upper bound, worst on slow links. Timed with one piece, the count
+    that adds no per-collective overhead.
     """
     from thinwire.comm.onebit_allreduce import OneBitAllreduce
 
@@ -162,7 +165,7 @@ def measure_codec_cost(
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     dev = torch.device(device)
     x = torch.randn(nbytes // 4, device=dev)
-    op = OneBitAllreduce.compute_only(world_size)
+    op = OneBitAllreduce.compute_only(world_size, pieces=1)
     op(x)  # warm-up: allocates the buffers once, as a training run would
     times = []
     for _ in range(repeats):
