@@ -106,7 +106,10 @@ def _rank_main(
 
 @pytest.mark.timeout(150)
 def test_killed_worker_does_not_stop_the_run(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, steps=10, extra={"dead_after_s": 5.0})
+    # 30 steps per worker: long enough that the victim, however late its process starts,
+    # gets a round before the two survivors could spend the whole budget (with 10 they
+    # sometimes did, and the victim was told to stop before it could die).
+    cfg = _cfg(tmp_path, steps=30, extra={"dead_after_s": 5.0})
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -228,7 +228,7 @@ def test_newest_incarnation_wins_over_a_stalled_one(tmp_path: Path) -> None:
 def _slow_server(port: int, results: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     t = Transport(store, rank=0, run_id="slow", connect_timeout_s=2, timeout_s=60)
-    t.publish(1, 4, 0)
+    t.publish(1, 4, 0, 1)
     while (msg := t.poll()) is None:
         time.sleep(0.01)
     t.accept(msg.src, msg.incarnation)
@@ -290,6 +290,8 @@ def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
             rejoin(cfg, 0, host=host, port=port)
         with pytest.raises(ConfigError, match="rejoin with the run's model settings"):
             rejoin(_cfg(tmp_path, n_layer=2), 1, host=host, port=port)
+        with pytest.raises(ConfigError, match="into 6 shards, the run into 2; rejoin with"):
+            rejoin(_cfg(tmp_path, extra={"shards": 6}), 1, host=host, port=port)
         with pytest.raises(ConfigError, match="slowdown lists 3 factors"):
             rejoin(_cfg(tmp_path, slowdown=(1.0, 1.0, 1.0)), 1, host=host, port=port)
         assert time.monotonic() - t0 < 30  # clear errors, not timeouts

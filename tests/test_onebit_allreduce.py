@@ -168,6 +168,20 @@ def _bad_input_body(rank: int, world: int) -> dict:
         split.state_dict()["worker_error"], state["worker_error"]
     )
     report["in_step"] = torch.equal(OneBitAllreduce(pieces=3)(xs[rank]), reference(xs))
+    # Ranks set up with different piece counts: an error naming each rank's plan.
+    try:
+        OneBitAllreduce(pieces=2 if rank == 0 else None)(xs[rank])
+    except ValueError as exc:
+        report["plans"] = str(exc)
+    # A tuner reset on one rank only: its call count no longer matches.
+    tuned = OneBitAllreduce()
+    tuned(xs[rank])
+    if rank == 1:
+        tuned.load_state_dict(tuned.state_dict())
+    try:
+        tuned(xs[rank])
+    except ValueError as exc:
+        report["tuner_calls"] = str(exc)
     return report
 
 
@@ -183,6 +197,11 @@ def test_nan_inf_and_length_errors_are_reported_on_every_rank() -> None:
         assert "holds error buffers for 50 elements but got 51" in report["relength"]
         assert "server scale of rank(s) [1] overflowed" in report["server"]
         assert report["server_state_kept"] and report["in_step"]
+        assert (
+            "ranks disagree on the piece count: rank 0 uses 2 pieces, rank 1 tunes them "
+            in (report["plans"])
+        )
+        assert "rank 0 tunes them (call 1), rank 1 tunes them (call 0)" in report["tuner_calls"]
 
 
 def _checkpoint_body(rank: int, world: int) -> bool:
@@ -239,8 +258,8 @@ def test_compute_only_matches_reference_for_identical_ranks() -> None:
 
 def test_wire_bytes_formula() -> None:
     assert onebit_wire_bytes(1000, 1) == 0
-    # 4 ranks, 1024 elements: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 36 meta bytes.
-    assert onebit_wire_bytes(1024, 4) == 192 + 108
+    # 4 ranks, 1024 elements: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 52 meta bytes.
+    assert onebit_wire_bytes(1024, 4) == 192 + 156
     n = 16 * 2**20
     fp32_ring = 2 * 3 * 4 * n // 4
     assert fp32_ring / onebit_wire_bytes(n, 4) == pytest.approx(32, rel=1e-3)

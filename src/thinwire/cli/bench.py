@@ -97,7 +97,7 @@ def _pieces(text: str) -> int | None:
     """'auto' -> None (tuned by measuring); else a positive piece count."""
     if text.strip().lower() == "auto":
         return None
-    if not text.strip().isdigit() or int(text) < 1:
+    if not text.strip().isdecimal() or int(text) < 1:
         raise ConfigError(f"--pieces takes 'auto' or a positive whole number, got {text!r}")
     return int(text)
 

@@ -82,9 +82,9 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# per rank, before phase 1: (scale, length, length the state was built for, seconds the
-# previous call took) as fp64
-_META_BYTES = 32
+# per rank, before phase 1, as fp64: scale, length, length the state was built for,
+# seconds the previous call took, fixed piece count (0: tuned), tuner's call count (-1: none)
+_META_BYTES = 48
 _SCALE_BYTES = 4  # per rank, phase 2: one fp32 scale
 
 
@@ -94,6 +94,13 @@ class NonFiniteError(FloatingPointError):
 
 class LengthMismatchError(ValueError):
     """The ranks called the collective with buffers of different lengths."""
+
+
+def _describe(pieces: int, calls: int) -> str:
+    """One rank's piece plan, from the metadata, for an error message."""
+    if pieces:
+        return f"uses {pieces} pieces"
+    return f"tunes them (call {calls})" if calls >= 0 else "uses 1 piece (CUDA)"
 
 
 def onebit_padded_numel(numel: int, world_size: int) -> int:
@@ -106,7 +113,7 @@ def onebit_wire_bytes(numel: int, world_size: int) -> int:
     """Analytical bytes one rank sends per call for ``numel`` elements.
 
     ``2 (W-1)/W * N/8`` for the sign bits of both phases (``N`` padded) plus the scale
-    exchanges ``(W-1) * (32 + 4)``; 0 for a single rank.
+    exchanges ``(W-1) * (48 + 4)``; 0 for a single rank.
     """
     if world_size <= 1:
         return 0
@@ -322,16 +329,18 @@ class OneBitAllreduce:
     @property
     def pieces_in_use(self) -> int | None:
         """The piece count calls use now (None before the first call, or while tuning)."""
-        if self.pieces is not None:
+        if self.numel is None:
             return self.pieces
-        if self._tuner is not None:
-            return self._tuner.choice
-        return None if self.numel is None else 1
+        seg8 = self._layout(self.numel)[1] // 8
+        if self.pieces is not None:
+            return max(1, min(self.pieces, seg8))  # as _cuts clamps it
+        return self._tuner.choice if self._tuner is not None else 1
 
     @property
     def tuned(self) -> bool:
         """True once calls run at their final piece count (always, with ``pieces`` set or
-        one rank). Tuning takes at most 11 calls on the same buffer length."""
+        one rank). Tuning takes at most 12 calls on the same buffer length (the last of
+        them already at the chosen count)."""
         if self.pieces is not None or self.world_size == 1:
             return True
         if self._tuner is not None:
@@ -393,6 +402,8 @@ class OneBitAllreduce:
                 scale.new_tensor(n, dtype=torch.float64),
                 scale.new_tensor(self.numel, dtype=torch.float64),
                 scale.new_tensor(previous, dtype=torch.float64),
+                scale.new_tensor(self.pieces or 0, dtype=torch.float64),
+                scale.new_tensor(self._tuner.calls if self._tuner else -1, dtype=torch.float64),
             ]
         )
         wait_meta = self._exchange.start_meta(meta)
@@ -406,7 +417,8 @@ class OneBitAllreduce:
         # (x is no longer needed: its bits are packed); it only replaces the error at the
         # commit. Then the server averages each piece as it lands, while later pieces
         # are still on the wire.
-        cuts = self._cuts(seg // 8, float(metas[:, 3].max()))
+        # The last rank to arrive waited least: its time is closest to the call's own.
+        cuts = self._cuts(seg // 8, float(metas[:, 3].min()))
         recvs = self._pieces(b["recv"], cuts)
         if len(cuts) > 2:
             by_dest = b["send"].view(w, seg // 8)
@@ -491,6 +503,15 @@ class OneBitAllreduce:
             raise ValueError(
                 f"1-bit allreduce: rank {r} holds error buffers for {built[r]} elements but got {n}; "
                 "use one OneBitAllreduce per buffer, or call reset() on every rank"
+            )
+        plans = [(int(p), int(c)) for p, c in metas[:, 4:6].tolist()]
+        if len(set(plans)) > 1:  # the collectives would not match: fail instead of hanging
+            if fresh:
+                self.reset()
+            listing = ", ".join(f"rank {r} {_describe(*plan)}" for r, plan in enumerate(plans))
+            raise ValueError(
+                f"1-bit allreduce: ranks disagree on the piece count: {listing}; give every "
+                "rank the same pieces= and device, and reset() or load_state_dict() on all of them"
             )
         scales = metas[:, 0].tolist()
         bad = [r for r, v in enumerate(scales) if not math.isfinite(v)]

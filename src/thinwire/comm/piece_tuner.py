@@ -18,9 +18,12 @@ latency, a round trip per step of gloo's ring). No size rule gets both right, so
 :class:`PieceTuner` tries the counts and keeps the fastest.
 
 Every rank must choose the same count, or the collectives would not match. The tuner
-therefore only sees data that every rank holds: the slowest rank's duration of the
-previous call, which travels in the call's small metadata gather. Fed the same numbers
-in the same order, every rank's tuner makes the same choice.
+therefore only sees data that every rank holds: the shortest of the ranks' durations
+of the previous call, which travel in the call's small metadata gather. (The rank that
+arrived last waited least, so its time is the closest to the call's own, not to the
+arrival skew of the training loop around it.) Fed the same numbers in the same order,
+every rank's tuner makes the same choice; the collective checks that every rank's tuner
+is at the same call and fails with a clear error otherwise.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ class PieceTuner:
 
     The first call is a warm-up whose time is dropped (it allocates and touches fresh
     buffers). Tuning costs at most ``1 + trials * len(CANDIDATES)`` calls, fewer when
-    larger counts stop paying; all of them produce the normal, bit-identical result.
+    larger counts stop paying, and the call after them is the first at the chosen count
+    (a call's time reaches the tuner with the next call); all of them produce the
+    normal, bit-identical result.
 
     Args:
         segment_bytes: bytes of sign bits in one rank's segment (``N / W / 8``).
@@ -64,6 +69,11 @@ class PieceTuner:
         self.current = self.candidates[0]  # the count of the latest call
 
     @property
+    def calls(self) -> int:
+        """Calls this tuner has planned so far (the same on every rank)."""
+        return self._calls
+
+    @property
     def done(self) -> bool:
         """True once the count is fixed."""
         return self.choice is not None
@@ -72,7 +82,7 @@ class PieceTuner:
         """The piece count for this call.
 
         Args:
-            previous_seconds: the slowest rank's duration of the previous call; 0 when
+            previous_seconds: the shortest rank's duration of the previous call; 0 when
                 unknown (the first call, or the previous call raised), which is ignored.
         """
         if self._calls >= 2 and previous_seconds > 0 and math.isfinite(previous_seconds):

@@ -130,14 +130,15 @@ def serve(
     takes ``max(hung_after_min_s, hung_after_factor * expected round time)``.
 
     A worker process that says hello with a newer incarnation than the one admitted
-    (a restarted process, see :func:`thinwire.localsgd.rejoin.rejoin`) replaces it: the older incarnation's link
-    is closed, its round in flight is lost (rewound and handed out again), and whatever
-    it still had queued is ignored. The newcomer starts as a worker that joined late:
-    no DyLU speed yet, back in Delayed Nesterov's N, the free shard with least progress.
+    (a restarted process, see :func:`thinwire.localsgd.rejoin.rejoin`) replaces it: the
+    older incarnation's link is closed, its round in flight is lost (rewound and handed
+    out again), and whatever it still had queued is ignored. The newcomer starts as a
+    worker that joined late: no DyLU speed yet, back in Delayed Nesterov's N, the free
+    shard with least progress.
     """
     numel, crc = signature
     start = time.monotonic()
-    transport.publish(len(workers), numel, crc)
+    transport.publish(len(workers), numel, crc, len(core.shards))
     admitted: dict[int, int] = {}  # worker -> incarnation whose link is open
     beats: dict[int, tuple[int, int, float]] = {w: (0, -1, start) for w in workers}
     updates: dict[tuple[int, int], list[int]] = {}  # (worker, incarnation) -> [pushes, steps]
@@ -324,9 +325,9 @@ def work_loop(
     A background thread bumps the worker's heartbeat every ``heartbeat_s`` seconds. A
     round that raises is abandoned; the worker resets its inner optimizer and joins
     again, at most ``max_restarts`` times. ``late``: this process joins a running run
-    (see :func:`thinwire.localsgd.rejoin.rejoin`), so a model mismatch turns only this worker away instead of
-    stopping the run. The worker's link to the server is opened by its hello and
-    closed when the loop returns or raises.
+    (see :func:`thinwire.localsgd.rejoin.rejoin`), so a model mismatch turns only this
+    worker away instead of stopping the run. The worker's link to the server is opened
+    by its hello and closed when the loop returns or raises.
     """
     numel, crc = shape_signature(worker.model)
     stop_beating = threading.Event()

@@ -50,7 +50,8 @@ def rejoin(
 
     Raises:
         ConfigError: no address, nothing served there, the run has finished, ``rank``
-            is not a worker of the run, or the model or settings differ from the run's.
+            is not a worker of the run, or the model, the shard count or other settings
+            differ from the run's.
             All are checked before this process says hello, so the run is not disturbed.
     """
     host = host or os.environ.get("MASTER_ADDR")
@@ -91,6 +92,11 @@ def rejoin(
         raise ConfigError(
             f"this worker's model has {numel} parameters (shape checksum {crc}), the run's "
             f"has {info.numel} (checksum {info.checksum}); rejoin with the run's model settings"
+        )
+    if len(worker.shards) != info.shards:
+        raise ConfigError(
+            f"this worker cuts the data into {len(worker.shards)} shards, the run into "
+            f"{info.shards}; rejoin with the run's --shards"
         )
     out = work_loop(worker, transport, compress=COMPRESS[cfg.compress], late=True)
     return out | {"worker": rank, "incarnation": transport.incarnation}

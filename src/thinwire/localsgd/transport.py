@@ -126,6 +126,7 @@ class RunInfo:
     numel: int
     checksum: int
     finished: bool
+    shards: int
 
 
 class Transport:
@@ -223,9 +224,9 @@ class Transport:
         )
 
     # --- run information -------------------------------------------------------------------
-    def publish(self, workers: int, numel: int, checksum: int) -> None:
+    def publish(self, workers: int, numel: int, checksum: int, shards: int) -> None:
         """On the server: what a joining process checks before saying hello."""
-        info = {"workers": workers, "numel": numel, "checksum": checksum}
+        info = {"workers": workers, "numel": numel, "checksum": checksum, "shards": shards}
         self.store.set("info", json.dumps(info))
 
     def mark_finished(self) -> None:
@@ -240,7 +241,13 @@ class Transport:
             raise ConfigError("the run's server has not published its settings") from None
         info = json.loads(self.store.get("info"))
         finished = self.store.check(["finished"])
-        return RunInfo(int(info["workers"]), int(info["numel"]), int(info["checksum"]), finished)
+        return RunInfo(
+            int(info["workers"]),
+            int(info["numel"]),
+            int(info["checksum"]),
+            finished,
+            int(info["shards"]),
+        )
 
     # --- incarnations and heartbeats -------------------------------------------------------
     @property
