@@ -32,6 +32,12 @@ def test_picks_the_fastest_count_after_trying_each() -> None:
     assert set(used[11:]) == {8}
 
 
+def test_keeps_fewer_pieces_when_more_are_not_clearly_faster() -> None:
+    tuner = PieceTuner(16 * MIN_PIECE_BYTES)
+    _drive(tuner, {1: 0.155, 2: 0.152, 4: 0.148, 8: 0.2, 16: 0.3})
+    assert tuner.choice == 1  # 4 is only 4.5% faster: not worth three more collectives
+
+
 def test_stops_trying_larger_counts_once_they_are_clearly_slower() -> None:
     tuner = PieceTuner(16 * MIN_PIECE_BYTES)
     used = _drive(tuner, {1: 0.155, 2: 0.16, 4: 0.20, 8: 0.21, 16: 0.22})
