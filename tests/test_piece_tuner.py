@@ -27,9 +27,17 @@ def test_picks_the_fastest_count_after_trying_each() -> None:
     times = {1: 0.44, 2: 0.41, 4: 0.37, 8: 0.35, 16: 0.36}
     used = _drive(tuner, times)
     assert tuner.choice == 8 and tuner.done
-    # 1 warm-up call, then two calls per count, then the choice for good.
-    assert used[:11] == [1, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
-    assert set(used[11:]) == {8}
+    # 1 warm-up call, then three calls per count, then the choice for good.
+    assert used[:16] == [1] + [k for k in (1, 2, 4, 8, 16) for _ in range(3)]
+    assert set(used[16:]) == {8}
+
+
+def test_one_slow_call_does_not_decide() -> None:
+    tuner = PieceTuner(16 * MIN_PIECE_BYTES)
+    seq = iter([0.0, 0.2, 0.2, 0.2, 0.15, 0.5, 0.5] + [0.3] * 20)  # 2 pieces: one fast fluke
+    for _ in range(20):
+        tuner.next(next(seq))
+    assert tuner.choice == 1  # the median of 2 pieces' calls (0.5) loses to 1 piece's 0.2
 
 
 def test_keeps_fewer_pieces_when_more_are_not_clearly_faster() -> None:
@@ -50,8 +58,9 @@ def test_same_observations_give_the_same_choice_and_unknown_times_are_ignored() 
     a, b = PieceTuner(1 << 20), PieceTuner(1 << 20)
     assert _drive(a, times) == _drive(b, times)
     # A call that raised reports 0: it neither counts as fast nor stalls the tuning.
-    c = PieceTuner(1 << 20)
-    seq = [0.0, 0.0, 0.3, 0.0, 0.3] + [0.2, 0.2, 0.25, 0.25, 0.4, 0.4] + [0.0] * 5
+    c = PieceTuner(1 << 20, trials=2)
+    # call 3 raised (0.0): count 1 keeps its one good time; counts 2, 4, 8 get two each
+    seq = [0.0, 0.0, 0.3, 0.0, 0.2, 0.2, 0.25, 0.25, 0.4, 0.4, 0.0, 0.0]
     for t in seq:
         c.next(t)
     assert c.choice == 2
@@ -69,7 +78,7 @@ def _tuned_body(rank: int, world: int) -> tuple[int | None, bool, list[int]]:
     tuned, whole = OneBitAllreduce(), OneBitAllreduce(pieces=1)
     same = True
     counts = []
-    for _ in range(10):
+    for _ in range(12):  # 1 warm-up + 3 counts x 3 calls, then the choice
         x = torch.randn(n, generator=gen)
         same &= torch.equal(tuned(x), whole(x))
         counts.append(tuned._tuner.current if tuned._tuner else -1)

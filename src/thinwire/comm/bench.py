@@ -27,7 +27,7 @@ For ``onebit`` the row also has ``compute_s``: the median time of the same call 
 the network replaced by local copies (:meth:`OneBitAllreduce.compute_only`), timed in
 the same rounds, on all ranks at once so they compete for cores as in the real call. ``time_s -
 compute_s`` approximates the wire time. Both 1-bit instances first run the untimed calls
-that tune their piece count (see :mod:`thinwire.comm.piece_tuner`; at most 12), and the
+that tune their piece count (see :mod:`thinwire.comm.piece_tuner`; at most 17), and the
 row reports the count chosen as ``pieces``.
 
 The single-process packing and 1-bit compute benchmarks (``thinwire bench packing``)

@@ -339,7 +339,7 @@ class OneBitAllreduce:
     @property
     def tuned(self) -> bool:
         """True once calls run at their final piece count (always, with ``pieces`` set or
-        one rank). Tuning takes at most 12 calls on the same buffer length (the last of
+        one rank). Tuning takes at most 17 calls on the same buffer length (the last of
         them already at the chosen count)."""
         if self.pieces is not None or self.world_size == 1:
             return True

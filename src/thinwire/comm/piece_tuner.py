@@ -29,6 +29,7 @@ is at the same call and fails with a clear error otherwise.
 from __future__ import annotations
 
 import math
+import statistics
 
 __all__ = ["CANDIDATES", "MIN_PIECE_BYTES", "PieceTuner"]
 
@@ -45,8 +46,8 @@ call time is close to unimodal in the count)."""
 
 PREFER_FEWER = 1.05
 """Keep the smallest count within this factor of the fastest. Each extra piece is one
-more collective (and on a link with real latency, more round trips), and two calls per
-count cannot tell apart counts closer than this: at 1 Gbit/s, where 1-4 pieces are
+more collective (and on a link with real latency, more round trips), and a few calls
+per count cannot tell apart counts closer than this: at 1 Gbit/s, where 1-4 pieces are
 about equally fast, picking 4 on noise gave 4.0-4.7x fp32 against 5.1-6.4x for 1-2."""
 
 
@@ -62,14 +63,16 @@ class PieceTuner:
 
     Args:
         segment_bytes: bytes of sign bits in one rank's segment (``N / W / 8``).
-        trials: calls per candidate; the best (shortest) of them is its score.
+        trials: calls per candidate; the median of their times is its score (robust to
+            one call slowed by something else on the machine or the link).
     """
 
-    def __init__(self, segment_bytes: int, trials: int = 2) -> None:
+    def __init__(self, segment_bytes: int, trials: int = 3) -> None:
         limit = max(1, segment_bytes // MIN_PIECE_BYTES)
         self.candidates = [k for k in CANDIDATES if k <= limit]
         self.trials = max(1, trials)
         self.scores: dict[int, float] = {}
+        self._times: dict[int, list[float]] = {}
         self.choice: int | None = self.candidates[0] if len(self.candidates) == 1 else None
         self._plan = [self.candidates[0]] + [k for k in self.candidates for _ in range(self.trials)]
         self._calls = 0
@@ -93,9 +96,9 @@ class PieceTuner:
                 unknown (the first call, or the previous call raised), which is ignored.
         """
         if self._calls >= 2 and previous_seconds > 0 and math.isfinite(previous_seconds):
-            self.scores[self.current] = min(
-                self.scores.get(self.current, math.inf), previous_seconds
-            )
+            times = self._times.setdefault(self.current, [])
+            times.append(previous_seconds)
+            self.scores[self.current] = statistics.median(times)
         if self.choice is None:
             if self._calls < len(self._plan) and not self._gave_up():
                 self.current = self._plan[self._calls]
