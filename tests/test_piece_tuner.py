@@ -30,6 +30,7 @@ def test_picks_the_fastest_count_after_trying_each() -> None:
     # 1 warm-up call, then three calls per count, then the choice for good.
     assert used[:16] == [1] + [k for k in (1, 2, 4, 8, 16) for _ in range(3)]
     assert set(used[16:]) == {8}
+    assert sum(len(t) for t in tuner._times.values()) == 15  # nothing kept after the choice
 
 
 def test_one_slow_call_does_not_decide() -> None:

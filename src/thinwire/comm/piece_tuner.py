@@ -95,7 +95,8 @@ class PieceTuner:
             previous_seconds: the shortest rank's duration of the previous call; 0 when
                 unknown (the first call, or the previous call raised), which is ignored.
         """
-        if self._calls >= 2 and previous_seconds > 0 and math.isfinite(previous_seconds):
+        measured = previous_seconds > 0 and math.isfinite(previous_seconds)
+        if self.choice is None and self._calls >= 2 and measured:  # nothing kept once chosen
             times = self._times.setdefault(self.current, [])
             times.append(previous_seconds)
             self.scores[self.current] = statistics.median(times)
