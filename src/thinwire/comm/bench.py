@@ -263,7 +263,8 @@ def run_allreduce_bench(
         onebit: OneBitAllreduce | None = None
         for method in methods:
             ops[method], wires[method], made = _make_op(method, x, group, pieces)
-            onebit = made or onebit
+            if made is not None:
+                onebit = made
         if onebit is not None:
             local = OneBitAllreduce.compute_only(w, pieces=pieces)
             local_out = torch.empty_like(x)
