@@ -26,9 +26,9 @@ allreduce of the uncompressed data would need to match that time), both in GB/s
 For ``onebit`` the row also has ``compute_s``: the median time of the same call with
 the network replaced by local copies (:meth:`OneBitAllreduce.compute_only`), timed in
 the same rounds, on all ranks at once so they compete for cores as in the real call. ``time_s -
-compute_s`` approximates the wire time. Both 1-bit instances first run the untimed calls
-that tune their piece count (see :mod:`thinwire.comm.piece_tuner`; at most 17), and the
-row reports the count chosen as ``pieces``.
+compute_s`` approximates the wire time. The 1-bit allreduce first runs the untimed calls
+that tune its piece count (see :mod:`thinwire.comm.piece_tuner`; at most 17); the row
+reports the count chosen as ``pieces``, and the compute-only call uses the same count.
 
 The single-process packing and 1-bit compute benchmarks (``thinwire bench packing``)
 are in :mod:`thinwire.comm.bench_packing`.
@@ -266,15 +266,14 @@ def run_allreduce_bench(
             if made is not None:
                 onebit = made
         if onebit is not None:
-            local = OneBitAllreduce.compute_only(w, pieces=pieces)
-            local_out = torch.empty_like(x)
-            ops["onebit-compute"] = lambda: local(x, out=local_out)  # noqa: B023
-            # Untimed: the calls that tune the piece count. The collective's tuner decides
-            # the same on every rank; the local one may not, and needs no partner.
+            # Untimed: the calls that tune the piece count (the same choice on every rank).
             while not onebit.tuned:
                 ops["onebit"]()
-            while not local.tuned:
-                ops["onebit-compute"]()
+            # The compute-only twin runs at the collective's count, so that time - compute
+            # splits the very call that was timed.
+            local = OneBitAllreduce.compute_only(w, pieces=onebit.pieces_in_use)
+            local_out = torch.empty_like(x)
+            ops["onebit-compute"] = lambda: local(x, out=local_out)  # noqa: B023
         times = _time_interleaved(ops, warmup, iters, group, device)
         for method in methods:
             t = statistics.median(times[method])
