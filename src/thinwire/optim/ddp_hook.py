@@ -1,6 +1,6 @@
 """The DDP comm hook that lets thinwire's optimizers run under PyTorch DDP.
 
-Registered by :meth:`thinwire.optim.distributed.CommOptimizer.register_ddp`. While the
+Registered by :meth:`thinwire.optim.base.CommOptimizer.register_ddp`. While the
 optimizer needs averaged gradients (LAMB always; 1-bit Adam / 1-bit LAMB during warmup)
 the hook is DDP's own allreduce (divide by W, sum), with byte accounting. After the
 freeze it sends nothing and hands each rank its local gradients: the optimizer then
@@ -23,7 +23,7 @@ class OptimizerAwareHookState:
     """Hook state: the optimizer whose stage decides whether gradients travel.
 
     Pickling drops the optimizer (and with it any process group); re-register the hook
-    with :meth:`~thinwire.optim.distributed.CommOptimizer.register_ddp` after loading.
+    with :meth:`~thinwire.optim.base.CommOptimizer.register_ddp` after loading.
     """
 
     __slots__ = ("optimizer", "process_group")

@@ -19,7 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.optim.distributed import CommOptimizer, check_adam_hyperparameters, check_range
+from thinwire.optim.base import (
+    CommOptimizer,
+    adam_direction,
+    check_adam_hyperparameters,
+    check_range,
+)
 
 __all__ = ["Lamb", "trust_ratio"]
 
@@ -65,9 +70,14 @@ class Lamb(CommOptimizer):
         check_range("min_coeff", min_coeff, 0.0, float("inf"), lo_open=True)
         check_range("max_coeff", max_coeff, min_coeff, float("inf"))
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
-        )  # fmt: skip
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
         super().__init__(params, defaults, process_group)
         self.global_step = 0
         self.last_coeffs: list[float] = []
@@ -86,15 +96,9 @@ class Lamb(CommOptimizer):
         t = self.global_step
         coeffs = []
         for p, group in items:
-            b1, b2 = group["betas"]
             state = self._update_moments(p, group)
-            m, v = state["exp_avg"], state["exp_avg_sq"]
             master = self._master(p)
-            if group["bias_correction"]:
-                denom = (v / (1 - b2**t)).sqrt_().add_(group["eps"])
-                u = (m / (1 - b1**t)).div_(denom)
-            else:
-                u = m / v.sqrt().add_(group["eps"])
+            u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
             if group["weight_decay"]:
                 u.add_(master, alpha=group["weight_decay"])
             c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])

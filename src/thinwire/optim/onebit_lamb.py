@@ -6,13 +6,15 @@ LAMB's Convergence Speed", arXiv 2104.06069.
 Error feedback cannot be put under LAMB directly: the trust ratio is a nonlinear
 function of the update, so compression error would change it. 1-bit LAMB therefore:
 
-* **Warmup** (steps 1..``freeze_step``): LAMB (no bias correction, as the reference) on
-  gradients averaged by a full-precision allreduce, while keeping an EMA ``c_freeze`` of
-  each layer's trust ratio. At ``freeze_step`` the variance ``v`` is frozen and a fresh
-  copy ``v_fresh`` keeps tracking the gradients.
+* **Warmup** (until ``freeze_step``, or with ``freeze_step="auto"`` until the second
+  moment has settled): LAMB (no bias correction, as the reference) on gradients
+  averaged by a full-precision allreduce, while keeping an EMA ``c_freeze`` of each
+  layer's trust ratio. At the switch the variance ``v`` is frozen and a fresh copy
+  ``v_fresh`` keeps tracking the gradients.
 * **Compression stage**: gradients stay local. All layers' momenta, first brought to one
   common scale (``scaling_coeff``, fixed at the first compressed step, so one sign+scale
-  fits every layer), travel in ONE fused error-compensated 1-bit allreduce per step. The
+  fits every layer), travel in ONE fused error-compensated 1-bit allreduce per step
+  (preconditioned by the frozen ``sqrt(v)`` first, unless ``precondition=False``). The
   trust ratio becomes ``c_freeze * f``, where ``f`` = max over the layer of
   ``(sqrt(v)+eps) / (sqrt(v_fresh)+eps)`` measures how far the frozen variance has drifted
   from the fresh one (``v_fresh`` is fed with the global gradient reconstructed from the
@@ -28,13 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.optim.distributed import (
-    TwoStageOptimizer,
+from thinwire.optim.base import (
+    adam_direction,
     check_adam_hyperparameters,
     check_range,
+    momentum_masks,
 )
+from thinwire.optim.freeze import AutoFreeze
 from thinwire.optim.lamb import trust_ratio
-from thinwire.optim.onebit_adam import _masks
+from thinwire.optim.two_stage import TwoStageOptimizer
 
 __all__ = ["OneBitLamb"]
 
@@ -46,11 +50,14 @@ class OneBitLamb(TwoStageOptimizer):
         params: parameters or parameter groups (a group may carry ``exp_avg_mask``, as
             for :class:`~thinwire.optim.OneBitAdam`).
         lr: learning rate, as for LAMB.
-        freeze_step: steps of full-precision LAMB before compression (required). The
-            frozen variance and the trust-ratio EMA must be representative: 15-25% of the
-            run is the usual choice. Shorter saves bandwidth; too short shows as a loss
-            bump after the freeze (the factor ``f`` then hits its clip bounds often,
-            visible in :meth:`get_lamb_coeffs`).
+        freeze_step: when the full-precision warmup ends: ``"auto"`` (once the second
+            moment has settled, see :class:`~thinwire.optim.freeze.AutoFreeze`; pass an
+            ``AutoFreeze(...)`` to tune it or to cap it at a share of your run), or a
+            step count. The frozen variance and the trust-ratio EMA must be
+            representative: a fixed count of 15-25% of the run is the paper's choice.
+            Shorter saves bandwidth; too short shows as a loss bump after the freeze
+            (the factor ``f`` then hits its clip bounds often, visible in
+            :meth:`get_lamb_coeffs`).
         betas, eps, weight_decay: as for LAMB.
         max_coeff, min_coeff: bounds of the warmup trust ratio.
         coeff_beta: EMA rate of the trust ratio during warmup; 0.9 averages about the
@@ -64,6 +71,9 @@ class OneBitLamb(TwoStageOptimizer):
             (``1 - b2^t``), and coordinates with small gradients then take huge steps
             from the +-scale noise of the 1-bit momenta (a 120-step GPT run diverged).
             ``thinwire train`` turns it on.
+        precondition: compress ``m / (sqrt(v_hat)+eps)`` instead of ``m`` (default), so
+            the compression error of an element is on the scale of its own step; see
+            :mod:`thinwire.optim.two_stage`. ``False`` is the paper's rule.
         process_group: ranks to average over (default: the default group, if any).
 
     With one process it is LAMB-without-bias-correction in warmup and the same
@@ -78,7 +88,7 @@ class OneBitLamb(TwoStageOptimizer):
         self,
         params: Iterable[Any],
         lr: float = 1e-3,
-        freeze_step: int = 100_000,
+        freeze_step: int | str | AutoFreeze = "auto",
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -89,6 +99,7 @@ class OneBitLamb(TwoStageOptimizer):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         bias_correction: bool = False,
+        precondition: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
@@ -99,16 +110,22 @@ class OneBitLamb(TwoStageOptimizer):
         check_range("factor_max", factor_max, factor_min, float("inf"))
         check_range("factor_threshold", factor_threshold, 0.0, 1.0, hi_open=True)
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
-            min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
-            factor_min=factor_min, factor_threshold=factor_threshold,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            coeff_beta=coeff_beta,
+            factor_max=factor_max,
+            factor_min=factor_min,
+            factor_threshold=factor_threshold,
             bias_correction=bias_correction,
-        )  # fmt: skip
+            precondition=precondition,
+        )
         super().__init__(params, defaults, freeze_step, process_group)
         self.last_coeffs: list[float] = []
         self.last_factors: list[float] = []
-        # Derived, not state: rebuilt from exp_avg_sq after a load_state_dict.
-        self._denoms: dict[torch.Tensor, torch.Tensor] = {}
         self._work: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ warmup
@@ -124,11 +141,8 @@ class OneBitLamb(TwoStageOptimizer):
             state = self._update_moments(p, group)
             state.setdefault("lamb_coeff_freeze", 0.0)
             state.setdefault("last_factor", 1.0)
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            if t == self.freeze_step:
-                state["exp_avg_sq_fresh"] = v.clone()
             master = self._master(p)
-            u = self._direction(m, v, group, t)
+            u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
             if group["weight_decay"]:
                 u.add_(master, alpha=group["weight_decay"])
             c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
@@ -140,15 +154,9 @@ class OneBitLamb(TwoStageOptimizer):
         self.last_coeffs, self.last_factors = coeffs, [1.0] * len(coeffs)
         return True
 
-    def _direction(
-        self, m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], t: int
-    ) -> torch.Tensor:
-        """Warmup: ``m / (sqrt(v) + eps)``, bias-corrected at step ``t`` when asked (a new
-        tensor). The compression stage divides by :meth:`_frozen_denom` instead."""
-        b1, b2 = group["betas"]
-        if group["bias_correction"]:
-            return (m / (1 - b1**t)).div_((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
-        return m / v.sqrt().add_(group["eps"])
+    def _on_freeze(self) -> None:
+        for p, _ in self._momentum_params():
+            self.state[p]["exp_avg_sq_fresh"] = self.state[p]["exp_avg_sq"].clone()
 
     # ------------------------------------------------------------------ compression
 
@@ -156,14 +164,16 @@ class OneBitLamb(TwoStageOptimizer):
         items = self._momentum_params()
         params, groups = [p for p, _ in items], dict(items)
         if params and "scaling_coeff" not in self.state[params[0]]:
-            self._set_scaling_coeffs(params)
+            self._set_scaling_coeffs(items)
 
         def fill(p: torch.Tensor, view: torch.Tensor) -> None:
-            b1 = groups[p]["betas"][0]
-            state = self.state[p]
+            group, state = groups[p], self.state[p]
+            b1 = group["betas"][0]
             torch.mul(state["exp_avg"], b1, out=view)
             if p.grad is not None:
                 view.add_(p.grad.float(), alpha=1 - b1)
+            if group["precondition"]:
+                view.div_(self._frozen_denom(p, group))
             view.mul_(state["scaling_coeff"])
 
         views = self._compressed_average(params, fill)
@@ -171,7 +181,7 @@ class OneBitLamb(TwoStageOptimizer):
             return False
         self.global_step += 1
         t = self.global_step
-        masks = _masks(self.param_groups)
+        masks = momentum_masks(self.param_groups)
         coeffs, factors = [], []
         largest = max(p.numel() for p in params)
         work = self._scratch(2 * largest, params[0].device)
@@ -181,7 +191,10 @@ class OneBitLamb(TwoStageOptimizer):
             m, v_fresh = state["exp_avg"], state["exp_avg_sq_fresh"]
             s1 = work[: p.numel()].view(p.shape)
             s2 = work[largest : largest + p.numel()].view(p.shape)
+            denom = self._frozen_denom(p, group)
             m_new = view.div_(state["scaling_coeff"])
+            if group["precondition"]:
+                m_new.mul_(denom)
             # The averaged momentum implies the averaged gradient; feed it to v_fresh.
             g_rec = torch.sub(m_new, torch.mul(m, b1, out=s1), out=s1).div_(1 - b1)
             v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
@@ -189,7 +202,6 @@ class OneBitLamb(TwoStageOptimizer):
             if masks.get(p) is not None:
                 m.mul_(masks[p])
             master = self._master(p)
-            denom = self._frozen_denom(p, group)
             if group["bias_correction"]:
                 u = torch.div(m, 1 - b1**t, out=s1).div_(denom)
                 fresh = torch.div(v_fresh, 1 - b2**t, out=s2)
@@ -217,18 +229,6 @@ class OneBitLamb(TwoStageOptimizer):
         self.last_coeffs, self.last_factors = coeffs, factors
         return True
 
-    def _frozen_denom(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """``sqrt(v_hat) + eps`` of the frozen variance: constant after the freeze, so it is
-        computed once per parameter (4 bytes per element) instead of every step."""
-        denom = self._denoms.get(p)
-        if denom is None:
-            v = self.state[p]["exp_avg_sq"]
-            if group["bias_correction"]:
-                v = v / (1 - group["betas"][1] ** self.freeze_step)
-            denom = v.sqrt().add_(group["eps"])
-            self._denoms[p] = denom
-        return denom
-
     def _scratch(self, numel: int, device: torch.device) -> torch.Tensor:
         """A reusable fp32 work buffer (no per-step allocations of layer-sized temporaries)."""
         buf = self._work
@@ -236,12 +236,18 @@ class OneBitLamb(TwoStageOptimizer):
             buf = self._work = torch.empty(numel, dtype=torch.float32, device=device)
         return buf[:numel]
 
-    def _set_scaling_coeffs(self, params: list[torch.Tensor]) -> None:
-        """Bring every layer's momentum to the mean RMS, so one 1-bit scale fits all."""
-        rms = [float(self.state[p]["exp_avg"].norm()) / math.sqrt(p.numel()) for p in params]
+    def _set_scaling_coeffs(self, items: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """Bring every layer's (preconditioned) momentum to the mean RMS, so one 1-bit
+        scale fits all."""
+        rms = []
+        for p, group in items:
+            m = self.state[p]["exp_avg"]
+            if group["precondition"]:
+                m = m / self._frozen_denom(p, group)
+            rms.append(float(m.norm()) / math.sqrt(p.numel()))
         nonzero = [s for s in rms if s > 0]
         mean = sum(nonzero) / len(nonzero) if nonzero else 1.0
-        for p, s in zip(params, rms, strict=True):
+        for (p, _), s in zip(items, rms, strict=True):
             # A layer with all-zero momentum at the switch keeps scale 1 (nothing to match).
             self.state[p]["scaling_coeff"] = mean / s if s > 0 else 1.0
 
@@ -261,13 +267,12 @@ class OneBitLamb(TwoStageOptimizer):
                 i += 1
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._denoms = {}  # the frozen variance may be another one now
-        super().load_state_dict(state_dict)
-
     def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), "last_coeffs": self.last_coeffs,
-                "last_factors": self.last_factors}  # fmt: skip
+        return {
+            **super()._extra_state(),
+            "last_coeffs": self.last_coeffs,
+            "last_factors": self.last_factors,
+        }
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         super()._load_extra_state(extra)

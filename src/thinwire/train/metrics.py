@@ -18,9 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from thinwire.errors import ConfigError
 
-__all__ = ["MetricsWriter", "Progress", "atomic_write_text", "read_metrics"]
+__all__ = ["MetricsWriter", "Progress", "atomic_write_text", "plain", "read_metrics"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -31,6 +34,17 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def plain(key: str, value: Any) -> bool | int | float | str | None:
+    """``value`` as a plain JSON scalar: one-element tensors and numpy scalars become Python
+    numbers, so a metric computed from optimizer state can never break the writer (or put
+    a tensor's repr in the file). Anything else raises a TypeError naming the key."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.generic) or (torch.is_tensor(value) and value.numel() == 1):
+        return value.item()
+    raise TypeError(f"metric {key!r} is a {type(value).__name__}, not a number or a string")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -78,6 +92,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        record = {key: plain(key, value) for key, value in record.items()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:

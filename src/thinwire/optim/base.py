@@ -1,5 +1,8 @@
 """What LAMB, 1-bit Adam and 1-bit LAMB share: they are distributed optimizers.
 
+(The two-stage warmup-then-compress machinery of the 1-bit optimizers is in
+:mod:`thinwire.optim.two_stage`; when to switch, in :mod:`thinwire.optim.freeze`.)
+
 Each is a ``torch.optim.Optimizer`` that also owns the communication of its step, so a
 user's training loop stays ``loss.backward(); opt.step()``:
 
@@ -31,7 +34,13 @@ import torch.distributed as dist
 
 from thinwire.comm.accounting import record, ring_allreduce_bytes
 
-__all__ = ["CommOptimizer", "TwoStageOptimizer", "check_adam_hyperparameters", "check_range"]
+__all__ = [
+    "CommOptimizer",
+    "adam_direction",
+    "check_adam_hyperparameters",
+    "check_range",
+    "momentum_masks",
+]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -55,6 +64,35 @@ def check_adam_hyperparameters(
     check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
     check_range("eps", eps, 0.0, float("inf"), lo_open=True)
     check_range("weight_decay", weight_decay, 0.0, float("inf"))
+
+
+def adam_direction(m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], t: int) -> torch.Tensor:
+    """Adam's update direction ``m_hat / (sqrt(v_hat) + eps)`` at step ``t`` (a new tensor).
+
+    The hats are the bias-corrected moments (divided by ``1 - beta^t``) when the group asks
+    for ``bias_correction``, else the raw moments (the 1-bit papers' reference behaviour).
+    """
+    b1, b2 = group["betas"]
+    if group["bias_correction"]:
+        return (m / (1 - b1**t)).div_((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
+    return m / v.sqrt().add_(group["eps"])
+
+
+def momentum_masks(groups: list[dict[str, Any]]) -> dict[torch.Tensor, torch.Tensor | None]:
+    """Parameter -> its ``exp_avg_mask`` entry, for groups that carry one (1-bit Adam/LAMB:
+    a mask multiplied into the momentum after each compressed exchange)."""
+    out: dict[torch.Tensor, torch.Tensor | None] = {}
+    for group in groups:
+        masks = group.get("exp_avg_mask")
+        if masks is None:
+            continue
+        if len(masks) != len(group["params"]):
+            raise ValueError(
+                f"exp_avg_mask has {len(masks)} entries for a group of "
+                f"{len(group['params'])} parameters"
+            )
+        out.update(zip(group["params"], masks, strict=True))
+    return out
 
 
 def _as_tensor(value: Any) -> Any:
@@ -273,10 +311,15 @@ class CommOptimizer(torch.optim.Optimizer):
         the state is identical on every rank.
         """
         sd = super().state_dict()
-        for per_param in sd["state"].values():
-            for key, value in per_param.items():
-                if isinstance(value, float):
-                    per_param[key] = torch.tensor(value, dtype=torch.float64)
+        # torch's dict shares each parameter's state dict with the live state: build new
+        # ones, or the floats below would stay tensors in the running optimizer too.
+        sd["state"] = {
+            pid: {
+                key: torch.tensor(value, dtype=torch.float64) if isinstance(value, float) else value
+                for key, value in per_param.items()
+            }
+            for pid, per_param in sd["state"].items()
+        }
         mine = {"skipped_steps": self.skipped_steps, **self._extra_state()}
         sd["thinwire"] = {
             "world_size": self.world_size,
@@ -330,66 +373,3 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # pragma: no cover
         raise NotImplementedError
-
-
-class TwoStageOptimizer(CommOptimizer):
-    """A full-precision warmup of ``freeze_step`` steps, then a compression stage.
-
-    Subclasses implement ``_warmup_step()`` and ``_compression_step()``; each returns
-    False (and changes nothing) when the step must be skipped for non-finite values, and
-    advances :attr:`global_step` itself when it applies an update.
-    """
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        defaults: dict[str, Any],
-        freeze_step: int,
-        process_group: dist.ProcessGroup | None = None,
-    ) -> None:
-        check_range("freeze_step", freeze_step, 1, float("inf"))
-        super().__init__(params, defaults, process_group)
-        self.freeze_step = int(freeze_step)
-        self.global_step = 0
-
-    @property
-    def compressing(self) -> bool:
-        """True once the next step is in the compression stage."""
-        return self.global_step >= self.freeze_step
-
-    def needs_averaged_grads(self) -> bool:
-        return not self.compressing
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        ok = self._compression_step() if self.compressing else self._warmup_step()
-        if not ok:
-            self._skip()
-        return loss
-
-    def _warmup_step(self) -> bool:
-        raise NotImplementedError
-
-    def _compression_step(self) -> bool:
-        raise NotImplementedError
-
-    def _momentum_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """(parameter, group) of every parameter with momentum: the same set on every
-        rank, so the fused compressed buffer has the same layout everywhere."""
-        return [
-            (p, group)
-            for group in self.param_groups
-            for p in group["params"]
-            if "exp_avg" in self.state[p]
-        ]
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), "global_step": self.global_step}
-
-    def _load_extra_state(self, extra: dict[str, Any]) -> None:
-        super()._load_extra_state(extra)
-        self.global_step = extra["global_step"]

@@ -1,0 +1,145 @@
+"""When a 1-bit optimizer stops its full-precision warmup: read from the run.
+
+1-bit Adam and 1-bit LAMB freeze Adam's second moment ``v`` and from then on exchange
+only the 1-bit compressed momentum. The papers fix the switch by hand (15-25% of the run
+for BERT), and the right point depends on the data, the learning rate and the model:
+frozen too early, ``v`` still carries the large gradients of the first steps (or misses
+those of rare tokens) and the compressed stage stalls or blows up; frozen too late, the
+warmup's full-precision gradients cost most of the run's bytes.
+
+:class:`AutoFreeze` watches the quantity that will be frozen, the denominator
+``d = sqrt(v_hat) + eps`` of every element, and switches once it has settled::
+
+    every `window` warmup steps:
+        change = sum |d_t - d_(t-window)| / sum d_(t-window)     (all elements, all layers)
+    freeze when change < tolerance for `patience` checks in a row (and step >= min_step),
+    or at max_step whatever the change.
+
+``v`` is computed from gradients averaged over the ranks, so every rank measures the
+same change; the optimizer still takes rank 0's decision to be safe (one tiny broadcast
+per check). In the spirit of 0/1 Adam (arXiv 2202.06009), which measured that the
+variance changes slowly after an early phase, and of the 1-bit LAMB analysis, which
+rests on a stable frozen variance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["AutoFreeze", "relative_change"]
+
+
+def relative_change(current: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """``sum |current - reference| / sum |reference|`` over every element of every tensor."""
+    num = sum(float(torch.sub(c, r).abs_().sum()) for c, r in zip(current, reference, strict=True))
+    den = sum(float(r.abs().sum()) for r in reference)
+    return num / den if den > 0 else math.inf
+
+
+@dataclass
+class AutoFreeze:
+    """The rule that ends the warmup once the second moment has settled.
+
+    Pass ``freeze_step="auto"`` (these defaults) or ``freeze_step=AutoFreeze(...)`` to
+    :class:`~thinwire.optim.OneBitLamb` or :class:`~thinwire.optim.OneBitAdam`. After the
+    switch, :attr:`decided_at` holds the step and :attr:`reason` why (``"settled"`` or
+    ``"cap"``); :attr:`history` holds every ``(step, change)`` measured.
+    """
+
+    tolerance: float = 0.05
+    """Freeze once the denominator changes by less than this fraction per window. Lower
+    waits longer (more full-precision bytes, a more representative frozen variance)."""
+    window: int = 10
+    """Warmup steps between two measurements. Longer windows average out the noise of
+    single batches; the change per window grows with it, so scale ``tolerance`` too."""
+    patience: int = 2
+    """Measurements in a row that must be under ``tolerance``: one calm window after a
+    noisy start is not enough."""
+    min_step: int = 0
+    """Never freeze before this step, e.g. the end of the learning-rate warmup: while the
+    learning rate still rises, the gradients (and so ``v``) keep changing."""
+    max_step: int = 10_000
+    """Freeze here at the latest, settled or not: the bound on the warmup's cost. The
+    trainer sets it to 30% of the run."""
+    decided_at: int | None = field(default=None, init=False)
+    reason: str | None = field(default=None, init=False)
+    history: list[tuple[int, float]] = field(default_factory=list, init=False)
+    _calm: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name, value in (("window", self.window), ("patience", self.patience)):
+            if value < 1:
+                raise ValueError(f"AutoFreeze {name} must be >= 1, got {value}")
+        if not self.tolerance > 0 or not math.isfinite(self.tolerance):
+            raise ValueError(
+                f"AutoFreeze tolerance must be a positive number, got {self.tolerance}"
+            )
+        if self.min_step < 0:
+            raise ValueError(f"AutoFreeze min_step must be >= 0, got {self.min_step}")
+        if self.max_step < max(1, self.min_step):
+            raise ValueError(
+                f"AutoFreeze max_step must be >= max(1, min_step={self.min_step}), "
+                f"got {self.max_step}"
+            )
+
+    def is_check_step(self, step: int) -> bool:
+        """Whether the warmup step ``step`` (1-based) ends a window."""
+        return step % self.window == 0
+
+    def decide(self, step: int, change: float | None) -> str | None:
+        """Record the change measured at ``step`` (None: not a check step, or no reference
+        yet) and say whether the warmup ends with this step: the reason (``"settled"`` or
+        ``"cap"``) or None. Nothing is final until :meth:`commit`."""
+        if change is not None:
+            self.history.append((step, change))
+            self._calm = self._calm + 1 if change < self.tolerance else 0
+        if step >= self.max_step:
+            return "cap"
+        if step >= self.min_step and self._calm >= self.patience:
+            return "settled"
+        return None
+
+    def commit(self, step: int, reason: str) -> None:
+        """The warmup ended with ``step``, for ``reason``."""
+        if reason not in self.REASONS[1:]:
+            raise ValueError(f"unknown reason {reason!r}")
+        self.decided_at, self.reason = step, reason
+
+    def describe(self) -> str:
+        """One line for the log: when and why the warmup ended."""
+        if self.decided_at is None:
+            return "still in warmup"
+        last = f"{self.history[-1][1]:.1%}" if self.history else "n/a"
+        if self.reason == "cap":
+            return (
+                f"warmup capped at step {self.decided_at} (max_step); the second moment "
+                f"still changed {last} per {self.window} steps (tolerance {self.tolerance:.1%})"
+            )
+        return (
+            f"second moment settled at step {self.decided_at}: it changed {last} over the "
+            f"last {self.window} steps (tolerance {self.tolerance:.1%})"
+        )
+
+    REASONS: ClassVar[tuple[str | None, ...]] = (None, "settled", "cap")
+    """Reasons by code, as they travel between ranks and in checkpoints."""
+
+    def state_dict(self) -> dict[str, float | int | list[float]]:
+        """Numbers only (``torch.distributed.checkpoint`` restores numbers, not strings)."""
+        return {
+            "decided_at": -1 if self.decided_at is None else self.decided_at,
+            "reason": self.REASONS.index(self.reason),
+            "history": [x for step, change in self.history for x in (float(step), change)],
+            "calm": self._calm,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        decided = int(state["decided_at"])
+        self.decided_at = None if decided < 0 else decided
+        self.reason = self.REASONS[int(state["reason"])]
+        flat = [float(x) for x in state["history"]]
+        self.history = [(int(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        self._calm = int(state["calm"])

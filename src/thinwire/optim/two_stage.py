@@ -1,0 +1,216 @@
+"""The two stages of 1-bit Adam and 1-bit LAMB: a full-precision warmup, then compression.
+
+:class:`TwoStageOptimizer` owns what both optimizers share:
+
+* **When to switch.** ``freeze_step`` is a step count, or ``"auto"`` / an
+  :class:`~thinwire.optim.freeze.AutoFreeze` that ends the warmup once the second moment
+  has settled (measured on the run, decided alike on every rank, capped).
+* **The frozen denominator** ``sqrt(v_hat) + eps`` of every parameter, computed once
+  after the switch (it is constant from then on).
+* **Preconditioned compression** (``precondition=True``, the default). The papers
+  compress the momentum ``m`` and divide the exchanged average by ``sqrt(v)`` afterwards.
+  The 1-bit exchange replaces every element by ``+-scale``, one scale per segment of the
+  fused buffer, so an element whose momentum is far below the segment's average gets an
+  error of about ``scale`` - and dividing that by its own small ``sqrt(v)`` (rare tokens'
+  embedding rows, for instance) turns it into a step many times ``lr``. Compressing the
+  preconditioned momentum ``m / (sqrt(v_hat) + eps)`` instead puts every element on the
+  scale of its own update: the error of one exchange is at most about ``lr`` per element,
+  like one Adam step, and error feedback still returns it in later steps (the map is
+  linear and fixed after the freeze, so the averaged momentum is the same). On the tiny
+  GPT it is the difference between a 1-bit Adam that diverges after an early freeze and
+  one that tracks Adam; see docs/optimizers.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thinwire.comm.accounting import record
+from thinwire.optim.base import CommOptimizer, check_range
+from thinwire.optim.freeze import AutoFreeze, relative_change
+
+__all__ = ["TwoStageOptimizer"]
+
+_log = logging.getLogger("thinwire.optim")
+
+
+class TwoStageOptimizer(CommOptimizer):
+    """A full-precision warmup, then a compression stage.
+
+    Subclasses implement ``_warmup_step()`` and ``_compression_step()``; each returns
+    False (and changes nothing) when the step must be skipped for non-finite values, and
+    advances :attr:`global_step` itself when it applies an update. A subclass that needs
+    to prepare for compression (e.g. copy ``v``) overrides :meth:`_on_freeze`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        freeze_step: int | str | AutoFreeze,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.auto_freeze: AutoFreeze | None = None
+        self.freeze_step: int | None = None
+        if isinstance(freeze_step, AutoFreeze):
+            self.auto_freeze = freeze_step
+        elif freeze_step == "auto":
+            self.auto_freeze = AutoFreeze()
+        elif isinstance(freeze_step, (str, bool)):
+            raise ValueError(f"freeze_step must be a step count or 'auto', got {freeze_step!r}")
+        else:
+            check_range("freeze_step", freeze_step, 1, float("inf"))
+            self.freeze_step = int(freeze_step)
+        super().__init__(params, defaults, process_group)
+        self.global_step = 0
+        # Derived, not state: rebuilt from exp_avg_sq after a load_state_dict.
+        self._denoms: dict[torch.Tensor, torch.Tensor] = {}
+
+    @property
+    def compressing(self) -> bool:
+        """True once the next step is in the compression stage."""
+        return self.freeze_step is not None and self.global_step >= self.freeze_step
+
+    def needs_averaged_grads(self) -> bool:
+        return not self.compressing
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.compressing:
+            ok = self._compression_step()
+        else:
+            ok = self._warmup_step()
+            if ok:
+                self._maybe_freeze()
+        if not ok:
+            self._skip()
+        return loss
+
+    def _warmup_step(self) -> bool:
+        raise NotImplementedError
+
+    def _compression_step(self) -> bool:
+        raise NotImplementedError
+
+    def _on_freeze(self) -> None:
+        """Called once, right after the last warmup step."""
+
+    # ------------------------------------------------------------------ the switch
+
+    def _maybe_freeze(self) -> None:
+        t = self.global_step
+        rule = self.auto_freeze
+        if rule is None:
+            if t == self.freeze_step:
+                self._on_freeze()
+            return
+        if rule.decided_at is not None:
+            return
+        change = self._measure_change() if rule.is_check_step(t) else None
+        reason = rule.decide(t, change)
+        if change is not None or reason is not None:
+            reason = self._agree(reason)
+        if reason is None:
+            return
+        rule.commit(t, reason)
+        self.freeze_step = t
+        for p, _ in self._momentum_params():
+            self.state[p].pop("freeze_ref", None)
+        if self.rank == 0:
+            _log.info(
+                "%s: %s; compressing from step %d", type(self).__name__, rule.describe(), t + 1
+            )
+        self._on_freeze()
+
+    def _measure_change(self) -> float | None:
+        """Relative change of every denominator since the previous check; stores the
+        current ones as the next reference (``state["freeze_ref"]``, saved with the
+        optimizer so a resumed run decides exactly as the straight one)."""
+        current, reference = [], []
+        for p, group in self._momentum_params():
+            state = self.state[p]
+            d = self._denominator(state["exp_avg_sq"], group, self.global_step)
+            if "freeze_ref" in state:
+                reference.append(state["freeze_ref"])
+                current.append(d)
+            state["freeze_ref"] = d
+        if not reference:
+            return None
+        return relative_change(current, reference)
+
+    def _agree(self, reason: str | None) -> str | None:
+        """Rank 0's decision on every rank (the inputs agree already; this makes sure)."""
+        if self.world_size == 1:
+            return reason
+        box = torch.tensor([AutoFreeze.REASONS.index(reason)], dtype=torch.int32)
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+        dist.broadcast(box, src=src, group=self.process_group)
+        record("optim.freeze", 4, 4)
+        return AutoFreeze.REASONS[int(box)]
+
+    # ------------------------------------------------------------------ frozen variance
+
+    @staticmethod
+    def _denominator(v: torch.Tensor, group: dict[str, Any], t: int) -> torch.Tensor:
+        """``sqrt(v_hat) + eps`` at step ``t`` (bias-corrected when the group asks)."""
+        if group["bias_correction"]:
+            v = v / (1 - group["betas"][1] ** t)
+        return v.sqrt().add_(group["eps"])
+
+    def _frozen_denom(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The denominator of the frozen variance: constant after the freeze, so it is
+        computed once per parameter (4 bytes per element) instead of every step."""
+        denom = self._denoms.get(p)
+        if denom is None:
+            assert self.freeze_step is not None
+            denom = self._denominator(self.state[p]["exp_avg_sq"], group, self.freeze_step)
+            self._denoms[p] = denom
+        return denom
+
+    def _momentum_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, group) of every parameter with momentum: the same set on every
+        rank, so the fused compressed buffer has the same layout everywhere."""
+        return [
+            (p, group)
+            for group in self.param_groups
+            for p in group["params"]
+            if "exp_avg" in self.state[p]
+        ]
+
+    # ------------------------------------------------------------------ state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._denoms = {}  # the frozen variance may be another one now
+        super().load_state_dict(state_dict)
+
+    def _extra_state(self) -> dict[str, Any]:
+        extra = {**super()._extra_state(), "global_step": self.global_step}
+        extra["freeze_step"] = -1 if self.freeze_step is None else self.freeze_step
+        if self.auto_freeze is not None:
+            extra |= {f"auto_freeze_{k}": v for k, v in self.auto_freeze.state_dict().items()}
+        return extra
+
+    def _load_extra_state(self, extra: dict[str, Any]) -> None:
+        super()._load_extra_state(extra)
+        self.global_step = extra["global_step"]
+        saved = int(extra.get("freeze_step", -1))
+        if self.auto_freeze is not None:
+            prefix = "auto_freeze_"
+            rule = {k[len(prefix) :]: v for k, v in extra.items() if k.startswith(prefix)}
+            if rule:
+                self.auto_freeze.load_state_dict(rule)
+        if 0 <= saved <= self.global_step:
+            # Compression had started: its error buffers and frozen variance belong to
+            # that switch point, whatever this optimizer was configured with.
+            self.freeze_step = saved
+        elif self.auto_freeze is not None:
+            self.freeze_step = None
