@@ -45,6 +45,20 @@ def _slowdown(text: str) -> tuple[float, ...]:
     return values
 
 
+def _freeze_step(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a step number, got {text!r}"
+        ) from None
+    if step < 1:
+        raise argparse.ArgumentTypeError(f"a freeze step must be >= 1, got {step}")
+    return step
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``thinwire train`` (shared with ``thinwire demo``)."""
     d = TrainConfig()
@@ -86,9 +100,32 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--grad-clip", type=float, default=d.grad_clip)
     o.add_argument(
         "--freeze-step",
-        type=int,
-        default=None,
-        help="1-bit optimizers: full-precision warmup steps (default 20%% of --steps)",
+        type=_freeze_step,
+        default=d.freeze_step,
+        metavar="{auto,N}",
+        help="1-bit optimizers: end the full-precision warmup once the second moment has "
+        "settled (auto, the default) or after N steps",
+    )
+    o.add_argument(
+        "--freeze-tolerance",
+        type=float,
+        default=d.freeze_tolerance,
+        help="with --freeze-step auto: end the warmup once sqrt(v) changes by less than this "
+        "fraction per 10 steps (default %(default)s)",
+    )
+    o.add_argument(
+        "--freeze-cap",
+        type=float,
+        default=d.freeze_cap,
+        help="with --freeze-step auto: end the warmup after this share of --steps at the "
+        "latest (default %(default)s)",
+    )
+    o.add_argument(
+        "--no-precondition",
+        dest="precondition",
+        action="store_false",
+        help="1-bit optimizers: compress the raw momentum (the papers' rule) instead of "
+        "the momentum divided by the frozen sqrt(v)",
     )
     ls = p.add_argument_group("local SGD")
     ls.add_argument(
@@ -182,7 +219,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps, stop_after=args.stop_after, batch_size=args.batch_size,
         lr=args.lr if args.lr is not None else default_lr(args.algo),
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, freeze_step=args.freeze_step,
+        grad_clip=args.grad_clip, freeze_step=args.freeze_step, freeze_cap=args.freeze_cap,
+        freeze_tolerance=args.freeze_tolerance,
+        precondition=args.precondition,
         local_steps=args.local_steps, outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum, outer=args.outer, dylu=args.dylu,
         slowdown=args.slowdown, compress=args.compress, inner_momentum=args.inner_momentum,

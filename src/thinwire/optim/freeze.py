@@ -113,12 +113,15 @@ class AutoFreeze:
         """One line for the log: when and why the warmup ended."""
         if self.decided_at is None:
             return "still in warmup"
-        last = f"{self.history[-1][1]:.1%}" if self.history else "n/a"
         if self.reason == "cap":
+            if not self.history:
+                return f"warmup capped at step {self.decided_at}, before a first measurement"
             return (
-                f"warmup capped at step {self.decided_at} (max_step); the second moment "
-                f"still changed {last} per {self.window} steps (tolerance {self.tolerance:.1%})"
+                f"warmup capped at step {self.decided_at}; the second moment still changed "
+                f"{self.history[-1][1]:.1%} per {self.window} steps "
+                f"(tolerance {self.tolerance:.1%})"
             )
+        last = f"{self.history[-1][1]:.1%}"
         return (
             f"second moment settled at step {self.decided_at}: it changed {last} over the "
             f"last {self.window} steps (tolerance {self.tolerance:.1%})"

@@ -94,11 +94,21 @@ def _lamb_metrics(opt: Any) -> Callable[[], dict[str, float]]:
         if coeffs:
             out |= {"trust_ratio_min": min(coeffs), "trust_ratio_mean": sum(coeffs) / len(coeffs),
                     "trust_ratio_max": max(coeffs)}  # fmt: skip
-        if hasattr(opt, "compressing"):
-            out["compressing"] = int(opt.compressing)
-        return out
+        return out | _stage_metrics(opt)
 
     return metrics
+
+
+def _stage_metrics(opt: Any) -> dict[str, float]:
+    """Where a 1-bit optimizer stands: compressing yet, and the last measured change of its
+    second moment while the automatic freeze watches it."""
+    if not hasattr(opt, "compressing"):
+        return {}
+    out: dict[str, float] = {"compressing": int(opt.compressing)}
+    rule = getattr(opt, "auto_freeze", None)
+    if rule is not None and rule.history:
+        out["variance_change"] = rule.history[-1][1]
+    return out
 
 
 def _lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
@@ -123,20 +133,33 @@ def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
     from thinwire.optim import OneBitAdam
 
     opt = OneBitAdam(
-        model.parameters(), lr=cfg.lr, freeze_step=cfg.effective_freeze_step(),
-        betas=cfg.betas, weight_decay=cfg.weight_decay, bias_correction=_bias_correction(cfg),
-    )  # fmt: skip
-    return Strategy(model=model, optimizer=opt, metrics=lambda: {
-        "skipped_steps": opt.skipped_steps, "compressing": int(opt.compressing)})  # fmt: skip
+        model.parameters(),
+        lr=cfg.lr,
+        freeze_step=cfg.freeze_rule(),
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
+        bias_correction=_bias_correction(cfg),
+        precondition=cfg.precondition,
+    )
+    return Strategy(
+        model=model,
+        optimizer=opt,
+        metrics=lambda: {"skipped_steps": opt.skipped_steps} | _stage_metrics(opt),
+    )
 
 
 def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
     from thinwire.optim import OneBitLamb
 
     opt = OneBitLamb(
-        model.parameters(), lr=cfg.lr, freeze_step=cfg.effective_freeze_step(),
-        betas=cfg.betas, weight_decay=cfg.weight_decay, bias_correction=_bias_correction(cfg),
-    )  # fmt: skip
+        model.parameters(),
+        lr=cfg.lr,
+        freeze_step=cfg.freeze_rule(),
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
+        bias_correction=_bias_correction(cfg),
+        precondition=cfg.precondition,
+    )
     return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # --- the loop ------------------------------------------------------------------------
     model.train()
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
+    compressing = bool(getattr(strategy.optimizer, "compressing", False))
     try:
         for step in range(start, end):
             lr = lr_at(step, cfg)
@@ -214,6 +216,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             step_s = time.perf_counter() - t0
             elapsed += step_s
             done = step + 1
+            if not compressing and getattr(strategy.optimizer, "compressing", False):
+                compressing = True
+                _announce_freeze(cfg, strategy.optimizer, done, samples_per_step, metrics)
 
             if done % cfg.log_interval == 0 or done == end:
                 mean_loss = (
@@ -265,12 +270,38 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "samples_per_s": trained / run_time if run_time > 0 else float("nan"),
         "comm_bytes": COUNTER.wire_bytes_excluding(TRAINER_OPS),
         "comm_by_op": COUNTER.snapshot(),
+        "freeze_step": getattr(strategy.optimizer, "freeze_step", None),
         "param_sha256": parameter_digest(model),
         "out_dir": str(out_dir),
     }
     if rank == 0:
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _announce_freeze(
+    cfg: TrainConfig, opt: Any, done: int, samples_per_step: int, metrics: MetricsWriter
+) -> None:
+    """One line on rank 0 and one metrics record when a 1-bit optimizer starts compressing."""
+    rule = getattr(opt, "auto_freeze", None)
+    why = rule.describe() if rule is not None else f"--freeze-step {opt.freeze_step}"
+    record: dict[str, Any] = {
+        "step": done,
+        "samples": done * samples_per_step,
+        "event": "freeze",
+        "freeze_step": opt.freeze_step,
+    }
+    if rule is not None:
+        record["freeze_reason"] = rule.reason
+        if rule.history:
+            record["variance_change"] = rule.history[-1][1]
+    metrics.write(record)
+    if get_rank() == 0:
+        print(
+            f"thinwire: {cfg.algo}: {why}; 1-bit compression from step {opt.freeze_step + 1}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _save(
