@@ -121,6 +121,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "latest (default %(default)s)",
     )
     o.add_argument(
+        "--grad-dtype",
+        default=d.grad_dtype,
+        choices=("fp32", "fp16", "bf16"),
+        help="what averaged gradients travel as in lamb and in the 1-bit optimizers' warmup "
+        "(default: fp16 for onebit-*, fp32 for lamb)",
+    )
+    o.add_argument(
         "--no-precondition",
         dest="precondition",
         action="store_false",
@@ -221,7 +228,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, freeze_step=args.freeze_step, freeze_cap=args.freeze_cap,
         freeze_tolerance=args.freeze_tolerance,
-        precondition=args.precondition,
+        precondition=args.precondition, grad_dtype=args.grad_dtype,
         local_steps=args.local_steps, outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum, outer=args.outer, dylu=args.dylu,
         slowdown=args.slowdown, compress=args.compress, inner_momentum=args.inner_momentum,

@@ -292,12 +292,28 @@ class CommOptimizer(torch.optim.Optimizer):
         """Whether the next step needs gradients averaged over the ranks (DDP hook asks)."""
         return True
 
-    def register_ddp(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    def register_ddp(
+        self,
+        ddp_model: torch.nn.parallel.DistributedDataParallel,
+        wire_dtype: torch.dtype = torch.float32,
+    ) -> None:
         """Use with a DDP-wrapped model: DDP averages gradients only while this optimizer
-        needs them averaged (warmup) and sends nothing after the freeze."""
+        needs them averaged (LAMB always, the 1-bit optimizers in warmup), bucket by
+        bucket during the backward pass, and sends nothing after the freeze.
+
+        Args:
+            ddp_model: the model wrapped in ``DistributedDataParallel`` (register before
+                the first backward pass).
+            wire_dtype: what the averaged gradients travel as: ``torch.float32`` (exact),
+                or ``torch.float16`` / ``torch.bfloat16`` for half the bytes (fp16 is the
+                1-bit papers' baseline; bf16 cannot overflow).
+        """
         from thinwire.optim.ddp_hook import OptimizerAwareHookState, optimizer_aware_hook
 
-        ddp_model.register_comm_hook(OptimizerAwareHookState(self), optimizer_aware_hook)
+        if wire_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {wire_dtype}")
+        state = OptimizerAwareHookState(self, wire_dtype)
+        ddp_model.register_comm_hook(state, optimizer_aware_hook)
         self._ddp_averages_grads = True
 
     # ------------------------------------------------------------------ state

@@ -111,12 +111,27 @@ def _stage_metrics(opt: Any) -> dict[str, float]:
     return out
 
 
+def _under_ddp(model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str) -> nn.Module:
+    """The module to train through: a DDP wrapper whose hook averages the gradients while
+    ``opt`` needs them (bucket by bucket, during the backward pass, as ``cfg.grad_dtype``),
+    or the model itself in one process."""
+    if world_size() == 1:
+        return model
+    from thinwire.comm.allreduce import WIRE_DTYPES
+
+    ddp = DDP(model)
+    opt.register_ddp(ddp, WIRE_DTYPES[cfg.grad_dtype or default_dtype])
+    return ddp
+
+
 def _lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
-    """LAMB with a fused fp32 gradient allreduce per step."""
+    """LAMB; DDP averages the gradients during the backward pass (fp32 by default)."""
     from thinwire.optim import Lamb
 
     opt = Lamb(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
+    return Strategy(
+        model=_under_ddp(model, opt, cfg, "fp32"), optimizer=opt, metrics=_lamb_metrics(opt)
+    )
 
 
 def _bias_correction(cfg: TrainConfig) -> bool:
@@ -142,7 +157,7 @@ def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
         precondition=cfg.precondition,
     )
     return Strategy(
-        model=model,
+        model=_under_ddp(model, opt, cfg, "fp16"),
         optimizer=opt,
         metrics=lambda: {"skipped_steps": opt.skipped_steps} | _stage_metrics(opt),
     )
@@ -160,7 +175,9 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
         bias_correction=_bias_correction(cfg),
         precondition=cfg.precondition,
     )
-    return Strategy(model=model, optimizer=opt, metrics=_lamb_metrics(opt))
+    return Strategy(
+        model=_under_ddp(model, opt, cfg, "fp16"), optimizer=opt, metrics=_lamb_metrics(opt)
+    )
 
 
 def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
@@ -192,9 +209,15 @@ ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], 
         _adamw_with_hook("powersgd"),
         "DDP+AdamW with PyTorch's PowerSGD hook (rank 4)",
     ),
-    "lamb": (_lamb, "LAMB, fp32 gradient allreduce (one fused buffer per step)"),
-    "onebit-adam": (_onebit_adam, "1-bit Adam: fp32 warmup, then 1-bit compressed momentum"),
-    "onebit-lamb": (_onebit_lamb, "1-bit LAMB: fp32 warmup, then 1-bit compressed momentum"),
+    "lamb": (_lamb, "LAMB, fp32 gradient allreduce overlapped with the backward pass"),
+    "onebit-adam": (
+        _onebit_adam,
+        "1-bit Adam: fp16 warmup until the variance settles, then 1-bit compressed momentum",
+    ),
+    "onebit-lamb": (
+        _onebit_lamb,
+        "1-bit LAMB: fp16 warmup until the variance settles, then 1-bit compressed momentum",
+    ),
     "diloco": (
         "thinwire.localsgd.diloco:make_strategy",
         "synchronous DiLoCo: H local AdamW steps, then one averaged outer Nesterov step",

@@ -76,6 +76,10 @@ class TrainConfig:
     freeze_cap: float = 0.3
     """With ``freeze_step="auto"``: the share of the run after which the warmup ends even if
     the second moment is still moving (the bound on the warmup's full-precision bytes)."""
+    grad_dtype: str | None = None
+    """What averaged gradients travel as in ``lamb`` and in the 1-bit optimizers' warmup:
+    ``fp32``, ``fp16`` or ``bf16``. ``None``: fp16 for the 1-bit optimizers (the papers'
+    baseline, half the warmup's bytes), fp32 for ``lamb`` (the uncompressed reference)."""
     precondition: bool = True
     """1-bit optimizers: compress the momentum divided by the frozen ``sqrt(v)`` (on the
     scale of each element's own step) rather than the raw momentum (the papers' rule)."""
@@ -169,6 +173,8 @@ class TrainConfig:
             raise ConfigError(
                 f"freeze-step must be 'auto' or a step >= 1, got {self.freeze_step!r}"
             )
+        if self.grad_dtype not in (None, "fp32", "fp16", "bf16"):
+            raise ConfigError(f"grad-dtype must be fp32, fp16 or bf16, got {self.grad_dtype!r}")
         if not 0.0 < self.freeze_tolerance < float("inf"):
             raise ConfigError(f"freeze-tolerance must be > 0, got {self.freeze_tolerance}")
         if not 0.0 < self.freeze_cap <= 1.0:
