@@ -278,3 +278,39 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> tuple[torch.Tensor, tor
 def test_torch_distributed_checkpoint_keeps_each_ranks_error_feedback(tmp_path: Path) -> None:
     for straight, resumed in spawn(_dcp_round_trip, 2, (str(tmp_path / "dcp"),), timeout_s=120):
         assert torch.equal(straight, resumed)
+
+
+def _ddp_16bit(rank: int, world: int) -> dict:
+    out = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        model = _model()
+        opt = _make("onebit-lamb", model)
+        net = DDP(model)
+        opt.register_ddp(net, wire_dtype=dtype)
+        COUNTER.reset()
+        for t in range(FREEZE + 3):
+            g = torch.Generator().manual_seed(100 * t + rank)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        out[str(dtype)] = (_digest(model), COUNTER.snapshot())
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_16bit_warmup_exchange_halves_the_bytes_and_stays_close() -> None:
+    """The warmup's gradients may travel as fp16/bf16: half the bytes of fp32, ranks still
+    equal, parameters within the rounding of the wire format."""
+    ranks = spawn(_ddp_16bit, 2, timeout_s=180)
+    fp32, fp32_ops = ranks[0]["torch.float32"]
+    for dtype, op, tol in (
+        ("torch.float16", "ddp.fp16", 1e-3),
+        ("torch.bfloat16", "ddp.bf16", 1e-2),
+    ):
+        digest, ops = ranks[0][dtype]
+        assert torch.equal(digest, ranks[1][dtype][0])
+        assert ops[op]["calls"] == fp32_ops["ddp.allreduce"]["calls"] == FREEZE
+        assert ops[op]["wire_bytes"] * 2 == fp32_ops["ddp.allreduce"]["wire_bytes"]
+        assert (digest - fp32).abs().max() < tol
+        assert not torch.equal(digest, fp32)  # it did travel in 16 bits

@@ -63,8 +63,7 @@ KEYS = ("step", "samples", "loss", "lr", "val_loss", "comm_bytes", "compressing"
 
 def _records(run_dir: str) -> list[dict[str, Any]]:
     return [
-        {k: r[k] for k in KEYS if k in r}
-        for r in read_metrics(Path(run_dir) / "metrics.jsonl")
+        {k: r[k] for k in KEYS if k in r} for r in read_metrics(Path(run_dir) / "metrics.jsonl")
     ]
 
 
