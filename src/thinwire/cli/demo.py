@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from thinwire.cli.train import _freeze_step
 from thinwire.errors import ConfigError
 from thinwire.plotting import pyplot, save_figure
 from thinwire.train.config import TrainConfig
@@ -57,7 +58,13 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument("--steps", type=int, default=120, help="steps per run (default 120)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
-    p.add_argument("--freeze-step", type=int, default=None, help="default: 15%% of --steps")
+    p.add_argument(
+        "--freeze-step",
+        type=_freeze_step,
+        default="auto",
+        metavar="{auto,N}",
+        help="1-bit LAMB's warmup: auto (until the second moment settles, the default) or N",
+    )
     p.add_argument(
         "--lr", type=float, default=DEMO_LR, help=f"learning rate of both runs (default {DEMO_LR})"
     )
@@ -186,7 +193,6 @@ def _measured_step(run_dir: Path, first: int, last: int) -> float | None:
 def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool) -> list[dict]:
     """Train LAMB and 1-bit LAMB; one row per run, same keys either way."""
     rows = []
-    freeze = cfg.effective_freeze_step()
     if testbed:
         from thinwire.testbed.experiments import compare_on_testbed
 
@@ -197,12 +203,13 @@ def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bo
                 "compression_samples_per_s": r["compression_samples_per_s"],
                 "train_time_s": json.loads((Path(r["out_dir"]) / "summary.json").read_text())["train_time_s"],
                 "comm_bytes": r["accounted_mb"] * 1e6, "nic_bytes": r["nic_tx_mb_per_host"] * 1e6,
-                "run_dir": r["out_dir"],
+                "run_dir": r["out_dir"], "freeze_step": r.get("freeze_step"),
             })  # fmt: skip
         return rows
     from thinwire.train.compare import compare
 
     result = compare(list(ALGOS), cfg, workers, out / "train", overwrite=True)
+    freeze = freeze_step_of(result["runs"].values())
     for algo, r in result["runs"].items():
         run_dir = out / "train" / algo
         rows.append({
@@ -210,9 +217,18 @@ def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bo
             "samples_per_s": r["samples_per_s"],
             "compression_samples_per_s": _stage_speed(run_dir, freeze, cfg.batch_size * workers),
             "train_time_s": r["train_time_s"], "comm_bytes": r["comm_bytes"], "nic_bytes": None,
-            "run_dir": str(run_dir),
+            "run_dir": str(run_dir), "freeze_step": r.get("freeze_step"),
         })  # fmt: skip
     return rows
+
+
+def freeze_step_of(runs: Any) -> int:
+    """The step where the 1-bit run switched to compression (the automatic freeze decides
+    it during the run): both runs are compared over the steps after it."""
+    steps = [r["freeze_step"] for r in runs if r.get("freeze_step")]
+    if not steps:
+        raise ConfigError("the 1-bit run reported no freeze step (did it reach compression?)")
+    return int(steps[0])
 
 
 # ------------------------------------------------------------------------ 3. compare
@@ -325,17 +341,16 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     # Like with like: the steps after the first compressing one (which allocates the
     # error-feedback buffers), for both runs; evaluation is not part of a logged step.
     predicted = predicted_steps(profile, args.workers, args.rate)
-    first = cfg.effective_freeze_step() + 2
+    freeze = freeze_step_of(rows)
+    first = freeze + 2
     for row in rows:
         row["predicted_step_s"] = predicted[row["algo"]]
         row["measured_step_s"] = _measured_step(Path(row["run_dir"]), first, cfg.steps)
     print(
-        f"\n== 3/3  Side by side ({cfg.steps} steps, freeze at step {cfg.effective_freeze_step()})\n"
+        f"\n== 3/3  Side by side ({cfg.steps} steps, 1-bit LAMB compressing after step {freeze})\n"
     )
     print(side_by_side(rows))
-    plot = plot_demo(
-        rows, cfg.effective_freeze_step(), out / "demo.png", f"{cfg.model} GPT, {where}"
-    )
+    plot = plot_demo(rows, freeze, out / "demo.png", f"{cfg.model} GPT, {where}")
     if plot is not None:
         print(f"\nplot: {plot}")
     result = {"where": where, "config": cfg.to_dict(), "runs": rows, "study": "study.json"}

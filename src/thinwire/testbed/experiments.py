@@ -9,6 +9,7 @@ Python::
 
     from thinwire.testbed.experiments import compare_on_testbed, train_on_testbed
     from thinwire.train.config import TrainConfig
+from thinwire.train.metrics import read_metrics
 
     cfg = TrainConfig(algo="onebit-lamb", model="small", steps=80, freeze_step=16,
                       batch_size=8)
@@ -62,6 +63,7 @@ from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.netns import format_rate, parse_rate
 from thinwire.train.algorithms import check_algorithm, default_lr
 from thinwire.train.config import TrainConfig
+from thinwire.train.metrics import read_metrics
 
 __all__ = [
     "compare_on_testbed",
@@ -80,7 +82,8 @@ _FLAGS: dict[str, str] = {
     "n_head": "--n-head", "n_embd": "--n-embd", "data": "--data", "seed": "--seed",
     "steps": "--steps", "stop_after": "--stop-after", "batch_size": "--batch-size",
     "lr": "--lr", "warmup_steps": "--warmup-steps", "weight_decay": "--weight-decay",
-    "grad_clip": "--grad-clip", "freeze_step": "--freeze-step",
+    "grad_clip": "--grad-clip", "freeze_step": "--freeze-step", "freeze_cap": "--freeze-cap",
+    "freeze_tolerance": "--freeze-tolerance", "grad_dtype": "--grad-dtype",
     "local_steps": "--local-steps", "outer_lr": "--outer-lr",
     "outer_momentum": "--outer-momentum", "outer": "--outer", "compress": "--compress",
     "inner_momentum": "--inner-momentum",
@@ -126,6 +129,8 @@ def train_argv(
         argv += ["--shards", str(int(cfg.extra["shards"]))]
     if cfg.dylu:
         argv.append("--dylu")
+    if not cfg.precondition:
+        argv.append("--no-precondition")
     if cfg.slowdown is not None:
         argv += ["--slowdown", ",".join(f"{v:g}" for v in cfg.slowdown)]
     return [*argv, "--out", str(out_dir), "--no-progress", *(extra_args or [])]
@@ -287,11 +292,20 @@ def train_on_testbed(
         },
         "accounted_wire_bytes": accounted,
         "nic_over_accounted": sum(tx) / expected if expected else None,
-        "stages": stage_times(records, cfg.effective_freeze_step(), cfg.batch_size * world),
+        "stages": stage_times(records, _split_step(cfg, summary), cfg.batch_size * world),
         "final_train_loss": _final_train_loss(records),
     }
     (out_dir / "testbed_run.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _split_step(cfg: TrainConfig, summary: dict[str, Any]) -> int:
+    """Where this run's stages split: its own freeze step (1-bit optimizers), the fixed
+    ``--freeze-step`` otherwise, else 0 (all compression; :func:`compare_on_testbed` then
+    splits it at the 1-bit run's freeze step, so both are measured over the same steps)."""
+    if summary.get("freeze_step") is not None:
+        return int(summary["freeze_step"])
+    return cfg.freeze_step if isinstance(cfg.freeze_step, int) else 0
 
 
 def _row(res: dict[str, Any], repeat: int) -> dict[str, Any]:
@@ -310,6 +324,7 @@ def _row(res: dict[str, Any], repeat: int) -> dict[str, Any]:
         "nic_over_accounted": res["nic_over_accounted"],
         "final_val_loss": res["final_val_loss"],
         "final_train_loss": res["final_train_loss"],
+        "freeze_step": res.get("freeze_step"),
         "wall_s": res["testbed"]["wall_s"],
         "load_avg_1min": res["testbed"]["load_avg_1min"],
         "out_dir": res["out_dir"],
@@ -371,6 +386,7 @@ def compare_on_testbed(
                           f"{row['load_avg_1min'][0]:.1f}->{row['load_avg_1min'][1]:.1f}",
                           flush=True)  # fmt: skip
                     round_rows.append(row)
+                _common_split(round_rows, cfg.batch_size * hosts)
                 base = round_rows[0]
                 for row in round_rows:
                     row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
@@ -381,6 +397,22 @@ def compare_on_testbed(
     if plot is not None:
         plot_comparison(rows, plot)
     return rows
+
+
+def _common_split(rows: list[dict[str, Any]], samples_per_step: int) -> None:
+    """Runs without a freeze of their own (LAMB, PowerSGD) get their stage times over the
+    steps of the round's first 1-bit run, like for like."""
+    split = next((r["freeze_step"] for r in rows if r.get("freeze_step")), None)
+    if split is None:
+        return
+    for r in rows:
+        if r.get("freeze_step") == split:
+            continue
+        records = read_metrics(Path(r["out_dir"]) / "metrics.jsonl")
+        st = stage_times(records, split, samples_per_step)
+        r["warmup_step_s"] = st["warmup"].get("mean_step_s")
+        r["compression_step_s"] = st["compression"].get("mean_step_s")
+        r["compression_samples_per_s"] = st["compression"].get("samples_per_s")
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

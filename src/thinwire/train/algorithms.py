@@ -119,7 +119,9 @@ def _under_ddp(model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str)
         return model
     from thinwire.comm.allreduce import WIRE_DTYPES
 
-    ddp = DDP(model)
+    # The trainer and the optimizer have broadcast rank 0's weights already (accounted);
+    # DDP's own start-up broadcast would send them a third time, off the ledger.
+    ddp = DDP(model, init_sync=False)
     opt.register_ddp(ddp, WIRE_DTYPES[cfg.grad_dtype or default_dtype])
     return ddp
 

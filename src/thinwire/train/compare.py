@@ -62,6 +62,8 @@ def _convert(key: str, text: str) -> Any:
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return text.lower() in ("true", "1")
+        if key == "freeze_step" and text == "auto":
+            return text
         if isinstance(default, int) or key in ("freeze_step", "seq_len", "n_layer", "n_head",
                                                "n_embd"):  # fmt: skip
             return int(text)
@@ -176,7 +178,7 @@ def compare(
         runs[label] = {
             "algo": cfg.algo,
             "config": cfg.to_dict(),
-            "freeze_step": cfg.effective_freeze_step() if "onebit" in cfg.algo else None,
+            "freeze_step": summary.get("freeze_step"),
             "final_val_loss": summary["final_val_loss"],
             "comm_bytes": summary["comm_bytes"],
             "samples": summary["samples"],
