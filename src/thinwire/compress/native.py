@@ -361,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--status", action="store_true", help="say whether they are built (default)")
     args = p.parse_args(argv)
     if args.build:
+        if args.force or not library_path().is_file():
+            print("thinwire: compiling the native packing kernels (about a minute)", flush=True)
         try:
             path = build(force=args.force, verbose=args.verbose)
         except BuildError as exc:
