@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -156,6 +157,7 @@ def test_cuda_packing_matches_cpu() -> None:
     assert torch.equal(unpack_signs(packed.cuda(), scale.cuda()).cpu(), unpack_signs(packed, scale))
 
 
+@functools.cache
 def _built_kernels() -> bool:
     """Whether the native kernels load here, building them first if needed (as
     ``make install`` does); False only where they cannot be built."""
