@@ -6,8 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.thinwire-installed
+NATIVE := $(VENV)/.thinwire-native
+NATIVE_SRC := src/thinwire/compress/native.py
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install native clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,14 +17,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The compiled packing kernels, built once here so that no run compiles (about a minute).
+# A failed build is not fatal: packing then runs on pure torch and says so once per run.
+$(NATIVE): $(STAMP) $(NATIVE_SRC)
+	$(PY) -m thinwire.compress.native --build || echo "thinwire: continuing without them"
+	touch $(NATIVE)
 
-demo: $(STAMP)
+install: $(NATIVE)
+
+# Rebuild the kernels for this machine, showing the compiler command and its errors.
+native: $(STAMP)
+	$(PY) -m thinwire.compress.native --build --force --verbose
+	touch $(NATIVE)
+
+demo: $(NATIVE)
 	$(VENV)/bin/thinwire demo
 
 # pytest exits 5 when it collects no test; that is reported, not hidden, and not a failure
 # of the command itself.
-test: $(STAMP)
+test: $(NATIVE)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
@@ -30,4 +43,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests tools
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache src/thinwire/compress/_native

@@ -231,3 +231,44 @@ def test_hierarchical_allreduce_costs() -> None:
     assert h["wire"] == pytest.approx(2 * 3 / 4 * s)
     with pytest.raises(ConfigError, match="dividing workers=30"):
         NetworkConfig(workers=30, workers_per_node=8)
+
+
+def test_overlapped_onebit_hook_hides_the_wire_but_not_the_codec() -> None:
+    """The 1-bit comm hook: a bucket ready mid-backward is reduced during backward (its
+    wire time hidden), but its compression compute shares the processor and delays
+    backward; 1-bit Adam/LAMB reduce after backward (nothing hidden)."""
+    from dataclasses import replace
+
+    from thinwire.analysis.simulate import bucket_cost
+
+    nbytes = 4_000_000
+    prof = Profile(
+        model="two",
+        iteration_s=0.3,
+        backward_s=0.1,
+        params=[ParamTiming("late", 0, nbytes, 0.05), ParamTiming("early", 1, nbytes, 0.1)],
+    )
+    b = [Bucket((0,), nbytes, 0.05), Bucket((1,), nbytes, 0.1)]
+    codec = 2e-9
+    hook = NetworkConfig(
+        workers=4, bandwidth_gbps=1, alpha_s=1e-4, scheme="onebit", codec_s_per_byte=codec
+    )
+    c = bucket_cost(nbytes, hook, AddCost.zero())
+    busy = c["network_s"] + c["latency_s"] + c["codec_s"]
+    assert c["codec_s"] == pytest.approx(codec * nbytes)
+    res = simulate(prof, b, hook)
+    # Bucket 0 starts at 0.05 and its codec delays backward, and bucket 1, by codec_s.
+    first_end = 0.05 + busy
+    second_start = max(0.1 + c["codec_s"], first_end)
+    assert res.compute_stall_s == pytest.approx(c["codec_s"])
+    assert res.events[1].ready_s == pytest.approx(0.1 + c["codec_s"])
+    assert res.exposed_s == pytest.approx(second_start + busy - 0.1)
+    # Without the codec only the wire is left, and bucket 0's is hidden.
+    free = simulate(prof, b, replace(hook, codec_s_per_byte=0.0))
+    wire = busy - c["codec_s"]
+    assert free.compute_stall_s == 0.0
+    assert free.exposed_s == pytest.approx(max(0.1, 0.05 + wire) + wire - 0.1)
+    # After backward (1-bit Adam/LAMB): both buckets fully exposed, backward undisturbed.
+    after = simulate(prof, b, replace(hook, overlap=False))
+    assert after.exposed_s == pytest.approx(2 * busy) and after.compute_stall_s == 0.0
+    assert free.exposed_s < res.exposed_s < after.exposed_s

@@ -139,3 +139,24 @@ def test_pytorch_peer_hooks_train_in_sync_and_send_less(tmp_path: Path) -> None:
     assert fp16["comm_bytes"] == fp32["comm_bytes"] // 2
     assert 0 < psgd["comm_bytes"] < fp32["comm_bytes"] / 2
     assert "ddp.powersgd" in psgd["comm_by_op"]
+
+
+@pytest.mark.timeout(240)
+def test_adamw_onebit_overlaps_with_the_same_bits_and_resumes_exactly(tmp_path: Path) -> None:
+    """DDP+AdamW with the 1-bit hook: overlapped and synchronous runs are bit-identical,
+    send 1-bit bytes after the freeze, and a run resumed mid-compression ends bit-identical."""
+    common = {"steps": 12, "freeze_step": 3}
+    cfgs = [
+        tiny_config(tmp_path / "over", algo="adamw-onebit", **common),
+        tiny_config(tmp_path / "sync", algo="adamw-onebit-sync", **common),
+        tiny_config(tmp_path / "half", algo="adamw-onebit", stop_after=7, **common),
+        tiny_config(tmp_path / "half", algo="adamw-onebit", resume=True, **common),
+    ]
+    per_rank = spawn(_train_peers, 2, (cfgs,), timeout_s=220)
+    over, sync, _, resumed = per_rank[0]
+    assert over["param_sha256"] == per_rank[1][0]["param_sha256"]
+    assert over["param_sha256"] == sync["param_sha256"] == resumed["param_sha256"]
+    assert over["final_val_loss"] < 5.0  # it learned something from ln(256)=5.5
+    ops = over["comm_by_op"]
+    assert ops["onebit.phase1"]["calls"] >= 2 * (12 - 3)  # several buckets per step
+    assert ops["ddp.allreduce"]["calls"] >= 3

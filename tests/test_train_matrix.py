@@ -36,6 +36,9 @@ CASES: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
     "onebit-lamb": ((3, 9), {"freeze_step": 6}),
     # the automatic freeze (capped at 30% of 12 steps = step 4): stops on both sides
     "onebit-lamb-auto": ((2, 7), {"freeze_step": "auto"}),
+    # the 1-bit DDP hook after 4 plain steps, overlapped with backward or not
+    "adamw-onebit": ((2, 7), {"freeze_step": 4}),
+    "adamw-onebit-sync": ((2, 7), {"freeze_step": 4}),
     # H = 4: stops at 6 and 9 are mid-round
     "diloco": ((6, 9), {"local_steps": 4}),
 }
@@ -97,7 +100,7 @@ def test_checkpoint_log_resume_is_exact(tmp_path: Path, name: str) -> None:
     for line in (Path(pieces[-1].out_dir) / "metrics.jsonl").read_text().splitlines():
         for value in json.loads(line).values():
             assert isinstance(value, (int, float, str)) and not isinstance(value, bool)
-    if name.startswith("onebit"):
+    if name.startswith("onebit"):  # the optimizers' own freeze
         freeze = per_rank[0][0]["freeze_step"]
         assert pieces[0].stop_after <= freeze < pieces[1].stop_after
         events = [r for r in b if r.get("event") == "freeze"]

@@ -6,8 +6,12 @@ Nothing sleeps: every time is computed.
 
 One FIFO channel all-reduces the buckets (see :mod:`thinwire.analysis.buckets`) one at
 a time; bucket ``k`` starts at ``max(ready_k, finish_{k-1})``. With ``overlap=False`` (or
-for Local-SGD) every bucket waits for the end of the backward pass. The cost of a
-bucket of ``S`` bytes over ``n`` workers on links of ``B`` bit/s:
+for Local-SGD) every bucket waits for the end of the backward pass. The codec (the
+compression compute, ``codec * S``) runs on the processor that runs backward: a bucket
+whose collective starts while backward is still running delays backward's end, and the
+ready time of every later bucket, by its codec time (the 1-bit comm hook on a CPU host:
+its thread packs bits on the cores backward uses). Overlap hides the wire, not the
+codec. The cost of a bucket of ``S`` bytes over ``n`` workers on links of ``B`` bit/s:
 
 * ``ring`` (plain or compressed allreduce)::
 
@@ -23,7 +27,10 @@ bucket of ``S`` bytes over ``n`` workers on links of ``B`` bit/s:
   about ``2 (n-1)/n * S/32`` bytes per worker (the implementation's exact count, with
   padding, scales and metadata), the same reductions, ``3 (n-1)`` messages (three
   collectives), plus ``codec * S`` (measure it with ``--measure-codec``). Gradients are
-  assumed fp32; ``compression`` must stay 1.
+  assumed fp32; ``compression`` must stay 1. Overlapped, this is the 1-bit comm hook
+  (:mod:`thinwire.comm.onebit_hook`: one thread reduces the buckets in order while
+  backward goes on); with ``overlap=False``, 1-bit Adam/LAMB's one exchange after
+  backward.
 * hierarchical (``workers_per_node = g > 1``, ring and Local-SGD): reduce-scatter in
   each node over ``intra_node_gbps``, ring allreduce of the shards across the ``n/g``
   nodes, all-gather in each node; only ``2 (n/g - 1)`` messages cross the network.
@@ -31,8 +38,9 @@ bucket of ``S`` bytes over ``n`` workers on links of ``B`` bit/s:
   steps, after the step (nothing to overlap with), so the exposed time is amortised: a
   ring allreduce of all buckets divided by H.
 
-Outputs (:class:`SimResult`): exposed communication (time after the backward pass that
-the step waits for the network), step time ``t_iter + exposed``, scaling factor
+Outputs (:class:`SimResult`): exposed communication (time after the undisturbed backward
+pass that the step waits for the network or for the codec's delay of backward), step
+time ``t_iter + exposed``, scaling factor
 ``SF = t_iter / (t_iter + exposed)``, link utilization (wire bytes per step over what the
 link could have carried in that time), and per-bucket events for a Gantt chart.
 
@@ -159,6 +167,8 @@ class SimResult:
     wire_bytes: float
     """Bytes each worker sends per step (amortised over H for Local-SGD)."""
     events: list[BucketEvent] = field(default_factory=list)
+    compute_stall_s: float = 0.0
+    """Codec compute that ran during backward and delayed its end (amortised like comm_s)."""
 
     @property
     def step_s(self) -> float:
@@ -190,6 +200,7 @@ class SimResult:
             "comm_s": self.comm_s,
             "wire_bytes": self.wire_bytes,
             "link_utilization": self.link_utilization,
+            "compute_stall_s": self.compute_stall_s,
             "breakdown": self.breakdown(),
         }
         if events:
@@ -252,17 +263,20 @@ def simulate(
     bk_end = profile.backward_end_s
     deferred = not cfg.overlap or cfg.scheme == "localsgd"
     free_at = 0.0
+    stall = 0.0  # codec compute run during backward so far: backward is that much later
     events = []
     for b in buckets:
         c = bucket_cost(b.nbytes, cfg, add)
         busy = c["network_s"] + c["reduce_s"] + c["latency_s"] + c["codec_s"]
-        ready = bk_end if deferred else b.ready_s
+        ready = bk_end if deferred else b.ready_s + stall
         start = max(ready, free_at)
+        if not deferred and start < bk_end + stall:
+            stall += c["codec_s"]  # it shares the processor with the rest of backward
         free_at = start + busy
         events.append(
             BucketEvent(
                 nbytes=b.nbytes,
-                ready_s=b.ready_s,
+                ready_s=ready,
                 start_s=start,
                 end_s=free_at,
                 network_s=c["network_s"],
@@ -272,7 +286,7 @@ def simulate(
                 wire_bytes=c["wire"],
             )
         )
-    exposed = max(0.0, free_at - bk_end) if events else 0.0
+    exposed = max(0.0, free_at - bk_end, stall) if events else 0.0
     h = cfg.local_steps if cfg.scheme == "localsgd" else 1
     return SimResult(
         config=cfg,
@@ -282,6 +296,7 @@ def simulate(
         comm_s=sum(e.end_s - e.start_s for e in events) / h,
         wire_bytes=sum(e.wire_bytes for e in events) / h,
         events=events,
+        compute_stall_s=stall / h,
     )
 
 

@@ -26,6 +26,7 @@ import torch
 
 from thinwire.comm import bench, bench_packing
 from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
+from thinwire.compress.packing import native_enabled
 from thinwire.errors import ConfigError
 
 __all__ = ["parse_size", "register", "size_range"]
@@ -112,7 +113,8 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) 
         meta = {
             "command": command,
             "torch": torch.__version__,
-            "native_packing": os.environ.get("THINWIRE_NATIVE_PACKING") == "1",
+            # the path this rank's packing took (native where built, unless turned off)
+            "native_packing": native_enabled(torch.device("cpu")),
         }
         print(f"wrote {bench.write_json(rows, out / 'allreduce.json', meta)}")
         png = bench.plot_times(rows, out / "allreduce.png")

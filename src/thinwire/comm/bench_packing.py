@@ -72,7 +72,7 @@ def run_packing_bench(
       (the fastest numpy spelling we found; ``np.where`` and table lookups are slower).
 
     ``torch_s`` is the pure-torch path and ``native_s`` the compiled kernels
-    (:mod:`thinwire.compress.native`; None if they cannot be built), both writing into
+    (:mod:`thinwire.compress.native`; None where they are not built), both writing into
     reused ``out=``/scratch buffers as the compressed allreduce does; numpy allocates
     its outputs (it has no ``out=``). torch runs with its current intra-op thread count
     (``threads`` in the row); numpy is single-threaded. ``clock``: ``"wall"`` or
@@ -81,7 +81,7 @@ def run_packing_bench(
     rows = []
     gen = torch.Generator().manual_seed(0)
     has_native = packing.use_native(True)
-    packing.use_native(False)
+    packing.use_native(None)
     for n in numels:
         for op, fns in _packing_cases(n - n % 8, gen, has_native).items():
             med = _interleaved_medians(fns, repeats, clock)
@@ -140,11 +140,11 @@ def _packing_cases(
 
 def _with_native(fn: Callable[[], Any], enabled: bool) -> Callable[[], Any]:
     def run() -> Any:
-        packing.use_native(enabled)  # cached after the first build: a dict update
+        packing.use_native(enabled)  # loaded once: then a dict update
         try:
             return fn()
         finally:
-            packing.use_native(False)
+            packing.use_native(None)  # back to the process's default
 
     return run
 
@@ -156,7 +156,7 @@ def run_onebit_compute_bench(
 
     Runs :meth:`OneBitAllreduce.compute_only` (rank 0's complete share of the work for
     ``world_size`` ranks) with pure-torch packing (``compute_s``) and with the compiled
-    kernels (``native_s``, None if unavailable), and, interleaved, one ``copy_`` of the
+    kernels (``native_s``, None where they are not built), and, interleaved, one ``copy_`` of the
     buffer (a "pass": read and write ``4 * numel`` bytes). ``passes = compute_s /
     copy_s`` says how many plain passes over memory the compression costs.
     """
@@ -173,7 +173,7 @@ def run_onebit_compute_bench(
     if packing.use_native(True):
         fast = OneBitAllreduce.compute_only(world_size, pieces=1)
         fns["native"] = _with_native(lambda: fast(x, out=out), True)
-    packing.use_native(False)
+    packing.use_native(None)
     med = _interleaved_medians(fns, repeats, clock)
     native = med.get("native")
     return {

@@ -14,36 +14,87 @@ worker and on the server side, and added back next step (error-feedback sign SGD
 Seide et al. 2014, Karimireddy et al. arXiv 1901.09847, Tang et al. arXiv 2102.02888).
 Because only the gradients change, it works with any optimizer.
 
+**Overlap.** Like PyTorch's own hooks, the hook returns at once with a future that
+completes when the bucket's collective is done, so the collective runs while backward
+computes the next buckets. The 1-bit allreduce is several collectives with compute in
+between, so it runs on one background thread per state
+(:class:`thinwire.comm.hook_worker.HookWorker`), which takes the buckets in DDP's index
+order on every rank: every rank issues the same collectives in the same order. The
+result is bit-identical to running each collective inside the hook (``overlap=False``).
+
 Tuning guide:
 
 * ``warmup_steps``: plain (uncompressed) allreduce for this many steps first. Early
   training is the most sensitive to compression error, and DDP rebuilds its buckets
-  after the first step (residuals of the first layout would be discarded). 5-10% of
-  the run is a good start; never less than 1.
-* Bucket size (``bucket_cap_mb`` of DDP): every bucket costs 3 collective latencies
-  here, so larger buckets (e.g. 100 MB) pay off on a WAN.
+  after the first step. 5-10% of the run is a good start; never less than 1.
+* Bucket size (``bucket_cap_mb`` of DDP): only buckets that are ready before backward
+  ends can overlap it, and every bucket costs 3 collective latencies. A model smaller
+  than DDP's cap (25 MB) is one bucket: nothing to overlap. A cap of a quarter of the
+  gradient size gives 4 buckets, 3 of which overlap; one bucket has the fewest
+  latencies, which pays on a WAN whose round trips dominate.
+* On CPU hosts the compression compute runs beside backward and competes for the same
+  cores: overlap hides the wire time, not the compute. On GPUs it runs on a side stream.
 * Momentum-based optimizers tolerate 1-bit gradients worse than SGD at high learning
   rates; for Adam-style training prefer compressing the momentum (1-bit Adam/LAMB in
   :mod:`thinwire.optim`), which is what that family of papers does.
-* The hook runs the collective synchronously inside backward: there is no overlap of
-  communication with the remaining backward computation. On a slow network the wire
-  time dominates either way; on a fast one, plain allreduce is the better choice.
+
+**Checkpoints.** Residuals are kept per bucket, with the bucket's parameters (their
+places in the order of DDP's first iteration, the same in every run of the same model
+and options). A new DDP's first iteration puts all parameters in one bucket before it
+rebuilds its buckets; after loading a checkpoint the hook reduces that bucket as the
+saved buckets it contains, each with its own residuals, so a resumed run is
+bit-identical to an uninterrupted one.
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook inspects the
 # hook's annotations at runtime and rejects string annotations.
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thinwire.comm.allreduce import allreduce_hook
+from thinwire.comm.allreduce import all_reduce_mean_, allreduce_hook
+from thinwire.comm.hook_worker import HookWorker, completed
 from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
 from thinwire.compress.onebit import DEFAULT_CHUNK
 
 __all__ = ["OneBitHookState", "onebit_hook"]
 
 _NONFINITE = ("allreduce", "raise")
+
+Spans = list[tuple[int, int]]
+"""Element ranges of a bucket's buffer holding one saved bucket's parameters, in order."""
+Plan = list[tuple[OneBitAllreduce, Spans | None]]
+"""The collectives that reduce one bucket: its own (spans None), or one per saved bucket."""
+
+
+def _reduce(
+    allreduce: OneBitAllreduce, buf: torch.Tensor, nonfinite: str, group: dist.ProcessGroup | None
+) -> None:
+    """One buffer's average, in place: 1-bit, or plain for a non-finite one."""
+    try:
+        allreduce(buf, out=buf)
+    except NonFiniteError:
+        # Raised on every rank alike, so every rank takes the same branch here.
+        if nonfinite == "raise":
+            raise
+        all_reduce_mean_(buf, group, op_name="ddp.allreduce")
+
+
+def _run_plan(
+    plan: Plan, buf: torch.Tensor, nonfinite: str, group: dist.ProcessGroup | None
+) -> None:
+    for allreduce, spans in plan:
+        if spans is None:
+            _reduce(allreduce, buf, nonfinite, group)
+            continue
+        part = torch.cat([buf[a:b] for a, b in spans])
+        _reduce(allreduce, part, nonfinite, group)
+        offset = 0
+        for a, b in spans:
+            buf[a:b].copy_(part[offset : offset + b - a])
+            offset += b - a
 
 
 class OneBitHookState:
@@ -55,21 +106,34 @@ class OneBitHookState:
         nonfinite: what a bucket with NaN/Inf gradients does. ``"allreduce"`` (default)
             sends it uncompressed, so the NaN/Inf reaches the optimizer exactly as with
             plain DDP (a ``GradScaler`` then skips the step) and the residuals stay
-            untouched; ``"raise"`` raises :class:`NonFiniteError` on every rank.
+            untouched; ``"raise"`` makes ``backward()`` raise a ``RuntimeError`` naming
+            :class:`NonFiniteError` on every rank (residuals untouched; DDP stays usable,
+            so the caller can skip the step).
         chunk: elements per step of the in-place residual updates (see
             :class:`OneBitAllreduce`).
+        overlap: run each bucket's collective on a background thread while backward
+            goes on (default). ``False`` runs it inside the hook, blocking backward: the
+            same result bit for bit, without the overlap.
 
     The state pickles without the process group (it is ``None`` after unpickling,
-    i.e. the default group; set ``state.process_group`` again if needed). Residuals
-    travel with it, so a checkpoint of the state resumes exactly.
+    i.e. the default group; set ``state.process_group`` again if needed) and without
+    its thread (a new one starts on first use). Residuals travel with it, so a
+    checkpoint of the state resumes exactly. :meth:`close` stops the thread; so does
+    garbage collection of the state.
     """
 
     __slots__ = (
+        "__weakref__",
         "_allreduces",
+        "_layout",
+        "_learning",
+        "_order",
         "_pending",
+        "_worker",
         "chunk",
         "iteration",
         "nonfinite",
+        "overlap",
         "process_group",
         "warmup_steps",
     )
@@ -80,6 +144,7 @@ class OneBitHookState:
         warmup_steps: int = 10,
         nonfinite: str = "allreduce",
         chunk: int = DEFAULT_CHUNK,
+        overlap: bool = True,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
@@ -89,42 +154,133 @@ class OneBitHookState:
         self.warmup_steps = warmup_steps
         self.nonfinite = nonfinite
         self.chunk = chunk
+        self.overlap = overlap
         self.iteration = 0
         self._allreduces: dict[int, OneBitAllreduce] = {}
-        self._pending: dict[int, dict[str, Any]] = {}
+        self._pending: dict[int, dict[str, Any]] = {}  # loaded, not yet met
+        self._layout: dict[int, tuple[int, ...] | None] = {}  # bucket -> its parameters
+        self._order: dict[int, int] = {}  # parameter address -> place in the first iteration
+        self._learning = True  # until this object's first iteration ends
+        self._worker: HookWorker | None = None
 
-    def allreduce_for(self, bucket_index: int, numel: int) -> OneBitAllreduce:
-        """The collective (and residuals) of one bucket; fresh if the bucket was rebuilt."""
-        ar = self._allreduces.get(bucket_index)
-        if ar is None:
-            ar = self._allreduces[bucket_index] = OneBitAllreduce(self.process_group, self.chunk)
-            pending = self._pending.pop(bucket_index, None)
-            if pending is not None:
-                ar.load_state_dict(pending)
-        if ar.numel is not None and ar.numel != numel:
-            # DDP rebuilt its buckets (same layout on every rank): old residuals are moot.
-            ar.reset()
+    # ------------------------------------------------------------------ buckets
+
+    def _positions(self, bucket: dist.GradBucket) -> tuple[int, ...] | None:
+        """The places of the bucket's parameters in the order DDP's first iteration handed
+        them over (deterministic for a model and DDP's options); None if unknown."""
+        params = bucket.parameters()
+        if self._learning:
+            for p in params:
+                self._order.setdefault(p.data_ptr(), len(self._order))
+        try:
+            return tuple(self._order[p.data_ptr()] for p in params)
+        except KeyError:
+            return None
+
+    def _materialize(self, index: int) -> OneBitAllreduce:
+        saved = self._pending.pop(index)
+        positions = saved.get("positions")
+        ar = OneBitAllreduce(self.process_group, self.chunk)
+        ar.load_state_dict({k: v for k, v in saved.items() if k != "positions"})
+        self._allreduces[index] = ar
+        self._layout[index] = None if positions is None else tuple(positions)
         return ar
 
+    def _split(self, bucket: dist.GradBucket, positions: tuple[int, ...]) -> Plan:
+        """Reduce ``bucket`` as the saved buckets that exactly cover it, in their own
+        order (DDP's first iteration after a load); [] when they do not."""
+        where: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for pos, p in zip(positions, bucket.parameters(), strict=True):
+            where[pos] = (offset, offset + p.numel())
+            offset += p.numel()
+        if offset != bucket.buffer().numel():
+            return []
+        parts: list[tuple[int, Spans]] = []
+        covered: set[int] = set()
+        for j in sorted(self._pending):
+            saved = self._pending[j].get("positions")
+            if saved is None or not set(saved) <= where.keys():
+                continue
+            spans = [where[q] for q in saved]
+            if sum(b - a for a, b in spans) != self._pending[j]["numel"]:
+                return []
+            parts.append((j, spans))
+            covered.update(saved)
+        if not parts or covered != where.keys():
+            return []
+        return [(self._materialize(j), spans) for j, spans in parts]
+
+    def plan(self, bucket: dist.GradBucket) -> Plan:
+        """The collectives (and residuals) that reduce one compressed bucket."""
+        index, numel = bucket.index(), bucket.buffer().numel()
+        positions = self._positions(bucket)
+        saved = self._pending.get(index)
+        if index not in self._allreduces and saved is not None:
+            were = saved.get("positions")
+            same = positions is None or were is None or tuple(were) == positions
+            if saved["numel"] in (None, numel) and same:
+                self._materialize(index)
+            elif positions is not None and (parts := self._split(bucket, positions)):
+                return parts
+            else:
+                del self._pending[index]  # another layout: those residuals are moot
+        ar = self._allreduces.get(index)
+        if ar is None:
+            ar = self._allreduces[index] = OneBitAllreduce(self.process_group, self.chunk)
+        elif ar.numel not in (None, numel) or self._layout.get(index) not in (None, positions):
+            ar.reset()  # DDP rebuilt its buckets (alike on every rank): old residuals are moot
+        self._layout[index] = positions
+        return [(ar, None)]
+
+    # ------------------------------------------------------------------ thread
+
+    def worker(self) -> HookWorker:
+        """The background thread of this state (started on first use)."""
+        if self._worker is None:
+            self._worker = HookWorker("thinwire-onebit-hook")
+            weakref.finalize(self, self._worker.stop)
+        return self._worker
+
+    def close(self) -> None:
+        """Finish the queued buckets and stop the thread (a later bucket starts a new one)."""
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            worker.stop()
+            worker.thread.join()
+
+    # ------------------------------------------------------------------ state
+
     def state_dict(self) -> dict[str, Any]:
-        """Options, step counter and every bucket's residuals (this rank's)."""
+        """Options, step counter and every bucket's residuals and parameters (this rank's)."""
+        if self._worker is not None:
+            self._worker.wait_idle()  # no bucket is being reduced while we copy
         buckets = dict(self._pending)
-        buckets.update({i: ar.state_dict() for i, ar in self._allreduces.items()})
+        for i, ar in self._allreduces.items():
+            positions = self._layout.get(i)
+            buckets[i] = ar.state_dict() | {
+                "positions": None if positions is None else list(positions)
+            }
         return {
             "warmup_steps": self.warmup_steps,
             "nonfinite": self.nonfinite,
             "chunk": self.chunk,
+            "overlap": self.overlap,
             "iteration": self.iteration,
             "buckets": buckets,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._worker is not None:
+            self._worker.wait_idle()
         self.warmup_steps = state["warmup_steps"]
         self.nonfinite = state["nonfinite"]
         self.chunk = state["chunk"]
+        self.overlap = state.get("overlap", True)  # states saved before the option existed
         self.iteration = state["iteration"]
         self._allreduces = {}
-        # Loaded on first use, when the process group is known.
+        self._layout = {}
+        # Loaded on first use, when the process group and the buckets are known.
         self._pending = dict(state["buckets"])
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,6 +288,9 @@ class OneBitHookState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
+        self._worker = None
+        self._order = {}
+        self._learning = True
         self.load_state_dict(state)
 
 
@@ -140,22 +299,23 @@ def onebit_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Average a gradient bucket with 1-bit compression (after ``state.warmup_steps``).
 
-    Register with ``ddp_model.register_comm_hook(state, onebit_hook)``.
+    Register with ``ddp_model.register_comm_hook(state, onebit_hook)``. Returns at once;
+    the future completes when the bucket's collective is done (see the module docstring).
     """
     buf = bucket.buffer()
     if state.iteration < state.warmup_steps:
+        if state._learning:
+            state._positions(bucket)
         fut = allreduce_hook(state.process_group, bucket)
     else:
-        allreduce = state.allreduce_for(bucket.index(), buf.numel())
-        try:
-            allreduce(buf, out=buf)
-            devices = [buf.device] if buf.is_cuda else None
-            fut = torch.futures.Future(devices=devices)
-            fut.set_result(buf)
-        except NonFiniteError:
-            if state.nonfinite == "raise":
-                raise
-            fut = allreduce_hook(state.process_group, bucket)
+        plan = state.plan(bucket)
+        nonfinite, group = state.nonfinite, state.process_group
+
+        def work() -> None:
+            _run_plan(plan, buf, nonfinite, group)
+
+        fut = state.worker().submit(buf, work) if state.overlap else completed(buf, work)
     if bucket.is_last():
         state.iteration += 1
+        state._learning = False
     return fut

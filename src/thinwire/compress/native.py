@@ -1,29 +1,63 @@
-"""Optional compiled CPU kernels for bit packing, checked against the pure-torch path.
+"""Compiled CPU kernels for bit packing: built once at set-up, loaded by every run.
 
-Pure torch (:mod:`thinwire.compress.packing`) is the reference and the default. On CPU,
-eager torch needs 2-3 passes over memory to pack bits (a multiply and a strided copy,
-after a comparison), where numpy's SIMD ``packbits`` needs one. These kernels do each
-operation in one pass: packing compares 8 floats at once and takes their sign mask
+Pure torch (:mod:`thinwire.compress.packing`) is the reference. On CPU, eager torch
+needs 2-3 passes over memory to pack bits (a multiply and a strided copy, after a
+comparison), where numpy's SIMD ``packbits`` needs one. These kernels do each operation
+in one pass: packing compares 8 floats at once and takes their sign mask
 (``_mm256_movemask_ps`` with AVX2, a plain loop otherwise); unpacking copies one
 precomputed 8-value row per byte. Output is bit-identical to the pure path
-(``tests/test_compress_packing.py`` checks it whenever the kernels build).
+(``tests/test_compress_packing.py`` checks it whenever the kernels are built).
 
-They are compiled on first use with ``torch.utils.cpp_extension.load_inline`` (needs a
-C++ compiler; about a minute once, cached afterwards under ``TORCH_EXTENSIONS_DIR``)
-for the machine they run on (``-march=native``). Enable them with
-``thinwire.compress.packing.use_native(True)`` or ``THINWIRE_NATIVE_PACKING=1``; if the
-build fails, packing stays on the pure path and :func:`load` returns None.
+Building is a set-up step, never a side effect of a run::
+
+    python -m thinwire.compress.native --build     # what `make install` runs
+    python -m thinwire.compress.native --status    # built? where? why not?
+
+It calls the C++ compiler (``$CXX``, else ``c++``) directly on torch's and Python's
+headers (no ninja, no setuptools), for the machine it runs on (``-march=native``), in
+about a minute, and writes one shared library into :func:`cache_dir`: by default
+``_native/`` beside this file (inside the repository for an editable install, ignored
+by git; inside the virtual environment's ``site-packages`` otherwise), or
+``$THINWIRE_NATIVE_DIR``. The library's name carries a key of everything it depends
+on (this source, torch, Python, the CPU), so a changed source, another torch or
+another CPU never loads a stale build: it is simply not found.
+
+At run time :func:`load` only loads a finished library; it never compiles. Which path
+packing takes is decided in :mod:`thinwire.compress.packing` (native where built,
+announced once when not).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
-__all__ = ["load"]
+__all__ = ["BuildError", "build", "cache_dir", "library_path", "load", "unavailable_reason"]
 
 _log = logging.getLogger(__name__)
+
+NAME = "thinwire_packing_native"
+"""The extension module's name (``PYBIND11_MODULE``), also the library's file stem."""
+
+_FLAGS = ("-O3", "-march=native")
+"""Optimisation flags; the build retries without ``-march=native`` where the compiler
+does not know it (the AVX2 loops then compile out, the plain loops stay)."""
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -154,26 +188,201 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
+
+class BuildError(RuntimeError):
+    """The kernels could not be compiled; the message ends with the compiler's output."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$THINWIRE_NATIVE_DIR`` or ``_native/`` beside this file."""
+    env = os.environ.get("THINWIRE_NATIVE_DIR", "").strip()
+    return Path(env) if env else Path(__file__).resolve().parent / "_native"
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    seen: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in wanted and key not in seen:
+                    seen[key] = value.strip()
+    except OSError:  # not Linux: the processor string is the best we have
+        return platform.processor()
+    return "|".join(f"{k}={seen[k]}" for k in sorted(seen))
+
+
+@functools.cache
+def build_key() -> str:
+    """A hash of everything a build depends on; part of the library's path."""
+    import torch
+
+    parts = (
+        _SOURCE,
+        " ".join(_FLAGS),
+        torch.__version__,
+        sys.version,
+        platform.machine(),
+        _cpu_id(),
+    )
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """The library a build for this machine, torch and Python writes (and :func:`load` reads)."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or importlib.machinery.EXTENSION_SUFFIXES[0]
+    return cache_dir() / build_key() / f"{NAME}{suffix}"
+
+
 _lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
+_loaded: dict[Path, ModuleType | None] = {}
+_reasons: dict[Path, str] = {}
 
 
-def load(verbose: bool = False) -> ModuleType | None:
-    """Build (once) and return the kernel module, or None if it cannot be built."""
+def load() -> ModuleType | None:
+    """The built kernels of this machine, or None (see :func:`unavailable_reason`).
+
+    Never compiles. The result is cached per library path (a changed
+    ``THINWIRE_NATIVE_DIR`` is looked up afresh).
+    """
+    path = library_path()
     with _lock:
-        if "module" in _state:
-            return _state["module"]
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            module = load_inline(
-                name="thinwire_packing_native",
-                cpp_sources=[_SOURCE],
-                extra_cflags=["-O3", "-march=native"],
-                verbose=verbose,
-            )
-        except Exception as exc:  # no compiler, no headers, ...: stay on pure torch
-            _log.warning("thinwire native packing unavailable, using pure torch: %s", exc)
-            module = None
-        _state["module"] = module
+        if path in _loaded:
+            return _loaded[path]
+        module = None
+        if not path.is_file():
+            _reasons[path] = "not built for this machine"
+        else:
+            try:
+                spec = importlib.util.spec_from_file_location(NAME, path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            except Exception as exc:  # a broken or foreign library: stay on pure torch
+                module = None
+                _reasons[path] = f"{path} does not load: {exc}"
+        _loaded[path] = module
         return module
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returns None (None when the kernels load)."""
+    path = library_path()
+    if load() is not None:
+        return None
+    return _reasons.get(path, "unknown reason")
+
+
+def _compile_command(source: Path, target: Path, flags: Sequence[str]) -> list[str]:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    python_include = sysconfig.get_path("include", scheme="posix_prefix")
+    cxx = shlex.split(os.environ.get("CXX", "").strip() or "c++")
+    includes = [f"-I{p}" for p in [*include_paths(), python_include] if p]
+    libdirs = library_paths()
+    return [
+        *cxx,
+        *flags,
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-w",
+        f"-DTORCH_EXTENSION_NAME={NAME}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *includes,
+        str(source),
+        "-o",
+        str(target),
+        *[f"-L{d}" for d in libdirs],
+        *[f"-Wl,-rpath,{d}" for d in libdirs],
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        "-ltorch_python",
+    ]
+
+
+def build(force: bool = False, verbose: bool = False) -> Path:
+    """Compile the kernels for this machine into :func:`library_path`; returns that path.
+
+    Does nothing when that library exists (unless ``force``). Safe to run from several
+    processes at once: each compiles into a temporary file and renames it into place.
+
+    Raises:
+        BuildError: no compiler, no headers, or the compiler failed (its output is in
+            the message); packing then keeps using pure torch.
+    """
+    target = library_path()
+    if target.is_file() and not force:
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(f"cannot create {target.parent}: {exc}; set THINWIRE_NATIVE_DIR") from None
+    with tempfile.TemporaryDirectory(prefix="thinwire-native-") as tmp:
+        source = Path(tmp) / f"{NAME}.cpp"
+        source.write_text(_SOURCE, encoding="utf-8")
+        partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        errors: list[tuple[int, str]] = []
+        for flags in (_FLAGS, tuple(f for f in _FLAGS if f != "-march=native")):
+            cmd = _compile_command(source, partial, flags)
+            if verbose:
+                print(shlex.join(cmd), file=sys.stderr)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            except OSError as exc:  # no compiler at all
+                raise BuildError(f"no C++ compiler ({cmd[0]}): {exc}") from None
+            if proc.returncode == 0:
+                os.replace(partial, target)
+                with _lock:  # a later load() finds the new library
+                    _loaded.pop(target, None)
+                return target
+            output = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            errors.append((proc.returncode, "\n".join(output[-20:])))
+        partial.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        target.parent.rmdir()  # only if empty: leave no trace of a failed build
+    status, tail = errors[-1]
+    raise BuildError(f"the C++ compiler failed with exit status {status}\n{tail}".rstrip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m thinwire.compress.native --build|--status``; exit status 1 if not built."""
+    p = argparse.ArgumentParser(
+        prog="python -m thinwire.compress.native",
+        description="Build or inspect thinwire's compiled packing kernels for this machine.",
+    )
+    p.add_argument("--build", action="store_true", help="compile them (skipped if built)")
+    p.add_argument("--force", action="store_true", help="with --build: compile even if built")
+    p.add_argument("--verbose", action="store_true", help="print the compiler command")
+    p.add_argument("--status", action="store_true", help="say whether they are built (default)")
+    args = p.parse_args(argv)
+    if args.build:
+        if args.force or not library_path().is_file():
+            print("thinwire: compiling the native packing kernels (about a minute)", flush=True)
+        try:
+            path = build(force=args.force, verbose=args.verbose)
+        except BuildError as exc:
+            first, _, rest = str(exc).partition("\n")
+            print(
+                f"thinwire: native packing kernels not built ({first}); packing uses pure torch",
+                file=sys.stderr,
+            )
+            if args.verbose and rest:
+                print(rest, file=sys.stderr)
+            return 1
+        print(f"thinwire: native packing kernels built: {path}")
+        return 0
+    reason = unavailable_reason()
+    if reason is None:
+        print(f"thinwire: native packing kernels loaded from {library_path()}")
+        return 0
+    print(f"thinwire: native packing kernels unavailable: {reason} (looked for {library_path()})")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

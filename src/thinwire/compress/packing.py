@@ -19,8 +19,10 @@ How it is fast without a compiled kernel:
   :func:`unpack_signs`, which writes the dequantised values straight into the output
   without an intermediate boolean tensor).
 
-Optional compiled kernels (:mod:`thinwire.compress.native`, enabled with
-:func:`use_native`) do the same on CPU in one pass each, bit for bit.
+Compiled kernels (:mod:`thinwire.compress.native`, built at set-up) do the same on CPU
+in one pass each, bit for bit. They are used wherever they are built; otherwise this
+pure path runs and says so once per process. :data:`NATIVE_ENV` or :func:`use_native`
+chooses explicitly.
 
 Tuning: all functions take ``out=``/``scratch=`` buffers so a caller that runs every
 step (the compressed allreduce) allocates nothing; fresh multi-megabyte tensors cost
@@ -31,15 +33,20 @@ byte order (checked at import).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import threading
 from types import ModuleType
 
 import numpy as np
 import torch
 
+from thinwire.errors import ConfigError
+
 __all__ = [
     "BIT_ORDER",
+    "NATIVE_ENV",
     "native_enabled",
     "pack_bits",
     "pack_signs",
@@ -59,29 +66,79 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform
 # 0x8040201008040201 as a signed int64: byte k of a word (bit 8k) moves to bit 63 - k.
 _GATHER_MSB_FIRST = int(np.array(0x8040201008040201, dtype=np.uint64).astype(np.int64))
 
+NATIVE_ENV = "THINWIRE_NATIVE_PACKING"
+"""Environment variable choosing CPU packing's path: unset or ``auto`` (native where
+built, else pure torch, announced once), ``0`` (pure torch), ``1`` (native required)."""
+
 _NATIVE: dict[str, ModuleType | None] = {}
+_NATIVE_LOCK = threading.Lock()
+_ANNOUNCED: list[str] = []  # the fallback's reason, once it was announced
+_log = logging.getLogger(__name__)
 
 
-def use_native(enabled: bool = True) -> bool:
-    """Switch CPU packing to the compiled kernels of :mod:`thinwire.compress.native`.
+def use_native(enabled: bool | None = True) -> bool:
+    """Choose the path of CPU packing in this process; returns whether the kernels are used.
 
-    Returns whether they are now in use (False if they could not be built). The output
-    is bit-identical either way; only the speed differs. ``THINWIRE_NATIVE_PACKING=1``
-    in the environment turns them on at first use.
+    Args:
+        enabled: True uses the compiled kernels of :mod:`thinwire.compress.native` if they
+            are built for this machine (else pure torch, announced once); False uses pure
+            torch; None returns to the default set by :data:`NATIVE_ENV`.
+
+    Nothing is compiled here: ``python -m thinwire.compress.native --build`` (which
+    ``make install`` runs) builds the kernels. The output is bit-identical on either
+    path; only the speed differs.
     """
-    if not enabled:
-        _NATIVE["module"] = None
-        return False
+    with _NATIVE_LOCK:
+        _NATIVE.clear()
+        if enabled is None:
+            return _resolve_locked() is not None
+        _NATIVE["module"] = _load_native(required=False) if enabled else None
+        return _NATIVE["module"] is not None
+
+
+def _load_native(required: bool) -> ModuleType | None:
     from thinwire.compress import native
 
-    _NATIVE["module"] = native.load()
-    return _NATIVE["module"] is not None
+    module = native.load()
+    if module is None:
+        reason = native.unavailable_reason()
+        if required:
+            raise ConfigError(
+                f"{NATIVE_ENV}=1 but the native packing kernels are unavailable: {reason}; "
+                "build them with `python -m thinwire.compress.native --build`"
+            )
+        if not _ANNOUNCED:  # once per process, not per call
+            _ANNOUNCED.append(reason)
+            _log.warning(
+                "thinwire: packing on CPU uses pure torch (slower): the native kernels are "
+                "%s; build them with `python -m thinwire.compress.native --build` "
+                "(`make install` does), or set %s=0 to choose pure torch",
+                reason,
+                NATIVE_ENV,
+            )
+    return module
+
+
+def _resolve_locked() -> ModuleType | None:
+    """The default path, from :data:`NATIVE_ENV` (the caller holds the lock)."""
+    if "module" not in _NATIVE:
+        raw = os.environ.get(NATIVE_ENV, "")
+        mode = raw.strip().lower()
+        if mode not in ("", "auto", "0", "1"):
+            raise ConfigError(f"{NATIVE_ENV} must be 0, 1 or auto, got {raw!r}")
+        _NATIVE["module"] = None if mode == "0" else _load_native(required=mode == "1")
+    return _NATIVE["module"]
 
 
 def _native(device: torch.device) -> ModuleType | None:
-    if "module" not in _NATIVE:
-        use_native(os.environ.get("THINWIRE_NATIVE_PACKING", "") == "1")
-    return _NATIVE["module"] if device.type == "cpu" else None
+    if device.type != "cpu":
+        return None  # CUDA tensors always take the pure-torch path
+    try:
+        return _NATIVE["module"]  # decided: no lock on the hot path
+    except KeyError:
+        pass
+    with _NATIVE_LOCK:
+        return _resolve_locked()
 
 
 def native_enabled(device: torch.device) -> bool:

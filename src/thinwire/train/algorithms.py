@@ -204,12 +204,47 @@ def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
     return make
 
 
+def _hook_warmup(cfg: TrainConfig) -> int:
+    """Plain-allreduce steps before the 1-bit hook compresses: a fixed ``--freeze-step``,
+    else (``auto``: a gradient hook has no second moment to watch) the learning-rate
+    warmup, where the earliest, largest gradients would leave the biggest residuals."""
+    if isinstance(cfg.freeze_step, int):
+        return cfg.freeze_step
+    return max(1, cfg.warmup_steps)
+
+
+def _adamw_onebit(overlap: bool) -> Callable[[nn.Module, TrainConfig], Strategy]:
+    """DDP+AdamW with thinwire's 1-bit comm hook (:mod:`thinwire.comm.onebit_hook`): fp32
+    allreduce for the 1-bit optimizers' freeze step, then 1-bit buckets. Buckets of a
+    quarter of the gradient size (DDP's 25 MB would put a small model in one bucket, with
+    nothing to overlap); ``overlap=False`` runs each bucket inside backward instead."""
+
+    def make(model: nn.Module, cfg: TrainConfig) -> Strategy:
+        from thinwire.comm.onebit_hook import OneBitHookState, onebit_hook
+
+        state = OneBitHookState(warmup_steps=_hook_warmup(cfg), overlap=overlap)
+        grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        strategy = _ddp_adamw(model, cfg, onebit_hook, state, bucket_cap_mb=grad_mb / 4)
+        strategy.state_dict, strategy.load_state_dict = state.state_dict, state.load_state_dict
+        return strategy
+
+    return make
+
+
 ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], str]] = {
     "adamw": (_adamw, "PyTorch DDP (fp32 gradient allreduce) with AdamW: the baseline"),
     "adamw-fp16": (_adamw_with_hook("fp16"), "DDP+AdamW with PyTorch's fp16 compression hook"),
     "adamw-powersgd": (
         _adamw_with_hook("powersgd"),
         "DDP+AdamW with PyTorch's PowerSGD hook (rank 4)",
+    ),
+    "adamw-onebit": (
+        _adamw_onebit(overlap=True),
+        "DDP+AdamW with thinwire's 1-bit comm hook, overlapped with backward",
+    ),
+    "adamw-onebit-sync": (
+        _adamw_onebit(overlap=False),
+        "the same, each bucket's collective run inside backward (no overlap)",
     ),
     "lamb": (_lamb, "LAMB, fp32 gradient allreduce overlapped with the backward pass"),
     "onebit-adam": (
@@ -231,6 +266,8 @@ DEFAULT_LR: dict[str, float] = {
     "adamw": 2e-3,
     "adamw-fp16": 2e-3,
     "adamw-powersgd": 2e-3,
+    "adamw-onebit": 2e-3,  # adamw's, not swept
+    "adamw-onebit-sync": 2e-3,
     "lamb": 2e-2,
     "onebit-lamb": 2e-2,
     "onebit-adam": 4e-3,
