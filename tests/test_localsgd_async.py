@@ -149,6 +149,7 @@ def test_bad_slowdown_fails_fast_on_every_rank(tmp_path: Path) -> None:
         ({"slowdown": (1.0, 0.5)}, 2, "factors must be >= 1"),
         ({}, 0, "at least 2 ranks"),
         ({"inner_momentum": "reset"}, 2, "unknown inner momentum 'reset'"),
+        ({"extra": {"sync": True}}, 2, "extra\\['sync'\\] is no longer read: set the TrainConfig"),
     ],
 )
 def test_bad_config_is_rejected_before_any_message(

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, Task, rejoin_async, run_async
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
@@ -71,8 +72,19 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
 
 def check_async_config(cfg: TrainConfig, workers: int) -> None:
     """Every bad setting of an asynchronous trainer run, as a one-line ConfigError."""
-    cfg.validate()
+    _validate(cfg)
     async_config(cfg).validate(workers)
+
+
+def _validate(cfg: TrainConfig) -> None:
+    cfg.validate()
+    moved = sorted(set(cfg.extra) & {*_OPTIONAL, "sync"})
+    if moved:
+        # These lived in ``extra`` once; ignoring them would silently run other settings.
+        raise ConfigError(
+            f"TrainConfig.extra[{moved[0]!r}] is no longer read: set the TrainConfig field "
+            f"{moved[0]} instead"
+        )
 
 
 def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -191,7 +203,7 @@ def rejoin(
 ) -> dict[str, Any]:
     """``thinwire train ... --rejoin RANK``: worker ``rank`` of a running trainer run comes
     back in this process (see :func:`thinwire.localsgd.rejoin_async`)."""
-    cfg.validate()
+    _validate(cfg)
     acfg = async_config(cfg)
     if connect_timeout_s is not None:
         acfg = replace(acfg, connect_timeout_s=connect_timeout_s)
