@@ -63,6 +63,7 @@ from thinwire.localsgd.messages import (
     Hello,
     Kind,
     Message,
+    MessageError,
     Refused,
     RunInfo,
     decode,
@@ -202,7 +203,10 @@ class Transport:
             self.store.wait(["info"], self.connect_timeout)
         except RuntimeError:
             raise ConfigError("the run's server has not published its settings") from None
-        return RunInfo.from_json(self.store.get("info"), self.store.check(["finished"]))
+        try:
+            return RunInfo.from_json(self.store.get("info"), self.store.check(["finished"]))
+        except MessageError as exc:
+            raise ConfigError(str(exc)) from None
 
     # --- incarnations and heartbeats -------------------------------------------------------
     @property

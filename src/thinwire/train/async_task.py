@@ -96,7 +96,11 @@ def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 def gpt_task(
     cfg: TrainConfig, data: TextData | None = None, device: torch.device | None = None
 ) -> Task:
-    """thinwire's GPT, AdamW, text shards and validation loss as a Local-SGD task."""
+    """thinwire's GPT, AdamW, text shards and validation loss as a Local-SGD task.
+
+    ``data``: a corpus to share between tasks (its seed draws the shards' batches);
+    None reads ``cfg.data`` on first use. ``device``: where the models live (CPU).
+    """
     gcfg = cfg.gpt_config()
     val: list[tuple[torch.Tensor, torch.Tensor]] = []
 
