@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,17 +17,14 @@ import torch.multiprocessing as mp
 
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import (
-    check_async_config,
-    make_worker,
-    run,
-    shape_signature,
-    work_loop,
-)
+from thinwire.localsgd.async_runtime import make_worker
 from thinwire.localsgd.inner_state import resolve_inner_momentum
 from thinwire.localsgd.server import Work
+from thinwire.localsgd.task import shape_signature
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
+from thinwire.localsgd.worker_loop import work_loop
+from thinwire.train.async_task import async_config, check_async_config, gpt_loss, gpt_task, run
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
 from thinwire.train.metrics import read_metrics
@@ -37,7 +36,7 @@ def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
         algo="async-diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16,
         steps=6, local_steps=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=3,
         eval_sequences=8, checkpoint_interval=2, out_dir=str(out_dir), progress=False,
-        device="cpu", extra={},
+        device="cpu",
     )  # fmt: skip
     base.update(kw)
     return TrainConfig(**base)
@@ -86,13 +85,7 @@ def _rank_main(
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     if rank == kill_rank:
         # Train like any worker, then die abruptly (no goodbye, no cleanup).
-        gcfg = cfg.gpt_config()
-        torch.manual_seed(cfg.seed)
-        data = TextData(None, gcfg.seq_len, cfg.val_fraction, cfg.seed)
-        worker = LocalWorker(
-            GPT(gcfg), data.shards(world - 1), seq_len=gcfg.seq_len, batch_size=cfg.batch_size,
-            lr=cfg.lr, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
-        )  # fmt: skip
+        worker = make_worker(gpt_task(cfg), async_config(cfg), rank, world - 1)
 
         def die(rounds: int) -> None:
             os._exit(17)  # after its first round, before pushing it
@@ -109,7 +102,7 @@ def test_killed_worker_does_not_stop_the_run(tmp_path: Path) -> None:
     # 30 steps per worker: long enough that the victim, however late its process starts,
     # gets a round before the two survivors could spend the whole budget (with 10 they
     # sometimes did, and the victim was told to stop before it could die).
-    cfg = _cfg(tmp_path, steps=30, extra={"dead_after_s": 5.0})
+    cfg = _cfg(tmp_path, steps=30, dead_after_s=5.0)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -150,12 +143,13 @@ def test_bad_slowdown_fails_fast_on_every_rank(tmp_path: Path) -> None:
     ("kw", "workers", "match"),
     [
         ({"local_steps": 0}, 2, "local-steps must be >= 1"),
-        ({"extra": {"c": 0.9}}, 2, r"c must be in \[0, 1/N\]"),
+        ({"c": 0.9}, 2, r"c must be in \[0, 1/N\]"),
         ({"outer": "adam"}, 2, "unknown outer optimizer"),
         ({"compress": "onebit"}, 2, "compresses pushes with none, fp16 or bf16"),
         ({"slowdown": (1.0, 0.5)}, 2, "factors must be >= 1"),
         ({}, 0, "at least 2 ranks"),
         ({"inner_momentum": "reset"}, 2, "unknown inner momentum 'reset'"),
+        ({"extra": {"sync": True}}, 2, "extra\\['sync'\\] is no longer read: set the TrainConfig"),
     ],
 )
 def test_bad_config_is_rejected_before_any_message(
@@ -183,8 +177,11 @@ def test_worker_restarts_the_first_moment_each_round_only_in_round_mode(mode: st
     torch.manual_seed(0)
     data = TextData(None, 16, 0.05, 0)
     model = GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, n_embd=32))
-    worker = LocalWorker(model, data.shards(2), seq_len=16, batch_size=2, lr=1e-3,
-                         warmup_steps=0, min_lr_ratio=0.1, inner_momentum=mode)  # fmt: skip
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    shards = data.shard_batches(2, batch_size=2)
+    worker = LocalWorker(
+        model, adamw, shards, gpt_loss, warmup_steps=0, min_lr_ratio=0.1, inner_momentum=mode
+    )
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     zero_before_step = _first_moment_zero_at_each_step(worker)
     worker.run_round(theta.clone(), Work(0, 0, shard=0, steps=3, lr_clock=0, planned=10))
@@ -197,8 +194,9 @@ def test_worker_restarts_the_first_moment_each_round_only_in_round_mode(mode: st
         assert int(state["step"]) == 5  # the step count carries over in both modes
         assert not torch.equal(state["exp_avg_sq"], torch.zeros_like(square))
     with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
-        LocalWorker(model, data.shards(2), seq_len=16, batch_size=2, lr=1e-3, warmup_steps=0,
-                    min_lr_ratio=0.1, inner_momentum="reset")  # fmt: skip
+        LocalWorker(
+            model, adamw, shards, gpt_loss, warmup_steps=0, min_lr_ratio=0.1, inner_momentum="reset"
+        )
 
 
 def test_inner_momentum_default_follows_dylu(tmp_path: Path) -> None:
@@ -215,17 +213,15 @@ def test_inner_momentum_default_follows_dylu(tmp_path: Path) -> None:
         ({"dylu": True, "inner_momentum": "keep"}, "keep"),
         ({"dylu": False, "inner_momentum": "round"}, "round"),
     ]:
-        assert make_worker(_cfg(tmp_path, **kw), 1, 2).inner_momentum == mode, kw
+        cfg = _cfg(tmp_path, **kw)
+        assert make_worker(gpt_task(cfg), async_config(cfg), 1, 2).inner_momentum == mode, kw
 
 
 def _mismatched_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
     if rank != 2:
         return run(cfg)
-    data = TextData(None, 16, 0.05, 0)
-    model = GPT(GPTConfig(seq_len=16, n_layer=2, n_head=2, n_embd=32))  # one layer too many
-    worker = LocalWorker(model, data.shards(2), seq_len=16, batch_size=2, lr=1e-3,
-                         warmup_steps=0, min_lr_ratio=0.1)  # fmt: skip
-    return work_loop(worker, Transport())
+    other = replace(cfg, n_layer=2)  # one layer too many
+    return work_loop(make_worker(gpt_task(other), async_config(other), rank, 2), Transport())
 
 
 @pytest.mark.timeout(120)
@@ -249,11 +245,11 @@ def test_shape_signature_differs() -> None:
 def _flaky_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
     if rank != 1:
         return run(cfg)
-    gcfg = cfg.gpt_config()
-    torch.manual_seed(cfg.seed)
-    data = TextData(None, gcfg.seq_len, cfg.val_fraction, cfg.seed)
-    worker = LocalWorker(GPT(gcfg), data.shards(world - 1), seq_len=gcfg.seq_len,
-                         batch_size=cfg.batch_size, lr=cfg.lr, warmup_steps=0, min_lr_ratio=0.1)  # fmt: skip
+    task = gpt_task(cfg)
+    shards = task.shards(world - 1)
+    worker = LocalWorker(
+        task.model(), task.optimizer, shards, task.loss, warmup_steps=0, min_lr_ratio=0.1
+    )
 
     def fail_once(rounds: int) -> None:
         if rounds == 1:
@@ -286,7 +282,7 @@ def test_launcher_keeps_serving_when_a_worker_process_is_killed(tmp_path: Path) 
 
     from thinwire.cli.train import run_training
 
-    cfg = _cfg(tmp_path, steps=120, checkpoint_interval=0, extra={"dead_after_s": 3.0})
+    cfg = _cfg(tmp_path, steps=120, checkpoint_interval=0, dead_after_s=3.0)
     out: dict[str, Any] = {}
 
     def launch() -> None:

@@ -25,13 +25,13 @@ import torch.multiprocessing as mp
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import run, work_loop
-from thinwire.localsgd.rejoin import rejoin
+from thinwire.localsgd.async_runtime import make_worker
+from thinwire.localsgd.messages import Hello, RunInfo, Work
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
+from thinwire.localsgd.worker_loop import work_loop
+from thinwire.train.async_task import async_config, gpt_task, rejoin, run
 from thinwire.train.config import TrainConfig
-from thinwire.train.data import TextData
-from thinwire.train.model import GPT
 
 # The run's settings, once as command-line options (for the rejoining process) and once
 # as a config (for the launched ranks); the test asserts they agree.
@@ -49,20 +49,14 @@ def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
         algo="async-diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16,
         steps=12, local_steps=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=6,
         eval_sequences=8, checkpoint_interval=4, out_dir=str(out_dir), progress=False,
-        device="cpu", extra={"dead_after_s": 3.0},
+        device="cpu", dead_after_s=3.0,
     )  # fmt: skip
     base.update(kw)
     return TrainConfig(**base)
 
 
 def _worker(cfg: TrainConfig, rank: int, workers: int) -> LocalWorker:
-    gcfg = cfg.gpt_config()
-    torch.manual_seed(cfg.seed)
-    data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
-    return LocalWorker(
-        GPT(gcfg), data.shards(workers), seq_len=gcfg.seq_len, batch_size=cfg.batch_size,
-        lr=cfg.lr, warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio,
-    )  # fmt: skip
+    return make_worker(gpt_task(cfg), async_config(cfg), rank, workers)
 
 
 def _rank_main(
@@ -203,7 +197,7 @@ def _rejoin_main(port: int, cfg: TrainConfig, results: Any) -> None:
 def test_newest_incarnation_wins_over_a_stalled_one(tmp_path: Path) -> None:
     # The stall is not a death (dead_after_s); the new worker 2 is slowed down, and worker
     # 1 held until the old one has pushed, so that the budget outlasts the stale push.
-    cfg = _cfg(tmp_path, slowdown=(1.0, 20.0), extra={"dead_after_s": 30.0})
+    cfg = _cfg(tmp_path, slowdown=(1.0, 20.0), dead_after_s=30.0)
     ctx = mp.get_context("spawn")
     events = {"victim": ctx.Event(), "go": ctx.Event()}
     results, procs, port = _start(cfg, ["server", "held", "stalled"], events)
@@ -228,12 +222,13 @@ def test_newest_incarnation_wins_over_a_stalled_one(tmp_path: Path) -> None:
 def _slow_server(port: int, results: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     t = Transport(store, rank=0, run_id="slow", connect_timeout_s=2, timeout_s=60)
-    t.publish(1, 4, 0, 1)
-    while (msg := t.poll()) is None:
+    t.publish(RunInfo(workers=1, numel=4, checksum=0, shards=1))
+    while (env := t.poll()) is None:
         time.sleep(0.01)
-    t.accept(msg.src, msg.incarnation)
+    assert env.message == Hello(numel=4, checksum=0)
+    t.accept(env.src, env.incarnation)
     time.sleep(5)  # longer than the connect timeout: the worker must still be waiting
-    t.send(1, 3, [7.0], torch.arange(4.0))
+    t.send(1, Work(epoch=7, version=0), torch.arange(4.0))
     results.put(("server", t.poll() is None))
     t.close()
     time.sleep(1)  # keep the store up until the worker has read everything
@@ -250,9 +245,9 @@ def test_link_waits_longer_than_its_connect_timeout() -> None:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
         t = Transport(store, rank=1, run_id="slow", connect_timeout_s=2, timeout_s=60)
         assert t.run_info().workers == 1
-        t.send(0, 1, [4.0, 0.0, 0.0])  # hello: opens the link
+        t.send(0, Hello(numel=4, checksum=0))  # opens the link
         msg = t.recv(0)
-        assert (msg.kind, msg.fields[0]) == (3, 7.0)
+        assert msg == Work(epoch=7, version=0)
         assert torch.equal(t.recv_payload(0, 4, torch.float32), torch.arange(4.0))
         assert t.incarnation == 1
         t.close()
@@ -291,7 +286,7 @@ def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="rejoin with the run's model settings"):
             rejoin(_cfg(tmp_path, n_layer=2), 1, host=host, port=port)
         with pytest.raises(ConfigError, match="into 6 shards, the run into 2; rejoin with"):
-            rejoin(_cfg(tmp_path, extra={"shards": 6}), 1, host=host, port=port)
+            rejoin(_cfg(tmp_path, shards=6), 1, host=host, port=port)
         with pytest.raises(ConfigError, match="slowdown lists 3 factors"):
             rejoin(_cfg(tmp_path, slowdown=(1.0, 1.0, 1.0)), 1, host=host, port=port)
         assert time.monotonic() - t0 < 30  # clear errors, not timeouts
@@ -324,5 +319,5 @@ def test_cli_arguments_match_the_test_config(tmp_path: Path) -> None:
     args = build_parser().parse_args(["train", *_ARGS, "--out", str(tmp_path)])
     from_cli = config_from_args(args).to_dict()
     direct = _cfg(tmp_path).to_dict()
-    for key in from_cli.keys() - {"extra"}:
+    for key in from_cli.keys() - {"dead_after_s"}:  # a server setting, with no flag
         assert from_cli[key] == direct[key], key

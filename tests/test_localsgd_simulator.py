@@ -3,31 +3,47 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from thinwire.cli.main import main
 from thinwire.errors import ConfigError
+from thinwire.localsgd import AsyncConfig, SimClock, for_method, simulate
 from thinwire.localsgd.inner_state import restart_first_moment_
 from thinwire.localsgd.server import Work
-from thinwire.localsgd.simulator import SimConfig, gpt_config, simulate, time_to_reach
+from thinwire.localsgd.simulator import time_to_reach
 from thinwire.localsgd.worker import LocalWorker
+from thinwire.train.async_task import gpt_loss, gpt_task
+from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
 from thinwire.train.model import GPT
 
-_SMALL = {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 16}
+
+def _cfg(method: str, **kw: Any) -> AsyncConfig:
+    return for_method(
+        AsyncConfig(**({"local_steps": 4, "steps": 8, "warmup_steps": 2} | kw)), method
+    )
 
 
-def _cfg(method: str, **kw: object) -> SimConfig:
-    args: dict = dict(
-        method=method, seconds_per_step=(0.5, 1.0, 2.0), local_steps=4, steps_per_worker=8,
-        model_overrides=_SMALL, batch_size=4, warmup_steps=2, eval_points=2, eval_sequences=8,
-    )  # fmt: skip
-    args.update(kw)
-    return SimConfig(**args)
+def _sim(
+    method: str,
+    data: TextData | None = None,
+    seconds_per_step: tuple[float, ...] = (0.5, 1.0, 2.0),
+    jitter: float = 0.0,
+    seed: int = 0,
+    **kw: Any,
+) -> dict[str, Any]:
+    """A small GPT through the simulator: the trainer's task, one config, one clock."""
+    model = TrainConfig(
+        n_layer=1, n_embd=32, n_head=2, seq_len=16, batch_size=4, eval_sequences=8, seed=seed
+    )
+    clock = SimClock(seconds_per_step, jitter=jitter, seed=seed, eval_points=2)
+    return simulate(gpt_task(model, data), _cfg(method, **kw), clock)
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +53,21 @@ def data() -> TextData:
 
 @pytest.mark.timeout(120)
 def test_simulator_is_deterministic_for_a_seed(data: TextData) -> None:
-    a = simulate(_cfg("dn-dylu", jitter=0.2), data)
-    b = simulate(_cfg("dn-dylu", jitter=0.2), data)
+    a = _sim("dn-dylu", data, jitter=0.2)
+    b = _sim("dn-dylu", data, jitter=0.2)
     assert a["curve"] == b["curve"]
-    c = simulate(_cfg("dn-dylu", jitter=0.2, seed=1), data)
+    c = _sim("dn-dylu", data, jitter=0.2, seed=1)
     assert c["curve"] != a["curve"]
 
 
 @pytest.mark.timeout(120)
 def test_sync_rounds_wait_for_the_slowest_and_budgets_are_equal(data: TextData) -> None:
-    sync = simulate(_cfg("sync"), data)
+    sync = _sim("sync", data)
     # 8 steps per worker, H=4: two rounds, each as long as the slowest worker's 4 steps.
     assert sync["inner_steps"] == 24 and sync["updates"] == 6
     assert sync["sim_time_s"] == pytest.approx(2 * 4 * 2.0)
     for method in ("naive", "dn", "dn-dylu"):
-        run = simulate(_cfg(method), data)
+        run = _sim(method, data)
         assert run["inner_steps"] == 24
         assert run["sim_time_s"] < sync["sim_time_s"]  # nobody waits for the slowest
     assert time_to_reach(sync["curve"], sync["final_val_loss"]) == sync["sim_time_s"]
@@ -59,27 +75,27 @@ def test_sync_rounds_wait_for_the_slowest_and_budgets_are_equal(data: TextData) 
 
 def test_bad_simulation_settings() -> None:
     with pytest.raises(ConfigError, match="unknown method"):
-        simulate(_cfg("fast"))
+        _sim("fast")
     with pytest.raises(ConfigError, match="seconds per step must be > 0"):
-        simulate(_cfg("dn", seconds_per_step=(1.0, 0.0)))
+        _sim("dn", seconds_per_step=(1.0, 0.0))
     with pytest.raises(ConfigError, match="local-steps must be >= 1"):
-        simulate(_cfg("dn", local_steps=0))
+        _sim("dn", local_steps=0)
     with pytest.raises(ConfigError, match=r"c must be in \[0, 1/N\]"):
-        simulate(_cfg("dn", c=0.5))
+        _sim("dn", c=0.5)
     with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
-        simulate(_cfg("dn-dylu", inner_momentum="reset"))
+        _sim("dn-dylu", inner_momentum="reset")
     with pytest.raises(ConfigError, match="shards must be >= 1, got 0"):
-        simulate(_cfg("dn", shards=0))
+        _sim("dn", shards=0)
 
 
 @pytest.mark.timeout(120)
 def test_more_shards_than_workers_are_balanced_by_least_progress(data: TextData) -> None:
     # One shard per worker: each keeps its own, so the fast worker's runs past its plan.
-    own = simulate(_cfg("dn"), data)
+    own = _sim("dn", data)
     assert len(own["shard_steps"]) == 3
     assert max(own["shard_steps"]) > own["shard_planned"][0]
     # Twice as many shards as workers: every shard gets its planned share.
-    spread = simulate(_cfg("dn", shards=6), data)
+    spread = _sim("dn", data, shards=6)
     assert len(spread["shard_steps"]) == 6
     assert spread["shard_steps"] == spread["shard_planned"]
     assert spread["inner_steps"] == own["inner_steps"] == 24  # the same budget
@@ -95,10 +111,10 @@ def test_restarted_first_moment_forgets_earlier_rounds(data: TextData) -> None:
     count survive the restart.
     """
     torch.manual_seed(0)
-    model = GPT(gpt_config(_cfg("dn-dylu")))
-    shards = data.shards(2)
-    a = LocalWorker(model, shards, seq_len=16, batch_size=4, lr=3e-3, warmup_steps=0,
-                    min_lr_ratio=0.1)  # fmt: skip
+    model = GPT(TrainConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16).gpt_config())
+    adamw = functools.partial(torch.optim.AdamW, lr=3e-3)
+    shards = data.shard_batches(2, batch_size=4)
+    a = LocalWorker(model, adamw, shards, gpt_loss, warmup_steps=0, min_lr_ratio=0.1)
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     a.run_round(theta.clone(), Work(0, 0, shard=0, steps=3, lr_clock=0, planned=50))
     b = copy.deepcopy(a)
@@ -120,9 +136,9 @@ def test_restarted_first_moment_forgets_earlier_rounds(data: TextData) -> None:
 
 @pytest.mark.timeout(120)
 def test_simulator_restarts_the_inner_moment_by_default_with_dylu(data: TextData) -> None:
-    default = simulate(_cfg("dn-dylu"), data)
-    fresh = simulate(_cfg("dn-dylu", inner_momentum="round"), data)
-    keep = simulate(_cfg("dn-dylu", inner_momentum="keep"), data)  # still reachable
+    default = _sim("dn-dylu", data)
+    fresh = _sim("dn-dylu", data, inner_momentum="round")
+    keep = _sim("dn-dylu", data, inner_momentum="keep")  # still reachable
     assert default["config"]["inner_momentum"] == "round"
     assert keep["config"]["inner_momentum"] == "keep"
     assert default["curve"] == fresh["curve"]

@@ -56,15 +56,18 @@ def test_train_argv_carries_the_inner_momentum(tmp_path: Path) -> None:
     assert "--inner-momentum" not in train_argv(TrainConfig(dylu=True), tmp_path)
 
 
-def test_train_argv_carries_the_async_options_of_extra(tmp_path: Path) -> None:
+def test_train_argv_carries_the_async_options(tmp_path: Path) -> None:
     from thinwire.cli.main import build_parser
     from thinwire.cli.train import config_from_args
 
-    extra = {"sync": True, "grace_s": 1.5, "shards": 12}
-    cfg = TrainConfig(algo="async-diloco", extra=extra)
+    options = {"sync": True, "grace_s": 1.5, "shards": 12}
+    cfg = TrainConfig(algo="async-diloco", **options)
     parsed = config_from_args(build_parser().parse_args(train_argv(cfg, tmp_path)[3:]))
-    assert parsed.extra == extra
-    assert config_from_args(build_parser().parse_args(["train"])).extra == {}
+    assert {k: getattr(parsed, k) for k in options} == options
+    default = config_from_args(build_parser().parse_args(["train"]))
+    assert (default.sync, default.grace_s, default.shards, default.extra) == (False, None, None, {})
+    with pytest.raises(ConfigError, match="dead_after_s"):
+        train_argv(TrainConfig(algo="async-diloco", dead_after_s=3.0), tmp_path)
 
 
 def test_train_argv_refuses_fields_without_a_flag(tmp_path: Path) -> None:

@@ -8,6 +8,11 @@ final validation loss (ratio to sync) and simulated time to reach sync's final l
 Each worker's inner AdamW first moment restarts every round under dn-dylu (its slow
 workers' rounds are a few steps long) and persists under the other methods;
 ``--inner-momentum keep|round`` sets it for every method.
+
+The simulator takes the same pieces as a real run: thinwire's GPT and text shards as a
+:class:`thinwire.localsgd.Task` (built by the example trainer's
+:func:`~thinwire.train.async_task.gpt_task`), one :class:`thinwire.localsgd.AsyncConfig`
+per method, and a :class:`thinwire.localsgd.SimClock`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.simulator import METHODS, SimConfig, gpt_config, simulate, time_to_reach
+from thinwire.localsgd import METHODS, AsyncConfig, SimClock, for_method, simulate
+from thinwire.localsgd.simulator import time_to_reach
+from thinwire.train.async_task import gpt_task
+from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
 from thinwire.train.metrics import atomic_write_text
 
@@ -59,10 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--jitter", type=float, default=0.0, help="relative per-round time noise")
     p.add_argument("--local-steps", type=int, default=50, help="H (default 50)")
     p.add_argument("--steps", type=int, default=500, help="inner steps per worker (budget)")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer lr of every method")
-    p.add_argument("--outer-momentum", type=float, default=0.9)
-    p.add_argument("--c", type=float, default=0.0, help="Delayed Nesterov's c in [0, 1/W]")
-    p.add_argument("--grace", type=float, default=0.0, help="grace period, virtual seconds")
+    d = AsyncConfig()
+    p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="outer lr of every method")
+    p.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    p.add_argument("--c", type=float, default=d.c, help="Delayed Nesterov's c in [0, 1/W]")
+    p.add_argument("--grace", type=float, default=d.grace_s, help="grace period, virtual seconds")
     p.add_argument(
         "--inner-momentum",
         default=None,
@@ -71,10 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: round for dn-dylu, keep for the other methods)",
     )
     p.add_argument("--shards", type=int, default=None, help="data shards (default: one per worker)")
-    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW lr")
-    p.add_argument("--warmup-steps", type=int, default=20, help="inner warmup per shard")
+    t = TrainConfig()
+    p.add_argument("--model", default=t.model, help="model preset (default tiny)")
+    p.add_argument("--batch-size", type=int, default=t.batch_size)
+    p.add_argument("--lr", type=float, default=t.lr, help="peak inner AdamW lr")
+    p.add_argument(
+        "--warmup-steps", type=int, default=d.warmup_steps, help="inner warmup per shard"
+    )
     p.add_argument("--data", default=None, help="text file (default: bundled corpus)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-points", type=int, default=20, help="validation passes per run")
@@ -140,51 +152,57 @@ def _plot(results: list[dict[str, Any]], out: Path) -> list[str]:
 
 def run_async(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError(f"--methods needs at least one of {', '.join(METHODS)}")
     for m in methods:
         if m not in METHODS:
             raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     speeds = _floats(args.seconds_per_step, "--seconds-per-step")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-    if not 0.0 <= args.c <= 1.0 / len(speeds):
-        raise ConfigError(f"--c must be in [0, 1/W] = [0, {1 / len(speeds):.4g}], got {args.c}")
     torch.set_num_threads(args.threads)
-    configs = [
-        SimConfig(
-            method=m,
-            seconds_per_step=speeds,
-            jitter=args.jitter,
-            local_steps=args.local_steps,
-            steps_per_worker=args.steps,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            c=args.c,
-            grace_s=args.grace,
-            inner_momentum=args.inner_momentum,
-            shards=args.shards,
-            model=args.model,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            data=args.data,
-            seed=args.seed,
-            eval_points=args.eval_points,
-        )
-        for m in methods
-    ]
-    for c in configs:
-        c.validate()  # every bad option before the first (long) run
+    # The GPT and its data, as the example trainer builds them.
+    model = TrainConfig(
+        model=args.model,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        data=args.data,
+        seed=args.seed,
+    )
+    model.validate()
+    base = AsyncConfig(
+        steps=args.steps,
+        local_steps=args.local_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        c=args.c,
+        grace_s=args.grace,
+        inner_momentum=args.inner_momentum,
+        shards=args.shards,
+        warmup_steps=args.warmup_steps,
+        min_lr_ratio=model.min_lr_ratio,
+    )
+    clock = SimClock(
+        seconds_per_step=speeds, jitter=args.jitter, seed=args.seed, eval_points=args.eval_points
+    )
+    clock.validate()
+    configs = [(m, for_method(base, m)) for m in methods]
+    for _, c in configs:
+        c.validate(len(speeds))  # every bad option before the first (long) run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    data = TextData(args.data, gpt_config(configs[0]).seq_len, 0.05, args.seed)
+    data = TextData(args.data, model.gpt_config().seq_len, model.val_fraction, args.seed)
+    task = gpt_task(model, data)
+    settings = {k: getattr(model, k) for k in ("model", "batch_size", "lr", "data", "seed")}
     results = []
-    for c in configs:
+    for method, c in configs:
         t0 = time.perf_counter()
-        r = simulate(c, data)
+        r = {"method": method} | simulate(task, c, clock) | {"task": settings}
         r["wall_s"] = time.perf_counter() - t0
         results.append(r)
         print(
-            f"{c.method:8s} final val loss {r['final_val_loss']:.4f}  updates {r['updates']:5d}  "
+            f"{method:8s} final val loss {r['final_val_loss']:.4f}  updates {r['updates']:5d}  "
             f"simulated {r['sim_time_s']:9.1f} s  inner momentum "
             f"{r['config']['inner_momentum']:5s}  (computed in {r['wall_s']:.0f} s)",
             flush=True,

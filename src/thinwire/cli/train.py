@@ -24,6 +24,7 @@ from thinwire.train.algorithms import (
     RUNNERS,
     algorithm_names,
     check_algorithm,
+    check_config,
     default_lr,
 )
 from thinwire.train.config import TrainConfig
@@ -205,39 +206,51 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_main)
 
 
-def _async_extra(args: argparse.Namespace) -> dict[str, Any]:
-    """The asynchronous runtime's options that live in ``TrainConfig.extra``."""
-    extra: dict[str, Any] = {}
-    if args.grace is not None:
-        extra["grace_s"] = args.grace
-    if args.sync:
-        extra["sync"] = True
-    if args.shards is not None:
-        if args.shards < 1:
-            raise ConfigError(f"--shards must be >= 1, got {args.shards}")
-        extra["shards"] = args.shards
-    return extra
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    if args.shards is not None and args.shards < 1:
+        raise ConfigError(f"--shards must be >= 1, got {args.shards}")
     return TrainConfig(
-        algo=args.algo, model=args.model, seq_len=args.seq_len, n_layer=args.n_layer,
-        n_head=args.n_head, n_embd=args.n_embd, data=args.data, seed=args.seed,
-        steps=args.steps, stop_after=args.stop_after, batch_size=args.batch_size,
+        algo=args.algo,
+        model=args.model,
+        seq_len=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        data=args.data,
+        seed=args.seed,
+        steps=args.steps,
+        stop_after=args.stop_after,
+        batch_size=args.batch_size,
         lr=args.lr if args.lr is not None else default_lr(args.algo),
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, freeze_step=args.freeze_step, freeze_cap=args.freeze_cap,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        freeze_step=args.freeze_step,
+        freeze_cap=args.freeze_cap,
         freeze_tolerance=args.freeze_tolerance,
-        precondition=args.precondition, grad_dtype=args.grad_dtype,
-        local_steps=args.local_steps, outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum, outer=args.outer, dylu=args.dylu,
-        slowdown=args.slowdown, compress=args.compress, inner_momentum=args.inner_momentum,
-        extra=_async_extra(args),
-        eval_interval=args.eval_interval, eval_sequences=args.eval_sequences,
-        log_interval=args.log_interval, checkpoint_interval=args.checkpoint_interval,
-        out_dir=args.out or f"runs/{args.algo}", resume=args.resume,
-        progress=not args.no_progress, tensorboard=args.tensorboard, device=args.device,
-    )  # fmt: skip
+        precondition=args.precondition,
+        grad_dtype=args.grad_dtype,
+        local_steps=args.local_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        outer=args.outer,
+        dylu=args.dylu,
+        slowdown=args.slowdown,
+        compress=args.compress,
+        inner_momentum=args.inner_momentum,
+        grace_s=args.grace,
+        sync=args.sync,
+        shards=args.shards,
+        eval_interval=args.eval_interval,
+        eval_sequences=args.eval_sequences,
+        log_interval=args.log_interval,
+        checkpoint_interval=args.checkpoint_interval,
+        out_dir=args.out or f"runs/{args.algo}",
+        resume=args.resume,
+        progress=not args.no_progress,
+        tensorboard=args.tensorboard,
+        device=args.device,
+    )
 
 
 def _rank_main(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
@@ -262,6 +275,7 @@ def run_training(cfg: TrainConfig, workers: int, timeout_s: float = 1800.0) -> d
                 dist.destroy_process_group()
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
+    check_config(cfg, workers)
     load_text(cfg.data)  # a bad data file fails here, before any process starts
     if workers == 1:
         from thinwire.train.trainer import train
@@ -305,7 +319,7 @@ def _main(args: argparse.Namespace) -> int:
                 f"--rejoin restarts a worker of an asynchronous run (--algo async-diloco); "
                 f"--algo {cfg.algo} restarts with --resume"
             )
-        from thinwire.localsgd.rejoin import rejoin
+        from thinwire.train.async_task import rejoin
 
         out = rejoin(cfg, args.rejoin)
         print(

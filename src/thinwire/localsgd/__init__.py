@@ -1,30 +1,56 @@
-"""Communicating less often: synchronous DiLoCo and asynchronous Local-SGD.
+"""Communicating less often: synchronous DiLoCo and asynchronous Local-SGD, on your model.
 
 * :class:`DiLoCo` (``diloco.py``): H local steps, then one averaged outer Nesterov step;
   a context manager around the user's model and inner optimizer.
-* :class:`DelayedNesterov`, :class:`Nesterov` (``outer.py``): outer optimizers for
-  asynchronous arrivals.
-* :class:`SpeedTracker`, :func:`dylu_steps` (``dylu.py``): Dynamic Local Updates.
-* :class:`ServerCore` (``server.py``): the parameter server's logic, transport-free.
-* ``async_runtime.run`` (``--algo async-diloco``): the server and workers on
-  torch.distributed, with rank 0's run wiring in ``server_run.py`` and
-  ``rejoin.rejoin`` (``--rejoin RANK``) for a worker process that was killed;
-  ``simulator.simulate``: the same server on a virtual clock.
+* Asynchronous Local-SGD on the user's pieces: a :class:`Task` (model factory,
+  inner-optimizer factory, batch sources per shard, loss, optional evaluation) and one
+  :class:`AsyncConfig` (every knob, each field's docstring its tuning guide).
+
+  - :func:`run_async` (``async_runtime.py``): call it on every rank, under torchrun or
+    :func:`thinwire.comm.launch.spawn`; rank 0 serves, ranks 1.. train.
+  - :func:`rejoin_async` (``rejoin.py``): a killed worker process comes back.
+  - :func:`simulate` (``simulator.py``): the same server on a virtual clock, with a
+    :class:`SimClock`; :func:`for_method` picks sync / naive / DN / DN+DyLU.
+
+* The algorithm, free of transport: :class:`DelayedNesterov`, :class:`Nesterov`
+  (``outer.py``), :class:`SpeedTracker`, :func:`dylu_steps` (``dylu.py``, Dynamic Local
+  Updates), :class:`ServerCore` (``server.py``, the parameter server's logic),
+  :class:`LocalWorker` (``worker.py``), shards (``shards.py``), the inner-state rule
+  (``inner_state.py``).
+* The wire: ``messages.py`` (every message, by name), ``transport.py`` (links and the
+  store), ``server_loop.py`` / ``worker_loop.py`` (the two loops), ``server_run.py``
+  (rank 0's run and checkpoint).
 
 See ``docs/localsgd.md`` for the user guide.
 """
 
+from thinwire.localsgd.async_runtime import run_async
+from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.diloco import DiLoCo
 from thinwire.localsgd.dylu import SpeedTracker, dylu_steps
 from thinwire.localsgd.outer import DelayedNesterov, Nesterov
+from thinwire.localsgd.rejoin import rejoin_async
 from thinwire.localsgd.server import ServerCore, Work
+from thinwire.localsgd.simulator import METHODS, SimClock, for_method, simulate
+from thinwire.localsgd.task import BatchSource, Task
+from thinwire.localsgd.worker import LocalWorker
 
 __all__ = [
+    "METHODS",
+    "AsyncConfig",
+    "BatchSource",
     "DelayedNesterov",
     "DiLoCo",
+    "LocalWorker",
     "Nesterov",
     "ServerCore",
+    "SimClock",
     "SpeedTracker",
+    "Task",
     "Work",
     "dylu_steps",
+    "for_method",
+    "rejoin_async",
+    "run_async",
+    "simulate",
 ]

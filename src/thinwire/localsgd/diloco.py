@@ -9,7 +9,7 @@ worker then continues from the new theta; its inner optimizer state stays local 
 :mod:`thinwire.localsgd.inner_state`).
 Communication drops by a factor H (the paper uses 500; 20-100 is typical for small
 models), at the price of a round that waits for the slowest worker (see
-:mod:`thinwire.localsgd.async_runtime` for the asynchronous variant).
+:func:`thinwire.localsgd.run_async` for the asynchronous variant).
 
 Usage, like torchft's DiLoCo (hooks on the inner optimizer, nothing else changes)::
 
@@ -41,13 +41,9 @@ from torch import nn
 from thinwire.comm.accounting import record
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.errors import ConfigError
-from thinwire.localsgd.inner_state import (
-    check_inner_momentum,
-    resolve_inner_momentum,
-    restart_first_moment_,
-)
+from thinwire.localsgd.inner_state import check_inner_momentum, restart_first_moment_
 
-__all__ = ["COMPRESS_CHOICES", "DiLoCo", "make_strategy"]
+__all__ = ["COMPRESS_CHOICES", "DiLoCo"]
 
 COMPRESS_CHOICES = ("none", "fp16", "bf16", "onebit")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -215,33 +211,3 @@ class DiLoCo:
         self.outer_steps = int(state["outer_steps"])
         if self._onebit is not None and "onebit" in state:
             self._onebit.load_state_dict(state["onebit"])
-
-
-def make_strategy(model: nn.Module, cfg: Any) -> Any:
-    """Trainer entry for ``--algo diloco``: raw model, inner AdamW, outer sync every H steps."""
-    from thinwire.train.algorithms import Strategy
-
-    if cfg.compress not in COMPRESS_CHOICES:
-        raise ConfigError(f"unknown compression {cfg.compress!r}; choose one of {COMPRESS_CHOICES}")
-    inner = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-    )
-    diloco = DiLoCo(
-        model,
-        inner,
-        cfg.local_steps,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        compress=cfg.compress,
-        sync_initial=False,  # the trainer broadcasts rank 0's weights before this
-        # Synchronous DiLoCo has no DyLU (every round is H steps): the default is keep.
-        inner_momentum=resolve_inner_momentum(cfg.inner_momentum, dylu=False),
-    )
-    return Strategy(
-        model=model,
-        optimizer=inner,
-        after_step=lambda step: diloco.after_inner_step(step),
-        state_dict=diloco.state_dict,
-        load_state_dict=diloco.load_state_dict,
-        metrics=lambda: {"outer_steps": float(diloco.outer_steps)},
-    )

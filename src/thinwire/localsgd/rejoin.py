@@ -1,11 +1,13 @@
 """Bring a killed worker of an asynchronous Local-SGD run back, in a fresh process.
 
-``thinwire train ... --rejoin RANK`` (the run's own command, plus the flag) calls
-:func:`rejoin`. The new process needs only the run's store address (``MASTER_ADDR`` and
-``MASTER_PORT`` of rank 0). It opens its own two-rank link to the server, is checked
-against the run (rank, model, settings) before it says hello, and is admitted as a new
-*incarnation* of its rank; whatever the old process left in flight is ignored. See
-:mod:`thinwire.localsgd.async_runtime` for the run itself.
+:func:`rejoin_async` takes the same :class:`~thinwire.localsgd.task.Task` and
+:class:`~thinwire.localsgd.config.AsyncConfig` as the run (the example trainer's
+``--rejoin RANK`` calls it). The new process needs only the run's
+store address (``MASTER_ADDR`` and ``MASTER_PORT`` of rank 0). It opens its own two-rank
+link to the server, is checked against the run (rank, model, shard count, settings)
+before it says hello, and is admitted as a new *incarnation* of its rank; whatever the
+old process left in flight is ignored. See :mod:`thinwire.localsgd.async_runtime` for
+the run itself.
 """
 
 from __future__ import annotations
@@ -14,36 +16,32 @@ import os
 from typing import Any
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import (
-    COMPRESS,
-    check_async_config,
-    make_worker,
-    shape_signature,
-    work_loop,
-)
+from thinwire.localsgd.async_runtime import make_worker
+from thinwire.localsgd.config import AsyncConfig
+from thinwire.localsgd.task import Task, shape_signature
 from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.worker_loop import work_loop
 
-__all__ = ["rejoin"]
+__all__ = ["rejoin_async"]
 
 
-def rejoin(
-    cfg: Any,
+def rejoin_async(
+    task: Task,
+    cfg: AsyncConfig,
     rank: int,
     *,
     host: str | None = None,
     port: int | str | None = None,
-    connect_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Run worker ``rank`` again, in a fresh process, inside a running asynchronous run.
 
     For a worker process that was killed (or its machine rebooted): start a new process
-    with the same settings as the run (the same ``thinwire train`` command, plus
-    ``--rejoin RANK``). It needs only the run's store, ``host:port`` (default: the
-    ``MASTER_ADDR`` and ``MASTER_PORT`` the run was launched with, i.e. rank 0's), and
-    never joins the launch's process group, whose rendezvous is long over. The server
-    admits it as a new incarnation of worker ``rank`` and ignores anything the old
-    process still had in flight. If the old process is in fact alive, it is cut off
-    and fails: the newest incarnation of a rank wins.
+    with the run's task and config. It needs only the run's store, ``host:port``
+    (default: the ``MASTER_ADDR`` and ``MASTER_PORT`` the run was launched with, i.e.
+    rank 0's), and never joins the launch's process group, whose rendezvous is long
+    over. The server admits it as a new incarnation of worker ``rank`` and ignores
+    anything the old process still had in flight. If the old process is in fact alive,
+    it is cut off and fails: the newest incarnation of a rank wins.
 
     Returns the worker's counts (rounds, inner steps, restarts) with its ``worker``
     rank and ``incarnation``.
@@ -68,15 +66,12 @@ def rejoin(
     if rank < 1:
         raise ConfigError(
             f"cannot rejoin as rank {rank}: rank 0 is the server (restart the whole run with "
-            "--resume); workers are ranks 1..W"
+            "resume); workers are ranks 1..W"
         )
     cfg.validate()
-    extra = cfg.extra
-    timeout = float(connect_timeout_s or extra.get("connect_timeout_s", 120.0))
     transport = Transport.rejoin(
-        host, port, rank, connect_timeout_s=timeout,
-        timeout_s=float(extra.get("link_timeout_s", 1800.0)),
-    )  # fmt: skip
+        host, port, rank, connect_timeout_s=cfg.connect_timeout_s, timeout_s=cfg.link_timeout_s
+    )
     info = transport.run_info()
     if info.finished:
         raise ConfigError(f"the asynchronous run served at {host}:{port} has finished")
@@ -85,8 +80,8 @@ def rejoin(
             f"cannot rejoin as rank {rank}: the run at {host}:{port} has workers "
             f"1..{info.workers} (rank 0 is the server)"
         )
-    check_async_config(cfg, info.workers)
-    worker = make_worker(cfg, rank, info.workers)
+    cfg.validate(info.workers)
+    worker = make_worker(task, cfg, rank, info.workers)
     numel, crc = shape_signature(worker.model)
     if (numel, crc) != (info.numel, info.checksum):
         raise ConfigError(
@@ -96,7 +91,14 @@ def rejoin(
     if len(worker.shards) != info.shards:
         raise ConfigError(
             f"this worker cuts the data into {len(worker.shards)} shards, the run into "
-            f"{info.shards}; rejoin with the run's --shards"
+            f"{info.shards}; rejoin with the run's shard count (--shards)"
         )
-    out = work_loop(worker, transport, compress=COMPRESS[cfg.compress], late=True)
+    out = work_loop(
+        worker,
+        transport,
+        compress=cfg.push_dtype,
+        heartbeat_s=cfg.heartbeat_s,
+        max_restarts=cfg.max_restarts,
+        late=True,
+    )
     return out | {"worker": rank, "incarnation": transport.incarnation}

@@ -2,7 +2,7 @@
 
 :class:`ServerCore` holds the global parameters theta (one flat fp32 vector), the outer
 optimizer, the DyLU speed table and the shard book, and decides *what* happens; the
-multi-process runtime (:mod:`thinwire.localsgd.async_runtime`) and the virtual-clock
+multi-process runtime (:mod:`thinwire.localsgd.server_loop`) and the virtual-clock
 simulator (:mod:`thinwire.localsgd.simulator`) only decide *when*: they call
 :meth:`~ServerCore.join`, :meth:`~ServerCore.submit`, :meth:`~ServerCore.due` and
 :meth:`~ServerCore.work_for` with the current time (wall or virtual), so a simulation
@@ -35,25 +35,13 @@ import torch
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd.dylu import SpeedTracker
+from thinwire.localsgd.messages import Work
 from thinwire.localsgd.outer import DelayedNesterov, Nesterov
 from thinwire.localsgd.shards import ShardBook
 
 __all__ = ["OUTER_CHOICES", "ServerCore", "Work"]
 
 OUTER_CHOICES = ("dn", "nesterov")
-
-
-@dataclass(frozen=True)
-class Work:
-    """What the server tells a worker: run ``steps`` inner steps from theta ``version``."""
-
-    epoch: int
-    version: int
-    shard: int = 0
-    steps: int = 0
-    lr_clock: int = 0
-    planned: int = 1
-    stop: bool = False
 
 
 @dataclass

@@ -1,120 +1,164 @@
-"""Rank 0 of an asynchronous Local-SGD run: the server with its model, data, checkpoints
-and metrics around the serving loop (:func:`thinwire.localsgd.async_runtime.serve`).
+"""Rank 0 of an asynchronous Local-SGD run: the server around its loop.
 
-:func:`run_server` builds the global model and the shards, restores the server's state
-with ``--resume`` (or refuses to overwrite another run's), evaluates and checkpoints on
-the run's intervals, and writes ``summary.json``: final validation loss, updates
-applied and rejected, worker incarnations, samples/s and bytes.
+:func:`run_server` builds the global model from the user's factory, cuts the shard book
+from the user's batch sources, restores the server's state when resuming (or refuses to
+overwrite another run's checkpoint), serves (:func:`~thinwire.localsgd.server_loop.serve`)
+with evaluation and checkpoints on the configured intervals, and returns the run's
+summary: evaluation, updates applied and rejected, worker incarnations, bytes.
+
+Checkpoint: ``checkpoint_dir/localsgd_server.pt`` holds only tensors, numbers and
+strings, written to a temporary file and renamed into place, and read back with
+``torch.load(weights_only=True)``, which executes nothing from the file.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.utils import parameters_to_vector
 
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import evaluate_theta, serve, shape_signature
-from thinwire.localsgd.inner_state import resolve_inner_momentum
+from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.server import ServerCore
+from thinwire.localsgd.server_loop import serve
+from thinwire.localsgd.task import (
+    Task,
+    evaluate_at,
+    flat_parameters,
+    make_sources,
+    shape_signature,
+    shard_sizes,
+)
 from thinwire.localsgd.transport import Transport
 
-__all__ = ["run_server"]
+__all__ = ["SERVER_CHECKPOINT", "load_server_state", "run_server", "save_server_state"]
+
+SERVER_CHECKPOINT = "localsgd_server.pt"
+"""The server's checkpoint file in :attr:`AsyncConfig.checkpoint_dir`."""
 
 
-def run_server(cfg: Any, transport: Transport, workers: int) -> dict[str, Any]:
-    from thinwire.train.checkpoint import (
-        atomic_save,
-        check_run_identity,
-        safe_load,
-        write_run_identity,
-    )
-    from thinwire.train.data import TextData
-    from thinwire.train.metrics import MetricsWriter, atomic_write_text
-    from thinwire.train.model import GPT
-
-    world = workers + 1
-    extra = cfg.extra
-    gcfg = cfg.gpt_config()
-    torch.manual_seed(cfg.seed)
-    model = GPT(gcfg)
-    data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
-    shards = data.shards(int(extra.get("shards", workers)))
-
-    out_dir = Path(cfg.out_dir)
-    identity = {k: cfg.to_dict()[k] for k in cfg.IDENTITY} | {
-        "workers": workers,
-        "outer": cfg.outer,
-    }
-    core = ServerCore(
-        parameters_to_vector(model.parameters()), workers=workers, local_steps=cfg.local_steps,
-        total_steps=cfg.steps * workers, shard_sizes=[len(s) for s in shards], outer=cfg.outer,
-        outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, c=float(extra.get("c", 0.0)),
-        dylu=cfg.dylu, grace_s=float(extra.get("grace_s", 0.0)), sync=bool(extra.get("sync")),
-        dylu_ema=float(extra.get("dylu_ema", 0.5)),
-    )  # fmt: skip
-    ckpt_path = out_dir / "localsgd_server.pt"
-    resume_step = None
-    if cfg.resume:
-        check_run_identity(out_dir, identity)
-        core.load_state_dict(safe_load(ckpt_path))
-        resume_step = core.steps_applied
-    else:
-        if ckpt_path.exists():
-            raise ConfigError(
-                f"output directory {out_dir} already holds an asynchronous run; pass --resume "
-                "to continue it or choose another --out"
-            )
-        write_run_identity(out_dir, identity)
-    metrics = MetricsWriter(out_dir, True, resume_step, cfg.tensorboard)
-    batches = data.val_batches(cfg.eval_sequences, cfg.batch_size)
-    sent0, t0 = COUNTER.wire_bytes, time.monotonic()
-    steps0 = core.steps_applied
+def save_server_state(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to a temporary file, fsync, then rename over ``path``: a crash
+    mid-write leaves the previous checkpoint intact."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        stats = serve(
-            core, transport, list(range(1, world)), shape_signature(model),
-            evaluate=lambda theta: evaluate_theta(model, theta, batches),
-            eval_every_steps=cfg.eval_interval * workers, on_eval=metrics.write,
-            checkpoint=lambda c: atomic_save(c.state_dict(), ckpt_path),
-            checkpoint_every_steps=cfg.checkpoint_interval * workers,
-            dead_after_s=float(extra.get("dead_after_s", 10.0)),
-        )  # fmt: skip
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     finally:
-        metrics.close()
+        tmp.unlink(missing_ok=True)
+
+
+def load_server_state(path: Path) -> dict[str, Any]:
+    """The server state saved at ``path``; a one-line ConfigError if missing or damaged."""
+    if not path.exists():
+        raise ConfigError(f"checkpoint file {path} is missing: nothing to resume")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for damaged or foreign files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({reason})") from None
+    if not isinstance(state, dict) or "theta" not in state:
+        raise ConfigError(f"checkpoint file {path} is not an asynchronous Local-SGD server's")
+    return state
+
+
+def run_server(
+    task: Task,
+    cfg: AsyncConfig,
+    transport: Transport,
+    workers: int,
+    *,
+    on_start: Callable[[int | None], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Serve ``workers`` workers (ranks 1..W) until the budget is spent; the summary.
+
+    ``on_start(resumed_steps)`` runs once the checkpoint (if any) is restored and before
+    the first message: ``resumed_steps`` is the inner steps restored, None for a fresh
+    run. ``on_eval(record)`` receives every evaluation record.
+    """
+    model = task.model()
+    sources = make_sources(task, cfg.resolved_shards(workers))
+    core = ServerCore(
+        flat_parameters(model),
+        workers=workers,
+        local_steps=cfg.local_steps,
+        total_steps=cfg.steps * workers,
+        shard_sizes=shard_sizes(sources),
+        outer=cfg.outer,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        c=cfg.c,
+        dylu=cfg.dylu,
+        grace_s=cfg.grace_s,
+        sync=cfg.sync,
+        dylu_ema=cfg.dylu_ema,
+    )
+    ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
+    resumed = None
+    if cfg.resume and ckpt is not None:
+        core.load_state_dict(load_server_state(ckpt))
+        resumed = core.steps_applied
+    elif ckpt is not None:
+        if ckpt.exists():
+            raise ConfigError(
+                f"{ckpt.parent} already holds an asynchronous run ({ckpt.name}); resume "
+                "it or choose another checkpoint directory"
+            )
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+    if on_start is not None:
+        on_start(resumed)
+    evaluate: Callable[[torch.Tensor], float] | None = None
+    if task.evaluate is not None:
+        metric = task.evaluate
+
+        def evaluate_theta(theta: torch.Tensor) -> float:
+            return evaluate_at(model, theta, metric)
+
+        evaluate = evaluate_theta
+
+    sent0, t0, steps0 = COUNTER.wire_bytes, time.monotonic(), core.steps_applied
+    stats = serve(
+        core,
+        transport,
+        list(range(1, workers + 1)),
+        shape_signature(model),
+        evaluate=evaluate,
+        eval_every_steps=cfg.eval_interval * workers,
+        on_eval=on_eval,
+        checkpoint=None if ckpt is None else (lambda c: save_server_state(c.state_dict(), ckpt)),
+        checkpoint_every_steps=cfg.checkpoint_interval * workers,
+        dead_after_s=cfg.dead_after_s,
+        hung_after_min_s=cfg.hung_after_s,
+        hung_after_factor=cfg.hung_after_factor,
+    )
     wall = time.monotonic() - t0
-    trained = (core.steps_applied - steps0) * cfg.batch_size
     summary = {
-        "algo": cfg.algo,
-        "world_size": world,
         "workers": workers,
         "outer": cfg.outer,
         "dylu": cfg.dylu,
-        "inner_momentum": resolve_inner_momentum(cfg.inner_momentum, cfg.dylu),
-        "sync": bool(extra.get("sync")),
+        "inner_momentum": cfg.resolved_inner_momentum(),
+        "sync": cfg.sync,
         "steps": core.steps_applied // workers,
-        "samples": core.steps_applied * cfg.batch_size,  # sequences trained on, all workers
         "inner_steps": core.steps_applied,
+        "inner_steps_this_run": core.steps_applied - steps0,
         "updates_applied": core.updates_applied,
         "updates_rejected": core.updates_rejected,
-        "dead_workers": stats["dead_workers"],
-        "incarnations": stats["incarnations"],
-        "joins": stats["joins"],
-        "updates_by_incarnation": stats["updates_by_incarnation"],
-        "stale_messages": stats["stale_messages"],
-        "parameters": model.num_parameters(),
-        "final_val_loss": stats["val_loss"],
-        "final_val_ppl": math.exp(min(stats["val_loss"], 50.0)),
+        "parameters": sum(p.numel() for p in model.parameters()),
         "train_time_s": wall,
-        "samples_per_s": trained / wall if wall > 0 else float("nan"),
         "comm_bytes": COUNTER.wire_bytes - sent0 + transport.bytes_received,
         "comm_by_op": COUNTER.snapshot(),
-        "out_dir": str(out_dir),
     }
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    kept = ("dead_workers", "incarnations", "joins", "updates_by_incarnation")
+    summary |= {k: stats[k] for k in (*kept, "stale_messages", "malformed_messages")}
+    if "val_loss" in stats:
+        summary["final_val_loss"] = stats["val_loss"]
     return summary

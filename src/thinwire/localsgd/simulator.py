@@ -17,157 +17,139 @@ Methods (the paper's comparison, arXiv 2401.09135):
 * ``dn``: asynchronous with Delayed Nesterov.
 * ``dn-dylu``: Delayed Nesterov plus Dynamic Local Updates.
 
-All methods spend the same budget of inner steps (``steps_per_worker * W``), so final
-losses compare equal compute; the virtual clock shows what each costs in time.
+All methods spend the same budget of inner steps (``steps * W``), so final losses
+compare equal compute; the virtual clock shows what each costs in time.
+
+The simulator takes the very pieces a real run takes: the user's
+:class:`~thinwire.localsgd.task.Task` (its ``evaluate`` is required: it draws the curve)
+and one :class:`~thinwire.localsgd.config.AsyncConfig`, plus a :class:`SimClock` with the
+virtual-clock knobs; :func:`for_method` sets a config up as one of the methods above.
+The config's wall-clock settings (timeouts, heartbeats, checkpoints, ``eval_interval``)
+do not apply to a virtual clock; ``slowdown`` is refused (speeds come from the clock),
+and ``compress`` casts each push as the runtime would.
 """
 
 from __future__ import annotations
 
-import copy
 import heapq
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from torch.nn.utils import parameters_to_vector
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import evaluate_theta
-from thinwire.localsgd.inner_state import resolve_inner_momentum
+from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.server import ServerCore
+from thinwire.localsgd.task import (
+    Task,
+    evaluate_at,
+    flat_parameters,
+    make_sources,
+    shard_sizes,
+)
 from thinwire.localsgd.worker import LocalWorker
-from thinwire.train.data import TextData
-from thinwire.train.model import GPT, PRESETS, GPTConfig
 
-__all__ = ["METHODS", "SimConfig", "gpt_config", "simulate", "time_to_reach"]
+__all__ = ["METHODS", "SimClock", "for_method", "simulate", "time_to_reach"]
 
 METHODS = ("sync", "naive", "dn", "dn-dylu")
 
 
-@dataclass
-class SimConfig:
-    """One simulated run. Defaults follow the paper's toy example (4 workers)."""
+def for_method(cfg: AsyncConfig, method: str) -> AsyncConfig:
+    """``cfg`` set up as one of :data:`METHODS` (outer optimizer, DyLU, sync barrier).
 
-    method: str = "dn-dylu"
-    """``sync``, ``naive``, ``dn`` or ``dn-dylu``."""
+    ``sync`` also sets ``c = 0``: with it, Delayed Nesterov's N = W arrivals make exactly
+    DiLoCo's outer step.
+    """
+    if method not in METHODS:
+        raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return replace(
+        cfg,
+        outer="nesterov" if method == "naive" else "dn",
+        dylu=method == "dn-dylu",
+        sync=method == "sync",
+        c=0.0 if method == "sync" else cfg.c,
+    )
+
+
+@dataclass
+class SimClock:
+    """The virtual clock of a simulated run. Defaults: the paper's toy example."""
+
     seconds_per_step: tuple[float, ...] = (0.58, 0.75, 1.51, 3.33)
     """Virtual seconds per inner step of each worker; its length is the worker count W."""
     jitter: float = 0.0
     """Relative spread of each round's duration (log-normal, seeded); 0 = exact speeds."""
-    local_steps: int = 50
-    """H: inner steps per round (of the fastest worker under DyLU)."""
-    steps_per_worker: int = 500
-    """Inner-step budget per worker; the run spends ``steps_per_worker * W`` in total."""
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    c: float = 0.0
-    """Delayed Nesterov's c in ``[0, 1/W]``."""
-    grace_s: float = 0.0
-    """Grace period in virtual seconds."""
-    inner_momentum: str | None = None
-    """``keep``: each worker's AdamW first moment persists across rounds (DiLoCo).
-    ``round``: it restarts at every round, which keeps DN+DyLU from degrading when DyLU
-    gives slow workers rounds of a few steps (see :mod:`thinwire.localsgd.inner_state`).
-    ``None`` (default): ``round`` for ``dn-dylu``, ``keep`` for the other methods, the
-    same rule as ``thinwire train``."""
-    shards: int | None = None
-    """Data shards (``None``: one per worker, as ``thinwire train``). With one shard per
-    worker each worker keeps its own; more shards let the least-progress rule balance
-    them (see :mod:`thinwire.localsgd.shards`)."""
-    model: str = "tiny"
-    model_overrides: dict[str, int] = field(default_factory=dict)
-    """e.g. ``{"n_layer": 1}``: fields of :class:`GPTConfig` replacing the preset's."""
-    batch_size: int = 16
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    data: str | None = None
     seed: int = 0
+    """Seeds the jitter."""
     eval_points: int = 20
-    """Validation passes spread evenly over the inner-step budget (plus one at the start)."""
-    eval_sequences: int = 64
+    """Evaluations spread evenly over the inner-step budget (plus one at the start)."""
 
     def validate(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if not self.seconds_per_step:
             raise ConfigError("seconds-per-step needs one value per worker, got none")
         if any(not (s > 0 and math.isfinite(s)) for s in self.seconds_per_step):
             raise ConfigError(f"seconds per step must be > 0, got {list(self.seconds_per_step)}")
-        for name in ("local_steps", "steps_per_worker", "batch_size", "eval_points"):
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.jitter < 0:
+        if not (self.jitter >= 0 and math.isfinite(self.jitter)):
             raise ConfigError(f"jitter must be >= 0, got {self.jitter}")
-        if self.shards is not None and self.shards < 1:
-            raise ConfigError(f"shards must be >= 1, got {self.shards}")
-        self.resolved_inner_momentum()
-        if self.model not in PRESETS:
-            raise ConfigError(f"unknown model preset {self.model!r}; valid: {', '.join(PRESETS)}")
-
-    def resolved_inner_momentum(self) -> str:
-        """``inner_momentum``, or its default for this method when unset."""
-        return resolve_inner_momentum(self.inner_momentum, dylu=self.method == "dn-dylu")
+        if self.eval_points < 1:
+            raise ConfigError(f"eval-points must be >= 1, got {self.eval_points}")
 
 
-def gpt_config(cfg: SimConfig) -> GPTConfig:
-    """The simulated model's shape: the preset with ``model_overrides`` applied."""
-    base = asdict(PRESETS[cfg.model]) | dict(cfg.model_overrides)
-    try:
-        return GPTConfig(**base)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"bad model settings: {exc}") from None
-
-
-def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
-    """Run one simulated training; returns its loss curve and summary (JSON-ready)."""
-    cfg.validate()
-    w_count = len(cfg.seconds_per_step)
-    gcfg = gpt_config(cfg)
-    if data is None:
-        data = TextData(cfg.data, gcfg.seq_len, 0.05, cfg.seed)
-    shards = data.shards(cfg.shards or w_count)
+def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dict[str, Any]:
+    """Run one simulated training of ``task``; returns its curve and summary (JSON-ready)."""
+    clock = clock or SimClock()
+    clock.validate()
+    w_count = len(clock.seconds_per_step)
+    cfg.validate(w_count)
+    if cfg.slowdown is not None:
+        raise ConfigError(
+            "the simulator's speeds come from SimClock.seconds_per_step, not slowdown"
+        )
+    if task.evaluate is None:
+        raise ConfigError("simulate needs task.evaluate: the curve it returns is of that metric")
+    metric = task.evaluate
+    model = task.model()
+    sources = make_sources(task, cfg.resolved_shards(w_count))
     inner_momentum = cfg.resolved_inner_momentum()
-    torch.manual_seed(cfg.seed)
-    model = GPT(gcfg)
-    total = cfg.steps_per_worker * w_count
+    total = cfg.steps * w_count
     core = ServerCore(
-        parameters_to_vector(model.parameters()), workers=w_count, local_steps=cfg.local_steps,
-        total_steps=total, shard_sizes=[len(s) for s in shards],
-        outer="nesterov" if cfg.method == "naive" else "dn", outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, c=cfg.c, dylu=cfg.method == "dn-dylu",
-        grace_s=cfg.grace_s, sync=cfg.method == "sync",
-    )  # fmt: skip
+        flat_parameters(model),
+        workers=w_count,
+        local_steps=cfg.local_steps,
+        total_steps=total,
+        shard_sizes=shard_sizes(sources),
+        outer=cfg.outer,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        c=cfg.c,
+        dylu=cfg.dylu,
+        grace_s=cfg.grace_s,
+        sync=cfg.sync,
+        dylu_ema=cfg.dylu_ema,
+    )
+    # The batch sources are shared: by contract a batch depends only on (shard, step).
     workers = {
         w: LocalWorker(
-            copy.deepcopy(model),
-            shards,
-            seq_len=gcfg.seq_len,
-            batch_size=cfg.batch_size,
-            lr=cfg.lr,
+            task.model(),
+            task.optimizer,
+            sources,
+            task.loss,
             warmup_steps=cfg.warmup_steps,
             min_lr_ratio=cfg.min_lr_ratio,
-            weight_decay=cfg.weight_decay,
-            seed=cfg.seed,
+            grad_clip=cfg.grad_clip,
             inner_momentum=inner_momentum,
         )
         for w in range(1, w_count + 1)
     }
-    spw = dict(zip(workers, cfg.seconds_per_step, strict=True))
-    jitter_rng = torch.Generator().manual_seed(cfg.seed + 7919)
-    val = data.val_batches(cfg.eval_sequences, cfg.batch_size)
+    spw = dict(zip(workers, clock.seconds_per_step, strict=True))
+    jitter_rng = torch.Generator().manual_seed(clock.seed + 7919)
     curve: list[dict[str, float]] = []
 
     def record(now: float) -> None:
-        loss = evaluate_theta(model, core.theta.detach(), val)
-        curve.append(
-            {"steps": core.steps_applied, "updates": core.updates_applied, "time_s": now,
-             "val_loss": loss}
-        )  # fmt: skip
+        loss = evaluate_at(model, core.theta.detach(), metric)
+        point = {"steps": core.steps_applied, "updates": core.updates_applied, "time_s": now}
+        curve.append(point | {"val_loss": loss})
 
     events: list[tuple[float, int, int, Any, Any, float]] = []
     seq = 0
@@ -179,15 +161,17 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
             if work is None or work.stop:
                 continue
             result = workers[w].run_round(core.theta.detach().clone(), work)
+            if cfg.compress != "none":  # the push's rounding, as on the wire
+                result.pseudo_grad = result.pseudo_grad.to(cfg.push_dtype).float()
             factor = 1.0
-            if cfg.jitter > 0:
-                factor = math.exp(cfg.jitter * float(torch.randn((), generator=jitter_rng)))
+            if clock.jitter > 0:
+                factor = math.exp(clock.jitter * float(torch.randn((), generator=jitter_rng)))
             seconds = spw[w] * factor  # this round's virtual seconds per step
             heapq.heappush(events, (now + work.steps * seconds, seq, w, work, result, seconds))
             seq += 1
 
     record(0.0)
-    every = total / cfg.eval_points
+    every = total / clock.eval_points
     next_eval = every
     for w in workers:
         core.join(w, 0.0)
@@ -208,9 +192,9 @@ def simulate(cfg: SimConfig, data: TextData | None = None) -> dict[str, Any]:
     if curve[-1]["steps"] != core.steps_applied:
         record(now)
     return {
-        "method": cfg.method,
         "config": asdict(cfg) | {"inner_momentum": inner_momentum},
-        "parameters": model.num_parameters(),
+        "clock": asdict(clock),
+        "parameters": sum(p.numel() for p in model.parameters()),
         "final_val_loss": curve[-1]["val_loss"],
         "inner_steps": core.steps_applied,
         "updates": core.updates_applied,

@@ -1,7 +1,7 @@
-"""Messages between the Local-SGD server and its workers, on torch.distributed.
+"""How the Local-SGD server and its workers reach each other, on torch.distributed.
 
-A message is a header of up to 8 numbers, optionally followed by one flat tensor whose
-size and dtype the header announces.
+What they say is defined in :mod:`thinwire.localsgd.messages` (a header of named fields,
+optionally followed by one flat tensor); this module only moves it.
 
 * **Links**: every worker talks to the server over its own two-rank gloo process group
   (server = rank 0 of the pair, worker = rank 1), built from the run's key-value store
@@ -49,10 +49,7 @@ its next round, which can last as long as the slowest worker's round: keep it la
 from __future__ import annotations
 
 import contextlib
-import json
-import struct
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -60,40 +57,30 @@ import torch.distributed as dist
 
 from thinwire.comm.accounting import record
 from thinwire.errors import ConfigError
+from thinwire.localsgd.messages import (
+    HEADER_LEN,
+    Envelope,
+    Hello,
+    Kind,
+    Message,
+    MessageError,
+    Refused,
+    RunInfo,
+    decode,
+    encode,
+    pack_queued,
+    unpack_queued,
+)
 
-__all__ = [
-    "DTYPES",
-    "ERROR",
-    "HELLO",
-    "STOP",
-    "UPDATE",
-    "WORK",
-    "Message",
-    "RunInfo",
-    "Transport",
-    "dtype_code",
-    "root_store",
-]
+__all__ = ["Transport", "root_store"]
 
-HELLO, UPDATE, WORK, STOP, ERROR = 1, 2, 3, 4, 5
-_KIND_NAMES = {HELLO: "hello", UPDATE: "push", WORK: "pull", STOP: "stop", ERROR: "error"}
-HEADER_LEN = 8
+_PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull"}  # accounting names of payloads
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NAMESPACE = "thinwire.localsgd"
 _CURRENT = f"{_NAMESPACE}/current"  # in the root store: the run id being served
 _RUN_ID = f"{_NAMESPACE}/run_id"  # in the launch's store: the same id, for launched workers
 _QUEUE = "to_server"
-_BLOB = f"<qq{HEADER_LEN}d"  # sender rank, sender incarnation, header
 _STORE_CONNECT_S = 10.0
-
-DTYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    for code, d in DTYPES.items():
-        if d == dtype:
-            return code
-    raise ValueError(f"unsupported payload dtype {dtype}")
 
 
 def root_store(store: dist.Store) -> dist.Store:
@@ -105,28 +92,6 @@ def root_store(store: dist.Store) -> dist.Store:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return store
-
-
-@dataclass
-class Message:
-    """A received header: who sent it, its kind, the remaining numbers, the sender's
-    incarnation (0 for the server's messages)."""
-
-    src: int
-    kind: int
-    fields: list[float]
-    incarnation: int = 0
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What the server publishes for processes that join a running run."""
-
-    workers: int
-    numel: int
-    checksum: int
-    finished: bool
-    shards: int
 
 
 class Transport:
@@ -224,10 +189,9 @@ class Transport:
         )
 
     # --- run information -------------------------------------------------------------------
-    def publish(self, workers: int, numel: int, checksum: int, shards: int) -> None:
+    def publish(self, info: RunInfo) -> None:
         """On the server: what a joining process checks before saying hello."""
-        info = {"workers": workers, "numel": numel, "checksum": checksum, "shards": shards}
-        self.store.set("info", json.dumps(info))
+        self.store.set("info", info.to_json())
 
     def mark_finished(self) -> None:
         """On the server: the run is over; late joiners are turned away."""
@@ -239,15 +203,10 @@ class Transport:
             self.store.wait(["info"], self.connect_timeout)
         except RuntimeError:
             raise ConfigError("the run's server has not published its settings") from None
-        info = json.loads(self.store.get("info"))
-        finished = self.store.check(["finished"])
-        return RunInfo(
-            int(info["workers"]),
-            int(info["numel"]),
-            int(info["checksum"]),
-            finished,
-            int(info["shards"]),
-        )
+        try:
+            return RunInfo.from_json(self.store.get("info"), self.store.check(["finished"]))
+        except MessageError as exc:
+            raise ConfigError(str(exc)) from None
 
     # --- incarnations and heartbeats -------------------------------------------------------
     @property
@@ -286,18 +245,16 @@ class Transport:
         self.close(worker)
         self._links[worker] = self._open(worker, incarnation, 0)
 
-    def refuse(self, worker: int, incarnation: int, fields: list[float]) -> None:
-        """On the server: tell ``worker``'s ``incarnation`` why it is turned away (an
-        ``ERROR`` with ``fields``) on a link opened for that alone, so that the link of a
-        running incarnation of the same rank is left as it is. Never raises."""
+    def refuse(self, worker: int, incarnation: int, why: Refused) -> None:
+        """On the server: tell ``worker``'s ``incarnation`` why it is turned away, on a
+        link opened for that alone, so that the link of a running incarnation of the same
+        rank is left as it is. Never raises."""
         try:
             pg = self._open(worker, incarnation, 0)
         except RuntimeError:
             return  # it is gone already
         try:
-            values = [float(ERROR), *map(float, fields)]
-            values += [0.0] * (HEADER_LEN - len(values))
-            header = torch.tensor(values, dtype=torch.float64)
+            header = torch.tensor(encode(why), dtype=torch.float64)
             pg.send([header], 1, _HEADER_TAG).wait(self.connect_timeout)
         except RuntimeError:
             pass
@@ -327,22 +284,17 @@ class Transport:
         return pg
 
     # --- messages --------------------------------------------------------------------------
-    def send(
-        self, dst: int, kind: int, fields: list[float], payload: torch.Tensor | None = None
-    ) -> None:
-        """Send a header (and ``payload``, flat) to ``dst``; raises if ``dst`` is gone.
+    def send(self, dst: int, msg: Message, payload: torch.Tensor | None = None) -> None:
+        """Send ``msg`` (and ``payload``, flat) to ``dst``; raises if ``dst`` is gone.
 
-        A worker's first ``HELLO`` also opens its link: it waits (up to the connect
+        A worker's first :class:`Hello` also opens its link: it waits (up to the connect
         timeout) until the server has read the hello and opened the other side.
         """
-        if len(fields) > HEADER_LEN - 1:
-            raise ValueError(f"at most {HEADER_LEN - 1} header fields, got {len(fields)}")
-        values = [float(kind), *map(float, fields)] + [0.0] * (HEADER_LEN - 1 - len(fields))
         if dst == self.server:
-            blob = struct.pack(_BLOB, self.rank, self.incarnation, *values)
+            blob = pack_queued(self.rank, self.incarnation, msg)
             self.store.queue_push(_QUEUE, blob)
             record(f"{self.op_prefix}.ctrl", len(blob), len(blob))
-            if kind == HELLO and self.server not in self._links:
+            if isinstance(msg, Hello) and self.server not in self._links:
                 try:
                     self._links[self.server] = self._open(self.rank, self.incarnation, 1)
                 except RuntimeError:
@@ -352,31 +304,36 @@ class Transport:
                         "(has the run finished?)"
                     ) from None
         else:
-            header = torch.tensor(values, dtype=torch.float64)
+            header = torch.tensor(encode(msg), dtype=torch.float64)
             self._link(dst).send([header], 1, _HEADER_TAG).wait(self.timeout)
             record(f"{self.op_prefix}.ctrl", header.nbytes, header.nbytes)
         if payload is not None:
+            if msg.kind not in _PAYLOAD_OPS:
+                raise ValueError(f"a {msg.kind.name} message carries no payload")
             payload = payload.detach().reshape(-1).cpu().contiguous()
             peer = 0 if dst == self.server else 1
             self._link(dst).send([payload], peer, _PAYLOAD_TAG).wait(self.timeout)
             nbytes = payload.numel() * payload.element_size()
-            record(f"{self.op_prefix}.{_KIND_NAMES[kind]}", nbytes, nbytes)
+            record(f"{self.op_prefix}.{_PAYLOAD_OPS[msg.kind]}", nbytes, nbytes)
 
-    def poll(self) -> Message | None:
-        """On the server: the next worker header if one has arrived, else None (no wait)."""
+    def poll(self) -> Envelope | None:
+        """On the server: the next worker message if one has arrived, else None (no wait).
+
+        Raises:
+            MessageError: the queued header was malformed (it is consumed all the same).
+        """
         if self.store.queue_len(_QUEUE) == 0:
             return None
         blob = self.store.queue_pop(_QUEUE, False)
-        src, incarnation, kind, *fields = struct.unpack(_BLOB, blob)
         self.bytes_received += len(blob)
-        return Message(int(src), int(kind), list(fields), int(incarnation))
+        return unpack_queued(blob)
 
     def recv(self, src: int) -> Message:
-        """On a worker: the next header from the server (blocking)."""
+        """On a worker: the next message from the server (blocking)."""
         buf = torch.zeros(HEADER_LEN, dtype=torch.float64)
         self._link(src).recv([buf], 0, _HEADER_TAG).wait(self.timeout)
         self.bytes_received += buf.nbytes
-        return Message(src, int(buf[0]), buf[1:].tolist())
+        return decode(buf.tolist())
 
     def recv_payload(self, src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The payload that follows ``src``'s last header."""

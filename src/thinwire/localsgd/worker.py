@@ -1,41 +1,36 @@
-"""One Local-SGD worker: pull theta, run H inner AdamW steps on a data shard, push theta - theta_w.
+"""One Local-SGD worker: pull theta, run H inner steps on a data shard, push theta - theta_w.
 
 :class:`LocalWorker` is transport-free; the multi-process runtime and the simulator both
-drive it. Its inner optimizer state persists across rounds (DiLoCo keeps each worker's
-AdamW moments local), except the first moment with ``inner_momentum="round"``, which
-restarts at every round (see :mod:`thinwire.localsgd.inner_state`); every round starts by
-loading the pulled theta into the model.
+drive it. It trains the user's model with the user's inner optimizer and loss on the
+user's batch sources (:class:`~thinwire.localsgd.task.Task`). Its inner optimizer state
+persists across rounds (DiLoCo keeps each worker's moments local), except the first
+moment with ``inner_momentum="round"``, which restarts at every round (see
+:mod:`thinwire.localsgd.inner_state`); every round starts by loading the pulled theta
+into the model.
 
-Batches depend only on ``(seed, shard, shard clock)``, never on which worker runs them,
-so a run is reproducible and a shard that changes hands continues the same data stream.
+The inner lr follows the shard's own clock (:func:`~thinwire.localsgd.shards.inner_lr`)
+with the optimizer's initial lr of each parameter group as the peak. Batches come from
+``source(clock)`` of the shard the server assigned, so a run is as reproducible as the
+user's batch sources are.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from thinwire.localsgd.inner_state import check_inner_momentum, restart_first_moment_
-from thinwire.localsgd.server import Work
+from thinwire.localsgd.messages import Work
 from thinwire.localsgd.shards import inner_lr
-from thinwire.train.data import TokenSplit
+from thinwire.localsgd.task import BatchSource, load_flat_, to_device
 
 __all__ = ["LocalWorker", "RoundResult", "load_flat_"]
-
-
-@torch.no_grad()
-def load_flat_(params: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy a flat vector into ``params`` (``vector_to_parameters`` would make them views
-    of ``flat``, so training would silently modify the pulled theta)."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.copy_(flat[offset : offset + n].view_as(p))
-        offset += n
 
 
 @dataclass
@@ -49,37 +44,34 @@ class RoundResult:
 
 
 class LocalWorker:
-    """A model replica with its own inner AdamW.
+    """A model replica with its own inner optimizer.
 
     Args:
         model: this worker's replica (its values are overwritten by every pulled theta).
-        shards: the data shards, indexed like the server's shard book.
-        seq_len, batch_size: window length and windows per inner step.
-        lr, warmup_steps, min_lr_ratio: the per-shard inner schedule (see :func:`inner_lr`).
-        betas, weight_decay: AdamW settings. grad_clip: global norm clip, 0 disables.
-        seed: data seed. slowdown: multiply each step's time by this factor by sleeping,
-            to emulate slower hardware on one machine (1.0 = no slowdown).
-        inner_momentum: ``"keep"`` (DiLoCo: the AdamW first moment persists across rounds)
-            or ``"round"`` (it restarts at the start of every round; second moment and
-            step count are kept). Use ``"round"`` when rounds are short (DyLU with a
-            small H); runs resolve the default with
+        optimizer: ``optimizer(params)`` builds the inner optimizer (again by :meth:`reset`).
+        shards: the batch sources, indexed like the server's shard book.
+        loss: ``loss(model, batch)``, the scalar to backpropagate.
+        warmup_steps, min_lr_ratio: the per-shard inner schedule (see :func:`inner_lr`).
+        grad_clip: global norm clip, 0 disables.
+        slowdown: multiply each step's time by this factor by sleeping, to emulate slower
+            hardware on one machine (1.0 = no slowdown).
+        inner_momentum: ``"keep"`` (DiLoCo: the first moment persists across rounds) or
+            ``"round"`` (it restarts at the start of every round; second moment and step
+            count are kept). Use ``"round"`` when rounds are short (DyLU with a small H);
+            runs resolve the default with
             :func:`~thinwire.localsgd.inner_state.resolve_inner_momentum`.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        shards: list[TokenSplit],
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        shards: Sequence[BatchSource],
+        loss: Callable[[nn.Module, Any], torch.Tensor],
         *,
-        seq_len: int,
-        batch_size: int,
-        lr: float,
         warmup_steps: int,
         min_lr_ratio: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.01,
         grad_clip: float = 0.0,
-        seed: int = 0,
         slowdown: float = 1.0,
         inner_momentum: str = "keep",
     ) -> None:
@@ -88,30 +80,27 @@ class LocalWorker:
         self.params = list(model.parameters())
         self.device = self.params[0].device
         self.shards = shards
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.lr, self.warmup, self.min_lr_ratio = lr, warmup_steps, min_lr_ratio
+        self.loss = loss
+        self.warmup, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.grad_clip = grad_clip
-        self.seed = seed
         self.slowdown = slowdown
         self.inner_momentum = inner_momentum
-        self._adamw = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-        self.opt = torch.optim.AdamW(self.params, **self._adamw)
+        self._make_optimizer = optimizer
+        self.reset()
 
     def reset(self) -> None:
         """Fresh inner optimizer state (after a failed round left it inconsistent)."""
-        self.opt = torch.optim.AdamW(self.params, **self._adamw)
+        self.opt = self._make_optimizer(self.params)
+        # The factory's lr is the peak of every shard's schedule.
+        self.peak_lrs = [float(g["lr"]) for g in self.opt.param_groups]
 
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    def batch(self, shard: int, clock: int) -> tuple[torch.Tensor, torch.Tensor]:
-        split = self.shards[shard]
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + shard) * 1_000_003 + clock)
-        starts = torch.randint(split.num_windows(self.seq_len), (self.batch_size,), generator=g)
-        x, y = split.windows(starts, self.seq_len)
-        return x.to(self.device), y.to(self.device)
+    def batch(self, shard: int, clock: int) -> Any:
+        """The batch of inner step ``clock`` of ``shard``, on this worker's device."""
+        return to_device(self.shards[shard](clock), self.device)
 
     def run_round(self, theta: torch.Tensor, work: Work) -> RoundResult:
         """Load ``theta``, run ``work.steps`` inner steps, return ``theta - theta_w``."""
@@ -127,10 +116,9 @@ class LocalWorker:
         for i in range(work.steps):
             t_step = time.perf_counter()
             clock = work.lr_clock + i
-            for group in self.opt.param_groups:
-                group["lr"] = inner_lr(clock, work.planned, self.lr, self.warmup, self.min_lr_ratio)
-            x, y = self.batch(work.shard, clock)
-            _, loss = self.model(x, y)
+            for group, peak in zip(self.opt.param_groups, self.peak_lrs, strict=True):
+                group["lr"] = inner_lr(clock, work.planned, peak, self.warmup, self.min_lr_ratio)
+            loss = self.loss(self.model, self.batch(work.shard, clock))
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             if self.grad_clip > 0:

@@ -86,16 +86,25 @@ _FLAGS: dict[str, str] = {
     "freeze_tolerance": "--freeze-tolerance", "grad_dtype": "--grad-dtype",
     "local_steps": "--local-steps", "outer_lr": "--outer-lr",
     "outer_momentum": "--outer-momentum", "outer": "--outer", "compress": "--compress",
-    "inner_momentum": "--inner-momentum",
+    "inner_momentum": "--inner-momentum", "grace_s": "--grace", "shards": "--shards",
     "eval_interval": "--eval-interval", "eval_sequences": "--eval-sequences",
     "log_interval": "--log-interval", "checkpoint_interval": "--checkpoint-interval",
     "device": "--device",
 }  # fmt: skip
 # Fields the command line cannot carry: refused when they differ from the default,
 # rather than silently training something else than the caller asked for.
-_NO_FLAG = ("min_lr_ratio", "betas", "resume", "tensorboard")
-# ``TrainConfig.extra`` keys the command line carries (others are refused, as above).
-_EXTRA_FLAGS: dict[str, str] = {"grace_s": "--grace", "sync": "--sync", "shards": "--shards"}
+# That includes the asynchronous Local-SGD settings without a flag.
+_NO_FLAG = (
+    "min_lr_ratio",
+    "betas",
+    "resume",
+    "tensorboard",
+    "c",
+    "dylu_ema",
+    "dead_after_s",
+    "connect_timeout_s",
+    "link_timeout_s",
+)
 
 
 def train_argv(
@@ -115,18 +124,13 @@ def train_argv(
         explicit = f.name == "lr" or value != getattr(default, f.name)
         if f.name in _FLAGS and value is not None and explicit:
             argv += [_FLAGS[f.name], str(value)]
-    unknown = sorted(set(cfg.extra) - set(_EXTRA_FLAGS))
-    if unknown:
+    if cfg.extra:
         raise ConfigError(
-            f"TrainConfig.extra[{unknown[0]!r}] cannot be passed to 'thinwire train' on the "
-            f"testbed (it carries {', '.join(_EXTRA_FLAGS)})"
+            f"TrainConfig.extra[{sorted(cfg.extra)[0]!r}] cannot be passed to 'thinwire train' "
+            "on the testbed"
         )
-    if "grace_s" in cfg.extra:
-        argv += ["--grace", str(cfg.extra["grace_s"])]
-    if cfg.extra.get("sync"):
+    if cfg.sync:
         argv.append("--sync")
-    if "shards" in cfg.extra:
-        argv += ["--shards", str(int(cfg.extra["shards"]))]
     if cfg.dylu:
         argv.append("--dylu")
     if not cfg.precondition:

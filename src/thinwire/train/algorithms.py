@@ -36,6 +36,7 @@ __all__ = [
     "RUNNERS",
     "Strategy",
     "algorithm_names",
+    "check_config",
     "default_lr",
     "get_runner",
     "make_strategy",
@@ -182,6 +183,35 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
     )
 
 
+def _diloco(model: nn.Module, cfg: TrainConfig) -> Strategy:
+    """Synchronous DiLoCo: raw model, inner AdamW, outer sync every H steps."""
+    from thinwire.localsgd import DiLoCo
+    from thinwire.localsgd.inner_state import resolve_inner_momentum
+
+    inner = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+    )
+    diloco = DiLoCo(
+        model,
+        inner,
+        cfg.local_steps,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        compress=cfg.compress,
+        sync_initial=False,  # the trainer broadcasts rank 0's weights before this
+        # Synchronous DiLoCo has no DyLU (every round is H steps): the default is keep.
+        inner_momentum=resolve_inner_momentum(cfg.inner_momentum, dylu=False),
+    )
+    return Strategy(
+        model=model,
+        optimizer=inner,
+        after_step=lambda step: diloco.after_inner_step(step),
+        state_dict=diloco.state_dict,
+        load_state_dict=diloco.load_state_dict,
+        metrics=lambda: {"outer_steps": float(diloco.outer_steps)},
+    )
+
+
 def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
     """DDP+AdamW with one of PyTorch's own compression hooks: the peers a PyTorch user
     would reach for (fp16 casting, PowerSGD rank ``extra["powersgd_rank"]``, default 4)."""
@@ -256,7 +286,7 @@ ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], 
         "1-bit LAMB: fp16 warmup until the variance settles, then 1-bit compressed momentum",
     ),
     "diloco": (
-        "thinwire.localsgd.diloco:make_strategy",
+        _diloco,
         "synchronous DiLoCo: H local AdamW steps, then one averaged outer Nesterov step",
     ),
 }
@@ -285,7 +315,7 @@ def default_lr(algo: str) -> float:
 
 RUNNERS: dict[str, tuple[str, str]] = {
     "async-diloco": (
-        "thinwire.localsgd.async_runtime:run",
+        "thinwire.train.async_task:run",
         "asynchronous Local-SGD: rank 0 serves, ranks 1.. train (--outer dn|nesterov, --dylu)",
     ),
 }
@@ -308,6 +338,26 @@ def check_algorithm(name: str) -> None:
         raise ConfigError(
             f"unknown algorithm {name!r}; valid algorithms: {', '.join(algorithm_names())}"
         )
+
+
+def check_config(cfg: TrainConfig, world: int) -> None:
+    """Every bad setting of ``cfg`` for its algorithm on ``world`` ranks, as a one-line
+    :class:`ConfigError`, before any process starts."""
+    cfg.validate()
+    check_algorithm(cfg.algo)
+    if cfg.algo == "diloco":
+        from thinwire.localsgd.diloco import COMPRESS_CHOICES
+        from thinwire.localsgd.inner_state import resolve_inner_momentum
+
+        resolve_inner_momentum(cfg.inner_momentum, dylu=False)
+        if cfg.compress not in COMPRESS_CHOICES:
+            raise ConfigError(
+                f"unknown compression {cfg.compress!r}; choose one of {COMPRESS_CHOICES}"
+            )
+    elif cfg.algo == "async-diloco":
+        from thinwire.train.async_task import check_async_config
+
+        check_async_config(cfg, world - 1)
 
 
 def make_strategy(model: nn.Module, cfg: TrainConfig) -> Strategy:

@@ -57,17 +57,17 @@ _FIXED = {"data", "val_fraction", "out_dir", "resume", "extra", "stop_after"}
 def _convert(key: str, text: str) -> Any:
     """``text`` as the type of config field ``key``."""
     default = _FIELDS[key].default
+    kind = str(_FIELDS[key].type)  # e.g. "int | None" for an optional count
     try:
         if isinstance(default, bool):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return text.lower() in ("true", "1")
-        if key == "freeze_step" and text == "auto":
-            return text
-        if isinstance(default, int) or key in ("freeze_step", "seq_len", "n_layer", "n_head",
-                                               "n_embd"):  # fmt: skip
+        if key == "freeze_step":
+            return text if text == "auto" else int(text)
+        if isinstance(default, int) or kind == "int | None":
             return int(text)
-        if isinstance(default, float):
+        if isinstance(default, float) or kind == "float | None":
             return float(text)
         if key == "betas":
             b1, b2 = (float(v) for v in text.split("/"))

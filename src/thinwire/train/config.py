@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.inner_state import check_inner_momentum
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.train.model import PRESETS, GPTConfig
 
@@ -105,6 +104,27 @@ class TrainConfig:
     whose slow workers get rounds of a few steps that would mostly replay stale momentum,
     ``keep`` otherwise. See :mod:`thinwire.localsgd.inner_state`."""
 
+    # --- asynchronous Local-SGD (async-diloco) ------------------------------------------
+    # Mapped onto thinwire.localsgd.AsyncConfig, whose field of the same name documents
+    # each one; None keeps AsyncConfig's default, so every default lives there alone.
+    grace_s: float | None = None
+    """Grace period in seconds (``--grace``); see ``AsyncConfig.grace_s``."""
+    sync: bool = False
+    """Every round waits for all workers (``--sync``): synchronous DiLoCo through the
+    server, the baseline for ``--slowdown`` comparisons; see ``AsyncConfig.sync``."""
+    shards: int | None = None
+    """Data shards (``--shards``; None: one per worker); see ``AsyncConfig.shards``."""
+    c: float | None = None
+    """Delayed Nesterov's c in ``[0, 1/N]``; see ``AsyncConfig.c``."""
+    dylu_ema: float | None = None
+    """DyLU's speed average weight; see ``AsyncConfig.dylu_ema``."""
+    dead_after_s: float | None = None
+    """Heartbeat silence that means a dead worker; see ``AsyncConfig.dead_after_s``."""
+    connect_timeout_s: float | None = None
+    """Opening a worker's link; see ``AsyncConfig.connect_timeout_s``."""
+    link_timeout_s: float | None = None
+    """Any later send or receive; see ``AsyncConfig.link_timeout_s``."""
+
     # --- measuring, saving -------------------------------------------------------------
     eval_interval: int = 50
     """Steps between validation passes (also run at step 0 and at the end)."""
@@ -126,7 +146,8 @@ class TrainConfig:
     """``cpu``, ``cuda`` or ``auto`` (CUDA when available)."""
 
     extra: dict[str, Any] = field(default_factory=dict)
-    """Algorithm-specific options that have no field of their own."""
+    """Algorithm-specific options that have no field of their own (``bias_correction``
+    of the 1-bit optimizers, ``powersgd_rank`` and ``powersgd_start``)."""
 
     IDENTITY: ClassVar[tuple[str, ...]] = (
         "algo", "model", "seq_len", "n_layer", "n_head", "n_embd", "data", "val_fraction",
@@ -181,8 +202,6 @@ class TrainConfig:
             raise ConfigError(f"freeze-cap must be in (0, 1], got {self.freeze_cap}")
         if self.local_steps < 1:
             raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
-        if self.inner_momentum is not None:
-            check_inner_momentum(self.inner_momentum)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         self.gpt_config()

@@ -10,7 +10,8 @@
   is exact with no saved sampler state), and W ranks with batch B see exactly the samples
   one process sees with batch ``W*B`` (which is what the parity tests compare).
 * **Shards**: :meth:`TextData.shards` cuts the training split into contiguous pieces, for
-  Local-SGD workers that each own a shard.
+  Local-SGD workers that each own a shard; :meth:`TextData.shard_batches` makes each a
+  batch source (:class:`ShardBatches`) for :class:`thinwire.localsgd.Task`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from thinwire.errors import ConfigError
 __all__ = [
     "BUILTIN_CORPORA",
     "BUILTIN_CORPUS",
+    "ShardBatches",
     "TextData",
     "TokenSplit",
     "decode",
@@ -117,6 +119,32 @@ class TokenSplit:
         return chunk[:, :-1], chunk[:, 1:]
 
 
+@dataclass(eq=False)
+class ShardBatches:
+    """One data shard as a batch source: ``source(step)`` is the batch of the ``step``-th
+    inner step spent on the shard.
+
+    The windows depend only on ``(seed, index, step)``, never on which worker asks, so a
+    shard that changes hands continues the same stream and a run is reproducible.
+    """
+
+    split: TokenSplit
+    index: int
+    seq_len: int
+    batch_size: int
+    seed: int
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.index) * 1_000_003 + step)
+        starts = torch.randint(
+            self.split.num_windows(self.seq_len), (self.batch_size,), generator=g
+        )
+        return self.split.windows(starts, self.seq_len)
+
+
 class TextData:
     """Training and validation splits of a corpus, and deterministic batches from them."""
 
@@ -189,3 +217,12 @@ class TextData:
                 f"{n} shards of {len(self.train)} tokens are too small for seq_len {self.seq_len}"
             )
         return [TokenSplit(self.train.tokens[i * size : (i + 1) * size]) for i in range(n)]
+
+    def shard_batches(self, n: int, batch_size: int) -> list[ShardBatches]:
+        """:meth:`shards` as batch sources of ``batch_size`` windows each."""
+        if batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+        return [
+            ShardBatches(split, i, self.seq_len, batch_size, self.seed)
+            for i, split in enumerate(self.shards(n))
+        ]

@@ -33,7 +33,7 @@ from thinwire.train.data import TextData
 from thinwire.train.metrics import MetricsWriter, Progress, atomic_write_text
 from thinwire.train.model import GPT
 
-__all__ = ["evaluate", "lr_at", "parameter_digest", "train"]
+__all__ = ["evaluate", "lr_at", "parameter_digest", "pick_device", "train"]
 
 TRAINER_OPS = "trainer."
 """Prefix of the trainer's own small collectives (loss logging, evaluation, start-up):
@@ -50,7 +50,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def _device(cfg: TrainConfig) -> torch.device:
+def pick_device(cfg: TrainConfig) -> torch.device:
+    """The device of this rank: CUDA device LOCAL_RANK when asked for (or ``auto`` finds one)."""
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for, but CUDA is not available")
@@ -156,7 +157,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if runner is not None:
         return runner(cfg)
     rank, world = get_rank(), get_world_size()
-    device = _device(cfg)
+    device = pick_device(cfg)
     out_dir = Path(cfg.out_dir)
 
     # --- data, model, algorithm --------------------------------------------------------

@@ -1,0 +1,234 @@
+"""Every knob of asynchronous Local-SGD, in one dataclass; each field's docstring is its
+tuning guide. The multi-process runtime (:func:`thinwire.localsgd.run_async`), a rejoining
+worker (:func:`thinwire.localsgd.rejoin_async`) and the simulator
+(:func:`thinwire.localsgd.simulate`) all read this one :class:`AsyncConfig`, so a
+setting means the same everywhere and its default is written once, here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.inner_state import resolve_inner_momentum
+from thinwire.localsgd.server import OUTER_CHOICES
+
+__all__ = ["COMPRESS", "AsyncConfig"]
+
+COMPRESS: dict[str, torch.dtype] = {
+    "none": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+"""Push dtype of each :attr:`AsyncConfig.compress` choice."""
+
+
+@dataclass
+class AsyncConfig:
+    """One asynchronous Local-SGD run: rank 0 serves, ranks 1..W train.
+
+    Step counts (``steps``, ``eval_interval``, ``checkpoint_interval``) are inner steps
+    *per worker*; the server counts them summed over the W workers.
+    """
+
+    # --- budget and rounds --------------------------------------------------------------
+    steps: int = 300
+    """Inner-step budget per worker. The run ends after ``steps * W`` inner steps, however
+    they are spread over the workers: the same compute as synchronous DiLoCo's ``steps``."""
+    local_steps: int = 20
+    """H, inner steps per round (of the fastest worker under DyLU). Larger H sends fewer
+    bytes and lets replicas drift further; 20-50 suits small models, the paper uses 50."""
+
+    # --- the outer optimizer on the server ----------------------------------------------
+    outer: str = "dn"
+    """``dn``: Delayed Nesterov, whose momentum moves once per N arrivals so that W
+    arrivals equal one DiLoCo step. ``nesterov``: momentum on every arrival, the paper's
+    naive baseline; it needs an lr about W times smaller and still loses quality."""
+    outer_lr: float = 0.7
+    """Outer learning rate. DiLoCo's 0.7 is the starting point for ``dn`` (W arrivals make
+    one Nesterov step on their mean); lower it if the loss jumps at each outer step."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum beta, in ``[0, 1)``."""
+    c: float = 0.0
+    """Delayed Nesterov's c in ``[0, 1/N]``: the share of the momentum applied on every
+    arrival instead of at the N-th. 0 (the paper's) delays it fully; ``1/(2N)`` smooths
+    the trajectory when workers arrive in bursts."""
+
+    # --- who gets what, and when --------------------------------------------------------
+    dylu: bool = False
+    """Dynamic Local Updates: worker w runs ``H_w = max(1, floor(v_w / max v * H))``
+    steps, v its measured speed, so every round takes about the fastest worker's time.
+    Use it when machines differ in speed."""
+    dylu_ema: float = 0.5
+    """Weight of the old speed when a worker reports a new one, in ``[0, 1)``. 0.5 follows
+    a machine that slowed down within two or three rounds; closer to 1 is steadier."""
+    grace_s: float = 0.0
+    """Seconds the server waits after an arrival for more, applying all of them before
+    anyone restarts from the same theta. 0 answers at once; with DyLU and the per-round
+    inner-momentum restart no grace period is needed."""
+    sync: bool = False
+    """Every round waits for all live workers: with ``outer="dn"``, ``c = 0`` and no
+    DyLU this is synchronous DiLoCo through the server, the baseline to compare with."""
+    shards: int | None = None
+    """Data shards (``None``: one per worker). A worker takes the free shard with the least
+    progress. With one per worker each keeps its own and fast workers see their data more
+    often; 2-4 per worker let the least-progress rule balance uneven workers."""
+
+    # --- the inner optimizer on each worker ---------------------------------------------
+    inner_momentum: str | None = None
+    """``keep``: the inner optimizer's first moment persists across rounds (DiLoCo).
+    ``round``: it restarts every round (second moment and step count kept). ``None``:
+    ``round`` with DyLU, whose slow workers get rounds of a few steps that would mostly
+    replay stale momentum, ``keep`` otherwise. See :mod:`thinwire.localsgd.inner_state`."""
+    warmup_steps: int = 20
+    """Inner lr warmup, in steps of a shard's own clock. The inner optimizer's lr is the
+    peak; it then decays by cosine over the shard's planned steps (``steps * W /
+    shards``): check the warmup against that length if the loss stalls early."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at ``peak * min_lr_ratio``; the floor keeps rounds useful
+    after a shard ran past its plan. ``warmup_steps=0, min_lr_ratio=1`` keeps the inner
+    optimizer's lr constant."""
+    grad_clip: float = 0.0
+    """Clip each inner step's global gradient norm to this value; 0 disables clipping."""
+
+    # --- the wire -----------------------------------------------------------------------
+    compress: str = "none"
+    """Push dtype: ``none`` (fp32), ``fp16`` or ``bf16`` halve the bytes of every push.
+    theta is always pulled in fp32."""
+    connect_timeout_s: float = 120.0
+    """Seconds opening a worker's link may take (its hello, the server's answer). The
+    server does nothing else meanwhile, so keep it short; raise it on slow networks."""
+    link_timeout_s: float = 1800.0
+    """Seconds any later send or receive may take, including a worker's wait for its next
+    round: keep it above the slowest round (sync mode waits for the slowest worker)."""
+
+    # --- faults -------------------------------------------------------------------------
+    dead_after_s: float = 10.0
+    """Heartbeat silence after which the server drops a worker as dead. Heartbeats come
+    from a background thread, so this is independent of the round length; raise it on
+    overloaded hosts where a process may stall for seconds."""
+    heartbeat_s: float = 0.5
+    """Seconds between a worker's heartbeats; well below ``dead_after_s``."""
+    hung_after_s: float = 600.0
+    """A round in flight longer than ``max(hung_after_s, hung_after_factor * its expected
+    time)`` is presumed hung; the worker is dropped and its round handed out again."""
+    hung_after_factor: float = 10.0
+    """See :attr:`hung_after_s`."""
+    max_restarts: int = 3
+    """Rounds a worker may fail (an exception: out of memory, a bad batch) before it gives
+    up; after each it rebuilds its inner optimizer and says hello again."""
+    slowdown: tuple[float, ...] | None = None
+    """Per-worker factors >= 1 (one per worker) that stretch each inner step by sleeping,
+    to emulate slower machines on one host. ``None``: full speed."""
+
+    # --- evaluation and checkpoints -----------------------------------------------------
+    eval_interval: int = 0
+    """Inner steps per worker between evaluations on the server (0: only at the start and
+    the end). The server answers no worker while it evaluates: keep evaluation cheap."""
+    checkpoint_dir: str | None = None
+    """Where the server keeps ``localsgd_server.pt`` (theta, outer state, shard clocks,
+    speeds); ``None``: no checkpoints."""
+    checkpoint_interval: int = 0
+    """Inner steps per worker between checkpoints (0: only at the end)."""
+    resume: bool = False
+    """Continue from ``checkpoint_dir``'s checkpoint, in a new server epoch: updates
+    computed from the old server's theta are rejected."""
+
+    def validate(self, workers: int | None = None) -> None:
+        """Raise a one-line :class:`ConfigError` for the first impossible setting.
+
+        ``workers``: W when known (rank 0 serves, so W is the world size minus one);
+        it bounds ``c`` and sizes ``slowdown``.
+        """
+        if workers is not None and workers < 1:
+            raise ConfigError(
+                "asynchronous Local-SGD needs at least 2 ranks: rank 0 is the server, "
+                "ranks 1.. are workers"
+            )
+        for name in ("steps", "local_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.outer not in OUTER_CHOICES:
+            raise ConfigError(
+                f"unknown outer optimizer {self.outer!r}; choose one of {OUTER_CHOICES}"
+            )
+        if not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
+            raise ConfigError(f"outer lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"outer momentum must be in [0, 1), got {self.outer_momentum}")
+        n = workers or 1
+        if not 0.0 <= self.c <= 1.0 / n:
+            raise ConfigError(
+                f"Delayed Nesterov c must be in [0, 1/N] = [0, {1 / n:.4g}], got {self.c}"
+            )
+        if self.sync and (self.outer != "dn" or self.dylu or self.c != 0):
+            raise ConfigError(
+                "sync mode is synchronous DiLoCo: it needs outer dn with c = 0 and no DyLU"
+            )
+        if not 0.0 <= self.dylu_ema < 1.0:
+            raise ConfigError(f"DyLU ema must be in [0, 1), got {self.dylu_ema}")
+        if self.shards is not None and self.shards < 1:
+            raise ConfigError(f"shards must be >= 1, got {self.shards}")
+        self.resolved_inner_momentum()
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.compress not in COMPRESS:
+            raise ConfigError(
+                f"asynchronous Local-SGD compresses pushes with none, fp16 or bf16, got "
+                f"{self.compress!r}"
+            )
+        self._check_seconds(workers)
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("resume needs the checkpoint_dir of the run to continue")
+
+    def _check_seconds(self, workers: int | None) -> None:
+        for name in ("grace_s", "grad_clip"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        for name in (
+            "connect_timeout_s",
+            "link_timeout_s",
+            "dead_after_s",
+            "heartbeat_s",
+            "hung_after_s",
+            "hung_after_factor",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_s >= self.dead_after_s:
+            raise ConfigError(
+                f"heartbeat_s ({self.heartbeat_s}) must be below dead_after_s "
+                f"({self.dead_after_s}), or live workers are declared dead"
+            )
+        if self.slowdown is not None:
+            if workers is not None and len(self.slowdown) != workers:
+                raise ConfigError(
+                    f"--slowdown lists {len(self.slowdown)} factors but there are {workers} "
+                    f"workers (ranks 1..{workers}; rank 0 is the server)"
+                )
+            if any(not (s >= 1.0 and math.isfinite(s)) for s in self.slowdown):
+                raise ConfigError(f"--slowdown factors must be >= 1, got {list(self.slowdown)}")
+
+    def resolved_shards(self, workers: int) -> int:
+        """The shard count of a run with ``workers`` workers."""
+        return workers if self.shards is None else self.shards
+
+    def resolved_inner_momentum(self) -> str:
+        """``inner_momentum``, or its default (``round`` with DyLU, ``keep`` without)."""
+        return resolve_inner_momentum(self.inner_momentum, dylu=self.dylu)
+
+    @property
+    def push_dtype(self) -> torch.dtype:
+        """The dtype pushes travel in (see :attr:`compress`)."""
+        return COMPRESS[self.compress]
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")

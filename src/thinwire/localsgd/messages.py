@@ -1,0 +1,296 @@
+"""What the Local-SGD server and its workers say to each other: every message, by name.
+
+Each message is a frozen dataclass whose fields are named here and nowhere else; the
+transport (:mod:`thinwire.localsgd.transport`) only moves the encoded numbers.
+
+===========  ===========  ===============================================  ===============
+kind         direction    fields                                           payload after it
+===========  ===========  ===============================================  ===============
+``HELLO``    worker->srv  :class:`Hello` numel, checksum, late             none
+``UPDATE``   worker->srv  :class:`Update` epoch, steps, seconds_per_step,  pseudo-gradient,
+                          loss, dtype                                      ``dtype``
+``WORK``     srv->worker  :class:`Work` epoch, version, shard, steps,      theta, fp32
+                          lr_clock, planned
+``STOP``     srv->worker  :class:`Work` with ``stop=True``: epoch, version none
+``ERROR``    srv->worker  :class:`Refused` numel, checksum                 none
+===========  ===========  ===============================================  ===============
+
+**Header**: ``HEADER_LEN`` (8) float64 numbers: the kind, the fields in the order above,
+then zeros. A server-to-worker header is that float64 tensor on the worker's link (64
+bytes). A worker-to-server header goes through the store queue, packed with the
+sender's rank and incarnation in front (:func:`pack_queued`, ``<qq8d``, 80 bytes).
+float64 holds every field exactly: counts and versions stay far below 2**53, the shape
+checksum is a crc32.
+
+**Payload**: a flat tensor on the link right after its header. The receiver knows its
+length (the model's parameter count, agreed in the hello) and its dtype (fp32 for theta,
+the header's ``dtype`` for a push).
+
+**Run information**: :class:`RunInfo`, JSON in the run's store, which a restarted worker
+reads before it says hello.
+
+Decoding checks everything it can (a known kind, whole numbers where counts belong,
+0/1 flags, a known dtype, zero padding) and raises :class:`MessageError` with one line
+saying what was wrong, so a malformed or forged header never becomes a half-read message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import ClassVar
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "HEADER_LEN",
+    "Envelope",
+    "Hello",
+    "Kind",
+    "Message",
+    "MessageError",
+    "Refused",
+    "RunInfo",
+    "Update",
+    "Work",
+    "decode",
+    "dtype_code",
+    "encode",
+    "pack_queued",
+    "unpack_queued",
+]
+
+HEADER_LEN = 8
+"""Numbers in every header: the kind and up to 7 fields."""
+
+_QUEUED = f"<qq{HEADER_LEN}d"  # sender rank, sender incarnation, header
+
+DTYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
+"""Payload dtype codes in a header."""
+
+
+class MessageError(ValueError):
+    """A header that is not a valid message (unknown kind, bad field, wrong length)."""
+
+
+class Kind(IntEnum):
+    """The first number of every header."""
+
+    HELLO = 1
+    UPDATE = 2
+    WORK = 3
+    STOP = 4
+    ERROR = 5
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The header code of a payload dtype (see :data:`DTYPES`)."""
+    for code, d in DTYPES.items():
+        if d == dtype:
+            return code
+    raise MessageError(f"unsupported payload dtype {dtype}; supported: {list(DTYPES.values())}")
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A worker asks for work: on first contact, and again after a round that failed."""
+
+    numel: int
+    """Parameters in the worker's model."""
+    checksum: int
+    """crc32 of the parameter shapes (:func:`~thinwire.localsgd.task.shape_signature`)."""
+    late: bool = False
+    """A process joining a running run (a rejoin): a mismatch turns only it away."""
+
+    kind: ClassVar[Kind] = Kind.HELLO
+
+
+@dataclass(frozen=True)
+class Update:
+    """A worker's finished round; its pseudo-gradient ``theta - theta_w`` follows."""
+
+    epoch: int
+    """The server epoch of the theta the round started from (stale if it changed)."""
+    steps: int
+    """Inner steps the round ran."""
+    seconds_per_step: float
+    """Mean wall time of one inner step (DyLU's speed measurement)."""
+    loss: float
+    """Mean training loss over the round (for logs; NaN is allowed)."""
+    dtype: torch.dtype = torch.float32
+    """dtype of the pseudo-gradient payload (fp32, or fp16/bf16 when pushes are compressed)."""
+
+    kind: ClassVar[Kind] = Kind.UPDATE
+
+
+@dataclass(frozen=True)
+class Work:
+    """The server's order: run ``steps`` inner steps from theta ``version``, or stop.
+
+    A round's theta (fp32) follows a ``WORK`` header; ``stop=True`` is sent as ``STOP``
+    with only ``epoch`` and ``version`` and no payload.
+    """
+
+    epoch: int
+    """Server epoch: a server resumed from a checkpoint starts a new one."""
+    version: int
+    """Outer updates applied to the theta handed out."""
+    shard: int = 0
+    """Data shard to train on."""
+    steps: int = 0
+    """Inner steps of the round (H, or DyLU's H_w)."""
+    lr_clock: int = 0
+    """Steps the shard had already been trained for: where its inner lr schedule is."""
+    planned: int = 1
+    """Steps planned for the shard over the whole run (the length of its schedule)."""
+    stop: bool = False
+    """No more rounds: the budget is spent."""
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.STOP if self.stop else Kind.WORK
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The server turns a worker away: its model differs from the server's."""
+
+    numel: int
+    """Parameters in the server's model."""
+    checksum: int
+    """crc32 of the server's parameter shapes."""
+
+    kind: ClassVar[Kind] = Kind.ERROR
+
+
+Message = Hello | Update | Work | Refused
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A worker-to-server message as the server reads it from the queue."""
+
+    src: int
+    """The sender's worker rank."""
+    incarnation: int
+    """The sender process's incarnation (1 for the launched one, +1 per restart)."""
+    message: Message
+
+
+def _wire_fields(msg_type: type) -> list[tuple[str, str]]:
+    """(name, type) of the fields a header carries for ``msg_type``, in order."""
+    out = [(f.name, str(f.type)) for f in fields(msg_type)]
+    return [(n, t) for n, t in out if n != "stop"]
+
+
+_STOP_FIELDS = [("epoch", "int"), ("version", "int")]
+_TYPES: dict[Kind, type] = {
+    Kind.HELLO: Hello,
+    Kind.UPDATE: Update,
+    Kind.WORK: Work,
+    Kind.STOP: Work,
+    Kind.ERROR: Refused,
+}
+
+
+def _layout(kind: Kind) -> list[tuple[str, str]]:
+    return _STOP_FIELDS if kind == Kind.STOP else _wire_fields(_TYPES[kind])
+
+
+def encode(msg: Message) -> list[float]:
+    """The header of ``msg``: ``HEADER_LEN`` numbers, kind first, zero-padded."""
+    if not isinstance(msg, (Hello, Update, Work, Refused)):
+        raise MessageError(f"cannot encode {type(msg).__name__}: not a Local-SGD message")
+    kind = msg.kind
+    values = [float(kind)]
+    for name, typ in _layout(kind):
+        value = getattr(msg, name)
+        values.append(float(dtype_code(value)) if typ == "torch.dtype" else float(value))
+    return values + [0.0] * (HEADER_LEN - len(values))
+
+
+def decode(values: Sequence[float]) -> Message:
+    """The message a header holds; :class:`MessageError` if it holds none."""
+    if len(values) != HEADER_LEN:
+        raise MessageError(f"a header has {HEADER_LEN} numbers, got {len(values)}")
+    head = values[0]
+    if head not in {float(k) for k in Kind}:
+        raise MessageError(f"unknown message kind {head!r}; known: {[int(k) for k in Kind]}")
+    kind = Kind(int(head))
+    layout = _layout(kind)
+    if any(v != 0.0 for v in values[1 + len(layout) :]):
+        raise MessageError(f"{kind.name} header has numbers past its {len(layout)} fields")
+    kwargs: dict[str, object] = {}
+    for (name, typ), v in zip(layout, values[1:], strict=False):
+        kwargs[name] = _field(kind, name, typ, float(v))
+    if kind == Kind.STOP:
+        kwargs["stop"] = True
+    return _TYPES[kind](**kwargs)
+
+
+def _field(kind: Kind, name: str, typ: str, v: float) -> object:
+    where = f"{kind.name} field {name}"
+    if typ == "float":
+        return v
+    if typ == "bool":
+        if v not in (0.0, 1.0):
+            raise MessageError(f"{where} must be 0 or 1, got {v!r}")
+        return v == 1.0
+    if not (math.isfinite(v) and v == int(v) and 0 <= v < 2**53):
+        raise MessageError(f"{where} must be a whole number >= 0, got {v!r}")
+    if typ == "torch.dtype":
+        if int(v) not in DTYPES:
+            raise MessageError(f"{where}: unknown dtype code {int(v)}; known: {sorted(DTYPES)}")
+        return DTYPES[int(v)]
+    return int(v)
+
+
+def pack_queued(rank: int, incarnation: int, msg: Message) -> bytes:
+    """A worker-to-server header as it goes into the store queue."""
+    return struct.pack(_QUEUED, rank, incarnation, *encode(msg))
+
+
+def unpack_queued(blob: bytes) -> Envelope:
+    """Inverse of :func:`pack_queued`; :class:`MessageError` for a malformed blob."""
+    if len(blob) != struct.calcsize(_QUEUED):
+        raise MessageError(f"a queued header is {struct.calcsize(_QUEUED)} bytes, got {len(blob)}")
+    src, incarnation, *values = struct.unpack(_QUEUED, blob)
+    if src < 0 or incarnation < 0:
+        raise MessageError(f"bad sender rank {src} / incarnation {incarnation}")
+    return Envelope(int(src), int(incarnation), decode(values))
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What the server publishes for processes that join a running run."""
+
+    workers: int
+    """W, the worker ranks of the run (1..W)."""
+    numel: int
+    """Parameters in the server's model."""
+    checksum: int
+    """crc32 of the server's parameter shapes."""
+    shards: int
+    """Data shards the run cuts its data into."""
+    finished: bool = False
+    """The run is over; late joiners are turned away (a key of its own in the store)."""
+
+    def to_json(self) -> str:
+        """The published form (``finished`` is not part of it)."""
+        info = {"workers": self.workers, "numel": self.numel, "checksum": self.checksum}
+        return json.dumps(info | {"shards": self.shards})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, finished: bool = False) -> RunInfo:
+        """Parse :meth:`to_json`'s output; :class:`MessageError` if it is not that."""
+        try:
+            d = json.loads(text)
+            workers, numel, checksum = int(d["workers"]), int(d["numel"]), int(d["checksum"])
+            return cls(workers, numel, checksum, int(d["shards"]), bool(finished))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MessageError(f"the run's published settings are unreadable ({exc})") from None

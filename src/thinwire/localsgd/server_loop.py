@@ -1,0 +1,234 @@
+"""The server's loop: read the workers' messages, apply pushes, hand out rounds, watch
+heartbeats. :class:`~thinwire.localsgd.server.ServerCore` decides *what* happens; this
+loop feeds it the wall clock and the transport's messages
+(:mod:`thinwire.localsgd.messages`), and carries out its answers.
+
+A worker is dead when its heartbeat has not moved for ``dead_after_s`` (a killed
+process), or when a send to it fails; it is *hung* (and dropped too) when a round takes
+``max(hung_after_min_s, hung_after_factor * expected round time)``.
+
+A worker process that says hello with a newer incarnation than the one admitted (a
+restarted process, see :func:`thinwire.localsgd.rejoin_async`) replaces it: the older
+incarnation's link is closed, its round in flight is lost (rewound and handed out
+again), and whatever it still had queued is ignored. The newcomer starts as a worker
+that joined late: no DyLU speed yet, back in Delayed Nesterov's N, the free shard with
+least progress.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.messages import Hello, MessageError, Refused, RunInfo, Update
+from thinwire.localsgd.server import ServerCore
+from thinwire.localsgd.transport import Transport
+
+__all__ = ["serve"]
+
+
+def serve(
+    core: ServerCore,
+    transport: Transport,
+    workers: list[int],
+    signature: tuple[int, int],
+    *,
+    evaluate: Callable[[torch.Tensor], float] | None = None,
+    eval_every_steps: int = 0,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
+    checkpoint: Callable[[ServerCore], None] | None = None,
+    checkpoint_every_steps: int = 0,
+    dead_after_s: float = 10.0,
+    hung_after_min_s: float = 600.0,
+    hung_after_factor: float = 10.0,
+    max_wall_s: float | None = None,
+) -> dict[str, Any]:
+    """Serve until every worker is stopped or dead; returns the run's counters.
+
+    ``evaluate(theta)`` runs at the start (of a fresh run), every ``eval_every_steps``
+    inner steps applied, and at the end, each record going to ``on_eval``.
+    ``checkpoint(core)`` runs every ``checkpoint_every_steps`` and at the end.
+    """
+    numel, crc = signature
+    start = time.monotonic()
+    transport.publish(RunInfo(len(workers), numel, crc, len(core.shards)))
+    admitted: dict[int, int] = {}  # worker -> incarnation whose link is open
+    beats: dict[int, tuple[int, int, float]] = {w: (0, -1, start) for w in workers}
+    updates: dict[tuple[int, int], list[int]] = {}  # (worker, incarnation) -> [pushes, steps]
+    joins: list[dict[str, Any]] = []
+    stale = bad = 0
+    next_beat_check = start
+    next_eval = eval_every_steps or math.inf
+    next_ckpt = (
+        (core.steps_applied // checkpoint_every_steps + 1) * checkpoint_every_steps
+        if checkpoint_every_steps
+        else math.inf
+    )
+    if core.steps_applied >= core.total_steps:
+        core.steps_assigned = core.total_steps  # resumed a finished run: just stop everyone
+
+    if evaluate is not None and core.steps_applied == 0:
+        _report(core, evaluate, on_eval, start)
+
+    def accounted() -> bool:
+        return all(w in core.retired or w in core.dead for w in workers)
+
+    def lost(w: int) -> None:
+        # The link broke (the process is gone): drop it, and let only a new incarnation
+        # back in, since nothing can reach the old one any more.
+        core.drop(w)
+        transport.close(w)
+
+    while not (core.finished and accounted()):
+        now = time.monotonic()
+        if max_wall_s is not None and now - start > max_wall_s:
+            raise TimeoutError(f"the server ran past max_wall_s={max_wall_s}")
+        try:
+            env = transport.poll()
+        except MessageError:
+            # A malformed header in the queue: no worker of this run sent it (or it is
+            # from another version of thinwire). It is consumed; nothing else is read.
+            env, bad = None, bad + 1
+        msg = env.message if env is not None else None
+        if env is not None and (
+            env.src not in workers
+            or env.incarnation < admitted.get(env.src, 0)
+            or (not isinstance(msg, Hello) and env.incarnation != admitted.get(env.src))
+        ):
+            # An unknown rank, or a replaced process's leftovers (its link is closed, so
+            # there is no payload to drain).
+            stale += 1
+        elif env is not None and isinstance(msg, Hello):
+            w, inc = env.src, env.incarnation
+            if (msg.numel, msg.checksum) != (numel, crc):
+                transport.refuse(w, inc, Refused(numel, crc))
+                if msg.late:
+                    continue  # a late joiner with another model: it got the error, go on
+                raise ConfigError(
+                    f"worker rank {w} has a model of {msg.numel} parameters "
+                    f"(shape checksum {msg.checksum}), the server's has {numel} "
+                    f"(checksum {crc}); start every rank with the same model settings"
+                )
+            if admitted.get(w) != inc:
+                if w in core.live:
+                    core.drop(w)  # the older incarnation's round in flight is lost
+                try:
+                    transport.accept(w, inc)
+                except RuntimeError:  # it died between its hello and connecting
+                    core.drop(w)
+                    core.dead.add(w)
+                    continue
+                admitted[w] = inc
+                joins.append({"worker": w, "incarnation": inc, "time_s": now - start})
+            elif w in core.live:
+                core.drop(w)  # the same process after a failed round: that round is lost
+            core.join(w, now)
+        elif env is not None and isinstance(msg, Update):
+            w = env.src
+            try:
+                grad = transport.recv_payload(w, numel, msg.dtype).float()
+            except RuntimeError:  # killed between its header and its payload
+                lost(w)
+            else:
+                if core.submit(
+                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, time.monotonic()
+                ):
+                    tally = updates.setdefault((w, env.incarnation), [0, 0])
+                    tally[0] += 1
+                    tally[1] += msg.steps
+        elif env is not None:
+            stale += 1  # a server-to-worker kind in the workers' queue
+        if env is not None:
+            if core.steps_applied >= next_eval and evaluate is not None:
+                while next_eval <= core.steps_applied:
+                    next_eval += eval_every_steps
+                _report(core, evaluate, on_eval, start)
+            if checkpoint is not None and core.steps_applied >= next_ckpt:
+                while next_ckpt <= core.steps_applied:
+                    next_ckpt += checkpoint_every_steps
+                checkpoint(core)
+        now = time.monotonic()
+        for w in core.due(now):
+            work = core.work_for(w, now)
+            if work is None:
+                continue
+            try:
+                payload = None if work.stop else core.theta.detach()
+                transport.send(w, work, payload)
+            except RuntimeError:  # gloo: connection closed by a dead peer (or no link)
+                lost(w)
+        for w in core.overdue(now, hung_after_factor, hung_after_min_s):
+            core.drop(w)
+        if now >= next_beat_check:
+            next_beat_check = now + min(1.0, dead_after_s / 4)
+            _check_heartbeats(core, transport, workers, admitted, beats, now, dead_after_s)
+        if env is None:
+            time.sleep(0.001)
+    if checkpoint is not None:
+        checkpoint(core)
+    transport.mark_finished()
+    out = {
+        "wall_s": time.monotonic() - start,
+        "dead_workers": sorted(core.dead),
+        "incarnations": dict(sorted(admitted.items())),
+        "joins": joins,
+        "updates_by_incarnation": [
+            {"worker": w, "incarnation": i, "updates": n, "inner_steps": s}
+            for (w, i), (n, s) in sorted(updates.items())
+        ],
+        "stale_messages": stale,
+        "malformed_messages": bad,
+    }
+    if evaluate is not None:
+        out.update(_report(core, evaluate, on_eval, start))
+    return out
+
+
+def _check_heartbeats(
+    core: ServerCore,
+    transport: Transport,
+    workers: list[int],
+    admitted: dict[int, int],
+    beats: dict[int, tuple[int, int, float]],
+    now: float,
+    dead_after_s: float,
+) -> None:
+    for w in workers:
+        if w in core.retired:
+            continue
+        # Watch the admitted incarnation; before the first hello, the newest drawn.
+        inc = admitted.get(w) or transport.latest_incarnation(w)
+        count = transport.heartbeat(w, inc)
+        watched, last, since = beats[w]
+        if inc != watched or count != last:
+            beats[w] = (inc, count, now)
+            if inc == watched and w in core.dead and transport.linked(w):
+                # Only stalled (an overloaded host): it is alive. Offer it work, so that
+                # a worker waiting for a reply is never left behind.
+                core.join(w, now)
+        elif w not in core.dead and now - since > dead_after_s:
+            core.drop(w)
+            core.dead.add(w)  # also covers a worker that died before its hello
+
+
+def _report(
+    core: ServerCore,
+    evaluate: Callable[[torch.Tensor], float],
+    on_eval: Callable[[dict[str, Any]], None] | None,
+    start: float,
+) -> dict[str, Any]:
+    rec = {
+        "step": core.steps_applied,
+        "updates": core.updates_applied,
+        "rejected": core.updates_rejected,
+        "time_s": time.monotonic() - start,
+        "val_loss": evaluate(core.theta.detach()),
+    }
+    if on_eval is not None:
+        on_eval(rec)
+    return rec

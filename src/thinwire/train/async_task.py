@@ -1,0 +1,214 @@
+"""``--algo async-diloco``: the example trainer as one user of asynchronous Local-SGD.
+
+The trainer hands :func:`thinwire.localsgd.run_async` its own pieces through the public
+API, exactly as any user would: thinwire's GPT as the model factory, AdamW as the inner
+optimizer, its text shards as batch sources, the GPT's cross-entropy as the loss and the
+validation loss as the evaluation (:func:`gpt_task`). :func:`async_config` maps a
+:class:`~thinwire.train.config.TrainConfig` onto the one
+:class:`~thinwire.localsgd.AsyncConfig`. Around the run it keeps what only the trainer
+has: the run identity in ``run.json``, ``metrics.jsonl`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd import AsyncConfig, Task, rejoin_async, run_async
+from thinwire.train.checkpoint import check_run_identity, write_run_identity
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import TextData
+from thinwire.train.metrics import MetricsWriter, atomic_write_text
+from thinwire.train.model import GPT
+from thinwire.train.trainer import pick_device
+
+__all__ = ["async_config", "check_async_config", "gpt_loss", "gpt_task", "rejoin", "run"]
+
+_OPTIONAL = (
+    "grace_s",
+    "shards",
+    "c",
+    "dylu_ema",
+    "dead_after_s",
+    "connect_timeout_s",
+    "link_timeout_s",
+)
+"""TrainConfig fields whose None means "AsyncConfig's default"."""
+
+
+def async_config(cfg: TrainConfig) -> AsyncConfig:
+    """The asynchronous Local-SGD settings of a trainer run."""
+    given = {name: getattr(cfg, name) for name in _OPTIONAL if getattr(cfg, name) is not None}
+    return AsyncConfig(
+        steps=cfg.steps,
+        local_steps=cfg.local_steps,
+        outer=cfg.outer,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        dylu=cfg.dylu,
+        sync=cfg.sync,
+        inner_momentum=cfg.inner_momentum,
+        warmup_steps=cfg.warmup_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+        grad_clip=cfg.grad_clip,
+        compress=cfg.compress,
+        slowdown=cfg.slowdown,
+        eval_interval=cfg.eval_interval,
+        checkpoint_dir=cfg.out_dir,
+        checkpoint_interval=cfg.checkpoint_interval,
+        resume=cfg.resume,
+        **given,
+    )
+
+
+def check_async_config(cfg: TrainConfig, workers: int) -> None:
+    """Every bad setting of an asynchronous trainer run, as a one-line ConfigError."""
+    _validate(cfg)
+    async_config(cfg).validate(workers)
+
+
+def _validate(cfg: TrainConfig) -> None:
+    cfg.validate()
+    moved = sorted(set(cfg.extra) & {*_OPTIONAL, "sync"})
+    if moved:
+        # These lived in ``extra`` once; ignoring them would silently run other settings.
+        raise ConfigError(
+            f"TrainConfig.extra[{moved[0]!r}] is no longer read: set the TrainConfig field "
+            f"{moved[0]} instead"
+        )
+
+
+def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The GPT's next-token cross-entropy on ``(inputs, targets)``."""
+    x, y = batch
+    return model(x, y)[1]
+
+
+def gpt_task(
+    cfg: TrainConfig, data: TextData | None = None, device: torch.device | None = None
+) -> Task:
+    """thinwire's GPT, AdamW, text shards and validation loss as a Local-SGD task.
+
+    ``data``: a corpus to share between tasks (its seed draws the shards' batches);
+    None reads ``cfg.data`` on first use. ``device``: where the models live (CPU).
+    """
+    gcfg = cfg.gpt_config()
+    val: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @functools.cache
+    def text() -> TextData:  # read on first use: a rejoin checks the address first
+        return (
+            data
+            if data is not None
+            else TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
+        )
+
+    def model() -> nn.Module:
+        torch.manual_seed(cfg.seed)  # the same initial theta on every rank and every run
+        return GPT(gcfg).to(device or "cpu")
+
+    def optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    def shards(n: int) -> list[Any]:
+        return list(text().shard_batches(n, cfg.batch_size))
+
+    def evaluate(m: nn.Module) -> float:
+        if not val:  # built on first use: only the server evaluates
+            val.extend(text().val_batches(cfg.eval_sequences, cfg.batch_size))
+        dev = next(m.parameters()).device
+        total, n = 0.0, 0
+        for x, y in val:
+            total += float(gpt_loss(m, (x.to(dev), y.to(dev)))) * len(x)
+            n += len(x)
+        return total / max(n, 1)
+
+    return Task(model=model, optimizer=optimizer, shards=shards, loss=gpt_loss, evaluate=evaluate)
+
+
+def _worker_device(cfg: TrainConfig) -> torch.device:
+    device = pick_device(cfg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Trainer runner for ``--algo async-diloco``; call on every rank of a process group.
+
+    Returns the run summary on rank 0 (final validation loss and perplexity, updates
+    applied and rejected, inner steps, samples/s, bytes, and which worker incarnations
+    pushed how much; also written to ``summary.json``) and the worker's counts elsewhere.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workers = world - 1
+    check_async_config(cfg, workers)
+    acfg = async_config(cfg)
+    if rank != 0:
+        return run_async(gpt_task(cfg, device=_worker_device(cfg)), acfg)
+    out_dir = Path(cfg.out_dir)
+    identity = {k: cfg.to_dict()[k] for k in cfg.IDENTITY} | {
+        "workers": workers,
+        "outer": cfg.outer,
+    }
+    writers: list[MetricsWriter] = []
+
+    def on_start(resumed: int | None) -> None:
+        if resumed is None:
+            write_run_identity(out_dir, identity)
+        else:
+            check_run_identity(out_dir, identity)
+        writers.append(MetricsWriter(out_dir, True, resumed, cfg.tensorboard))
+
+    try:
+        s = run_async(gpt_task(cfg), acfg, on_start=on_start, on_eval=lambda r: writers[0].write(r))
+    finally:
+        for w in writers:
+            w.close()
+    wall = s["train_time_s"]
+    summary = {
+        "algo": cfg.algo,
+        "world_size": world,
+        **{k: s[k] for k in ("workers", "outer", "dylu", "inner_momentum", "sync", "steps")},
+        "samples": s["inner_steps"] * cfg.batch_size,  # sequences trained on, all workers
+        **{k: s[k] for k in ("inner_steps", "updates_applied", "updates_rejected")},
+        **{k: s[k] for k in ("dead_workers", "incarnations", "joins", "updates_by_incarnation")},
+        **{k: s[k] for k in ("stale_messages", "malformed_messages", "parameters")},
+        "final_val_loss": s["final_val_loss"],
+        "final_val_ppl": math.exp(min(s["final_val_loss"], 50.0)),
+        "train_time_s": wall,
+        "samples_per_s": s["inner_steps_this_run"] * cfg.batch_size / wall
+        if wall > 0
+        else math.nan,
+        "comm_bytes": s["comm_bytes"],
+        "comm_by_op": s["comm_by_op"],
+        "out_dir": str(out_dir),
+    }
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def rejoin(
+    cfg: TrainConfig,
+    rank: int,
+    *,
+    host: str | None = None,
+    port: int | str | None = None,
+    connect_timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """``thinwire train ... --rejoin RANK``: worker ``rank`` of a running trainer run comes
+    back in this process (see :func:`thinwire.localsgd.rejoin_async`)."""
+    _validate(cfg)
+    acfg = async_config(cfg)
+    if connect_timeout_s is not None:
+        acfg = replace(acfg, connect_timeout_s=connect_timeout_s)
+    return rejoin_async(gpt_task(cfg, device=_worker_device(cfg)), acfg, rank, host=host, port=port)
