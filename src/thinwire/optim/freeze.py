@@ -117,14 +117,14 @@ class AutoFreeze:
             if not self.history:
                 return f"warmup capped at step {self.decided_at}, before a first measurement"
             return (
-                f"warmup capped at step {self.decided_at}; the second moment still changed "
+                f"warmup capped at step {self.decided_at}; its statistics still changed "
                 f"{self.history[-1][1]:.1%} per {self.window} steps "
                 f"(tolerance {self.tolerance:.1%})"
             )
         last = f"{self.history[-1][1]:.1%}"
         return (
-            f"second moment settled at step {self.decided_at}: it changed {last} over the "
-            f"last {self.window} steps (tolerance {self.tolerance:.1%})"
+            f"warmup statistics settled at step {self.decided_at}: they changed {last} over "
+            f"the last {self.window} steps (tolerance {self.tolerance:.1%})"
         )
 
     REASONS: ClassVar[tuple[str | None, ...]] = (None, "settled", "cap")

@@ -70,6 +70,8 @@ class TwoStageOptimizer(CommOptimizer):
         self.global_step = 0
         # Derived, not state: rebuilt from exp_avg_sq after a load_state_dict.
         self._denoms: dict[torch.Tensor, torch.Tensor] = {}
+        self.freeze_signals: dict[str, float] = {}
+        """The relative changes measured at the last check of the automatic freeze."""
 
     @property
     def compressing(self) -> bool:
@@ -124,7 +126,8 @@ class TwoStageOptimizer(CommOptimizer):
         rule.commit(t, reason)
         self.freeze_step = t
         for p, _ in self._momentum_params():
-            self.state[p].pop("freeze_ref", None)
+            for key in [k for k in self.state[p] if k.startswith("freeze_ref")]:
+                del self.state[p][key]
         if self.rank == 0:
             _log.info(
                 "%s: %s; compressing from step %d", type(self).__name__, rule.describe(), t + 1
@@ -132,9 +135,11 @@ class TwoStageOptimizer(CommOptimizer):
         self._on_freeze()
 
     def _measure_change(self) -> float | None:
-        """Relative change of every denominator since the previous check; stores the
-        current ones as the next reference (``state["freeze_ref"]``, saved with the
-        optimizer so a resumed run decides exactly as the straight one)."""
+        """Relative change of what will be frozen since the previous check (None at the
+        first): here every denominator ``sqrt(v_hat)+eps``. Stores the current values as
+        the next reference (``state["freeze_ref"]``, saved with the optimizer so a resumed
+        run decides exactly as the straight one); subclasses that freeze more add theirs
+        to :attr:`freeze_signals` and return the largest change."""
         current, reference = [], []
         for p, group in self._momentum_params():
             state = self.state[p]
@@ -145,7 +150,8 @@ class TwoStageOptimizer(CommOptimizer):
             state["freeze_ref"] = d
         if not reference:
             return None
-        return relative_change(current, reference)
+        self.freeze_signals = {"variance": relative_change(current, reference)}
+        return self.freeze_signals["variance"]
 
     def _agree(self, reason: str | None) -> str | None:
         """Rank 0's decision on every rank (the inputs agree already; this makes sure)."""

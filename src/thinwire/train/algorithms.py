@@ -106,9 +106,8 @@ def _stage_metrics(opt: Any) -> dict[str, float]:
     if not hasattr(opt, "compressing"):
         return {}
     out: dict[str, float] = {"compressing": int(opt.compressing)}
-    rule = getattr(opt, "auto_freeze", None)
-    if rule is not None and rule.history:
-        out["variance_change"] = rule.history[-1][1]
+    if getattr(opt, "auto_freeze", None) is not None:
+        out |= {f"{name}_change": value for name, value in opt.freeze_signals.items()}
     return out
 
 

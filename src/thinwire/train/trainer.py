@@ -295,7 +295,7 @@ def _announce_freeze(
     if rule is not None:
         record["freeze_reason"] = rule.reason
         if rule.history:
-            record["variance_change"] = rule.history[-1][1]
+            record["statistics_change"] = rule.history[-1][1]
     metrics.write(record)
     if get_rank() == 0:
         print(
