@@ -33,25 +33,27 @@ def _ci_base(tmp_path: Path) -> TrainConfig:
 
 
 @pytest.mark.timeout(400)
-def test_onebit_lamb_converges_like_lamb_with_a_quarter_of_the_bytes(tmp_path: Path) -> None:
+def test_onebit_lamb_converges_like_lamb_with_a_sixth_of_the_bytes(tmp_path: Path) -> None:
     """1-bit LAMB (freeze at 25% of 80 steps) reaches LAMB's validation loss, 2 workers.
 
     Three runs on identical settings (lr 0.015, warmup 8, same batches): ``lamb``,
-    ``onebit-lamb`` and, as a control, ``onebit-lamb`` with ``freeze_step = steps``, which
-    never compresses. The trainer's 1-bit optimizers bias-correct like its LAMB, so the
-    control must reproduce LAMB exactly: the warmup rule is LAMB's.
+    ``onebit-lamb`` and, as a control, ``onebit-lamb`` with ``freeze_step = steps`` and an
+    fp32 warmup exchange, which never compresses. The trainer's 1-bit optimizers
+    bias-correct like its LAMB, so the control must reproduce LAMB exactly: the warmup
+    rule is LAMB's.
 
-    Tolerances, chosen from seeds 0, 1, 2 measured on 2026-11-29 (ratios of final
-    validation losses, ~5.53 at the start):
+    Tolerances, from seeds 0, 1, 2 (ratios of final validation losses, ~5.53 at the start):
 
-    * 1-bit LAMB / LAMB: measured 0.976, 1.057, 1.040. Asserted <= 1.08: what the
+    * 1-bit LAMB / LAMB: measured 0.975, 1.059, 1.039. Asserted <= 1.08: what the
       compression costs on a run this short (the variance is frozen after 20 steps); a
       broken error feedback or momentum exchange costs far more. The issue's 2% goal is
       met by the longer runs of docs/benchmarks.md.
-    * bytes: 1-bit LAMB / LAMB measured 0.2825 (= 0.25 full-precision steps + 0.75 x
-      ~1/32 + scale gathers); asserted in [0.25, 0.30]. The control sends what LAMB sends.
+    * bytes: 1-bit LAMB / LAMB measured 0.159 (0.25 of the steps in fp16, half of LAMB's
+      fp32 bytes, + 0.75 x ~1/32 + scale gathers); asserted in [0.14, 0.18]. The control
+      sends what LAMB sends.
     """
-    runs = ["lamb", f"onebit-lamb@freeze_step={FREEZE}", f"onebit-lamb@freeze_step={STEPS}"]
+    control_spec = f"onebit-lamb@freeze_step={STEPS},grad_dtype=fp32"
+    runs = ["lamb", f"onebit-lamb@freeze_step={FREEZE}", control_spec]
     result = compare(runs, _ci_base(tmp_path), workers=2, out_dir=tmp_path / "cmp")
     print(format_comparison(result))  # shown with pytest -s: the numbers behind the bounds
     lamb, onebit, control = (result["runs"][r] for r in runs)
@@ -60,13 +62,28 @@ def test_onebit_lamb_converges_like_lamb_with_a_quarter_of_the_bytes(tmp_path: P
         assert r["final_val_loss"] < r["val"][0][1] - 1.5, r["val"]  # it learned
     assert onebit["final_val_loss"] <= 1.08 * lamb["final_val_loss"], format_comparison(result)
     assert control["final_val_loss"] == lamb["final_val_loss"], format_comparison(result)
-    assert 0.25 <= onebit["comm_bytes"] / lamb["comm_bytes"] <= 0.30, format_comparison(result)
+    assert 0.14 <= onebit["comm_bytes"] / lamb["comm_bytes"] <= 0.18, format_comparison(result)
     assert control["comm_bytes"] == lamb["comm_bytes"]
     # the stage switch happened where it was asked to, and only in the compressed run
     metrics = Path(onebit["config"]["out_dir"]) / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.open()]
     stages = {r["step"]: r["compressing"] for r in records if "compressing" in r}
     assert stages[FREEZE - 10] == 0 and stages[FREEZE] == 1 and stages[STEPS] == 1
+
+
+@pytest.mark.timeout(400)
+def test_onebit_adam_converges_like_adamw(tmp_path: Path) -> None:
+    """1-bit Adam (freeze at 25%, preconditioned exchange) against AdamW at one lr.
+
+    Measured 1.010 and 1.017 of AdamW's loss on seeds 0 and 1 (with the papers' raw
+    momentum exchange: 1.064 and 1.358). Asserted <= 1.05.
+    """
+    runs = ["adamw@lr=0.002", f"onebit-adam@lr=0.002,freeze_step={FREEZE}"]
+    result = compare(runs, _ci_base(tmp_path), workers=2, out_dir=tmp_path / "cmp")
+    adamw, onebit = (result["runs"][r] for r in runs)
+    assert adamw["final_val_loss"] < adamw["val"][0][1] - 1.5, adamw["val"]
+    assert onebit["final_val_loss"] <= 1.05 * adamw["final_val_loss"], format_comparison(result)
+    assert onebit["comm_bytes"] < 0.2 * adamw["comm_bytes"], format_comparison(result)
 
 
 def test_run_specs_parse_and_reject_bad_input() -> None:
@@ -127,5 +144,5 @@ def test_compare_rejects_bad_requests(tmp_path: Path) -> None:
         compare(["lamb", "lamb"], base, workers=1, out_dir=tmp_path)
     with pytest.raises(ConfigError, match="workers must be >= 1"):
         compare(["lamb"], base, workers=0, out_dir=tmp_path)
-    with pytest.raises(ConfigError, match="freeze-step must be >= 0"):
+    with pytest.raises(ConfigError, match="freeze-step must be 'auto' or a step >= 1"):
         compare(["onebit-lamb@freeze_step=-1"], base, workers=1, out_dir=tmp_path)

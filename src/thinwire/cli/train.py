@@ -129,11 +129,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "(default: fp16 for onebit-*, fp32 for lamb)",
     )
     o.add_argument(
-        "--no-precondition",
-        dest="precondition",
-        action="store_false",
-        help="1-bit optimizers: compress the raw momentum (the papers' rule) instead of "
-        "the momentum divided by the frozen sqrt(v)",
+        "--precondition",
+        action=argparse.BooleanOptionalAction,
+        default=d.precondition,
+        help="1-bit optimizers: compress the momentum divided by the frozen sqrt(v) instead "
+        "of the raw momentum (default: on for onebit-adam, off for onebit-lamb)",
     )
     ls = p.add_argument_group("local SGD")
     ls.add_argument(

@@ -7,7 +7,7 @@
   has settled (measured on the run, decided alike on every rank, capped).
 * **The frozen denominator** ``sqrt(v_hat) + eps`` of every parameter, computed once
   after the switch (it is constant from then on).
-* **Preconditioned compression** (``precondition=True``, the default). The papers
+* **Preconditioned compression** (``precondition=True``, 1-bit Adam's default). The papers
   compress the momentum ``m`` and divide the exchanged average by ``sqrt(v)`` afterwards.
   The 1-bit exchange replaces every element by ``+-scale``, one scale per segment of the
   fused buffer, so an element whose momentum is far below the segment's average gets an
@@ -17,8 +17,10 @@
   scale of its own update: the error of one exchange is at most about ``lr`` per element,
   like one Adam step, and error feedback still returns it in later steps (the map is
   linear and fixed after the freeze, so the averaged momentum is the same). On the tiny
-  GPT it is the difference between a 1-bit Adam that diverges after an early freeze and
-  one that tracks Adam; see docs/optimizers.md.
+  GPT (2 workers, 80 steps, freeze at 20) it took 1-bit Adam from 1.064x and 1.358x
+  AdamW's loss to 1.010x and 1.017x (seeds 0, 1). 1-bit LAMB keeps the papers' rule by
+  default: its drift factor reads a variance that the preconditioned exchange's error
+  inflates (see :class:`~thinwire.optim.OneBitLamb`).
 """
 
 from __future__ import annotations

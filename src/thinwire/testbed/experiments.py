@@ -133,8 +133,8 @@ def train_argv(
         argv.append("--sync")
     if cfg.dylu:
         argv.append("--dylu")
-    if not cfg.precondition:
-        argv.append("--no-precondition")
+    if cfg.precondition is not None:
+        argv.append("--precondition" if cfg.precondition else "--no-precondition")
     if cfg.slowdown is not None:
         argv += ["--slowdown", ",".join(f"{v:g}" for v in cfg.slowdown)]
     return [*argv, "--out", str(out_dir), "--no-progress", *(extra_args or [])]

@@ -146,6 +146,11 @@ def _bias_correction(cfg: TrainConfig) -> bool:
     return bool(cfg.extra.get("bias_correction", True))
 
 
+def _precondition(cfg: TrainConfig) -> dict[str, bool]:
+    """``precondition`` for the 1-bit optimizers when the run sets it, else their default."""
+    return {} if cfg.precondition is None else {"precondition": cfg.precondition}
+
+
 def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
     from thinwire.optim import OneBitAdam
 
@@ -156,7 +161,7 @@ def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
         betas=cfg.betas,
         weight_decay=cfg.weight_decay,
         bias_correction=_bias_correction(cfg),
-        precondition=cfg.precondition,
+        **_precondition(cfg),
     )
     return Strategy(
         model=_under_ddp(model, opt, cfg, "fp16"),
@@ -175,7 +180,7 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
         betas=cfg.betas,
         weight_decay=cfg.weight_decay,
         bias_correction=_bias_correction(cfg),
-        precondition=cfg.precondition,
+        **_precondition(cfg),
     )
     return Strategy(
         model=_under_ddp(model, opt, cfg, "fp16"), optimizer=opt, metrics=_lamb_metrics(opt)

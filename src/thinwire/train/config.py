@@ -79,9 +79,10 @@ class TrainConfig:
     """What averaged gradients travel as in ``lamb`` and in the 1-bit optimizers' warmup:
     ``fp32``, ``fp16`` or ``bf16``. ``None``: fp16 for the 1-bit optimizers (the papers'
     baseline, half the warmup's bytes), fp32 for ``lamb`` (the uncompressed reference)."""
-    precondition: bool = True
+    precondition: bool | None = None
     """1-bit optimizers: compress the momentum divided by the frozen ``sqrt(v)`` (on the
-    scale of each element's own step) rather than the raw momentum (the papers' rule)."""
+    scale of each element's own step) rather than the raw momentum (the papers' rule).
+    ``None``: each optimizer's default (on for 1-bit Adam, off for 1-bit LAMB)."""
 
     # --- Local-SGD ----------------------------------------------------------------------
     local_steps: int = 20
