@@ -33,6 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from thinwire.comm.lifeline import set_process_name, tie_to_parent
+from thinwire.comm.rendezvous import join_store
+from thinwire.errors import ConfigError
+from thinwire.safeload import safe_loads
+
 __all__ = [
     "DistributedError",
     "default_backend",
@@ -78,14 +83,26 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 
     An already-initialised group is kept as it is. Without ``RANK``/``WORLD_SIZE`` in the
     environment nothing is initialised and False is returned (a single-process run).
+    Ranks started without torchrun meet within ``THINWIRE_JOIN_TIMEOUT_S`` (default 300 s)
+    or fail with a one-line ConfigError (:mod:`thinwire.comm.rendezvous`).
     """
     if dist.is_initialized():
         return True
     if not launched_by_torchrun():
         return False
+    store = join_store(timeout_s)  # all ranks are there (or a one-line error) from here on
+    if store is None:  # under a torchrun agent, which has gathered the ranks already
+        dist.init_process_group(
+            backend=backend or default_backend(),
+            init_method="env://",
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return True
     dist.init_process_group(
         backend=backend or default_backend(),
-        init_method="env://",
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timedelta(seconds=timeout_s),
     )
     return True
@@ -110,8 +127,14 @@ def _encode(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _decode(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def _decode(data: bytes, rank: int) -> Any:
+    # Plain data only (tensors, numbers, strings, containers): a result never runs code.
+    try:
+        return safe_loads(data, f"the result of rank {rank}")
+    except ConfigError as exc:
+        raise DistributedError(
+            f"{exc}; return tensors, numbers, strings, lists and dicts from a rank"
+        ) from None
 
 
 def _worker(
@@ -125,7 +148,10 @@ def _worker(
     timeout_s: float,
     results: Any,
     env: dict[str, str],
+    launcher_pid: int,
 ) -> None:
+    set_process_name(f"thinwire-rank{local_rank}")
+    tie_to_parent(launcher_pid)  # a killed launcher takes its ranks with it
     os.environ.update(env)
     os.environ.update(
         {
@@ -148,6 +174,8 @@ def _worker(
         )
         out = fn(local_rank, nprocs, *args)
         results.put((local_rank, True, _encode(out)))
+    except SystemExit:
+        raise  # stopped by the launcher, or orphaned: nobody waits for a report
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         msg = f"{type(exc).__name__}: {exc}"
         results.put((local_rank, False, _encode((msg, traceback.format_exc()))))
@@ -170,8 +198,11 @@ def spawn(
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` new local ranks; return their results.
 
     ``fn`` must be importable by name (a module-level function): the ranks are fresh
-    interpreters (named ``thinwire-rank<r>``, as ``ps`` shows them). Results travel back
-    through ``torch.save``, so tensors are fine.
+    interpreters, named ``thinwire-rank<r>`` (as ``ps -e``, ``top`` and ``pgrep`` show
+    them), that exit when the launcher does, even when it is killed with SIGKILL
+    (:mod:`thinwire.comm.lifeline`). Results travel back
+    through ``torch.save`` and are loaded as plain data (tensors, numbers, strings, lists,
+    dicts), never as code.
 
     ``may_fail``: ranks whose death or exception does not end the run (e.g. the workers
     of asynchronous Local-SGD, whose server carries on without them). Such a failure is
@@ -188,10 +219,23 @@ def spawn(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port(master_addr)
+    launcher = os.getpid()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, fn, args, nprocs, backend, master_addr, port, timeout_s, results, env or {}),
+            args=(
+                r,
+                fn,
+                args,
+                nprocs,
+                backend,
+                master_addr,
+                port,
+                timeout_s,
+                results,
+                env or {},
+                launcher,
+            ),
             daemon=False,
             name=f"thinwire-rank{r}",
         )
@@ -240,11 +284,11 @@ def spawn(
                     ) from None
                 continue
             if not ok:
-                msg, tb = _decode(payload)
+                msg, tb = _decode(payload, r)
                 if not tolerate(r, f"failed: {msg}"):
                     raise DistributedError(f"rank {r} failed: {msg}\n{tb}")
                 continue
-            outputs[r] = _decode(payload)
+            outputs[r] = _decode(payload, r)
     finally:
         for p in procs:
             if p.is_alive() and len(outputs) + len(failed) < nprocs:

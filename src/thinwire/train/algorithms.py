@@ -145,7 +145,13 @@ def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
     would reach for (fp16 casting, PowerSGD rank ``extra["powersgd_rank"]``, default 4)."""
 
     def make(model: nn.Module, cfg: TrainConfig) -> Strategy:
-        from thinwire.comm.peer_hooks import fp16_hook, make_powersgd_state, powersgd_hook
+        from thinwire.comm.peer_hooks import (
+            fp16_hook,
+            load_powersgd_state_dict,
+            make_powersgd_state,
+            powersgd_hook,
+            powersgd_state_dict,
+        )
 
         if kind == "fp16":
             return _ddp_adamw(model, cfg, fp16_hook)
@@ -157,7 +163,12 @@ def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
         # buckets may issue theirs in different orders on different ranks (a collective
         # mismatch), so the model's gradients go in one bucket there.
         one_bucket = 1024.0 if next(model.parameters()).device.type == "cpu" else None
-        return _ddp_adamw(model, cfg, powersgd_hook, state, bucket_cap_mb=one_bucket)
+        strategy = _ddp_adamw(model, cfg, powersgd_hook, state, bucket_cap_mb=one_bucket)
+        # The hook's residuals, factors and step count are part of an exact resume.
+        strategy.state_dict = lambda: powersgd_state_dict(state)
+        device = next(model.parameters()).device
+        strategy.load_state_dict = lambda saved: load_powersgd_state_dict(state, saved, device)
+        return strategy
 
     return make
 
