@@ -72,7 +72,11 @@ def writable_file(path: Path | str, what: str = "-o") -> Path:
         raise ConfigError(
             f"{what} {path} is a directory; give a file name, e.g. {path / 'out.json'}"
         )
-    writable_dir(path.parent if str(path.parent) else Path("."), f"the directory of {what}")
+    parent = path.parent
+    for above in (parent, *parent.parents):
+        if above.exists() and not above.is_dir():
+            raise ConfigError(f"cannot write {what} {path}: {above} is a file, not a directory")
+    writable_dir(parent, f"the directory of {what}")
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(f"cannot write to {what} {path}: Permission denied")
     return path

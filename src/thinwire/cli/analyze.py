@@ -280,9 +280,9 @@ def _load_study(path: str) -> dict[str, Any]:
 def _cmd_report(args: argparse.Namespace) -> int:
     from thinwire.analysis.report import render_report
 
-    study = _load_study(args.simulation)
     if args.plots:
         writable_dir(args.plots, "--plots")
+    study = _load_study(args.simulation)
     try:
         text = render_report(study)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:

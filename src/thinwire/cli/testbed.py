@@ -132,11 +132,11 @@ def _run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise ConfigError("no command given: thinwire testbed run [options] -- COMMAND ...")
+    if args.logs is not None:
+        writable_dir(args.logs, "--logs")
     nx.require_available()
     if shutil.which(command[0]) is None:
         raise ConfigError(f"command {command[0]!r} not found")
-    if args.logs is not None:
-        writable_dir(args.logs, "--logs")
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if args.use_id is not None:

@@ -22,14 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from thinwire.comm.accounting import record, ring_allreduce_bytes
 
-__all__ = [
-    "fp16_hook",
-    "load_powersgd_state_dict",
-    "make_powersgd_state",
-    "powersgd_hook",
-    "powersgd_state_dict",
-    "powersgd_wire_bytes",
-]
+__all__ = ["fp16_hook", "make_powersgd_state", "powersgd_hook", "powersgd_wire_bytes"]
 
 
 def fp16_hook(
@@ -78,60 +71,12 @@ def make_powersgd_state(
     )
 
 
-_POWERSGD_STATE = (
-    "iter",
-    "error_dict",
-    "p_memory_dict",
-    "q_memory_dict",
-    "total_numel_before_compression",
-    "total_numel_after_compression",
-    "next_stats_report",
-)
-"""The fields of a ``PowerSGDState`` that change while training (its knobs come from the
-run's configuration)."""
-
-
-def powersgd_state_dict(state: psgd.PowerSGDState) -> dict[str, Any]:
-    """What an exact resume needs of a PowerSGD state, as plain data.
-
-    The step counter (which decides when compression starts), the error-feedback
-    residuals, the warm-started ``P``/``Q`` factors and the random generator that seeds
-    new factors. PyTorch's own ``__getstate__`` keeps the generator as a numpy object,
-    which a safe load refuses (:mod:`thinwire.safeload`); here it is a tensor.
-    """
-    out: dict[str, Any] = {}
-    for name in _POWERSGD_STATE:
-        value = getattr(state, name)
-        out[name] = (
-            {k: v.detach().clone() for k, v in value.items()} if isinstance(value, dict) else value
-        )
-    kind, keys, pos, has_gauss, cached = state.rng.get_state()
-    out["rng"] = {
-        "kind": str(kind),
-        "keys": torch.from_numpy(keys.astype("int64")),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached_gaussian": float(cached),
-    }
-    return out
-
-
-def load_powersgd_state_dict(
-    state: psgd.PowerSGDState, saved: dict[str, Any], device: torch.device | None = None
-) -> None:
-    """Inverse of :func:`powersgd_state_dict`; tensors go to ``device`` (the gradients')."""
-    for name in _POWERSGD_STATE:
-        value = saved[name]
-        if isinstance(value, dict):
-            value = {k: v.to(device) if device is not None else v for k, v in value.items()}
-        setattr(state, name, value)
-    r = saved["rng"]
-    keys = r["keys"].numpy().astype("uint32")
-    state.rng.set_state((r["kind"], keys, r["pos"], r["has_gauss"], r["cached_gaussian"]))
-
-
 def powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """PyTorch's ``powerSGD_hook``, accounted."""
+    """PyTorch's ``powerSGD_hook``, accounted. ``state`` is a ``PowerSGDState``, or a
+    :class:`~thinwire.comm.powersgd_state.TrackedPowerSGD` for an exact resume."""
+    if hasattr(state, "align"):  # a TrackedPowerSGD: lay its buffers out as this bucket is
+        state.align(bucket)
+        state = state.inner
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     nbytes = powersgd_wire_bytes(state, bucket)
     record("ddp.powersgd", nbytes, ring_allreduce_bytes(nbytes, dist.get_world_size(group)))
