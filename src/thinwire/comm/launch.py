@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import signal
 import socket
 import sys
 import time
@@ -182,6 +183,24 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Reported (or not): a SIGTERM from the launcher's clean-up now just ends the
+        # process, instead of raising into the interpreter's exit handlers.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _blame_the_dead(procs: list[Any], failed: int, msg: str, accounted: set[int]) -> None:
+    """A rank killed from outside makes its peers fail with "connection reset" first;
+    name the dead rank, not the symptom (waiting briefly for its exit to show)."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if i != failed and i not in accounted and p.exitcode not in (None, 0):
+                first = msg.strip().splitlines()[0][:200] if msg.strip() else "an error"
+                raise DistributedError(
+                    f"rank {i} exited with code {p.exitcode} before reporting (rank {failed} "
+                    f"then failed: {first})"
+                ) from None
+        time.sleep(0.05)
 
 
 def spawn(
@@ -286,6 +305,7 @@ def spawn(
             if not ok:
                 msg, tb = _decode(payload, r)
                 if not tolerate(r, f"failed: {msg}"):
+                    _blame_the_dead(procs, r, msg, set(outputs) | failed | tolerated)
                     raise DistributedError(f"rank {r} failed: {msg}\n{tb}")
                 continue
             outputs[r] = _decode(payload, r)
