@@ -45,8 +45,8 @@ def _error(args: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -
         (["--algo", "diloco", "--outer-momentum", "0"], "outer-momentum must be a number in (0, 1)"),
         (["--algo", "diloco", "--outer-momentum", "-1"], "outer-momentum must be a number"),
         (["--algo", "diloco", "--outer-momentum", "2"], "outer-momentum must be a number in (0, 1)"),
-        (["--algo", "onebit-adam", "--steps", "60", "--freeze-step", "60"],
-         "freeze-step 60 is not below steps 60: onebit-adam would never compress"),
+        (["--algo", "onebit-adam", "--steps", "60", "--freeze-step", "61"],
+         "freeze-step 61 is past steps 60: onebit-adam would never compress"),
         (["--algo", "async-diloco"], "async-diloco needs --workers 2 or more"),
     ],
 )  # fmt: skip

@@ -10,7 +10,9 @@ process group (gloo on CPU, NCCL on GPU). There are two ways to get there.
   start method, so no forked thread pools), gives them a free loopback port, runs
   ``fn(rank, world_size, *args)`` in each, returns each rank's result, and always
   destroys the process group. If one rank fails or the deadline passes, the others are
-  terminated instead of being left to hang in a collective, and the error names the rank.
+  terminated instead of being left to hang in a collective, and the error names the rank
+  (a rank killed from outside, not the peers that lost their connection to it). The
+  ranks end with the launcher, even when it is killed (:mod:`thinwire.comm.lifeline`).
 
 Tuning: on a machine with fewer cores than ranks, each rank gets
 ``max(1, cores // nprocs)`` intra-op threads so ranks do not fight for cores.
@@ -219,9 +221,8 @@ def spawn(
     ``fn`` must be importable by name (a module-level function): the ranks are fresh
     interpreters, named ``thinwire-rank<r>`` (as ``ps -e``, ``top`` and ``pgrep`` show
     them), that exit when the launcher does, even when it is killed with SIGKILL
-    (:mod:`thinwire.comm.lifeline`). Results travel back
-    through ``torch.save`` and are loaded as plain data (tensors, numbers, strings, lists,
-    dicts), never as code.
+    (:mod:`thinwire.comm.lifeline`). Results travel back through ``torch.save`` and are
+    loaded as plain data (tensors, numbers, strings, lists, dicts), never as code.
 
     ``may_fail``: ranks whose death or exception does not end the run (e.g. the workers
     of asynchronous Local-SGD, whose server carries on without them). Such a failure is

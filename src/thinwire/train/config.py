@@ -204,9 +204,11 @@ class TrainConfig:
             return  # unset (15% of the run) or a symbolic value resolved elsewhere
         if self.freeze_step < 0:
             raise ConfigError(f"freeze-step must be >= 0, got {self.freeze_step}")
-        if self.algo in ONEBIT_ALGOS and self.freeze_step >= self.steps:
+        # freeze_step == steps is a legitimate control run (a 1-bit optimizer that never
+        # compresses); past the end it can only be a mistake.
+        if self.algo in ONEBIT_ALGOS and self.freeze_step > self.steps:
             raise ConfigError(
-                f"freeze-step {self.freeze_step} is not below steps {self.steps}: {self.algo} "
+                f"freeze-step {self.freeze_step} is past steps {self.steps}: {self.algo} "
                 "would never compress; lower --freeze-step (or use lamb/adamw)"
             )
 
