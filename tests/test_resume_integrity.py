@@ -33,10 +33,6 @@ SMALL = [
 ]  # fmt: skip
 
 
-def _train_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
-    return train(cfg)
-
-
 def _tree(root: Path) -> dict[str, str]:
     """Every file under ``root`` with a hash of its bytes."""
     return {
@@ -46,18 +42,22 @@ def _tree(root: Path) -> dict[str, str]:
     }
 
 
+def _straight_then_split(rank: int, world: int, cfgs: list[TrainConfig]) -> list[dict]:
+    """Each run in turn on the same ranks; every train() builds its DDP and PowerSGD
+    state anew, as a new process would (one spawn saves two start-ups)."""
+    return [train(cfg) for cfg in cfgs]
+
+
 @pytest.mark.timeout(300)
 def test_powersgd_resumes_bit_identically(tmp_path: Path) -> None:
-    extra = {"powersgd_start": 2}
-    straight = tiny_config(tmp_path / "straight", algo="adamw-powersgd", extra=extra)
-    s_straight = spawn(_train_rank, 2, (straight,), timeout_s=200)
-    half = tiny_config(tmp_path / "resumed", algo="adamw-powersgd", extra=extra, stop_after=6)
-    spawn(_train_rank, 2, (half,), timeout_s=200)
-    rest = tiny_config(tmp_path / "resumed", algo="adamw-powersgd", extra=extra, resume=True)
-    s_resumed = spawn(_train_rank, 2, (rest,), timeout_s=200)
-    for r in (0, 1):
-        assert s_resumed[r]["param_sha256"] == s_straight[r]["param_sha256"]
-    assert s_resumed[0]["comm_bytes"] == s_straight[0]["comm_bytes"]
+    kw = {"algo": "adamw-powersgd", "extra": {"powersgd_start": 2}}
+    straight = tiny_config(tmp_path / "straight", **kw)
+    half = tiny_config(tmp_path / "resumed", stop_after=6, **kw)
+    rest = tiny_config(tmp_path / "resumed", resume=True, **kw)
+    per_rank = spawn(_straight_then_split, 2, ([straight, half, rest],), timeout_s=250)
+    for s_straight, _, s_resumed in per_rank:
+        assert s_resumed["param_sha256"] == s_straight["param_sha256"]
+        assert s_resumed["comm_bytes"] == s_straight["comm_bytes"]
     per_step = [
         [(m["step"], m["comm_bytes_per_step"]) for m in read_metrics(Path(c.out_dir) / "metrics.jsonl")
          if "comm_bytes_per_step" in m]
