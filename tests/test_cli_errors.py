@@ -19,9 +19,22 @@ from thinwire.analysis import ParamTiming, Profile, save_profile
 from thinwire.cli.main import main
 
 SMALL = [
-    "--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
-    "--batch-size", "4", "--eval-sequences", "4", "--no-progress", "--workers", "1",
-]  # fmt: skip
+    "--seq-len",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-sequences",
+    "4",
+    "--no-progress",
+    "--workers",
+    "1",
+]
 
 
 def _error(args: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -> str:
@@ -42,14 +55,22 @@ def _error(args: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -
         (["--grad-clip", "nan"], "grad-clip must be a number in [0, inf), got nan"),
         (["--algo", "diloco", "--outer-lr", "0"], "outer-lr must be a number in (0, inf), got 0"),
         (["--algo", "diloco", "--outer-lr", "-1"], "outer-lr must be a number"),
-        (["--algo", "diloco", "--outer-momentum", "0"], "outer-momentum must be a number in (0, 1)"),
+        (
+            ["--algo", "diloco", "--outer-momentum", "0"],
+            "outer-momentum must be a number in (0, 1)",
+        ),
         (["--algo", "diloco", "--outer-momentum", "-1"], "outer-momentum must be a number"),
-        (["--algo", "diloco", "--outer-momentum", "2"], "outer-momentum must be a number in (0, 1)"),
-        (["--algo", "onebit-adam", "--steps", "60", "--freeze-step", "61"],
-         "freeze-step 61 is past steps 60: onebit-adam would never compress"),
+        (
+            ["--algo", "diloco", "--outer-momentum", "2"],
+            "outer-momentum must be a number in (0, 1)",
+        ),
+        (
+            ["--algo", "onebit-adam", "--steps", "60", "--freeze-step", "61"],
+            "freeze-step 61 is past steps 60: onebit-adam would never compress",
+        ),
         (["--algo", "async-diloco"], "async-diloco needs --workers 2 or more"),
     ],
-)  # fmt: skip
+)
 def test_nonsense_hyperparameters(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
@@ -102,9 +123,11 @@ def test_analyze_output_that_is_a_directory_or_under_a_file(
 
 def _profile(tmp_path: Path, params: list[ParamTiming] | None = None) -> Path:
     prof = Profile(
-        model="m", iteration_s=0.1, backward_s=0.05,
+        model="m",
+        iteration_s=0.1,
+        backward_s=0.05,
         params=params if params is not None else [ParamTiming("w", 0, 4_000_000, ready_s=0.02)],
-    )  # fmt: skip
+    )
     return save_profile(prof, tmp_path / "profile.json")
 
 
@@ -202,14 +225,41 @@ def test_testbed_rate_zero_is_not_unlimited(capsys: pytest.CaptureFixture[str], 
 def test_unused_options_warn_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["train", *SMALL, "--steps", "2", "--out", str(tmp_path / "r"), "--dylu", "--sync",
-            "--slowdown", "1,2", "--shards", "3", "--grace", "1", "--local-steps", "5",
-            "--compress", "fp16", "--freeze-step", "1"]  # fmt: skip
+    args = [
+        "train",
+        *SMALL,
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path / "r"),
+        "--dylu",
+        "--sync",
+        "--slowdown",
+        "1,2",
+        "--shards",
+        "3",
+        "--grace",
+        "1",
+        "--local-steps",
+        "5",
+        "--compress",
+        "fp16",
+        "--freeze-step",
+        "1",
+    ]
     assert main(args) == 0
     warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
     assert len(warn) == 1
-    for flag in ("--dylu", "--slowdown", "--sync", "--shards", "--grace", "--local-steps",
-                 "--compress", "--freeze-step"):  # fmt: skip
+    for flag in (
+        "--dylu",
+        "--slowdown",
+        "--sync",
+        "--shards",
+        "--grace",
+        "--local-steps",
+        "--compress",
+        "--freeze-step",
+    ):
         assert flag in warn[0], flag
 
 
@@ -217,12 +267,22 @@ def test_unused_options_warn_in_one_line(
 def test_a_rank_without_peers_fails_at_the_join_deadline(tmp_path: Path) -> None:
     from thinwire.comm.launch import free_port
 
-    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), THINWIRE_JOIN_TIMEOUT_S="2", OMP_NUM_THREADS="1")  # fmt: skip
+    env = dict(
+        os.environ,
+        RANK="0",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        THINWIRE_JOIN_TIMEOUT_S="2",
+        OMP_NUM_THREADS="1",
+    )
     res = subprocess.run(
         [sys.executable, "-m", "thinwire", "train", *SMALL, "--out", str(tmp_path / "r")],
-        env=env, capture_output=True, text=True, timeout=50,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert res.returncode == 2, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert "rank 0 waited 2 s" in last and "WORLD_SIZE=2" in last, res.stderr

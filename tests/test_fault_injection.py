@@ -26,11 +26,33 @@ from thinwire.train.metrics import read_metrics
 
 STEPS = 60
 RUN = [
-    "-m", "thinwire", "train", "--seq-len", "16", "--n-layer", "1", "--n-head", "2",
-    "--n-embd", "32", "--batch-size", "4", "--eval-sequences", "4", "--no-progress",
-    "--steps", str(STEPS), "--checkpoint-interval", "10", "--log-interval", "10",
-    "--eval-interval", "30", "--timeout", "150",
-]  # fmt: skip
+    "-m",
+    "thinwire",
+    "train",
+    "--seq-len",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-sequences",
+    "4",
+    "--no-progress",
+    "--steps",
+    str(STEPS),
+    "--checkpoint-interval",
+    "10",
+    "--log-interval",
+    "10",
+    "--eval-interval",
+    "30",
+    "--timeout",
+    "150",
+]
 
 
 def _env() -> dict[str, str]:
@@ -43,9 +65,12 @@ def _start(out: Path, *extra: str, workers: str = "2") -> subprocess.Popen[str]:
     """The run in a process group of its own, so the test can pause all of it at once."""
     return subprocess.Popen(
         [sys.executable, *RUN, "--workers", workers, "--out", str(out), *extra],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def _pause(p: subprocess.Popen[str]) -> None:

@@ -27,10 +27,26 @@ from thinwire.train.metrics import read_metrics
 from thinwire.train.trainer import train
 
 SMALL = [
-    "--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
-    "--batch-size", "4", "--eval-sequences", "4", "--no-progress", "--workers", "1",
-    "--log-interval", "2", "--checkpoint-interval", "2",
-]  # fmt: skip
+    "--seq-len",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-sequences",
+    "4",
+    "--no-progress",
+    "--workers",
+    "1",
+    "--log-interval",
+    "2",
+    "--checkpoint-interval",
+    "2",
+]
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -59,10 +75,13 @@ def test_powersgd_resumes_bit_identically(tmp_path: Path) -> None:
         assert s_resumed["param_sha256"] == s_straight["param_sha256"]
         assert s_resumed["comm_bytes"] == s_straight["comm_bytes"]
     per_step = [
-        [(m["step"], m["comm_bytes_per_step"]) for m in read_metrics(Path(c.out_dir) / "metrics.jsonl")
-         if "comm_bytes_per_step" in m]
+        [
+            (m["step"], m["comm_bytes_per_step"])
+            for m in read_metrics(Path(c.out_dir) / "metrics.jsonl")
+            if "comm_bytes_per_step" in m
+        ]
         for c in (straight, rest)
-    ]  # fmt: skip
+    ]
     assert per_step[0] == per_step[1]  # compressed right after the resume, as before it
 
 
@@ -152,8 +171,20 @@ def test_a_diverged_run_stops_with_status_3_and_keeps_its_last_good_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run"
-    args = ["train", *SMALL, "--steps", "20", "--checkpoint-interval", "4", "--lr", "3",
-            "--warmup-steps", "12", "--out", str(out)]  # fmt: skip
+    args = [
+        "train",
+        *SMALL,
+        "--steps",
+        "20",
+        "--checkpoint-interval",
+        "4",
+        "--lr",
+        "3",
+        "--warmup-steps",
+        "12",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "the run diverged at step" in err, err

@@ -70,8 +70,9 @@ def test_without_flock_a_live_record_holds_and_a_dead_one_is_stale(tmp_path: Pat
     live = {"pid": os.getppid(), "host": host, "started": 0, "command": "x"}
     with pytest.raises(ConfigError, match="cannot lock files"):
         runlock._judge_record(tmp_path, live)
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     dead = {"pid": int(dead_pid), "host": host, "started": 0, "command": "y"}
     assert "pid" in (runlock._judge_record(tmp_path, dead) or "")
     other_host = {"pid": 1, "host": host + "-elsewhere", "started": 0, "command": "z"}
@@ -82,9 +83,14 @@ def test_without_flock_a_live_record_holds_and_a_dead_one_is_stale(tmp_path: Pat
 
 @pytest.mark.parametrize(
     "files",
-    [["run.json"], ["metrics.jsonl"], ["summary.json"], ["localsgd_server.pt"],
-     ["checkpoints/LATEST"]],
-)  # fmt: skip
+    [
+        ["run.json"],
+        ["metrics.jsonl"],
+        ["summary.json"],
+        ["localsgd_server.pt"],
+        ["checkpoints/LATEST"],
+    ],
+)
 def test_any_earlier_run_is_found(tmp_path: Path, files: list[str]) -> None:
     for f in files:
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)

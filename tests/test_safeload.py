@@ -17,9 +17,22 @@ from thinwire.safeload import UnsafeContentError, safe_load, safe_loads
 from thinwire.train.trainer import train
 
 SMALL = [
-    "--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
-    "--batch-size", "4", "--eval-sequences", "8", "--no-progress", "--workers", "1",
-]  # fmt: skip
+    "--seq-len",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-sequences",
+    "8",
+    "--no-progress",
+    "--workers",
+    "1",
+]
 
 
 class _Planted:
@@ -95,9 +108,20 @@ def test_async_resume_refuses_a_planted_server_checkpoint(
     thinwire.train.checkpoint.safe_load): a planted one stops the resume, runs nothing."""
     out = tmp_path / "async"
     out.mkdir()
-    identity = {"algo": "async-diloco", "model": "tiny", "seq_len": 16, "n_layer": 1,
-                "n_head": 2, "n_embd": 32, "data": None, "val_fraction": 0.05, "seed": 0,
-                "batch_size": 4, "workers": 1, "outer": "dn"}  # fmt: skip
+    identity = {
+        "algo": "async-diloco",
+        "model": "tiny",
+        "seq_len": 16,
+        "n_layer": 1,
+        "n_head": 2,
+        "n_embd": 32,
+        "data": None,
+        "val_fraction": 0.05,
+        "seed": 0,
+        "batch_size": 4,
+        "workers": 1,
+        "outer": "dn",
+    }
     (out / "run.json").write_text(json.dumps(identity))
     marker = tmp_path / "PWNED"
     _plant(out / "localsgd_server.pt", marker, lambda p: {"theta": p, "epoch": 0})

@@ -244,10 +244,25 @@ def test_down_spares_a_cluster_a_run_is_attached_to(
     try:
         assert main(["testbed", "up", "--hosts", "2", "--rate", "1gbit", "--cluster-id", cid]) == 0
         run = subprocess.Popen(
-            [sys.executable, "-m", "thinwire", "testbed", "run", "--id", cid, "--logs",
-             str(tmp_path), "--", "sleep", "60"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "thinwire",
+                "testbed",
+                "run",
+                "--id",
+                cid,
+                "--logs",
+                str(tmp_path),
+                "--",
+                "sleep",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=interruptible,
+        )
         deadline = time.monotonic() + 30
         while not any(u.get("pid") == run.pid for u in read_state(cid).get("users", [])):
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()

@@ -264,8 +264,15 @@ def _load_study(path: str) -> dict[str, Any]:
         raise ConfigError(
             f"{path}:1: not a thinwire simulation (run thinwire analyze simulate first)"
         )
-    types = {"profile": dict, "result": dict, "needed": dict, "alternatives": list,
-             "sweeps": dict, "buckets": dict, "target": (int, float)}  # fmt: skip
+    types = {
+        "profile": dict,
+        "result": dict,
+        "needed": dict,
+        "alternatives": list,
+        "sweeps": dict,
+        "buckets": dict,
+        "target": (int, float),
+    }
     for key, kind in types.items():
         if key not in data:
             raise ConfigError(f"{path}: simulation lacks {key!r}; re-run thinwire analyze simulate")
