@@ -181,11 +181,16 @@ def test_analyze_wrongly_typed_json(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_a_model_with_nothing_to_communicate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """No gradient at all: the answer is "nothing to communicate", not a 100% scaling
+    factor that reads as a verdict on the network."""
     for params in ([], [ParamTiming("frozen", 0, 4000, ready_s=None)]):
         prof = _profile(tmp_path, params)
-        err = _error(["analyze", "simulate", str(prof), "-o", str(tmp_path / "s.json")], capsys)
-        assert "nothing to communicate" in err
-        assert not (tmp_path / "s.json").exists()
+        sim = tmp_path / "s.json"
+        assert main(["analyze", "simulate", str(prof), "--reduction", "none", "-o", str(sim)]) == 0
+        out = capsys.readouterr().out
+        assert "nothing to communicate" in out and "scaling factor" not in out
+        assert main(["analyze", "report", str(sim)]) == 0
+        assert "there is nothing to communicate" in capsys.readouterr().out
 
 
 def test_memory_estimates_refuse_absurd_sizes(

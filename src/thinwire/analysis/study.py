@@ -121,19 +121,10 @@ def run_study(
     the same network (fp32 ring; overlapped when ``cfg`` is a 1-bit scheme).
     ``onebit_codec_s_per_byte`` prices the 1-bit alternatives' compute (default: the
     configured codec cost if ``cfg`` is 1-bit, else 0).
-
-    Raises:
-        ConfigError: a profile with no gradients (nothing to communicate), or a target
-            outside (0, 1].
     """
     add = add if add is not None else AddCost.zero()
     if not 0 < target <= 1:
         raise ConfigError(f"target scaling factor must be in (0, 1], got {target}")
-    if profile.grad_bytes == 0:
-        raise ConfigError(
-            f"profile {profile.model} has no parameters that receive gradients: data "
-            "parallelism has nothing to communicate, so the network cannot be its bottleneck"
-        )
     base = simulate(profile, buckets, cfg, add)
     ring = _plain(cfg)
     if onebit_codec_s_per_byte is None:

@@ -241,6 +241,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     )
     study["profile_path"] = str(path)
     res = study["result"]
+    if prof.grad_bytes == 0:
+        # A "100% scaling factor" would read as a verdict on the network; there is none.
+        print(
+            f"{prof.model}: no parameter gets a gradient, so data parallelism has nothing to "
+            "communicate and the network cannot be the bottleneck"
+        )
+        print(f"wrote {_write_json(study, args.out)}")
+        return 0
     print(
         f"{prof.model}: {cfg.workers} workers at {fmt_rate(cfg.bandwidth_gbps)}: step "
         f"{fmt_time(res['step_s'])}, exposed communication {fmt_time(res['exposed_s'])}, "
