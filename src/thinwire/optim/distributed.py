@@ -273,10 +273,15 @@ class CommOptimizer(torch.optim.Optimizer):
         the state is identical on every rank.
         """
         sd = super().state_dict()
-        for per_param in sd["state"].values():
-            for key, value in per_param.items():
-                if isinstance(value, float):
-                    per_param[key] = torch.tensor(value, dtype=torch.float64)
+        # torch's state_dict shares each parameter's state dict with the live optimizer:
+        # convert copies, or the running optimizer's scalars would turn into tensors.
+        sd["state"] = {
+            pid: {
+                k: torch.tensor(v, dtype=torch.float64) if isinstance(v, float) else v
+                for k, v in per_param.items()
+            }
+            for pid, per_param in sd["state"].items()
+        }
         mine = {"skipped_steps": self.skipped_steps, **self._extra_state()}
         sd["thinwire"] = {
             "world_size": self.world_size,
