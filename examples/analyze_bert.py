@@ -109,7 +109,12 @@ def main() -> None:
 
     # 1. One worker's step, gradient sizes and ready times, and DDP's real buckets.
     prof = profile_factory(factory, batch, warmup=args.warmup, steps=args.steps, observe_ddp=True)
+    # The reductions of a gloo ring run on one thread per collective; a 2-thread add on a
+    # shared machine mostly times the thread pool waiting for a core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     prof.meta["add_cost"] = AddCost.measure().to_json()
+    torch.set_num_threads(threads)
     if args.out:
         save_profile(prof, args.out)
     buckets = make_buckets(prof, "observed")

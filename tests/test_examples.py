@@ -13,6 +13,7 @@ The Hugging Face recipes need the ``hf`` extra (``pip install -e '.[dev,hf]'``, 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -260,3 +261,19 @@ def test_analyze_bert_recipe(recipes: _Runner) -> None:
     # Paying for the 1-bit compute never raises the scaling factor.
     assert all(sfs[g][2] <= sfs[g][1] for g in sfs)
     assert _ratio(_line(out, "bytes each worker sends")) > 20
+
+
+@needs_hf
+@pytest.mark.timeout(120)
+def test_analyze_profile_cli_takes_the_bert_factory(tmp_path: Path) -> None:
+    from thinwire.cli.main import main
+
+    out = tmp_path / "bert.json"
+    spec = f"{EXAMPLES / 'analyze_bert.py'}:bert_small"
+    args = ["analyze", "profile", "--model", spec, "--batch-size", "2", "--observe-ddp"]
+    assert main([*args, "--warmup", "0", "--steps", "1", "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["model"] == spec and data["batch_size"] == 2
+    assert all(p["ready_s"] is not None for p in data["params"])  # BERT pre-training uses all
+    observed = sorted(i for bucket in data["observed_buckets"] for i in bucket)
+    assert observed == list(range(len(data["params"])))
