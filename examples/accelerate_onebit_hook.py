@@ -73,6 +73,10 @@ def main() -> None:
     if args.tiny:
         args.steps, args.width = 20, 64
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
+    if not 1 <= warmup <= args.steps:
+        ap.error(
+            f"--warmup-steps must be between 1 and the number of steps ({args.steps}), got {warmup}"
+        )
 
     # cpu=True on a machine without GPUs: accelerate then joins the ranks over gloo.
     accelerator = Accelerator(
@@ -100,13 +104,16 @@ def main() -> None:
         )
 
     model.train()
+    losses: list[float] = []  # since the last print; this rank's batches
     for step, (x, y) in enumerate(loader, start=1):
         loss = nn.functional.cross_entropy(model(x), y)
         accelerator.backward(loss)
         opt.step()
         opt.zero_grad()
+        losses.append(loss.item())
         if step == 1 or step % max(1, args.steps // 10) == 0:
-            accelerator.print(f"step {step:4d}  loss {loss.item():.4f}")
+            accelerator.print(f"step {step:4d}  loss {sum(losses) / len(losses):.4f}")
+            losses.clear()
         if step == args.steps:
             break
 

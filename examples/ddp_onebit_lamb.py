@@ -83,6 +83,10 @@ def main() -> None:
     if args.tiny:
         args.steps, args.width = 30, 64
     freeze = args.freeze_step if args.freeze_step is not None else max(1, args.steps // 5)
+    if not 1 <= freeze <= args.steps:
+        ap.error(
+            f"--freeze-step must be between 1 and the number of steps ({args.steps}), got {freeze}"
+        )
 
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR/PORT; NCCL on GPUs, gloo on CPUs.
     cuda = torch.cuda.is_available()
@@ -101,14 +105,17 @@ def main() -> None:
         opt.register_ddp(ddp)  # once, before the first backward: gradients averaged once
         after_setup = wire_bytes()  # the optimizer's start-up broadcast is not per step
 
+        losses: list[float] = []  # since the last print; rank 0's shard
         for step, (x, y) in enumerate(batches(rank, args.batch_size, args.steps), start=1):
             x, y = x.to(device), y.to(device)
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
             if rank == 0 and (step == 1 or step % max(1, args.steps // 10) == 0):
-                print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+                print(f"step {step:4d}  loss {sum(losses) / len(losses):.4f}", flush=True)
+                losses.clear()
 
         # The replicas must agree: the 1-bit stage gives every rank the same momentum.
         same = replicas_identical(model)
@@ -125,7 +132,7 @@ def main() -> None:
                 per_1bit = onebit / (args.steps - freeze)
                 print(
                     f"1-bit stage, steps {freeze + 1}-{args.steps}: {per_1bit:,.0f} bytes per "
-                    f"step per rank ({per_fp32 / per_1bit:.1f}x fewer)"
+                    f"step per rank ({per_fp32 / max(per_1bit, 1):.1f}x fewer)"
                 )
             print(
                 f"bytes sent per rank: {sent:,} over {args.steps} steps on {world} ranks; an fp32 "

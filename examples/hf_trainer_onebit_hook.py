@@ -10,7 +10,7 @@ plain fp32 allreduce.
 The Trainer builds its DDP model only inside ``train()``, so a ``TrainerCallback``
 registers the hook at ``on_train_begin``, on ``trainer.model_wrapped`` (the DDP model),
 before the first backward. The model is a GPT-2 built from a ``GPT2Config`` (random
-init, nothing downloaded) trained on this file's own bytes.
+init, nothing downloaded) trained on raw bytes of text (no tokenizer).
 
 Run::
 
@@ -29,7 +29,9 @@ pay fewer latencies: every bucket costs three collectives here.
 from __future__ import annotations
 
 import argparse
+import gzip
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -41,11 +43,18 @@ from thinwire.comm.accounting import COUNTER
 from thinwire.comm.onebit_hook import OneBitHookState, onebit_hook
 
 
+def corpus(path: str | None) -> bytes:
+    """Your text file, or the works of Shakespeare bundled with thinwire (public domain)."""
+    if path:
+        return Path(path).read_bytes()
+    return gzip.decompress((resources.files("thinwire") / "data/shakespeare.txt.gz").read_bytes())
+
+
 class ByteBlocks(torch.utils.data.Dataset):
     """Fixed-length blocks of raw bytes: a tokenizer-free language-modelling dataset."""
 
     def __init__(self, data: bytes, block: int) -> None:
-        ids = torch.tensor(list(data), dtype=torch.long)
+        ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         self.blocks = ids[: len(ids) // block * block].view(-1, block)
 
     def __len__(self) -> int:
@@ -91,11 +100,18 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--out", default=None, help="Trainer output_dir (default: a temp dir)")
+    ap.add_argument("--data", default=None, help="a text file (default: bundled Shakespeare)")
     ap.add_argument("--tiny", action="store_true", help="a few seconds: for tests")
     args = ap.parse_args()
-    size = dict(n_layer=1, n_embd=32, n_head=2) if args.tiny else dict(n_layer=4, n_embd=128)
+    size = (
+        dict(n_layer=1, n_embd=32, n_head=2) if args.tiny else dict(n_layer=4, n_embd=128, n_head=4)
+    )
     steps = 12 if args.tiny else args.steps
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+    if not 1 <= warmup <= steps:
+        ap.error(
+            f"--warmup-steps must be between 1 and the number of steps ({steps}), got {warmup}"
+        )
 
     out = args.out or tempfile.mkdtemp(prefix="hf-onebit-hook-")
     targs = TrainingArguments(
@@ -117,7 +133,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0, **size)
     model = GPT2LMHeadModel(cfg)
-    data = ByteBlocks(Path(__file__).read_bytes() * 4, block=64)
+    data = ByteBlocks(corpus(args.data), block=64)
 
     # process_group=None: the default group, the one the Trainer's DDP uses.
     hook_state = OneBitHookState(process_group=None, warmup_steps=warmup)
@@ -139,7 +155,7 @@ def main() -> None:
             per_1bit = onebit / (steps - warmup)
             print(
                 f"1-bit stage, steps {warmup + 1}-{steps}: {per_1bit:,.0f} bytes per step per "
-                f"rank ({per_fp32 / per_1bit:.1f}x fewer)"
+                f"rank ({per_fp32 / max(per_1bit, 1):.1f}x fewer)"
             )
         print(
             f"bytes sent per rank: {sent:,} over {steps} steps on {targs.world_size} ranks; an "

@@ -1,7 +1,7 @@
 """Hugging Face ``transformers.Trainer`` + thinwire's 1-bit LAMB, under torchrun.
 
 What it shows: a GPT-2 built from a ``GPT2Config`` (random init, nothing downloaded)
-trained by the stock ``Trainer`` on a byte-level corpus (this file's own text), with
+trained by the stock ``Trainer`` on raw bytes of text (no tokenizer), with
 ``thinwire.optim.OneBitLamb`` as its optimizer. Three things make it right:
 
 1. The optimizer is created after ``TrainingArguments``: building the arguments sets up
@@ -28,7 +28,9 @@ against an fp32 gradient allreduce on every step. Needs ``pip install 'thinwire[
 from __future__ import annotations
 
 import argparse
+import gzip
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -40,11 +42,18 @@ from thinwire.comm.accounting import COUNTER
 from thinwire.optim import OneBitLamb
 
 
+def corpus(path: str | None) -> bytes:
+    """Your text file, or the works of Shakespeare bundled with thinwire (public domain)."""
+    if path:
+        return Path(path).read_bytes()
+    return gzip.decompress((resources.files("thinwire") / "data/shakespeare.txt.gz").read_bytes())
+
+
 class ByteBlocks(torch.utils.data.Dataset):
     """Fixed-length blocks of raw bytes: a tokenizer-free language-modelling dataset."""
 
     def __init__(self, data: bytes, block: int) -> None:
-        ids = torch.tensor(list(data), dtype=torch.long)
+        ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         self.blocks = ids[: len(ids) // block * block].view(-1, block)
 
     def __len__(self) -> int:
@@ -90,11 +99,16 @@ def main() -> None:
     ap.add_argument("--freeze-step", type=int, default=None, help="default: 20%% of --steps")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--out", default=None, help="Trainer output_dir (default: a temp dir)")
+    ap.add_argument("--data", default=None, help="a text file (default: bundled Shakespeare)")
     ap.add_argument("--tiny", action="store_true", help="a few seconds: for tests")
     args = ap.parse_args()
-    size = dict(n_layer=1, n_embd=32, n_head=2) if args.tiny else dict(n_layer=4, n_embd=128)
+    size = (
+        dict(n_layer=1, n_embd=32, n_head=2) if args.tiny else dict(n_layer=4, n_embd=128, n_head=4)
+    )
     steps = 12 if args.tiny else args.steps
     freeze = args.freeze_step if args.freeze_step is not None else max(1, steps // 5)
+    if not 1 <= freeze <= steps:
+        ap.error(f"--freeze-step must be between 1 and the number of steps ({steps}), got {freeze}")
 
     out = args.out or tempfile.mkdtemp(prefix="hf-onebit-lamb-")
     targs = TrainingArguments(
@@ -122,7 +136,7 @@ def main() -> None:
     opt = OneBitLamb(model.parameters(), lr=args.lr, freeze_step=freeze, bias_correction=True)
     after_setup = wire_bytes()  # the optimizer's start-up broadcast is not per step
 
-    data = ByteBlocks(Path(__file__).read_bytes() * 4, block=64)
+    data = ByteBlocks(corpus(args.data), block=64)
     trainer = Trainer(model=model, args=targs, train_dataset=data, optimizers=(opt, None))
     trainer.add_callback(RegisterWithDDP(trainer, opt))
     result = trainer.train()
@@ -141,7 +155,7 @@ def main() -> None:
             per_1bit = onebit / (steps - freeze)
             print(
                 f"1-bit stage, steps {freeze + 1}-{steps}: {per_1bit:,.0f} bytes per step per "
-                f"rank ({per_fp32 / per_1bit:.1f}x fewer)"
+                f"rank ({per_fp32 / max(per_1bit, 1):.1f}x fewer)"
             )
         print(
             f"bytes sent per rank: {sent:,} over {steps} steps on {targs.world_size} ranks; an "
