@@ -24,6 +24,7 @@ fp32 allreduce on every step. Needs ``pip install 'thinwire[hf]'``.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -114,8 +115,6 @@ def main() -> None:
         if step == 1 or step % max(1, args.steps // 10) == 0:
             accelerator.print(f"step {step:4d}  loss {sum(losses) / len(losses):.4f}")
             losses.clear()
-        if step == args.steps:
-            break
 
     same = replicas_identical(model)  # every rank must hold the same model
     onebit = wire_bytes("onebit.")
@@ -136,6 +135,10 @@ def main() -> None:
         f"ranks; an fp32 allreduce every step: {every_step:,.0f} "
         f"({every_step / max(sent, 1):.1f}x more)"
     )
+    # Free what sits in reference cycles while the process group still exists: without
+    # this, about 1 run in 10 of accelerate 1.15 on gloo (with or without the hook)
+    # aborted at exit ("terminate called without an active exception").
+    gc.collect()
     accelerator.end_training()  # destroys the process group
 
 

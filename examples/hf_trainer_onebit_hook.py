@@ -29,6 +29,7 @@ pay fewer latencies: every bucket costs three collectives here.
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import tempfile
 from importlib import resources
@@ -164,6 +165,9 @@ def main() -> None:
         ops = ", ".join(f"{op} {s['wire_bytes']:,}" for op, s in COUNTER.snapshot().items())
         print(f"by collective: {ops}")
     if dist.is_initialized():
+        # Free what sits in reference cycles while the group still exists: without this,
+        # about 1 run in 10 aborted at exit ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 
