@@ -3,6 +3,7 @@
 Four verbs, each writing the JSON the next one reads::
 
     thinwire analyze profile --model small --batch-size 8 -o profile.json
+    thinwire analyze profile --model mypkg.models:make_bert -o profile.json   # your model
     thinwire analyze bench --workers 2 -o link.json            # optional: fit a link
     thinwire analyze simulate profile.json --workers 4 --bandwidth-gbps 1 -o sim.json
     thinwire analyze report sim.json --plots plots/
@@ -43,9 +44,31 @@ def _write_json(data: dict[str, Any], path: str) -> Path:
     return out
 
 
+def _profile_model(args: argparse.Namespace) -> Any:
+    """A GPT preset, or the user's factory ``package.module:function`` / ``file.py:function``."""
+    from thinwire.analysis.measure import profile_gpt
+    from thinwire.analysis.user_model import profile_factory
+    from thinwire.train.model import PRESETS
+
+    common = dict(
+        warmup=args.warmup,
+        steps=args.steps,
+        observe_ddp=args.observe_ddp,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+    if args.model in PRESETS:
+        batch = args.batch_size if args.batch_size is not None else 8
+        return profile_gpt(args.model, batch, **common)
+    if ":" not in args.model:
+        raise ConfigError(
+            f"unknown model {args.model!r}; choose one of {', '.join(PRESETS)}, or name your "
+            "own factory as package.module:function or path/file.py:function"
+        )
+    return profile_factory(args.model, args.batch_size, **common)
+
+
 def _cmd_profile(args: argparse.Namespace) -> int:
     from thinwire.analysis.bklog import read_bklog
-    from thinwire.analysis.measure import profile_gpt
     from thinwire.analysis.profile import save_profile
     from thinwire.analysis.report import fmt_bytes, fmt_time
 
@@ -61,14 +84,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             if args.threads < 1:
                 raise ConfigError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
-        prof = profile_gpt(
-            args.model,
-            args.batch_size,
-            warmup=args.warmup,
-            steps=args.steps,
-            observe_ddp=args.observe_ddp,
-            bucket_cap_mb=args.bucket_cap_mb,
-        )
+        prof = _profile_model(args)
     if not args.from_bklog:
         from thinwire.analysis.costs import AddCost, measure_codec_cost
 
@@ -336,8 +352,19 @@ def register(subparsers: Any) -> None:
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     pr = verbs.add_parser("profile", help="time one worker's step and gradient ready times")
-    pr.add_argument("--model", default="tiny", choices=("tiny", "small", "base"))
-    pr.add_argument("--batch-size", type=int, default=8)
+    pr.add_argument(
+        "--model",
+        default="tiny",
+        metavar="MODEL",
+        help="a GPT preset (tiny, small, base), or your own factory returning (model, batch, "
+        "loss_fn): package.module:function or path/file.py:function (see docs/analysis.md)",
+    )
+    pr.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per worker (presets: default 8; a factory gets it as batch_size=N)",
+    )
     pr.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     pr.add_argument("--steps", type=int, default=5, help="measured steps; medians (default 5)")
     pr.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
