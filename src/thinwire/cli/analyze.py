@@ -77,7 +77,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
         prof = read_bklog(args.from_bklog, iteration_s=it)
     else:
-        check_profile_memory(args.model, args.batch_size)
+        from thinwire.train.model import PRESETS
+
+        if args.model in PRESETS:  # a user's factory sizes its own batch
+            batch = args.batch_size if args.batch_size is not None else 8
+            check_profile_memory(args.model, batch)
         if args.threads is not None:
             import torch
 
