@@ -132,7 +132,7 @@ def test_output_dir_of_another_run_is_refused(
     before = (out / "checkpoints" / "LATEST").read_text()
     capsys.readouterr()
     err = _error(["train", "--workers", "1", "--steps", "4", "--out", str(out), *SMALL], capsys)
-    assert "already holds a checkpoint of another run (step 4)" in err
+    assert "already holds a run (run.json, metrics.jsonl, summary.json, checkpoints)" in err
     assert (out / "checkpoints" / "LATEST").read_text() == before  # nothing lost
 
 

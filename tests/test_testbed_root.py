@@ -229,3 +229,59 @@ def test_cli_up_status_run_down(tmp_path: Path, capsys: pytest.CaptureFixture[st
     finally:
         if cid in nx.list_namespaces():
             remove_clusters([cid], force=True)
+
+
+@pytest.mark.timeout(90)
+def test_down_spares_a_cluster_a_run_is_attached_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`testbed run --id X` records itself as a user of X; `down` without --force leaves
+    X alone until that run ends (it used to remove it, and the run died)."""
+    from thinwire.testbed.registry import read_state
+
+    cid = _new_id()
+    run = None
+    try:
+        assert main(["testbed", "up", "--hosts", "2", "--rate", "1gbit", "--cluster-id", cid]) == 0
+        run = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "thinwire",
+                "testbed",
+                "run",
+                "--id",
+                cid,
+                "--logs",
+                str(tmp_path),
+                "--",
+                "sleep",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=interruptible,
+        )
+        deadline = time.monotonic() + 30
+        while not any(u.get("pid") == run.pid for u in read_state(cid).get("users", [])):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.1)
+        capsys.readouterr()
+        assert main(["testbed", "down", cid]) == 2
+        err = capsys.readouterr().err
+        assert f"belongs to running process {run.pid}" in err and "--force" in err
+        assert cid in nx.list_namespaces()
+        assert main(["testbed", "status"]) == 0
+        assert f"in use by pid {run.pid}" in capsys.readouterr().out
+        run.send_signal(signal.SIGTERM)  # the run stops its hosts and lets go of the cluster
+        run.communicate(timeout=30)
+        assert read_state(cid).get("users") == []
+        assert cid in nx.list_namespaces()  # an attached run never removes the cluster
+        assert main(["testbed", "down", cid]) == 0
+        assert _gone(cid)
+    finally:
+        if run is not None and run.poll() is None:
+            run.kill()
+        if cid in nx.list_namespaces():
+            remove_clusters([cid], force=True)

@@ -9,10 +9,14 @@ The package is laid out by what each part does:
 * :mod:`thinwire.localsgd`: communicating less often (DiLoCo, asynchronous Local-SGD);
 * :mod:`thinwire.analysis` and :mod:`thinwire.testbed`: how it is measured;
 * :mod:`thinwire.train` and :mod:`thinwire.cli`: how a user drives it.
+
+Below them all: :mod:`thinwire.errors`, :mod:`thinwire.safeload` (loading files as
+plain data, never code), :mod:`thinwire.runlock` and :mod:`thinwire.rundir` (one run
+per output directory, output paths checked before the work).
 """
 
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, DivergedError
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "__version__"]
+__all__ = ["ConfigError", "DivergedError", "__version__"]

@@ -2,8 +2,10 @@
 
 The pipeline (also ``thinwire analyze profile|bench|simulate|report``):
 
-1. :func:`profile_model` / :func:`profile_gpt` (or :func:`read_bklog` for the paper's
-   logs) -> a :class:`Profile` of one worker's step and per-parameter gradient ready times;
+1. :func:`profile_model` (any ``nn.Module``), :func:`profile_factory` (a function
+   returning ``(model, batch, loss_fn)``), :func:`profile_gpt` (thinwire's GPT), or
+   :func:`read_bklog` for the paper's logs -> a :class:`Profile` of one worker's step and
+   per-parameter gradient ready times;
 2. :func:`make_buckets` -> the buckets DDP or Horovod would all-reduce;
 3. :func:`simulate` with a :class:`NetworkConfig` -> a :class:`SimResult` (exposed
    communication, scaling factor, link utilization), and :func:`required_compression`,
@@ -36,6 +38,7 @@ from thinwire.analysis.simulate import (
     simulate,
 )
 from thinwire.analysis.study import run_study
+from thinwire.analysis.user_model import ProfileTarget, build_target, load_factory, profile_factory
 
 __all__ = [
     "PAPER_ITERATION_S",
@@ -45,17 +48,21 @@ __all__ = [
     "NetworkConfig",
     "ParamTiming",
     "Profile",
+    "ProfileTarget",
     "SimResult",
     "bench_link",
+    "build_target",
     "ddp_buckets",
     "fit_link",
     "gpt_loss",
     "horovod_buckets",
+    "load_factory",
     "load_profile",
     "make_buckets",
     "measure_codec_cost",
     "observe_ddp_buckets",
     "observed_buckets",
+    "profile_factory",
     "profile_gpt",
     "profile_model",
     "read_bklog",

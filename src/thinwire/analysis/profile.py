@@ -159,6 +159,19 @@ def _param(raw: Any, i: int, where: str) -> ParamTiming:
     return p
 
 
+def _check_meta(meta: Any, path: Path, text: str) -> None:
+    """``meta`` is optional, but what later steps read from it must have the right type."""
+    line = _line_of(text, '"meta"') or 1
+    if meta is not None and not isinstance(meta, dict):
+        raise ConfigError(f"{path}:{line}: 'meta' must be an object")
+    codec = (meta or {}).get("onebit_codec_s_per_byte")
+    if codec is not None and (isinstance(codec, bool) or not isinstance(codec, (int, float))):
+        raise ConfigError(f"{path}:{line}: meta.onebit_codec_s_per_byte must be a number")
+    add = (meta or {}).get("add_cost")
+    if add is not None and not isinstance(add, dict):
+        raise ConfigError(f"{path}:{line}: meta.add_cost must be an object")
+
+
 def load_profile(path: str | Path) -> Profile:
     """Read a profile JSON; any problem raises :class:`ConfigError` naming file and line."""
     path = Path(path)
@@ -166,6 +179,8 @@ def load_profile(path: str | Path) -> Profile:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read profile {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a thinwire profile (not UTF-8 text)") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -187,6 +202,7 @@ def load_profile(path: str | Path) -> Profile:
             if line is not None:
                 msg = msg.replace(f"{path}:", f"{path}:{line}:", 1)
             raise ConfigError(msg) from None
+    _check_meta(data.get("meta"), path, text)
     fields = {
         k: data.get(k)
         for k in (

@@ -3,6 +3,7 @@
 Four verbs, each writing the JSON the next one reads::
 
     thinwire analyze profile --model small --batch-size 8 -o profile.json
+    thinwire analyze profile --model mypkg.models:make_bert -o profile.json   # your model
     thinwire analyze bench --workers 2 -o link.json            # optional: fit a link
     thinwire analyze simulate profile.json --workers 4 --bandwidth-gbps 1 -o sim.json
     thinwire analyze report sim.json --plots plots/
@@ -18,7 +19,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from thinwire.analysis.memory import check_bench_memory, check_profile_memory
 from thinwire.errors import ConfigError
+from thinwire.rundir import writable_dir, writable_file
+from thinwire.train.metrics import atomic_write_text
 
 __all__ = ["register"]
 
@@ -35,36 +39,56 @@ def _size(text: str) -> int:
 
 
 def _write_json(data: dict[str, Any], path: str) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out = writable_file(path)
+    atomic_write_text(out, json.dumps(data, indent=1) + "\n")
     return out
+
+
+def _profile_model(args: argparse.Namespace) -> Any:
+    """A GPT preset, or the user's factory ``package.module:function`` / ``file.py:function``."""
+    from thinwire.analysis.measure import profile_gpt
+    from thinwire.analysis.user_model import profile_factory
+    from thinwire.train.model import PRESETS
+
+    common = dict(
+        warmup=args.warmup,
+        steps=args.steps,
+        observe_ddp=args.observe_ddp,
+        bucket_cap_mb=args.bucket_cap_mb,
+    )
+    if args.model in PRESETS:
+        batch = args.batch_size if args.batch_size is not None else 8
+        return profile_gpt(args.model, batch, **common)
+    if ":" not in args.model:
+        raise ConfigError(
+            f"unknown model {args.model!r}; choose one of {', '.join(PRESETS)}, or name your "
+            "own factory as package.module:function or path/file.py:function"
+        )
+    return profile_factory(args.model, args.batch_size, **common)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from thinwire.analysis.bklog import read_bklog
-    from thinwire.analysis.measure import profile_gpt
     from thinwire.analysis.profile import save_profile
     from thinwire.analysis.report import fmt_bytes, fmt_time
 
+    writable_file(args.out)
     if args.from_bklog:
         it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
         prof = read_bklog(args.from_bklog, iteration_s=it)
     else:
+        from thinwire.train.model import PRESETS
+
+        if args.model in PRESETS:  # a user's factory sizes its own batch
+            batch = args.batch_size if args.batch_size is not None else 8
+            check_profile_memory(args.model, batch)
         if args.threads is not None:
             import torch
 
             if args.threads < 1:
                 raise ConfigError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
-        prof = profile_gpt(
-            args.model,
-            args.batch_size,
-            warmup=args.warmup,
-            steps=args.steps,
-            observe_ddp=args.observe_ddp,
-            bucket_cap_mb=args.bucket_cap_mb,
-        )
+        prof = _profile_model(args)
     if not args.from_bklog:
         from thinwire.analysis.costs import AddCost, measure_codec_cost
 
@@ -81,6 +105,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     )
     if s["frozen_params"]:
         print(f"  {s['frozen_params']} parameters never got a gradient (frozen or unused)")
+    if not s["grad_bytes"]:
+        print("  no parameter gets a gradient: data parallelism has nothing to communicate")
     if prof.observed_buckets:
         print(f"  DDP launched {len(prof.observed_buckets)} buckets")
     print(f"wrote {out}")
@@ -95,6 +121,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"need 4 <= --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}"
         )
+    check_bench_memory(args.max_bytes, args.workers)
+    writable_file(args.out)
     sizes = []
     s = args.min_bytes
     while s <= args.max_bytes:
@@ -118,16 +146,38 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_link(path: str) -> dict[str, Any]:
+def _read_json(path: str, what: str) -> Any:
+    """A JSON file's content; unreadable, non-UTF-8 or invalid JSON is a one-line error."""
     try:
-        data = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read link fit {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a thinwire {what} (not UTF-8 text)") from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+
+
+def _load_link(path: str) -> dict[str, Any]:
+    data = _read_json(path, "link fit")
     if not isinstance(data, dict) or data.get("format") != "thinwire.link/1":
         raise ConfigError(f"{path}:1: not a thinwire link fit (run thinwire analyze bench)")
-    return data["fit"]
+    fit = data.get("fit")
+    if not isinstance(fit, dict):
+        raise ConfigError(
+            f"{path}: the link fit lacks its 'fit' object; re-run thinwire analyze bench"
+        )
+    for key in ("bandwidth_gbps", "alpha_per_message_s"):
+        value = fit.get(key)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ConfigError(f"{path}: fit.{key} must be a number, got {value!r}")
+    return fit
 
 
 def _reduction(choice: str, profile_path: Path, meta: dict[str, Any]) -> Any:
@@ -158,6 +208,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from thinwire.analysis.simulate import NetworkConfig
     from thinwire.analysis.study import run_study
 
+    writable_file(args.out)
     path = Path(args.profile)
     if path.name.endswith(".bk.log"):
         it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
@@ -210,6 +261,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     )
     study["profile_path"] = str(path)
     res = study["result"]
+    if prof.grad_bytes == 0:
+        # A "100% scaling factor" would read as a verdict on the network; there is none.
+        print(
+            f"{prof.model}: no parameter gets a gradient, so data parallelism has nothing to "
+            "communicate and the network cannot be the bottleneck"
+        )
+        print(f"wrote {_write_json(study, args.out)}")
+        return 0
     print(
         f"{prof.model}: {cfg.workers} workers at {fmt_rate(cfg.bandwidth_gbps)}: step "
         f"{fmt_time(res['step_s'])}, exposed communication {fmt_time(res['exposed_s'])}, "
@@ -228,29 +287,46 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 def _load_study(path: str) -> dict[str, Any]:
     from thinwire.analysis.study import SIMULATION_FORMAT
 
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read simulation {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    data = _read_json(path, "simulation")
     if not isinstance(data, dict) or data.get("format") != SIMULATION_FORMAT:
         raise ConfigError(
             f"{path}:1: not a thinwire simulation (run thinwire analyze simulate first)"
         )
-    for key in ("profile", "result", "needed", "alternatives", "sweeps", "buckets", "target"):
+    types = {
+        "profile": dict,
+        "result": dict,
+        "needed": dict,
+        "alternatives": list,
+        "sweeps": dict,
+        "buckets": dict,
+        "target": (int, float),
+    }
+    for key, kind in types.items():
         if key not in data:
             raise ConfigError(f"{path}: simulation lacks {key!r}; re-run thinwire analyze simulate")
+        if not isinstance(data[key], kind) or isinstance(data[key], bool):
+            raise ConfigError(
+                f"{path}: simulation field {key!r} has the wrong type; re-run thinwire analyze "
+                "simulate"
+            )
     return data
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from thinwire.analysis.report import render_report
 
+    if args.plots:
+        writable_dir(args.plots, "--plots")
     study = _load_study(args.simulation)
-    print(render_report(study))
+    try:
+        text = render_report(study)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        # Deeper fields than _load_study checks: a file edited by hand, or of another version.
+        raise ConfigError(
+            f"{args.simulation}: malformed simulation ({type(exc).__name__}: {exc}); re-run "
+            "thinwire analyze simulate"
+        ) from None
+    print(text)
     if args.plots:
         from thinwire.analysis.plots import write_plots
 
@@ -280,8 +356,19 @@ def register(subparsers: Any) -> None:
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     pr = verbs.add_parser("profile", help="time one worker's step and gradient ready times")
-    pr.add_argument("--model", default="tiny", choices=("tiny", "small", "base"))
-    pr.add_argument("--batch-size", type=int, default=8)
+    pr.add_argument(
+        "--model",
+        default="tiny",
+        metavar="MODEL",
+        help="a GPT preset (tiny, small, base), or your own factory returning (model, batch, "
+        "loss_fn): package.module:function or path/file.py:function (see docs/analysis.md)",
+    )
+    pr.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per worker (presets: default 8; a factory gets it as batch_size=N)",
+    )
     pr.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     pr.add_argument("--steps", type=int, default=5, help="measured steps; medians (default 5)")
     pr.add_argument("--threads", type=int, default=None, help="torch intra-op threads")

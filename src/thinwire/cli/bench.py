@@ -28,6 +28,7 @@ from thinwire.comm import bench, bench_packing
 from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
 from thinwire.compress.packing import native_enabled
 from thinwire.errors import ConfigError
+from thinwire.rundir import writable_dir
 
 __all__ = ["parse_size", "register", "size_range"]
 
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 1 or args.iters < 1:
         raise ConfigError(f"--warmup and --iters must be >= 1, got {args.warmup} and {args.iters}")
     command = "thinwire " + " ".join(sys.argv[1:]) if sys.argv else "thinwire bench allreduce"
+    if args.out:
+        writable_dir(args.out)  # fail before the benchmark, not after it
     if launched_by_torchrun():
         import torch.distributed as dist
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from thinwire.cli.train import _freeze_step
 from thinwire.errors import ConfigError
 from thinwire.plotting import pyplot, save_figure
+from thinwire.rundir import writable_dir
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import atomic_write_text, read_metrics
 
@@ -91,13 +92,15 @@ def _base_config(args: argparse.Namespace) -> TrainConfig:
 
 def _prepare_out(out: Path) -> None:
     """Replace a previous demo's output, but never a directory the demo did not make."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
     if out.exists() and any(out.iterdir()):
         if not (out / "demo.json").exists() and not (out / ".thinwire-demo").exists():
             raise ConfigError(
                 f"{out} exists and is not a thinwire demo output; choose another --out"
             )
         shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_dir(out)
     (out / ".thinwire-demo").touch()
 
 
@@ -202,8 +205,10 @@ def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bo
                 "samples_per_s": r["samples_per_s"],
                 "compression_samples_per_s": r["compression_samples_per_s"],
                 "train_time_s": json.loads((Path(r["out_dir"]) / "summary.json").read_text())["train_time_s"],
-                "comm_bytes": r["accounted_mb"] * 1e6, "nic_bytes": r["nic_tx_mb_per_host"] * 1e6,
-                "run_dir": r["out_dir"], "freeze_step": r.get("freeze_step"),
+                "comm_bytes": r["accounted_mb_per_host"] * 1e6,
+                "nic_bytes": r["nic_tx_mb_per_host"] * 1e6,
+                "run_dir": r["out_dir"],
+                "freeze_step": r.get("freeze_step"),
             })  # fmt: skip
         return rows
     from thinwire.train.compare import compare

@@ -2,19 +2,22 @@
 
 Each subcommand module exposes ``register(subparsers) -> None``, which adds its parser
 and sets ``func`` (``func(args) -> int``) as a default. Bad input raises
-:class:`thinwire.ConfigError`; it is printed as one line and the exit status is 2.
+:class:`thinwire.ConfigError`; it is printed as one line and the exit status is 2. A run
+that diverged (:class:`thinwire.DivergedError`) exits with status 3, an interrupted one
+with 130, any other failure with 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
 from thinwire import __version__
 from thinwire.comm.launch import DistributedError
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, DivergedError
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
@@ -40,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_EXIT_CODES = {"ConfigError": 2, "UnsafeContentError": 2, "DivergedError": 3}
+"""Exit status for an error a rank raised, by its class name (a spawned rank's exception
+reaches the launcher as text)."""
+
+
 def _one_line(msg: str) -> str:
     return msg.strip().splitlines()[0] if msg.strip() else "unknown error"
 
@@ -52,12 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"thinwire: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
+    except DivergedError as exc:
+        print(f"thinwire: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 3
     except DistributedError as exc:
-        # A rank's ConfigError travels back as "rank R failed: ConfigError: msg\n<traceback>".
+        # A rank's error travels back as "rank R failed: ConfigError: msg\n<traceback>".
         first = _one_line(str(exc))
-        if "ConfigError: " in first:
-            print(f"thinwire: error: {first.split('ConfigError: ', 1)[1]}", file=sys.stderr)
-            return 2
+        known = re.match(r"rank \d+ failed: (\w+): (.*)", first)
+        if known and known.group(1) in _EXIT_CODES:
+            print(f"thinwire: error: {known.group(2)}", file=sys.stderr)
+            return _EXIT_CODES[known.group(1)]
         print(f"thinwire: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

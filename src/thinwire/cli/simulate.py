@@ -31,6 +31,7 @@ import torch
 from thinwire.errors import ConfigError
 from thinwire.localsgd import METHODS, AsyncConfig, SimClock, for_method, simulate
 from thinwire.localsgd.simulator import time_to_reach
+from thinwire.rundir import writable_dir
 from thinwire.train.async_task import gpt_task
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
@@ -47,6 +48,21 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
     if not values:
         raise ConfigError(f"{name} needs at least one value")
     return values
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Numbers the simulator would accept but that make no run: NaN, no learning, ..."""
+    checks = [
+        ("--jitter", args.jitter, args.jitter >= 0, ">= 0"),
+        ("--lr", args.lr, args.lr > 0, "> 0"),
+        ("--outer-lr", args.outer_lr, args.outer_lr > 0, "> 0"),
+        ("--outer-momentum", args.outer_momentum, 0 <= args.outer_momentum < 1, "in [0, 1)"),
+        ("--grace", args.grace, args.grace >= 0, ">= 0"),
+        ("--warmup-steps", args.warmup_steps, args.warmup_steps >= 0, ">= 0"),
+    ]
+    for name, value, ok, rule in checks:
+        if not (ok and math.isfinite(value)):
+            raise ConfigError(f"{name} must be a number {rule}, got {value}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -153,13 +169,19 @@ def _plot(results: list[dict[str, Any]], out: Path) -> list[str]:
 def run_async(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
-        raise ConfigError(f"--methods needs at least one of {', '.join(METHODS)}")
+        raise ConfigError(
+            f"--methods needs at least one of {', '.join(METHODS)}, got {args.methods!r}"
+        )
     for m in methods:
         if m not in METHODS:
             raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     speeds = _floats(args.seconds_per_step, "--seconds-per-step")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    _check_numbers(args)
+    writable_dir(args.out)  # before minutes of simulation, not after
+    if not 0.0 <= args.c <= 1.0 / len(speeds):
+        raise ConfigError(f"--c must be in [0, 1/W] = [0, {1 / len(speeds):.4g}], got {args.c}")
     torch.set_num_threads(args.threads)
     # The GPT and its data, as the example trainer builds them.
     model = TrainConfig(

@@ -20,6 +20,7 @@ import sys
 from types import FrameType
 
 from thinwire.errors import ConfigError
+from thinwire.rundir import writable_dir
 from thinwire.testbed import netns as nx
 from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.registry import list_clusters, remove_clusters
@@ -101,11 +102,10 @@ def _status(args: argparse.Namespace) -> int:
         print("no testbed clusters")
         return 0
     for info in infos:
-        owner = (
-            f"run by pid {info.owner_pid}"
-            if info.owner_alive
-            else ("leftover of a dead run" if info.owner_pid else "persistent")
-        )
+        if info.users:
+            owner = "in use by pid " + ", ".join(str(p) for p in info.users)
+        else:
+            owner = "leftover of a dead run" if info.owner_pid else "persistent"
         print(
             f"cluster {info.cluster_id}: {info.hosts} hosts at "
             f"{nx.format_rate(info.rate_bits)}, {owner}"
@@ -132,6 +132,8 @@ def _run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         raise ConfigError("no command given: thinwire testbed run [options] -- COMMAND ...")
+    if args.logs is not None:
+        writable_dir(args.logs, "--logs")
     nx.require_available()
     if shutil.which(command[0]) is None:
         raise ConfigError(f"command {command[0]!r} not found")

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
 
 from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
+from thinwire.rundir import writable_dir
 from thinwire.train.algorithms import (
     ALGORITHMS,
     RUNNERS,
@@ -277,6 +279,7 @@ def run_training(cfg: TrainConfig, workers: int, timeout_s: float = 1800.0) -> d
         raise ConfigError(f"workers must be >= 1, got {workers}")
     check_config(cfg, workers)
     load_text(cfg.data)  # a bad data file fails here, before any process starts
+    writable_dir(cfg.out_dir)  # so does an output directory that cannot be written
     if workers == 1:
         from thinwire.train.trainer import train
 
@@ -327,8 +330,17 @@ def _main(args: argparse.Namespace) -> int:
             f"rounds, {out['steps']} inner steps"
         )
         return 0
+    first = not launched_by_torchrun() or os.environ.get("RANK") == "0"
+    unused = cfg.unused_options()
+    if unused and first:
+        print(
+            f"thinwire: warning: --algo {cfg.algo} does not use {', '.join(unused)}; ignored",
+            file=sys.stderr,
+        )
     summary = run_training(cfg, args.workers, args.timeout)
-    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+    if not first:
         return 0
+    if "note" in summary:
+        print(f"thinwire: {summary['note']}", file=sys.stderr)
     print(format_summary(summary))
     return 0

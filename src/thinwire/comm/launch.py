@@ -10,7 +10,9 @@ process group (gloo on CPU, NCCL on GPU). There are two ways to get there.
   start method, so no forked thread pools), gives them a free loopback port, runs
   ``fn(rank, world_size, *args)`` in each, returns each rank's result, and always
   destroys the process group. If one rank fails or the deadline passes, the others are
-  terminated instead of being left to hang in a collective, and the error names the rank.
+  terminated instead of being left to hang in a collective, and the error names the rank
+  (a rank killed from outside, not the peers that lost their connection to it). The
+  ranks end with the launcher, even when it is killed (:mod:`thinwire.comm.lifeline`).
 
 Tuning: on a machine with fewer cores than ranks, each rank gets
 ``max(1, cores // nprocs)`` intra-op threads so ranks do not fight for cores.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import signal
 import socket
 import sys
 import time
@@ -32,6 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from thinwire.comm.lifeline import set_process_name, tie_to_parent
+from thinwire.comm.rendezvous import join_store
+from thinwire.errors import ConfigError
+from thinwire.safeload import safe_loads
 
 __all__ = [
     "DistributedError",
@@ -78,14 +86,26 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 
     An already-initialised group is kept as it is. Without ``RANK``/``WORLD_SIZE`` in the
     environment nothing is initialised and False is returned (a single-process run).
+    Ranks started without torchrun meet within ``THINWIRE_JOIN_TIMEOUT_S`` (default 300 s)
+    or fail with a one-line ConfigError (:mod:`thinwire.comm.rendezvous`).
     """
     if dist.is_initialized():
         return True
     if not launched_by_torchrun():
         return False
+    store = join_store(timeout_s)  # all ranks are there (or a one-line error) from here on
+    if store is None:  # under a torchrun agent, which has gathered the ranks already
+        dist.init_process_group(
+            backend=backend or default_backend(),
+            init_method="env://",
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return True
     dist.init_process_group(
         backend=backend or default_backend(),
-        init_method="env://",
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timedelta(seconds=timeout_s),
     )
     return True
@@ -110,8 +130,14 @@ def _encode(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _decode(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def _decode(data: bytes, rank: int) -> Any:
+    # Plain data only (tensors, numbers, strings, containers): a result never runs code.
+    try:
+        return safe_loads(data, f"the result of rank {rank}")
+    except ConfigError as exc:
+        raise DistributedError(
+            f"{exc}; return tensors, numbers, strings, lists and dicts from a rank"
+        ) from None
 
 
 def _worker(
@@ -125,7 +151,10 @@ def _worker(
     timeout_s: float,
     results: Any,
     env: dict[str, str],
+    launcher_pid: int,
 ) -> None:
+    set_process_name(f"thinwire-rank{local_rank}")
+    tie_to_parent(launcher_pid)  # a killed launcher takes its ranks with it
     os.environ.update(env)
     os.environ.update(
         {
@@ -148,12 +177,32 @@ def _worker(
         )
         out = fn(local_rank, nprocs, *args)
         results.put((local_rank, True, _encode(out)))
+    except SystemExit:
+        raise  # stopped by the launcher, or orphaned: nobody waits for a report
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         msg = f"{type(exc).__name__}: {exc}"
         results.put((local_rank, False, _encode((msg, traceback.format_exc()))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Reported (or not): a SIGTERM from the launcher's clean-up now just ends the
+        # process, instead of raising into the interpreter's exit handlers.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _blame_the_dead(procs: list[Any], failed: int, msg: str, accounted: set[int]) -> None:
+    """A rank killed from outside makes its peers fail with "connection reset" first;
+    name the dead rank, not the symptom (waiting briefly for its exit to show)."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if i != failed and i not in accounted and p.exitcode not in (None, 0):
+                first = msg.strip().splitlines()[0][:200] if msg.strip() else "an error"
+                raise DistributedError(
+                    f"rank {i} exited with code {p.exitcode} before reporting (rank {failed} "
+                    f"then failed: {first})"
+                ) from None
+        time.sleep(0.05)
 
 
 def spawn(
@@ -170,8 +219,10 @@ def spawn(
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` new local ranks; return their results.
 
     ``fn`` must be importable by name (a module-level function): the ranks are fresh
-    interpreters (named ``thinwire-rank<r>``, as ``ps`` shows them). Results travel back
-    through ``torch.save``, so tensors are fine.
+    interpreters, named ``thinwire-rank<r>`` (as ``ps -e``, ``top`` and ``pgrep`` show
+    them), that exit when the launcher does, even when it is killed with SIGKILL
+    (:mod:`thinwire.comm.lifeline`). Results travel back through ``torch.save`` and are
+    loaded as plain data (tensors, numbers, strings, lists, dicts), never as code.
 
     ``may_fail``: ranks whose death or exception does not end the run (e.g. the workers
     of asynchronous Local-SGD, whose server carries on without them). Such a failure is
@@ -188,10 +239,23 @@ def spawn(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port(master_addr)
+    launcher = os.getpid()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, fn, args, nprocs, backend, master_addr, port, timeout_s, results, env or {}),
+            args=(
+                r,
+                fn,
+                args,
+                nprocs,
+                backend,
+                master_addr,
+                port,
+                timeout_s,
+                results,
+                env or {},
+                launcher,
+            ),
             daemon=False,
             name=f"thinwire-rank{r}",
         )
@@ -240,11 +304,12 @@ def spawn(
                     ) from None
                 continue
             if not ok:
-                msg, tb = _decode(payload)
+                msg, tb = _decode(payload, r)
                 if not tolerate(r, f"failed: {msg}"):
+                    _blame_the_dead(procs, r, msg, set(outputs) | failed | tolerated)
                     raise DistributedError(f"rank {r} failed: {msg}\n{tb}")
                 continue
-            outputs[r] = _decode(payload)
+            outputs[r] = _decode(payload, r)
     finally:
         for p in procs:
             if p.is_alive() and len(outputs) + len(failed) < nprocs:

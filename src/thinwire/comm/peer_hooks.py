@@ -72,7 +72,11 @@ def make_powersgd_state(
 
 
 def powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """PyTorch's ``powerSGD_hook``, accounted."""
+    """PyTorch's ``powerSGD_hook``, accounted. ``state`` is a ``PowerSGDState``, or a
+    :class:`~thinwire.comm.powersgd_state.TrackedPowerSGD` for an exact resume."""
+    if hasattr(state, "align"):  # a TrackedPowerSGD: lay its buffers out as this bucket is
+        state.align(bucket)
+        state = state.inner
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     nbytes = powersgd_wire_bytes(state, bucket)
     record("ddp.powersgd", nbytes, ring_allreduce_bytes(nbytes, dist.get_world_size(group)))

@@ -58,7 +58,8 @@ class DiLoCo:
         sync_every: H, inner steps per outer step. Larger H communicates less but lets
             replicas drift further; with lr-warmup, start around 20-50.
         outer_lr: outer Nesterov lr (0.7, the paper's value, works from H = 10 to 500).
-        outer_momentum: outer Nesterov momentum (0.9).
+        outer_momentum: outer Nesterov momentum (0.9); 0 averages the replicas plainly
+            (with ``outer_lr`` 1, the replicas' mean becomes the new global model).
         outer_optimizer: factory ``params -> Optimizer`` replacing the default
             ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)``.
         compress: ``none``, ``fp16``, ``bf16`` or ``onebit`` (see the module docstring).
@@ -108,8 +109,14 @@ class DiLoCo:
                 record("diloco.broadcast", nbytes, nbytes)
         self.global_params = [p.detach().clone() for p in self.params]
         if outer_optimizer is None:
+            # Momentum 0 is plain averaging: SGD on the averaged pseudo-gradient (torch
+            # refuses Nesterov without momentum, and with none there is nothing to look
+            # ahead with).
             self.outer = torch.optim.SGD(
-                self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=True
+                self.global_params,
+                lr=outer_lr,
+                momentum=outer_momentum,
+                nesterov=outer_momentum > 0,
             )
         else:
             self.outer = outer_optimizer(self.global_params)

@@ -35,6 +35,7 @@ from thinwire.localsgd.task import (
     shard_sizes,
 )
 from thinwire.localsgd.transport import Transport
+from thinwire.safeload import safe_load
 
 __all__ = ["SERVER_CHECKPOINT", "load_server_state", "run_server", "save_server_state"]
 
@@ -60,11 +61,7 @@ def load_server_state(path: Path) -> dict[str, Any]:
     """The server state saved at ``path``; a one-line ConfigError if missing or damaged."""
     if not path.exists():
         raise ConfigError(f"checkpoint file {path} is missing: nothing to resume")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for damaged or foreign files
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"checkpoint file {path} is corrupt or unreadable ({reason})") from None
+    state = safe_load(path)  # plain data only: a planted pickle runs nothing
     if not isinstance(state, dict) or "theta" not in state:
         raise ConfigError(f"checkpoint file {path} is not an asynchronous Local-SGD server's")
     return state

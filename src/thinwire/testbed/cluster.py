@@ -46,9 +46,11 @@ from thinwire.errors import ConfigError
 from thinwire.testbed import netns as nx
 from thinwire.testbed.netns import HOST_IFNAME, NicCounters
 from thinwire.testbed.registry import (
+    add_user,
     forget,
     list_clusters,
     remove_namespaces,
+    remove_user,
     write_state,
 )
 from thinwire.testbed.results import HostResult, RunResult
@@ -106,11 +108,14 @@ class Cluster:
         self.master_port = int(master_port)
         self._created: list[str] = []
         self._is_up = False
+        self._attached = False
 
     @classmethod
     def attach(cls, cluster_id: str) -> Cluster:
         """A handle on an existing cluster (e.g. one made by ``thinwire testbed up``).
 
+        This process is recorded as a user of the cluster until :meth:`close`, so
+        ``thinwire testbed down`` refuses to remove it meanwhile (unless ``--force``).
         Closing it leaves the cluster in place.
         """
         nx.require_available()
@@ -119,6 +124,9 @@ class Cluster:
             raise ConfigError(f"no testbed cluster with id {cluster_id!r} on this machine")
         c = cls(info.hosts, info.rate_bits, cluster_id=cluster_id, persistent=True)
         c._is_up = True
+        # Recorded as a user until close(): 'testbed down' spares the cluster meanwhile.
+        add_user(c.cluster_id, os.getpid())
+        c._attached = True
         return c
 
     # -- names -----------------------------------------------------------------------
@@ -181,7 +189,10 @@ class Cluster:
         self._is_up = False
 
     def close(self) -> None:
-        """Tear down unless persistent."""
+        """Tear down unless persistent; an attached handle stops being a user."""
+        if self._attached:
+            self._attached = False
+            remove_user(self.cluster_id, os.getpid())
         if not self.persistent:
             self.down()
 

@@ -247,6 +247,8 @@ def train_on_testbed(
     Returns:
         rank 0's ``summary.json`` plus ``testbed`` (hosts, rate, wall seconds, per-host NIC
         tx/rx bytes and link utilization), ``accounted_wire_bytes`` (rank 0, all ops),
+        ``accounted_tx_bytes_per_host`` (:func:`expected_tx_total` over the hosts: the
+        figure to set beside a host's mean NIC tx),
         ``nic_over_accounted`` (all hosts' NIC tx over :func:`expected_tx_total`),
         ``stages`` (see :func:`stage_times`) and ``final_train_loss``. A failed host
         raises ``RuntimeError`` naming its log.
@@ -295,6 +297,9 @@ def train_on_testbed(
             "load_avg_1min": [load_before, os.getloadavg()[0]],
         },
         "accounted_wire_bytes": accounted,
+        # What the accounting says an average host sent: comparable with the mean NIC tx
+        # (rank 0's own record counts each start-up broadcast as sent by every rank).
+        "accounted_tx_bytes_per_host": expected / world,
         "nic_over_accounted": sum(tx) / expected if expected else None,
         "stages": stage_times(records, _split_step(cfg, summary), cfg.batch_size * world),
         "final_train_loss": _final_train_loss(records),
@@ -325,6 +330,7 @@ def _row(res: dict[str, Any], repeat: int) -> dict[str, Any]:
         "compression_samples_per_s": st["compression"].get("samples_per_s"),
         "nic_tx_mb_per_host": statistics.fmean(res["testbed"]["nic_tx_bytes"]) / 1e6,
         "accounted_mb": res["accounted_wire_bytes"] / 1e6,
+        "accounted_mb_per_host": res["accounted_tx_bytes_per_host"] / 1e6,
         "nic_over_accounted": res["nic_over_accounted"],
         "final_val_loss": res["final_val_loss"],
         "final_train_loss": res["final_train_loss"],

@@ -163,8 +163,9 @@ def bridge_ns(cluster_id: str) -> str:
 def parse_rate(rate: str | int) -> int | None:
     """Link rate in bits per second from ``"100mbit"``, ``"1gbit"``, ``"2.5gbit"``, ...
 
-    ``"unlimited"`` (or ``"none"``, ``"0"``) means no shaping: veth speed, returned as
-    None. Integers are taken as bits per second. Units are tc's bit units, decimal
+    ``"unlimited"`` (or ``"none"``) means no shaping: veth speed, returned as None. A
+    rate of 0 (``"0"``, ``"0mbit"``) is refused: it reads as "no traffic" as much as "no
+    limit". Integers are taken as bits per second. Units are tc's bit units, decimal
     (``1mbit`` = 10**6 bit/s); tc's ``bps`` (bytes per second) is refused on purpose
     because it is a classic factor-8 mistake.
     """
@@ -172,9 +173,9 @@ def parse_rate(rate: str | int) -> int | None:
         bits = rate
     else:
         text = str(rate).strip().lower()
-        if text in ("unlimited", "none", "0"):
+        if text in ("unlimited", "none"):
             return None
-        m = _RATE_RE.fullmatch(text)
+        m = _RATE_RE.fullmatch("0bit" if re.fullmatch(r"0+(\.0*)?", text) else text)
         if m is None:
             raise ConfigError(
                 f"rate {rate!r} is invalid: use a number with bit, kbit, mbit or gbit "
@@ -182,7 +183,7 @@ def parse_rate(rate: str | int) -> int | None:
             )
         bits = round(float(m.group(1)) * _RATE_UNITS[m.group(2)])
     if bits == 0:
-        return None
+        raise ConfigError(f"rate {rate!r} is zero; for a link without a rate limit say 'unlimited'")
     if not MIN_RATE_BITS <= bits <= MAX_RATE_BITS:
         raise ConfigError(
             f"rate {rate!r} is out of range: use between {format_rate(MIN_RATE_BITS)} "

@@ -1,19 +1,22 @@
 """Finding and removing testbed clusters, including leftovers of runs that died.
 
 A cluster is its namespaces (``thinwire-ID-*``); the kernel is the only source of truth
-for what exists. Beside that, ``/run/thinwire-testbed/ID.json`` records who owns a
+for what exists. Beside that, ``/run/thinwire-testbed/ID.json`` records who uses a
 cluster: the pid and start time of the process that made it (none for ``thinwire
-testbed up``, which makes clusters that outlive it). A cluster whose owner is gone is a
-leftover; ``down`` removes those and leaves live runs alone unless forced.
+testbed up``, which makes clusters that outlive it) and of every run attached to it
+(``thinwire testbed run --id ID``, for as long as it runs). A cluster none of whose
+users is alive is a leftover; ``down`` removes those and leaves clusters in use alone
+unless forced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,11 +28,13 @@ from thinwire.testbed.netns import HOST_IFNAME
 __all__ = [
     "STATE_DIR",
     "ClusterInfo",
+    "add_user",
     "forget",
     "list_clusters",
     "read_state",
     "remove_clusters",
     "remove_namespaces",
+    "remove_user",
     "write_state",
 ]
 
@@ -47,6 +52,8 @@ class ClusterInfo:
     owner_pid: int | None
     owner_alive: bool
     addresses: list[str] = field(default_factory=list)
+    users: list[int] = field(default_factory=list)
+    """Pids of the live processes using the cluster (its owner, attached runs)."""
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -70,11 +77,62 @@ def read_state(cluster_id: str) -> dict[str, Any]:
         return {}
 
 
+def _alive(pid: Any, start: Any) -> bool:
+    return isinstance(pid, int) and _proc_start_time(pid) == start
+
+
+def _live_users(state: Mapping[str, Any]) -> list[int]:
+    """Pids of the live processes using a cluster: its owner and every attached run."""
+    users = [(state.get("owner_pid"), state.get("owner_start"))]
+    users += [(u.get("pid"), u.get("start")) for u in state.get("users", []) if isinstance(u, dict)]
+    return [pid for pid, start in users if _alive(pid, start)]
+
+
 def _owner_alive(state: Mapping[str, Any]) -> bool:
-    pid = state.get("owner_pid")
-    if not isinstance(pid, int):
-        return False
-    return _proc_start_time(pid) == state.get("owner_start")
+    return bool(_live_users(state))
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """Serialise read-modify-write of the owner records (runs attach concurrently)."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(STATE_DIR / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def add_user(cluster_id: str, pid: int) -> None:
+    """Record ``pid`` as a run using ``cluster_id`` (``testbed run --id``), so that
+    ``down`` without ``--force`` leaves the cluster alone while it runs."""
+    with _locked():
+        state = read_state(cluster_id) or {"cluster_id": cluster_id, "owner_pid": None}
+        users = [u for u in state.get("users", []) if isinstance(u, dict) and u.get("pid") != pid]
+        state["users"] = [*users, {"pid": pid, "start": _proc_start_time(pid)}]
+        _write(cluster_id, state)
+
+
+def remove_user(cluster_id: str, pid: int) -> None:
+    """Drop ``pid`` (and any dead user) from the record of ``cluster_id``."""
+    with _locked():
+        state = read_state(cluster_id)
+        if not state:
+            return
+        state["users"] = [
+            u
+            for u in state.get("users", [])
+            if isinstance(u, dict) and u.get("pid") != pid and _alive(u.get("pid"), u.get("start"))
+        ]
+        _write(cluster_id, state)
+
+
+def _write(cluster_id: str, state: Mapping[str, Any]) -> None:
+    path = _state_path(cluster_id)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
 
 
 def remove_namespaces(names: Sequence[str]) -> None:
@@ -112,6 +170,7 @@ def list_clusters() -> list[ClusterInfo]:
                 owner_pid=pid if isinstance(pid, int) else None,
                 owner_alive=_owner_alive(state),
                 addresses=addresses,
+                users=_live_users(state),
             )
         )
     return infos
@@ -136,11 +195,11 @@ def remove_clusters(cluster_ids: Sequence[str] | None = None, *, force: bool = F
             raise ConfigError(f"no testbed cluster with id {missing[0]!r} on this machine")
     removed = []
     for cid in wanted:
-        state = read_state(cid)
-        if not force and _owner_alive(state):
+        live = _live_users(read_state(cid))
+        if not force and live:
             if cluster_ids is not None:
                 raise ConfigError(
-                    f"cluster {cid!r} belongs to running process {state['owner_pid']}; "
+                    f"cluster {cid!r} belongs to running process {live[0]} (a run on it); "
                     "stop it first or use --force"
                 )
             continue
@@ -166,8 +225,10 @@ def write_state(cluster_id: str, hosts: int, rate_bits: int | None, owner: int |
         "rate_bits": rate_bits,
         "owner_pid": owner,
         "owner_start": _proc_start_time(owner) if owner else None,
+        "users": [],
     }
-    _state_path(cluster_id).write_text(json.dumps(state))
+    with _locked():
+        _write(cluster_id, state)
 
 
 def forget(cluster_id: str) -> None:

@@ -222,18 +222,31 @@ def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
 
     def make(model: nn.Module, cfg: TrainConfig) -> Strategy:
         from thinwire.comm.peer_hooks import fp16_hook, make_powersgd_state, powersgd_hook
+        from thinwire.comm.powersgd_state import (
+            TrackedPowerSGD,
+            load_powersgd_state_dict,
+            powersgd_state_dict,
+        )
 
         if kind == "fp16":
             return _ddp_adamw(model, cfg, fp16_hook)
-        state = make_powersgd_state(
-            rank=int(cfg.extra.get("powersgd_rank", 4)),
-            start_iter=int(cfg.extra.get("powersgd_start", 10)),
+        state = TrackedPowerSGD(
+            make_powersgd_state(
+                rank=int(cfg.extra.get("powersgd_rank", 4)),
+                start_iter=int(cfg.extra.get("powersgd_start", 10)),
+            ),
+            model,
         )
         # PowerSGD chains allreduces in future callbacks; on gloo, callbacks of different
         # buckets may issue theirs in different orders on different ranks (a collective
         # mismatch), so the model's gradients go in one bucket there.
         one_bucket = 1024.0 if next(model.parameters()).device.type == "cpu" else None
-        return _ddp_adamw(model, cfg, powersgd_hook, state, bucket_cap_mb=one_bucket)
+        strategy = _ddp_adamw(model, cfg, powersgd_hook, state, bucket_cap_mb=one_bucket)
+        # The hook's residuals, factors and step count are part of an exact resume.
+        device = next(model.parameters()).device
+        strategy.state_dict = lambda: powersgd_state_dict(state)
+        strategy.load_state_dict = lambda saved: load_powersgd_state_dict(state, saved, device)
+        return strategy
 
     return make
 

@@ -36,12 +36,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from thinwire import runlock
 from thinwire.comm.accounting import COUNTER
 from thinwire.comm.launch import launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
 from thinwire.plotting import pyplot, save_figure
+from thinwire.rundir import existing_run
 from thinwire.train.algorithms import check_algorithm
-from thinwire.train.checkpoint import latest_step
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import load_text
 from thinwire.train.metrics import atomic_write_text, read_metrics
@@ -162,9 +163,14 @@ def compare(
             setattr(cfg, key, value)
         cfg.out_dir = str(_run_dir(out_dir, label))
         cfg.validate()
-        if not overwrite and latest_step(Path(cfg.out_dir)) is not None:
+        if not overwrite and existing_run(cfg.out_dir):
             raise ConfigError(
                 f"compare: {cfg.out_dir} already holds a run; pass --overwrite or another --out"
+            )
+        busy = runlock.holder(cfg.out_dir)
+        if busy is not None:  # never clear a directory a live run is writing
+            raise ConfigError(
+                f"compare: {cfg.out_dir} is in use by a run in progress (pid {busy.get('pid')})"
             )
         configs[label] = cfg
 
@@ -243,12 +249,13 @@ def _train_all(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[
 
 def _clear_run(run_dir: Path) -> None:
     """Remove what a previous run left in ``run_dir``: only the trainer's own files
-    (checkpoints, ``run.json``, metrics, summary); anything else there stays."""
+    (checkpoints, ``run.json``, metrics, summary, an asynchronous server's state);
+    anything else there stays."""
     import shutil
 
     if not run_dir.is_dir():
         return
-    for name in ("metrics.jsonl", "summary.json", "run.json"):
+    for name in ("metrics.jsonl", "summary.json", "run.json", "localsgd_server.pt"):
         (run_dir / name).unlink(missing_ok=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 

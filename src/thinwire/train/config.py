@@ -10,7 +10,53 @@ from thinwire.errors import ConfigError
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.train.model import PRESETS, GPTConfig
 
-__all__ = ["TrainConfig"]
+__all__ = ["EXTRA_USED_BY", "ONEBIT_ALGOS", "USED_BY", "TrainConfig"]
+
+ONEBIT_ALGOS = ("onebit-lamb", "onebit-adam")
+_LOCAL_SGD = ("diloco", "async-diloco")
+
+USED_BY: dict[str, tuple[str, ...]] = {
+    "freeze_step": (*ONEBIT_ALGOS, "adamw-onebit", "adamw-onebit-sync"),
+    "freeze_cap": ONEBIT_ALGOS,
+    "freeze_tolerance": ONEBIT_ALGOS,
+    "precondition": ONEBIT_ALGOS,
+    "grad_dtype": ("lamb", *ONEBIT_ALGOS),
+    "local_steps": _LOCAL_SGD,
+    "outer_lr": _LOCAL_SGD,
+    "outer_momentum": _LOCAL_SGD,
+    "compress": _LOCAL_SGD,
+    "inner_momentum": _LOCAL_SGD,
+    "outer": ("async-diloco",),
+    "dylu": ("async-diloco",),
+    "slowdown": ("async-diloco",),
+    "grace_s": ("async-diloco",),
+    "sync": ("async-diloco",),
+    "shards": ("async-diloco",),
+    "c": ("async-diloco",),
+    "dylu_ema": ("async-diloco",),
+    "dead_after_s": ("async-diloco",),
+    "connect_timeout_s": ("async-diloco",),
+    "link_timeout_s": ("async-diloco",),
+}
+"""The algorithm-specific fields of :class:`TrainConfig` and the algorithms that read them;
+the others are read by every algorithm."""
+
+EXTRA_USED_BY: dict[str, tuple[str, ...]] = {
+    "powersgd_rank": ("adamw-powersgd",),
+    "powersgd_start": ("adamw-powersgd",),
+}
+"""The same for the keys of :attr:`TrainConfig.extra`."""
+
+
+def _check_range(
+    name: str, value: float, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
+) -> None:
+    """A one-line ConfigError unless ``value`` is a number in the interval (NaN never is)."""
+    ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not (ok and math.isfinite(value)):
+        closing = ")" if hi_open or math.isinf(hi) else "]"
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{closing}"
+        raise ConfigError(f"{name} must be a number in {interval}, got {value}")
 
 
 @dataclass
@@ -179,33 +225,69 @@ class TrainConfig:
                 raise ConfigError(
                     f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        _check_range("lr", self.lr, 0.0, math.inf, lo_open=True)
         if self.warmup_steps < 0 or self.checkpoint_interval < 0:
             raise ConfigError("warmup-steps and checkpoint-interval must be >= 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"grad-clip must be >= 0, got {self.grad_clip}")
+        _check_range("min-lr-ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_range("weight-decay", self.weight_decay, 0.0, math.inf)
+        for i, beta in enumerate(self.betas):
+            _check_range(f"betas[{i}]", beta, 0.0, 1.0, hi_open=True)
+        _check_range("grad-clip", self.grad_clip, 0.0, math.inf)  # 0 = off; NaN is not
         if self.stop_after is not None and self.stop_after < 1:
             raise ConfigError(f"stop-after must be >= 1, got {self.stop_after}")
-        if self.freeze_step not in (None, "auto") and (
-            isinstance(self.freeze_step, (str, bool)) or self.freeze_step < 1
-        ):
+        self._check_freeze_step()
+        if self.grad_dtype not in (None, "fp32", "fp16", "bf16"):
+            raise ConfigError(f"grad-dtype must be fp32, fp16 or bf16, got {self.grad_dtype!r}")
+        _check_range("freeze-tolerance", self.freeze_tolerance, 0.0, math.inf, lo_open=True)
+        _check_range("freeze-cap", self.freeze_cap, 0.0, 1.0, lo_open=True)
+        if self.local_steps < 1:
+            raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
+        # An outer lr of 0 leaves a model that never moves; momentum must be in [0, 1) for
+        # the outer step to converge (0 is plain averaging of the pseudo-gradients).
+        _check_range("outer-lr", self.outer_lr, 0.0, math.inf, lo_open=True)
+        _check_range("outer-momentum", self.outer_momentum, 0.0, 1.0, hi_open=True)
+        self._check_device()
+        self.gpt_config()
+
+    def _check_freeze_step(self) -> None:
+        if self.freeze_step in (None, "auto"):
+            return
+        if isinstance(self.freeze_step, (str, bool)) or self.freeze_step < 1:
             raise ConfigError(
                 f"freeze-step must be 'auto' or a step >= 1, got {self.freeze_step!r}"
             )
-        if self.grad_dtype not in (None, "fp32", "fp16", "bf16"):
-            raise ConfigError(f"grad-dtype must be fp32, fp16 or bf16, got {self.grad_dtype!r}")
-        if not 0.0 < self.freeze_tolerance < float("inf"):
-            raise ConfigError(f"freeze-tolerance must be > 0, got {self.freeze_tolerance}")
-        if not 0.0 < self.freeze_cap <= 1.0:
-            raise ConfigError(f"freeze-cap must be in (0, 1], got {self.freeze_cap}")
-        if self.local_steps < 1:
-            raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
+        # freeze_step == steps is a legitimate control run (a 1-bit optimizer that never
+        # compresses); past the end it can only be a mistake.
+        if self.algo in ONEBIT_ALGOS and self.freeze_step > self.steps:
+            raise ConfigError(
+                f"freeze-step {self.freeze_step} is past steps {self.steps}: {self.algo} "
+                "would never compress; lower --freeze-step (or use lamb/adamw)"
+            )
+
+    def _check_device(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        self.gpt_config()
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda was asked for, but CUDA is not available")
+
+    def unused_options(self) -> list[str]:
+        """Options set away from their defaults that ``algo`` never reads, as
+        ``--flag`` names (the command line warns about them; they change nothing)."""
+        default = TrainConfig()
+        unused = [
+            name
+            for name, algos in USED_BY.items()
+            if self.algo not in algos and getattr(self, name) != getattr(default, name)
+        ]
+        unused += [
+            key
+            for key, algos in EXTRA_USED_BY.items()
+            if key in self.extra and self.algo not in algos
+        ]
+        return ["--" + name.replace("_", "-").removesuffix("-s") for name in unused]
 
     def freeze_rule(self) -> int | AutoFreeze:
         """What the 1-bit optimizers get as ``freeze_step``: the fixed step, or the automatic

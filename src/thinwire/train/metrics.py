@@ -58,7 +58,8 @@ class MetricsWriter:
 
     On resume from step ``resume_step``, records after that step (written by the
     interrupted run after its last checkpoint) are dropped first, so the file reads as
-    one uninterrupted run.
+    one uninterrupted run. A new run (``resume_step`` None) refuses an existing file: it
+    belongs to another run, and is never deleted.
     """
 
     def __init__(
@@ -78,7 +79,12 @@ class MetricsWriter:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
-            self.path.unlink()
+            # Never delete another run's record (the trainer refuses such a directory
+            # before it gets here; this guards every other caller).
+            raise ConfigError(
+                f"{self.path} already holds another run's metrics; pass --resume to "
+                "continue that run, or choose another --out"
+            )
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the whole run
         if tensorboard:
             try:

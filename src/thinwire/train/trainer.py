@@ -26,10 +26,13 @@ from thinwire.comm.accounting import COUNTER, record
 from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
 from thinwire.errors import ConfigError
+from thinwire.runlock import RunLock
 from thinwire.train import checkpoint as ckpt
+from thinwire.train import outdir
 from thinwire.train.algorithms import get_runner, make_strategy
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
+from thinwire.train.guard import DivergenceGuard
 from thinwire.train.metrics import MetricsWriter, Progress, atomic_write_text
 from thinwire.train.model import GPT
 
@@ -106,37 +109,38 @@ def _identity(cfg: TrainConfig) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in cfg.IDENTITY} | {"world_size": get_world_size()}
 
 
-def _start_step(cfg: TrainConfig, out_dir: Path) -> int:
+def _start_step(cfg: TrainConfig, out_dir: Path) -> tuple[int, str | None, dict | None]:
     """Decide on rank 0 where the run starts, check the output directory, tell every rank.
 
-    Errors are decided on rank 0 and raised on every rank, so no rank is left waiting.
+    Returns the start step, the run id (stamped on every checkpoint file) and, when a
+    resumed run has nothing left to do, its saved summary. Errors are decided on rank 0
+    and raised on every rank, so no rank is left waiting.
     """
-    decision: tuple[int, str | None] = (0, None)
+    decision: tuple[int, str | None, dict | None, str | None] = (0, None, None, None)
     if get_rank() == 0:
         try:
-            step = ckpt.latest_step(out_dir)
-            if cfg.resume:
-                if step is None:
-                    raise ConfigError(f"--resume: no checkpoint in {out_dir} to resume from")
-                ckpt.check_run_identity(out_dir, _identity(cfg))
-                if step > cfg.steps:
-                    raise ConfigError(
-                        f"--resume: the checkpoint is at step {step}, past --steps {cfg.steps}"
-                    )
-                decision = (step, None)
-            else:
-                if step is not None:
-                    raise ConfigError(
-                        f"output directory {out_dir} already holds a checkpoint of another run "
-                        f"(step {step}); pass --resume to continue it or choose another --out"
-                    )
-                ckpt.write_run_identity(out_dir, _identity(cfg))
+            decision = (*outdir.decide_start(cfg, out_dir, _identity(cfg)), None)
         except ConfigError as exc:
-            decision = (0, str(exc))
-    step, error = _broadcast_decision(decision)
+            decision = (0, None, None, str(exc))
+    step, run_id, finished, error = _broadcast_decision(decision)
     if error is not None:
         raise ConfigError(error)
-    return step
+    return step, run_id, finished
+
+
+def _claim_out_dir(cfg: TrainConfig) -> RunLock | None:
+    """Rank 0 locks ``--out`` for the whole run (:func:`outdir.claim`); every rank learns
+    whether it could."""
+    lock, error = None, None
+    if get_rank() == 0:
+        try:
+            lock = outdir.claim(cfg.out_dir, cfg.resume)
+        except ConfigError as exc:
+            error = str(exc)
+    error = _broadcast_decision(error)
+    if error is not None:
+        raise ConfigError(error)
+    return lock
 
 
 def _broadcast_parameters(model: nn.Module) -> None:
@@ -150,12 +154,30 @@ def _broadcast_parameters(model: nn.Module) -> None:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) training on this rank; returns the run summary (complete on rank 0)."""
+    """Run (or resume) training on this rank; returns the run summary (complete on rank 0).
+
+    Rank 0 holds a lock on ``cfg.out_dir`` for the whole run (:mod:`thinwire.runlock`);
+    a directory that holds another run needs ``cfg.resume``.
+
+    Raises:
+        ConfigError: bad settings, or an output directory in use or holding another run.
+        DivergedError: the loss turned non-finite or exploded, or most steps were skipped
+            (:mod:`thinwire.train.guard`); the last good checkpoint is kept.
+    """
     cfg.validate()
-    COUNTER.reset()  # this run's bytes only, also when one process trains several times
-    runner = get_runner(cfg.algo)
-    if runner is not None:
-        return runner(cfg)
+    lock = _claim_out_dir(cfg)
+    try:
+        COUNTER.reset()  # this run's bytes only, also when one process trains several times
+        runner = get_runner(cfg.algo)
+        if runner is not None:
+            return runner(cfg)
+        return _train(cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     rank, world = get_rank(), get_world_size()
     device = pick_device(cfg)
     out_dir = Path(cfg.out_dir)
@@ -165,14 +187,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
-    start = _start_step(cfg, out_dir)
+    start, run_id, finished = _start_step(cfg, out_dir)
+    if finished is not None:
+        return finished  # resumed a finished run: nothing to do, nothing rewritten
     if start > 0 and rank == 0:
-        model.load_state_dict(ckpt.load_model_state(out_dir, start))
+        model.load_state_dict(ckpt.load_model_state(out_dir, start, run_id))
     _broadcast_parameters(model)
     strategy = make_strategy(model, cfg)
     elapsed = 0.0
     if start > 0:
-        state = ckpt.load_rank_state(out_dir, start, rank)
+        state = ckpt.load_rank_state(out_dir, start, rank, run_id)
         strategy.optimizer.load_state_dict(state["optimizer"])
         if strategy.load_state_dict is not None:
             strategy.load_state_dict(state["strategy"])
@@ -188,6 +212,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run_start_elapsed = elapsed
     last_bytes, last_step = COUNTER.wire_bytes_excluding(TRAINER_OPS), start
     val_loss = float("nan")
+    guard = DivergenceGuard(math.log(gcfg.vocab_size), last_checkpoint=start or None)
     if start == 0:
         val_loss = evaluate(model, data, cfg, device)
         metrics.write(
@@ -221,7 +246,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 compressing = True
                 _announce_freeze(cfg, strategy.optimizer, done, samples_per_step, metrics)
 
-            if done % cfg.log_interval == 0 or done == end:
+            save = (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end
+            if done % cfg.log_interval == 0 or done == end or save:  # the guard sees each save
                 mean_loss = (
                     float(_all_reduce_sum(loss.detach().float().cpu().view(1), "loss")) / world
                 )
@@ -240,6 +266,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 if strategy.metrics is not None:
                     rec.update(strategy.metrics())
                 metrics.write(rec)
+                guard.check_train(done, mean_loss, rec.get("skipped_steps"))
                 progress.update(
                     0, loss=f"{mean_loss:.3f}", sps=f"{rec['samples'] / max(elapsed, 1e-9):.0f}"
                 )
@@ -249,8 +276,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     {"step": done, "samples": done * samples_per_step, "val_loss": val_loss,
                      "val_ppl": math.exp(min(val_loss, 50.0))}
                 )  # fmt: skip
-            if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end:
-                _save(cfg, out_dir, done, rank, model, strategy, elapsed)
+                guard.check_val(done, val_loss)
+            if save:
+                _save(cfg, out_dir, done, rank, model, strategy, elapsed, run_id)
+                guard.saved(done)
             progress.update(1)
     finally:
         progress.close()
@@ -259,6 +288,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # --- summary -------------------------------------------------------------------------
     trained = (end - start) * samples_per_step
     run_time = elapsed - run_start_elapsed
+    if end <= start:  # resumed at its end, its summary lost: rebuild it from the checkpoint
+        val_loss = evaluate(model, data, cfg, device)
+        trained, run_time = end * samples_per_step, elapsed
     summary = {
         "algo": cfg.algo,
         "world_size": world,
@@ -307,7 +339,7 @@ def _announce_freeze(
 
 def _save(
     cfg: TrainConfig, out_dir: Path, step: int, rank: int, model: nn.Module, strategy: Any,
-    elapsed: float,
+    elapsed: float, run_id: str | None,
 ) -> None:  # fmt: skip
     rank_state = {
         "rank": rank,
@@ -319,4 +351,4 @@ def _save(
         "elapsed_s": elapsed,
     }
     model_state = model.state_dict() if rank == 0 else None
-    ckpt.save_checkpoint(out_dir, step, rank, model_state, rank_state)
+    ckpt.save_checkpoint(out_dir, step, rank, model_state, rank_state, run_id)

@@ -1,0 +1,279 @@
+"""The recipes in examples/: each runs as a user would run it (torchrun, 2 CPU ranks,
+``--tiny``), and what it prints about bytes, loss and replicas is checked.
+
+Most of a recipe's time is starting Python and importing torch (and transformers), so
+the recipes this session selects are started a few at a time, as soon as the first of
+these tests runs, and each test then waits for its own. Each recipe has its own time
+limit; a recipe past it is killed with its ranks.
+
+The Hugging Face recipes need the ``hf`` extra (``pip install -e '.[dev,hf]'``, which
+``make test`` installs); without it they are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+AT_ONCE = 3  # recipes running together: ~7 processes on 2 cores, ~3 GB of memory
+LIMIT_S = 150.0  # per recipe, from its start
+
+_HF_MISSING = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
+needs_hf = pytest.mark.skipif(
+    bool(_HF_MISSING),
+    reason=f"needs the thinwire[hf] extra ({', '.join(_HF_MISSING)} not installed): "
+    "pip install -e '.[dev,hf]'",
+)
+
+_TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+RECIPES: dict[str, list[str]] = {
+    "ddp_onebit_lamb": _TORCHRUN,
+    "diloco_own_loop": _TORCHRUN,
+    "hf_trainer_onebit_lamb": _TORCHRUN,
+    "hf_trainer_onebit_hook": _TORCHRUN,
+    "accelerate_onebit_hook": _TORCHRUN,
+    "analyze_bert": [sys.executable],
+}
+"""Recipe (``examples/<name>.py``) -> the launcher in front of it; each runs ``--tiny``."""
+HF_RECIPES = {
+    "hf_trainer_onebit_lamb",
+    "hf_trainer_onebit_hook",
+    "accelerate_onebit_hook",
+    "analyze_bert",
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    # Models are built from configs: nothing may come from the network.
+    env["HF_HUB_OFFLINE"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, which is what CI has
+    return env
+
+
+class _Runner:
+    """Runs recipes ``AT_ONCE`` at a time; :meth:`output` waits for one and returns it."""
+
+    def __init__(self, names: list[str], folder: Path) -> None:
+        self.queue, self.folder = list(names), folder
+        self.running: dict[str, tuple[subprocess.Popen[bytes], float, IO[bytes]]] = {}
+        self.done: dict[str, tuple[int | None, str]] = {}
+
+    def _start_more(self) -> None:
+        while self.queue and len(self.running) < AT_ONCE:
+            name = self.queue.pop(0)
+            log = (self.folder / f"{name}.log").open("w+b")
+            cmd = [*RECIPES[name], str(EXAMPLES / f"{name}.py"), "--tiny"]
+            # Its own session, so a recipe past its limit is killed with all its ranks.
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            self.running[name] = (proc, time.monotonic(), log)
+
+    def _reap(self) -> None:
+        for name, (proc, started, log) in list(self.running.items()):
+            code = proc.poll()
+            if code is None:
+                if time.monotonic() - started <= LIMIT_S:
+                    continue
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()  # code stays None: reported as a timeout
+            log.seek(0)
+            self.done[name] = (code, log.read().decode(errors="replace"))
+            log.close()
+            del self.running[name]
+
+    def output(self, name: str) -> str:
+        if name in self.queue:  # the test asking first goes first
+            self.queue.remove(name)
+            self.queue.insert(0, name)
+        while name not in self.done:
+            self._start_more()
+            self._reap()
+            time.sleep(0.1)
+        code, out = self.done[name]
+        assert code is not None, f"{name} ran past {LIMIT_S:.0f} s:\n{out[-3000:]}"
+        assert code == 0, f"{name} failed (exit {code}):\n{out[-5000:]}"
+        return out
+
+    def close(self) -> None:
+        for proc, _, log in self.running.values():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def recipes(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The runner, started on the recipes of the tests selected in this session."""
+    selected = {
+        item.name.removeprefix("test_").removesuffix("_recipe")
+        for item in request.session.items
+        if item.module is sys.modules[__name__]
+    }
+    if _HF_MISSING:
+        selected -= HF_RECIPES
+    with tempfile.TemporaryDirectory(prefix="thinwire-recipes-") as folder:
+        runner = _Runner([n for n in RECIPES if n in selected], Path(folder))
+        runner._start_more()
+        try:
+            yield runner
+        finally:
+            runner.close()
+
+
+def _line(out: str, start: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith(start)]
+    assert len(lines) == 1, f"expected one line starting {start!r} in:\n{out}"
+    return lines[0]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x.replace(",", "")) for x in re.findall(r"\d[\d,]*(?![\d.])", text)]
+
+
+def _ratio(line: str) -> float:
+    return float(re.search(r"\(([\d.]+)x (?:fewer|more)\)", line).group(1))  # type: ignore[union-attr]
+
+
+def _losses(out: str) -> list[float]:
+    step_lines = re.findall(r"^step\s+\d+\s+loss ([\d.]+)", out, re.M)
+    trainer_logs = re.findall(r"\{'loss': '([\d.]+)'", out)
+    return [float(x) for x in (step_lines or trainer_logs)]
+
+
+def _totals(out: str) -> tuple[int, int, int]:
+    """(bytes sent per rank, ranks, bytes of an fp32 allreduce every step) from the summary."""
+    m = re.search(
+        r"^bytes sent per rank: ([\d,]+) over \d+ steps on (\d+) ranks; "
+        r"an fp32 allreduce every step: ([\d,]+)",
+        out,
+        re.M,
+    )
+    assert m is not None, out
+    sent, ranks, every = (int(g.replace(",", "")) for g in m.groups())
+    return sent, ranks, every
+
+
+def _check_onebit_bytes(out: str, fp32_step_bytes: int | None = None) -> None:
+    """Warmup sends one fp32 allreduce per step, the 1-bit stage ~30x fewer."""
+    warm = _line(out, "fp32 warmup")
+    per_fp32 = _ints(warm.split(":", 1)[1])[0]
+    if fp32_step_bytes is not None:
+        # 2 ranks: a ring allreduce sends the buffer's size once. Twice as much would
+        # mean the gradients were averaged twice (DDP and the optimizer).
+        assert per_fp32 == fp32_step_bytes
+    assert 25 < _ratio(_line(out, "1-bit stage")) < 33
+    sent, ranks, every_step = _totals(out)
+    assert ranks == 2 and every_step > 3 * sent
+    assert _line(out, "replicas identical").endswith("True")
+    losses = _losses(out)
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(300)
+def test_ddp_onebit_lamb_recipe(recipes: _Runner) -> None:
+    out = recipes.output("ddp_onebit_lamb")
+    spec = importlib.util.spec_from_file_location("ddp_recipe", EXAMPLES / "ddp_onebit_lamb.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    param_bytes = sum(p.numel() * 4 for p in mod.make_model(64).parameters())
+    _check_onebit_bytes(out, fp32_step_bytes=param_bytes)
+
+
+@pytest.mark.timeout(300)
+def test_diloco_own_loop_recipe(recipes: _Runner) -> None:
+    out = recipes.output("diloco_own_loop")  # tiny: 40 steps, H = 10, no compression
+    assert _line(out, "replicas identical").endswith("True")
+    syncs = re.search(r"^(\d+) syncs \(none\): ([\d,]+) bytes per sync", out, re.M)
+    assert syncs is not None and int(syncs.group(1)) == 4
+    # One uncompressed sync sends what one fp32 gradient allreduce does: H = 10x fewer.
+    assert _ratio(_line(out, "bytes sent per rank")) == 10.0
+    losses = _losses(out)
+    assert losses[-1] < losses[0], losses
+
+
+@needs_hf
+@pytest.mark.timeout(300)
+def test_hf_trainer_onebit_lamb_recipe(recipes: _Runner) -> None:
+    out = recipes.output("hf_trainer_onebit_lamb")
+    _check_onebit_bytes(out)
+    ops = _line(out, "by collective")
+    # DDP (via the registered hook) averages in warmup; the optimizer never does it again.
+    assert "ddp.allreduce" in ops and "onebit.phase1" in ops and "optim.allreduce" not in ops
+
+
+@needs_hf
+@pytest.mark.timeout(300)
+def test_hf_trainer_onebit_hook_recipe(recipes: _Runner) -> None:
+    out = recipes.output("hf_trainer_onebit_hook")
+    _check_onebit_bytes(out)
+    ops = _line(out, "by collective")
+    assert "ddp.allreduce" in ops and "onebit.phase2" in ops
+
+
+@needs_hf
+@pytest.mark.timeout(300)
+def test_accelerate_onebit_hook_recipe(recipes: _Runner) -> None:
+    out = recipes.output("accelerate_onebit_hook")
+    _check_onebit_bytes(out)
+
+
+@needs_hf
+@pytest.mark.timeout(300)
+def test_analyze_bert_recipe(recipes: _Runner) -> None:
+    out = recipes.output("analyze_bert")
+    grads = _ints(_line(out, "bert_small").split("parameters,", 1)[1])[0]
+    n_params = _ints(_line(out, "bert_small").split("tensors,", 1)[1])[0]
+    assert grads == 4 * n_params  # every parameter of pre-training BERT gets a gradient
+    assert _ints(_line(out, "DDP buckets").split(":", 1)[1])[0] >= 1
+    sfs = {}
+    for gbps in ("1", "10", "100"):
+        row = _line(out, f"{gbps + ' Gb/s':>11s}")
+        # link, fp32 and 1-bit wire time, then SF fp32, SF 1-bit, SF 1-bit + compute
+        sfs[gbps] = [float(x) for x in re.findall(r"\s(\d\.\d{3})(?=\s)", row + " ")]
+        assert len(sfs[gbps]) == 3, row
+    assert all(0 < sf <= 1 for row in sfs.values() for sf in row)
+    fp32 = [sfs[g][0] for g in ("1", "10", "100")]
+    assert fp32 == sorted(fp32)  # a faster link never lowers the scaling factor
+    # Paying for the 1-bit compute never raises the scaling factor.
+    assert all(sfs[g][2] <= sfs[g][1] for g in sfs)
+    assert _ratio(_line(out, "bytes each worker sends")) > 20
+
+
+@needs_hf
+@pytest.mark.timeout(120)
+def test_analyze_profile_cli_takes_the_bert_factory(tmp_path: Path) -> None:
+    from thinwire.cli.main import main
+
+    out = tmp_path / "bert.json"
+    spec = f"{EXAMPLES / 'analyze_bert.py'}:bert_small"
+    args = ["analyze", "profile", "--model", spec, "--batch-size", "2", "--observe-ddp"]
+    assert main([*args, "--warmup", "0", "--steps", "1", "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["model"] == spec and data["batch_size"] == 2
+    assert all(p["ready_s"] is not None for p in data["params"])  # BERT pre-training uses all
+    observed = sorted(i for bucket in data["observed_buckets"] for i in bucket)
+    assert observed == list(range(len(data["params"])))
