@@ -250,7 +250,7 @@ def test_repredict_refits_the_link_from_saved_runs(tmp_path: Path) -> None:
     assert entry["link"]["bandwidth_gbps"] == pytest.approx(0.09, rel=1e-6)
     assert entry["link"]["alpha_per_message_s"] == pytest.approx(alpha / 6, rel=1e-6)
     assert entry["link_fit"]["fit"]["points"] == 5  # 1, 2, 4, 8, 16 MiB
-    assert [r["scheme"] for r in entry["rows"]] == ["ddp", "fp32-fused", "onebit"]
+    assert [r["scheme"] for r in entry["rows"]] == ["ddp", "ddp@warmup", "onebit"]
     ddp = entry["rows"][0]
     assert ddp["measured"]["first_step"] == 2 and ddp["measured"]["steps"] == 7
     assert ddp["err_pct"] == pytest.approx(

@@ -65,6 +65,11 @@ def _error(args: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -
             "freeze-step 61 is past steps 60: onebit-adam would never compress",
         ),
         (["--algo", "async-diloco"], "asynchronous Local-SGD needs at least 2 ranks"),
+        (["--algo", "onebit-lamb", "--freeze-step", "0"], "freeze-step must be 'auto' or a step"),
+        (["--algo", "onebit-lamb", "--freeze-cap", "0"], "freeze-cap must be a number in (0, 1]"),
+        (["--algo", "onebit-lamb", "--freeze-cap", "1.5"], "freeze-cap must be a number"),
+        (["--algo", "onebit-adam", "--freeze-tolerance", "nan"], "freeze-tolerance must be"),
+        (["--algo", "onebit-adam", "--freeze-tolerance", "-1"], "freeze-tolerance must be"),
     ],
 )
 def test_nonsense_hyperparameters(

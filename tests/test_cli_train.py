@@ -15,6 +15,7 @@ import pytest
 from conftest import interruptible
 from thinwire.cli.main import main
 from thinwire.train import checkpoint as ckpt
+from thinwire.train.metrics import read_metrics
 
 SMALL = [
     "--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
@@ -203,3 +204,24 @@ def test_tensorboard_writes_events_or_says_what_is_missing(
     else:
         assert main(args) == 0
         assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.timeout(120)
+def test_onebit_flags_reach_the_run(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """--freeze-step auto (the default) with its cap, --grad-dtype, --precondition and the
+    second bundled corpus, through the command line: the switch is announced, recorded
+    and bounded by the cap, and the warmup's gradients travel as asked."""
+    out = tmp_path / "run"
+    flags = ["--algo", "onebit-adam", "--workers", "2", "--steps", "20", "--warmup-steps", "2"]
+    flags += ["--freeze-cap", "0.25", "--grad-dtype", "fp16", "--no-precondition"]
+    flags += ["--data", "moby-dick", "--log-interval", "1", "--out", str(out)]
+    res = _run(["train", *SMALL, *flags], cli_env)
+    assert res.returncode == 0, res.stderr
+    assert "onebit-adam: warmup capped at step 5" in res.stderr
+    assert "1-bit compression from step 6" in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["freeze_step"] == 5 and summary["comm_by_op"]["ddp.fp16"]["calls"] > 0
+    events = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "freeze"]
+    assert [(e["step"], e["freeze_reason"]) for e in events] == [(5, "cap")]
+    run = json.loads((out / "run.json").read_text())
+    assert run["data"] == "moby-dick"

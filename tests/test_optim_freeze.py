@@ -177,3 +177,88 @@ def test_preconditioned_compression_bounds_the_step_of_small_coordinates() -> No
     pre = spawn(_one_compressed_step, 2, (True,), timeout_s=100)
     assert max(raw) > 20.0, raw
     assert max(pre) < 3.0, pre
+
+
+# ----------------------------------------------------------------------------- edges
+
+
+def test_library_defaults_freeze_a_settled_variance_not_the_bias_ramp() -> None:
+    """OneBitAdam() as a user gets it (auto, bias correction on): stationary gradients
+    settle long before the raw v (which grows as 1 - 0.999^t) would."""
+    p = [torch.nn.Parameter(torch.zeros(512))]
+    opt = OneBitAdam(p, lr=1e-3)
+    _steps(opt, p, range(300))
+    assert opt.auto_freeze.reason == "settled" and opt.freeze_step <= 120, opt.auto_freeze
+    v_hat = opt.state[p[0]]["exp_avg_sq"] / (1 - 0.999**opt.freeze_step)
+    assert 0.8 < float(v_hat.mean()) < 1.2  # N(0, 1) gradients: v_hat ~ 1 when frozen
+
+
+def test_one_rule_object_serves_two_optimizers() -> None:
+    rule = AutoFreeze(tolerance=0.05, window=5, max_step=100)
+    pairs = []
+    for _ in range(2):
+        p = [torch.nn.Parameter(torch.zeros(64))]
+        pairs.append((p, OneBitLamb(p, lr=1e-3, freeze_step=rule)))
+    for p, opt in pairs:
+        _steps(opt, p, range(120))
+        assert opt.compressing
+    assert rule.decided_at is None  # the caller's object is left as it was
+
+
+def test_resume_with_a_fixed_step_already_passed_switches_at_once() -> None:
+    """Saved in warmup at step 20, resumed with freeze_step 10: compression starts now,
+    with everything it needs (1-bit LAMB's fresh variance), instead of a KeyError."""
+    p = [torch.nn.Parameter(torch.randn(32))]
+    opt = OneBitLamb(p, lr=1e-3, freeze_step=40)
+    _steps(opt, p, range(20))
+    saved = opt.state_dict()
+    q = [torch.nn.Parameter(p[0].detach().clone())]
+    resumed = OneBitLamb(q, lr=1e-3, freeze_step=10)
+    resumed.load_state_dict(saved)
+    assert resumed.compressing and resumed.freeze_step == 20
+    _steps(resumed, q, range(20, 25))
+    assert "exp_avg_sq_fresh" in resumed.state[q[0]]
+
+
+def test_state_saved_before_the_automatic_freeze_is_refused_clearly() -> None:
+    p = [torch.nn.Parameter(torch.randn(16))]
+    opt = OneBitLamb(p, lr=1e-3, freeze_step=5)
+    _steps(opt, p, range(8))
+    saved = opt.state_dict()
+    for key in [k for k in saved["thinwire"]["rank0"] if k.startswith("freeze")]:
+        del saved["thinwire"]["rank0"][key]  # what an older version wrote
+    with pytest.raises(ValueError, match="pass that step as freeze_step"):
+        OneBitLamb([torch.nn.Parameter(torch.randn(16))], freeze_step="auto").load_state_dict(saved)
+    fixed = OneBitLamb([torch.nn.Parameter(torch.randn(16))], freeze_step=5)
+    fixed.load_state_dict(saved)  # a fixed step is what such a run was configured with
+    assert fixed.compressing
+
+
+def test_state_dict_leaves_the_live_state_untouched() -> None:
+    """Saving must not turn the running optimizer's float state into tensors (which then
+    crashed the first metrics record after a checkpoint)."""
+    p = [torch.nn.Parameter(torch.randn(16))]
+    opt = OneBitLamb(p, lr=1e-3, freeze_step=2)
+    _steps(opt, p, range(4))
+    opt.state_dict()
+    state = opt.state[p[0]]
+    assert isinstance(state["lamb_coeff_freeze"], float)
+    assert isinstance(state["last_factor"], float)
+    assert isinstance(state["scaling_coeff"], float)
+
+
+def _disagreeing(rank: int, world: int) -> tuple[int | None, int]:
+    """Each rank measures a slightly different change around the tolerance: the rule
+    must still decide alike everywhere (and nothing may hang)."""
+    torch.manual_seed(0)
+    p = [torch.nn.Parameter(torch.randn(64))]
+    opt = OneBitLamb(p, lr=1e-3, freeze_step=AutoFreeze(tolerance=0.05, window=2, max_step=50))
+    opt._measure_change = lambda: 0.0499999 if rank == 1 else 0.0500001  # type: ignore[method-assign]
+    _steps(opt, p, range(60))
+    return opt.freeze_step, opt.auto_freeze.decided_at
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_measure_differently_still_switch_together() -> None:
+    results = spawn(_disagreeing, 2, timeout_s=100)
+    assert results[0] == results[1] == (50, 50)  # rank 0's measurements rule: the cap

@@ -160,3 +160,20 @@ def test_adamw_onebit_overlaps_with_the_same_bits_and_resumes_exactly(tmp_path: 
     ops = over["comm_by_op"]
     assert ops["onebit.phase1"]["calls"] >= 2 * (12 - 3)  # several buckets per step
     assert ops["ddp.allreduce"]["calls"] >= 3
+
+
+def test_metrics_are_plain_numbers_or_a_clear_error(tmp_path: Path) -> None:
+    import numpy as np
+
+    from thinwire.train.metrics import MetricsWriter, plain
+
+    assert plain("a", torch.tensor(2.5)) == 2.5 and isinstance(plain("a", torch.tensor(2.5)), float)
+    assert plain("b", np.float32(1.5)) == 1.5 and plain("c", 3) == 3 and plain("d", None) is None
+    with pytest.raises(TypeError, match="metric 'e' is a Tensor"):
+        plain("e", torch.ones(3))
+    with pytest.raises(TypeError, match="metric 'f' is a list"):
+        plain("f", [1, 2])
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write({"step": 1, "loss": torch.tensor(3.0)})
+    writer.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 3.0}]

@@ -224,7 +224,7 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
     train_cfg = TrainConfig(
         model=cfg.model, batch_size=cfg.batch_size, steps=cfg.steps, freeze_step=cfg.freeze_step,
         warmup_steps=min(10, cfg.steps), eval_interval=cfg.steps, eval_sequences=8,
-        checkpoint_interval=0,
+        checkpoint_interval=0, grad_dtype="fp32",
     )  # fmt: skip
     runs: dict[str, Any] = {}
     algos = ("adamw", cfg.onebit_algo)
@@ -291,7 +291,8 @@ def _predict_rows(
     # (run, first step, last step) compared with each scheme; see the module docstring.
     spans = {
         "ddp": ("adamw", cfg.skip_steps + 1, n),
-        "fp32-fused": (cfg.onebit_algo, 2, f),
+        # the 1-bit optimizers' warmup trains under DDP too: the same buckets, fp32 here
+        "ddp@warmup": (cfg.onebit_algo, 2, f),
         "onebit": (cfg.onebit_algo, f + 2, n),
     }
     return compare_rows(around, records, spans, link, cfg.hosts, rate_bits)

@@ -155,7 +155,8 @@ def compare_rows(
         profiles: per training run (``algo``), its ``"colocated"`` and ``"alone"`` profile.
         records: per run, the trainer's step records (``step``, ``step_s``).
         spans: per scheme, ``(run, first step, last step)`` whose steps it is compared
-            with; a span of fewer than 2 steps is left out.
+            with; a span of fewer than 2 steps is left out. ``scheme@label`` compares
+            another span with the same scheme.
         link: the link of the main prediction (fitted, or nominal).
         hosts: workers of the job.
         rate_bits: the link's set rate, for the nominal-link prediction and the label.
@@ -173,7 +174,7 @@ def compare_rows(
             continue
         meas = measured_step_s(records[algo], first, last)
 
-        def pred(p: Profile, lk: Link, s: str = scheme) -> SimResult:
+        def pred(p: Profile, lk: Link, s: str = scheme.split("@")[0]) -> SimResult:
             codec = float(p.meta.get("onebit_codec_s_per_byte", 0.0))
             return predict_step(p, s, lk, hosts, codec)
 

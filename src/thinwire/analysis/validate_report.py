@@ -51,8 +51,12 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: Path | None) -> No
         plot_validation(result, plot)
 
 
-_NAMES = {"ddp": "fp32 DDP (adamw)", "fp32-fused": "1-bit warmup (fp32 fused)",
-          "onebit": "1-bit (compression stage)"}  # fmt: skip
+_NAMES = {
+    "ddp": "fp32 DDP (adamw)",
+    "ddp@warmup": "1-bit warmup (fp32 DDP)",
+    "fp32-fused": "1-bit warmup (fp32 fused)",
+    "onebit": "1-bit (compression stage)",
+}
 
 
 def format_table(result: dict[str, Any]) -> str:

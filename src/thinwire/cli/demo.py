@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from thinwire.cli.train import _freeze_step
+from thinwire.cli.train import freeze_step_arg
 from thinwire.errors import ConfigError
 from thinwire.plotting import pyplot, save_figure
 from thinwire.rundir import writable_dir
@@ -61,7 +61,7 @@ def register(sub: Any) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per worker per step")
     p.add_argument(
         "--freeze-step",
-        type=_freeze_step,
+        type=freeze_step_arg,
         default="auto",
         metavar="{auto,N}",
         help="1-bit LAMB's warmup: auto (until the second moment settles, the default) or N",
@@ -160,14 +160,14 @@ def _link(rate: str) -> Link:
 def predicted_steps(profile: Profile, workers: int, rate: str) -> dict[str, float]:
     """Predicted seconds per step after the freeze, per algorithm, the way each trains.
 
-    LAMB averages all gradients in one fused fp32 allreduce after the backward pass
-    (scheme ``fp32-fused``), 1-bit LAMB sends its momentum through one 1-bit allreduce
-    after it (``onebit``, plus the 1-bit compute measured in the profile).
+    LAMB's fp32 gradients are averaged by DDP bucket by bucket during the backward pass
+    (scheme ``ddp``), 1-bit LAMB sends its momentum through one 1-bit allreduce after it
+    (``onebit``, plus the 1-bit compute measured in the profile).
     """
     from thinwire.analysis.validate_compare import predict_step
 
     link, codec = _link(rate), float(profile.meta.get("onebit_codec_s_per_byte", 0.0))
-    schemes = {"lamb": "fp32-fused", "onebit-lamb": "onebit"}
+    schemes = {"lamb": "ddp", "onebit-lamb": "onebit"}
     return {
         algo: predict_step(profile, schemes[algo], link, workers, codec).step_s for algo in ALGOS
     }

@@ -48,18 +48,17 @@ def _slowdown(text: str) -> tuple[float, ...]:
     return values
 
 
-def _freeze_step(text: str) -> int | str:
+def freeze_step_arg(text: str) -> int | str:
+    """``--freeze-step``: ``auto`` or a whole number (its range is checked with the rest of
+    the config, in one line)."""
     if text == "auto":
         return text
     try:
-        step = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected 'auto' or a step number, got {text!r}"
         ) from None
-    if step < 1:
-        raise argparse.ArgumentTypeError(f"a freeze step must be >= 1, got {step}")
-    return step
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,7 +102,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--grad-clip", type=float, default=d.grad_clip)
     o.add_argument(
         "--freeze-step",
-        type=_freeze_step,
+        type=freeze_step_arg,
         default=d.freeze_step,
         metavar="{auto,N}",
         help="1-bit optimizers: end the full-precision warmup once the second moment has "
@@ -128,7 +127,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=d.grad_dtype,
         choices=("fp32", "fp16", "bf16"),
         help="what averaged gradients travel as in lamb and in the 1-bit optimizers' warmup "
-        "(default: fp16 for onebit-*, fp32 for lamb)",
+        "(default: bf16 for onebit-*, fp32 for lamb)",
     )
     o.add_argument(
         "--precondition",

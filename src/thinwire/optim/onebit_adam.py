@@ -50,16 +50,18 @@ class OneBitAdam(TwoStageOptimizer):
         eps: added to ``sqrt(v)``.
         weight_decay: added to the update (``+ weight_decay * p``), as in the reference.
         bias_correction: divide ``m`` by ``1-b1^t`` and ``v`` by ``1-b2^t`` (``v``'s factor
-            is frozen with ``v``). Off by default, like the reference; turn it on for
-            short warmups (see :class:`~thinwire.optim.OneBitLamb`). ``thinwire train``
-            turns it on.
+            is frozen with ``v``). On by default; ``False`` is the reference's rule, safe
+            only with warmups of thousands of steps: without it the variance frozen after
+            a few hundred steps is a small fraction of its steady size (``1 - b2^t``).
         precondition: compress ``m / (sqrt(v_hat)+eps)`` instead of ``m`` (default), so
             the compression error of an element is on the scale of its own step; see
             :mod:`thinwire.optim.two_stage`. ``False`` is the paper's rule.
         process_group: ranks to average over (default: the default group, if any).
 
     With one process (or no process group) it is plain Adam (the "compression" of one
-    rank is the identity) with the variance frozen after the warmup.
+    rank is the identity) with the variance frozen after the warmup. The defaults
+    (automatic freeze, bias correction, preconditioned exchange) are thinwire's; the
+    paper's 1-bit Adam is ``freeze_step=N, bias_correction=False, precondition=False``.
     """
 
     def __init__(
@@ -70,7 +72,7 @@ class OneBitAdam(TwoStageOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         precondition: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:

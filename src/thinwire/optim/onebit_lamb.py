@@ -65,12 +65,12 @@ class OneBitLamb(TwoStageOptimizer):
         factor_max, factor_min: bounds of the variance-drift factor ``f``.
         factor_threshold: ``f`` may change by at most this fraction per step, which
             damps the noise of the reconstructed gradient.
-        bias_correction: as for :class:`~thinwire.optim.OneBitAdam` (off by default, like
-            the reference). Turn it on for short warmups: without it the variance frozen
-            after a few hundred steps or fewer is a small fraction of its steady size
-            (``1 - b2^t``), and coordinates with small gradients then take huge steps
-            from the +-scale noise of the 1-bit momenta (a 120-step GPT run diverged).
-            ``thinwire train`` turns it on.
+        bias_correction: as for :class:`~thinwire.optim.OneBitAdam` (on by default;
+            ``False`` is the reference's rule). Without it the variance frozen after a few
+            hundred steps or fewer is a small fraction of its steady size (``1 - b2^t``),
+            and coordinates with small gradients then take huge steps from the +-scale
+            noise of the 1-bit momenta (a 120-step GPT run diverged). It also makes the
+            warmup exactly :class:`~thinwire.optim.Lamb`'s rule.
         precondition: compress ``m / (sqrt(v_hat)+eps)`` instead of ``m`` (see
             :mod:`thinwire.optim.two_stage`). Off by default here, unlike
             :class:`~thinwire.optim.OneBitAdam`: the drift factor ``f`` reads the
@@ -81,8 +81,9 @@ class OneBitLamb(TwoStageOptimizer):
             45): 2.052 with the paper's rule, 2.190 preconditioned, LAMB 2.029.
         process_group: ranks to average over (default: the default group, if any).
 
-    With one process it is LAMB-without-bias-correction in warmup and the same
-    frozen-variance rule afterwards, with exact (uncompressed) momenta.
+    With one process it is LAMB in warmup and the same frozen-variance rule afterwards,
+    with exact (uncompressed) momenta. The paper's 1-bit LAMB is ``freeze_step=N,
+    bias_correction=False``.
 
     Memory: besides LAMB's state (m, v) it keeps ``v_fresh`` and, in the compression
     stage, ``sqrt(v_hat) + eps`` of the frozen variance (4 bytes per element each; the
@@ -103,7 +104,7 @@ class OneBitLamb(TwoStageOptimizer):
         factor_max: float = 4.0,
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         precondition: bool = False,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:

@@ -25,7 +25,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -60,7 +62,9 @@ class TwoStageOptimizer(CommOptimizer):
         self.auto_freeze: AutoFreeze | None = None
         self.freeze_step: int | None = None
         if isinstance(freeze_step, AutoFreeze):
-            self.auto_freeze = freeze_step
+            # A copy: the rule records the run's decision, and one AutoFreeze given to two
+            # optimizers must not make the second one think it has already frozen.
+            self.auto_freeze = dataclasses.replace(freeze_step)
         elif freeze_step == "auto":
             self.auto_freeze = AutoFreeze()
         elif isinstance(freeze_step, (str, bool)):
@@ -74,6 +78,7 @@ class TwoStageOptimizer(CommOptimizer):
         self._denoms: dict[torch.Tensor, torch.Tensor] = {}
         self.freeze_signals: dict[str, float] = {}
         """The relative changes measured at the last check of the automatic freeze."""
+        self._saved_in_warmup = False
 
     @property
     def compressing(self) -> bool:
@@ -115,37 +120,47 @@ class TwoStageOptimizer(CommOptimizer):
         rule = self.auto_freeze
         if rule is None:
             if t == self.freeze_step:
-                self._on_freeze()
+                self._switch()
             return
         if rule.decided_at is not None:
             return
-        change = self._measure_change() if rule.is_check_step(t) else None
+        change = None
+        if rule.is_check_step(t):
+            # Every rank feeds the rule rank 0's measurement, so every rank keeps the same
+            # rule state and reaches the same decision at the same step: no collective
+            # ever depends on a locally rounded number.
+            change = self._agree(self._measure_change())
         reason = rule.decide(t, change)
-        if change is not None or reason is not None:
-            reason = self._agree(reason)
         if reason is None:
             return
         rule.commit(t, reason)
         self.freeze_step = t
-        for p, _ in self._momentum_params():
-            for key in [k for k in self.state[p] if k.startswith("freeze_ref")]:
-                del self.state[p][key]
         if self.rank == 0:
             _log.info(
                 "%s: %s; compressing from step %d", type(self).__name__, rule.describe(), t + 1
             )
+        self._switch()
+
+    def _switch(self) -> None:
+        """Enter the compression stage: free the automatic freeze's references (one fp32
+        copy of every parameter, held only during the warmup), then prepare."""
+        for p, _ in self._momentum_params():
+            for key in [k for k in self.state[p] if k.startswith("freeze_ref")]:
+                del self.state[p][key]
         self._on_freeze()
 
     def _measure_change(self) -> float | None:
         """Relative change of what will be frozen since the previous check (None at the
-        first): here every denominator ``sqrt(v_hat)+eps``. Stores the current values as
-        the next reference (``state["freeze_ref"]``, saved with the optimizer so a resumed
-        run decides exactly as the straight one); subclasses that freeze more add theirs
-        to :attr:`freeze_signals` and return the largest change."""
+        first): here every denominator ``sqrt(v_hat)+eps``, bias-corrected whatever the
+        update rule (the raw ``v`` of a rule without bias correction keeps growing as
+        ``1 - beta2^t`` long after it has settled). Stores the current values as the next
+        reference (``state["freeze_ref"]``, saved with the optimizer, so a resumed run
+        decides exactly as the straight one); subclasses that freeze more add theirs to
+        :attr:`freeze_signals` and return the largest change."""
         current, reference = [], []
         for p, group in self._momentum_params():
             state = self.state[p]
-            d = self._denominator(state["exp_avg_sq"], group, self.global_step)
+            d = self._denominator(state["exp_avg_sq"], group, self.global_step, corrected=True)
             if "freeze_ref" in state:
                 reference.append(state["freeze_ref"])
                 current.append(d)
@@ -155,22 +170,28 @@ class TwoStageOptimizer(CommOptimizer):
         self.freeze_signals = {"variance": relative_change(current, reference)}
         return self.freeze_signals["variance"]
 
-    def _agree(self, reason: str | None) -> str | None:
-        """Rank 0's decision on every rank (the inputs agree already; this makes sure)."""
+    def _agree(self, change: float | None) -> float | None:
+        """Rank 0's measured change on every rank (one float64; NaN stands for None)."""
         if self.world_size == 1:
-            return reason
-        box = torch.tensor([AutoFreeze.REASONS.index(reason)], dtype=torch.int32)
+            return change
+        device = self._params()[0].device  # NCCL groups take device tensors only
+        box = torch.tensor([math.nan if change is None else change], dtype=torch.float64)
+        box = box.to(device)
         src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
         dist.broadcast(box, src=src, group=self.process_group)
-        record("optim.freeze", 4, 4)
-        return AutoFreeze.REASONS[int(box)]
+        record("optim.freeze", 8, 8)
+        value = float(box)
+        return None if math.isnan(value) else value
 
     # ------------------------------------------------------------------ frozen variance
 
     @staticmethod
-    def _denominator(v: torch.Tensor, group: dict[str, Any], t: int) -> torch.Tensor:
-        """``sqrt(v_hat) + eps`` at step ``t`` (bias-corrected when the group asks)."""
-        if group["bias_correction"]:
+    def _denominator(
+        v: torch.Tensor, group: dict[str, Any], t: int, corrected: bool = False
+    ) -> torch.Tensor:
+        """``sqrt(v_hat) + eps`` at step ``t``: bias-corrected when the group asks, or when
+        ``corrected``."""
+        if group["bias_correction"] or corrected:
             v = v / (1 - group["betas"][1] ** t)
         return v.sqrt().add_(group["eps"])
 
@@ -199,24 +220,52 @@ class TwoStageOptimizer(CommOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._denoms = {}  # the frozen variance may be another one now
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # State saved before the option existed compressed the raw momentum.
+            group.setdefault("precondition", False)
+        if self.compressing and self._saved_in_warmup:
+            # A fixed freeze step this run has already passed, while the saved run was
+            # still in its warmup: switch now, rather than compress with nothing frozen.
+            self.freeze_step = self.global_step
+            self._switch()
+        elif self.compressing:
+            for p, _ in self._momentum_params():
+                for key in [k for k in self.state[p] if k.startswith("freeze_ref")]:
+                    del self.state[p][key]
 
     def _extra_state(self) -> dict[str, Any]:
         extra = {**super()._extra_state(), "global_step": self.global_step}
         extra["freeze_step"] = -1 if self.freeze_step is None else self.freeze_step
         if self.auto_freeze is not None:
             extra |= {f"auto_freeze_{k}": v for k, v in self.auto_freeze.state_dict().items()}
+            extra |= {f"freeze_signal_{k}": v for k, v in self.freeze_signals.items()}
         return extra
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         super()._load_extra_state(extra)
         self.global_step = extra["global_step"]
-        saved = int(extra.get("freeze_step", -1))
+        if "freeze_step" not in extra and self.auto_freeze is not None and self.global_step:
+            raise ValueError(
+                f"{type(self).__name__} state was saved before the automatic freeze existed "
+                "and does not say where its warmup ended: pass that step as freeze_step"
+            )
+        if "freeze_step" not in extra:  # older state: the configured step is all we know
+            self._saved_in_warmup = False
+            return
+        saved = int(extra["freeze_step"])
         if self.auto_freeze is not None:
             prefix = "auto_freeze_"
             rule = {k[len(prefix) :]: v for k, v in extra.items() if k.startswith(prefix)}
+            fresh = dataclasses.replace(self.auto_freeze)  # same settings, nothing decided
             if rule:
-                self.auto_freeze.load_state_dict(rule)
-        if 0 <= saved <= self.global_step:
+                fresh.load_state_dict(rule)
+            self.auto_freeze = fresh
+            signal = "freeze_signal_"
+            self.freeze_signals = {
+                k[len(signal) :]: float(v) for k, v in extra.items() if k.startswith(signal)
+            }
+        self._saved_in_warmup = not 0 <= saved <= self.global_step
+        if not self._saved_in_warmup:
             # Compression had started: its error buffers and frozen variance belong to
             # that switch point, whatever this optimizer was configured with.
             self.freeze_step = saved

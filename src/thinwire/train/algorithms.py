@@ -17,6 +17,7 @@ replaces the whole trainer loop on every rank and returns the summary on rank 0.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,9 +107,12 @@ def _stage_metrics(opt: Any) -> dict[str, float]:
     if not hasattr(opt, "compressing"):
         return {}
     out: dict[str, float] = {"compressing": int(opt.compressing)}
-    if getattr(opt, "auto_freeze", None) is not None:
+    if getattr(opt, "auto_freeze", None) is not None and not opt.compressing:
         out |= {f"{name}_change": value for name, value in opt.freeze_signals.items()}
     return out
+
+
+_DDP_HAS_INIT_SYNC = "init_sync" in inspect.signature(DDP.__init__).parameters
 
 
 def _under_ddp(model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str) -> nn.Module:
@@ -120,8 +124,10 @@ def _under_ddp(model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str)
     from thinwire.comm.allreduce import WIRE_DTYPES
 
     # The trainer and the optimizer have broadcast rank 0's weights already (accounted);
-    # DDP's own start-up broadcast would send them a third time, off the ledger.
-    ddp = DDP(model, init_sync=False)
+    # DDP's own start-up broadcast would send them a third time, off the ledger. (torch
+    # before 2.6 has no init_sync and always broadcasts.)
+    skip_sync = {"init_sync": False} if _DDP_HAS_INIT_SYNC else {}
+    ddp = DDP(model, **skip_sync)
     opt.register_ddp(ddp, WIRE_DTYPES[cfg.grad_dtype or default_dtype])
     return ddp
 
@@ -164,7 +170,7 @@ def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
         **_precondition(cfg),
     )
     return Strategy(
-        model=_under_ddp(model, opt, cfg, "fp16"),
+        model=_under_ddp(model, opt, cfg, "bf16"),
         optimizer=opt,
         metrics=lambda: {"skipped_steps": opt.skipped_steps} | _stage_metrics(opt),
     )
@@ -183,7 +189,7 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
         **_precondition(cfg),
     )
     return Strategy(
-        model=_under_ddp(model, opt, cfg, "fp16"), optimizer=opt, metrics=_lamb_metrics(opt)
+        model=_under_ddp(model, opt, cfg, "bf16"), optimizer=opt, metrics=_lamb_metrics(opt)
     )
 
 
@@ -296,11 +302,11 @@ ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], 
     "lamb": (_lamb, "LAMB, fp32 gradient allreduce overlapped with the backward pass"),
     "onebit-adam": (
         _onebit_adam,
-        "1-bit Adam: fp16 warmup until the variance settles, then 1-bit compressed momentum",
+        "1-bit Adam: bf16 warmup until the variance settles, then 1-bit compressed momentum",
     ),
     "onebit-lamb": (
         _onebit_lamb,
-        "1-bit LAMB: fp16 warmup until the variance settles, then 1-bit compressed momentum",
+        "1-bit LAMB: bf16 warmup until the variance settles, then 1-bit compressed momentum",
     ),
     "diloco": (
         _diloco,

@@ -303,7 +303,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         "samples_per_s": trained / run_time if run_time > 0 else float("nan"),
         "comm_bytes": COUNTER.wire_bytes_excluding(TRAINER_OPS),
         "comm_by_op": COUNTER.snapshot(),
-        "freeze_step": getattr(strategy.optimizer, "freeze_step", None),
+        # in optimizer steps (trainer steps unless some were skipped); None: never compressed
+        "freeze_step": strategy.optimizer.freeze_step
+        if getattr(strategy.optimizer, "compressing", False)
+        else None,
         "param_sha256": parameter_digest(model),
         "out_dir": str(out_dir),
     }
