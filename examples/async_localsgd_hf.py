@@ -160,9 +160,10 @@ class Drill:
             self.store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=30))
         if self.role == "victim" and self.steps == self.at:
             self.store.set(self.keys[0], "1")
-            addr = (
-                f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']}"
-            )
+            # The run's address, and this process's thread count (torchrun sets 1 per
+            # rank; a fresh shell would give the new process every core, to fight over).
+            env = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+            addr = " ".join(f"{k}={os.environ[k]}" for k in env if k in os.environ)
             print(f"worker {self.rank} exits hard at its inner step {self.at}, mid-round")
             print(f"rejoin it from a fresh process: {addr} {self.rejoin_cmd}", flush=True)
             if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -218,6 +219,10 @@ def make_config(args: argparse.Namespace, checkpoint_dir: str | None = None) -> 
         outer_lr=0.7,
         dylu=True,  # worker w runs H * v_w / max v steps per round
         slowdown=args.slowdown,
+        # Two shards per worker: a worker takes the free shard with the least progress, so
+        # a fast worker does not run its own shard far past its lr schedule, and a dead
+        # worker's shard is picked up by the others.
+        shards=2 * len(args.slowdown),
         warmup_steps=args.steps // 10,
         eval_interval=args.steps // 4,
         checkpoint_dir=checkpoint_dir,  # the server writes theta here at the end

@@ -321,7 +321,7 @@ def test_async_localsgd_hf_recipe(tmp_path: Path) -> None:
         run_lines = start([*torchrun, script, *flags], _env())
         addr = None
         while addr is None and procs[0].poll() is None and time.monotonic() < deadline:
-            said = re.search(r"MASTER_ADDR=(\S+) MASTER_PORT=(\d+) python ", "".join(run_lines))
+            said = re.search(r"MASTER_ADDR=(\S+) MASTER_PORT=(\d+) ", "".join(run_lines))
             addr = said.groups() if said else None
             time.sleep(0.1)
         if addr is not None:
