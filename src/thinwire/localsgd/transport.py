@@ -20,12 +20,22 @@ optionally followed by one flat tensor); this module only moves it.
   Each queued header carries the sender's incarnation, so the server can ignore whatever
   a replaced process still had in flight.
 
-The store: the launch's TCP store (rank 0's ``MASTER_ADDR:MASTER_PORT``), below any
-prefixes the launcher added, under ``thinwire.localsgd/<run id>/``. The server picks the
-run id, hands it to the launched workers through the launch's own store, and also
-records it as the store's *current* run, which is how a restarted process that knows
-only the address finds the run (:meth:`Transport.rejoin`). A new launch (a torchrun
-restart) picks a new id, so nothing left over from an earlier attempt is read.
+**The run's store** is hosted by the server itself, listening only on the address the
+user named (``bind_addr``, ``THINWIRE_BIND_ADDR``, else ``MASTER_ADDR``;
+:mod:`thinwire.comm.bind`), never on every interface as PyTorch's own store does. Its
+keys live under ``thinwire.localsgd/<run id>/``, the run id being fresh at every server
+start, so nothing left from an earlier attempt is read. The server says where its store
+is in the launch's store (``MASTER_ADDR:MASTER_PORT``): under the launch's prefix for the
+launched workers, and as the root's *current* run, which is how a restarted process that
+knows only that address finds it (:meth:`Transport.rejoin`). Links listen on the same
+address (the worker's side on its own address towards the server).
+
+**Seals** (:mod:`thinwire.localsgd.auth`): every header, both ways, is followed by a seal
+made with the run's key: a queued header carries it in the same blob, a header on a link
+as a second small tensor (tag 3). It covers the header, the payload's SHA-256 and a
+growing sequence number, so the server refuses a forged or replayed header before it
+reads any payload, and either side refuses a payload swapped on the link
+(:class:`~thinwire.localsgd.auth.AuthError`). Heartbeats are sealed counters.
 
 Every message is reported to :mod:`thinwire.comm.accounting`: headers as
 ``localsgd.ctrl``, parameter vectors as ``localsgd.pull`` (server to worker) and
@@ -49,6 +59,7 @@ its next round, which can last as long as the slowest worker's round: keep it la
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
 from datetime import timedelta
 
@@ -56,7 +67,16 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record
+from thinwire.comm.bind import bound_store, gloo_device, route_address
 from thinwire.errors import ConfigError
+from thinwire.localsgd.auth import (
+    TRAILER_LEN,
+    AuthError,
+    Channel,
+    RunKey,
+    open_hello,
+    payload_digest,
+)
 from thinwire.localsgd.messages import (
     HEADER_LEN,
     Envelope,
@@ -75,10 +95,10 @@ from thinwire.localsgd.messages import (
 __all__ = ["Transport", "root_store"]
 
 _PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull"}  # accounting names of payloads
-_HEADER_TAG, _PAYLOAD_TAG = 1, 2
+_HEADER_TAG, _PAYLOAD_TAG, _SEAL_TAG = 1, 2, 3
 _NAMESPACE = "thinwire.localsgd"
-_CURRENT = f"{_NAMESPACE}/current"  # in the root store: the run id being served
-_RUN_ID = f"{_NAMESPACE}/run_id"  # in the launch's store: the same id, for launched workers
+_CURRENT = f"{_NAMESPACE}/current"  # in the root store: where the run being served is
+_RUN_ID = f"{_NAMESPACE}/run_id"  # in the launch's store: the same, for launched workers
 _QUEUE = "to_server"
 _STORE_CONNECT_S = 10.0
 
@@ -94,50 +114,72 @@ def root_store(store: dist.Store) -> dist.Store:
     return store
 
 
+def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    try:
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=timedelta(seconds=min(timeout_s, _STORE_CONNECT_S)),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        raise ConfigError(
+            f"cannot reach the run's store at {host}:{port}: {str(exc).splitlines()[0]}"
+        ) from None
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def _where(blob: bytes, where: str) -> tuple[str, str, int]:
+    try:
+        d = json.loads(blob)
+        return str(d["run_id"]), str(d["host"]), int(d["port"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"the run's address in {where} is unreadable") from None
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).numpy())
+
+
 class Transport:
-    """Header+payload messages between a server rank and worker ranks.
+    """Sealed header+payload messages between a server rank and worker ranks.
+
+    Build it with :meth:`host` (the server), :meth:`launched` (a worker started with the
+    run) or :meth:`rejoin` (a restarted worker); the constructor is the common part.
 
     Args:
-        store: the run's key-value store. None: the launch's store (the default process
-            group's, which every launcher, torchrun included, provides), and ``rank`` is
-            this process's rank in the default group.
-        rank: this process's rank (0 .. W; required with an explicit ``store``).
+        store: the run's store (the root of its keys; the server's own, or a client).
+        rank: this process's rank (0 .. W).
+        run_id: the run's namespace in the store.
+        key: the run key every message is sealed with.
+        address: the local address this process's link sockets listen on.
         server: the server's rank.
         op_prefix: accounting name prefix.
-        run_id: the run's namespace in the store. None: the server makes one and the
-            launched workers read it from ``store``; a restarted worker passes the id it
-            read from the store's *current* entry (see :meth:`rejoin`).
         connect_timeout_s: how long opening a link may take (see the module docstring).
         timeout_s: how long any later send or receive on a link may take.
     """
 
     def __init__(
         self,
-        store: dist.Store | None = None,
+        store: dist.Store,
         *,
-        rank: int | None = None,
+        rank: int,
+        run_id: str,
+        key: RunKey,
+        address: str = "127.0.0.1",
         server: int = 0,
         op_prefix: str = "localsgd",
-        run_id: str | None = None,
         connect_timeout_s: float = 120.0,
         timeout_s: float = 1800.0,
     ) -> None:
-        if store is None:
-            store = dist.distributed_c10d._get_default_store()
-            rank = dist.get_rank() if rank is None else rank
-        elif rank is None:
-            raise ValueError("Transport needs this process's rank when a store is given")
-        root = root_store(store)
-        if run_id is None:
-            if rank == server:
-                run_id = uuid.uuid4().hex
-                store.set(_RUN_ID, run_id)
-                root.set(_CURRENT, run_id)
-            else:
-                run_id = store.get(_RUN_ID).decode()
         self.run_id = run_id
-        self.store = dist.PrefixStore(f"{_NAMESPACE}/{run_id}/", root)
+        self._root = store  # the server's store lives as long as its transport
+        self.store = dist.PrefixStore(f"{_NAMESPACE}/{run_id}/", store)
         self.rank = rank
+        self.key = key
+        self.address = address
         self.server = server
         self.op_prefix = op_prefix
         self.connect_timeout = timedelta(seconds=connect_timeout_s)
@@ -145,6 +187,64 @@ class Transport:
         self.bytes_received = 0
         self._incarnation: int | None = None
         self._links: dict[int, dist.ProcessGroupGloo] = {}  # peer rank -> its pair group
+        self._channels: dict[tuple[int, int], Channel] = {}  # (worker, incarnation) -> seals
+        self._link_incarnation: dict[int, int] = {}  # server: worker -> incarnation linked
+        self._hellos: dict[tuple[int, int], bytes] = {}  # server: verified hellos' nonces
+        self._expect: dict[int, bytes] = {}  # peer -> digest its announced payload must have
+        self._beats = 0
+        self._beat_seen: dict[tuple[int, int], int] = {}
+
+    @classmethod
+    def host(
+        cls,
+        launch_store: dist.Store,
+        key: RunKey,
+        address: str,
+        *,
+        connect_timeout_s: float = 120.0,
+        timeout_s: float = 1800.0,
+    ) -> Transport:
+        """The server's transport: host the run's store on ``address`` (a free port), and
+        say where it is in ``launch_store`` for launched and restarted workers."""
+        store = bound_store(address, timeout_s=connect_timeout_s)
+        run_id = uuid.uuid4().hex
+        where = json.dumps({"run_id": run_id, "host": address, "port": store.port})
+        launch_store.set(_RUN_ID, where)
+        root_store(launch_store).set(_CURRENT, where)
+        store.set(_CURRENT, where)  # also found by whoever connects to this store directly
+        t = cls(
+            store,
+            rank=0,
+            run_id=run_id,
+            key=key,
+            address=address,
+            connect_timeout_s=connect_timeout_s,
+            timeout_s=timeout_s,
+        )
+        t.store.set("verifier", key.verifier(run_id))
+        return t
+
+    @classmethod
+    def launched(
+        cls,
+        launch_store: dist.Store,
+        rank: int,
+        key: RunKey,
+        *,
+        connect_timeout_s: float = 120.0,
+        timeout_s: float = 1800.0,
+    ) -> Transport:
+        """A launched worker's transport: find the run's store through ``launch_store``."""
+        run_id, host, port = _where(launch_store.get(_RUN_ID), "the launch's store")
+        return cls(
+            _connect(host, port, connect_timeout_s),
+            rank=rank,
+            run_id=run_id,
+            key=key,
+            address=route_address(host),
+            connect_timeout_s=connect_timeout_s,
+            timeout_s=timeout_s,
+        )
 
     @classmethod
     def rejoin(
@@ -152,41 +252,46 @@ class Transport:
         host: str,
         port: int,
         rank: int,
+        key: RunKey | None,
         *,
         connect_timeout_s: float = 120.0,
         timeout_s: float = 1800.0,
     ) -> Transport:
-        """The transport of a restarted worker ``rank``, from the store's address alone.
+        """The transport of a restarted worker ``rank``, from the store's address alone
+        (``MASTER_ADDR:MASTER_PORT`` of the run's rank 0).
 
         Raises:
-            ConfigError: nothing listens at ``host:port``, or no asynchronous run is
-                being served there.
+            ConfigError: nothing listens at ``host:port``, no asynchronous run is being
+                served there, this process has no token (``key`` None), or not the run's.
         """
-        try:
-            # The store of a running run answers at once: do not retry for long.
-            root = dist.TCPStore(
-                host,
-                port,
-                is_master=False,
-                timeout=timedelta(seconds=min(connect_timeout_s, _STORE_CONNECT_S)),
-                wait_for_workers=False,
-            )
-            root.set_timeout(timedelta(seconds=connect_timeout_s))
-        except (RuntimeError, OSError) as exc:
-            raise ConfigError(
-                f"cannot reach the run's store at {host}:{port} (MASTER_ADDR:MASTER_PORT of "
-                f"the run's rank 0): {str(exc).splitlines()[0]}"
-            ) from None
+        root = _connect(host, port, connect_timeout_s)
         if not root.check([_CURRENT]):
             raise ConfigError(f"no asynchronous Local-SGD run is being served at {host}:{port}")
-        run_id = root.get(_CURRENT).decode()
-        return cls(
-            root,
+        run_id, run_host, run_port = _where(root.get(_CURRENT), f"{host}:{port}")
+        store = root if run_port == port and run_host == host else None
+        store = store or _connect(run_host, run_port, connect_timeout_s)
+        if key is None:
+            raise ConfigError(
+                f"the run at {host}:{port} admits only workers that hold its token: set "
+                "THINWIRE_RUN_TOKEN (or THINWIRE_RUN_TOKEN_FILE) to it, or rejoin with the "
+                "run's --out on its host, where it keeps run.token"
+            )
+        t = cls(
+            store,
             rank=rank,
             run_id=run_id,
+            key=key,
+            address=route_address(run_host),
             connect_timeout_s=connect_timeout_s,
             timeout_s=timeout_s,
         )
+        published = t.store.get("verifier").decode() if t.store.check(["verifier"]) else ""
+        if published != key.verifier(run_id):
+            raise ConfigError(
+                f"this process's run token is not the token of the run at {host}:{port}; "
+                "nothing was sent to it"
+            )
+        return t
 
     # --- run information -------------------------------------------------------------------
     def publish(self, info: RunInfo) -> None:
@@ -222,40 +327,60 @@ class Transport:
         return int(self.store.add(f"incarnation/{rank}", 0))
 
     def beat(self) -> None:
-        """Worker liveness signal: bump this incarnation's heartbeat counter in the store."""
-        self.store.add(f"heartbeat/{self.rank}/{self.incarnation}", 1)
+        """Worker liveness signal: a sealed, growing counter for this incarnation."""
+        self._beats += 1
+        blob = self.key.beat(self.run_id, self.rank, self.incarnation, self._beats)
+        self.store.set(f"heartbeat/{self.rank}/{self.incarnation}", blob)
 
     def heartbeat(self, rank: int, incarnation: int) -> int:
-        """The server's view of a worker incarnation's heartbeat (0 before its first beat)."""
-        return int(self.store.add(f"heartbeat/{rank}/{incarnation}", 0))
+        """The server's view of a worker incarnation's heartbeat: the highest sealed count
+        seen (0 before its first beat). A value that does not verify is ignored."""
+        key = f"heartbeat/{rank}/{incarnation}"
+        seen = self._beat_seen.get((rank, incarnation), 0)
+        if self.store.check([key]):
+            count = self.key.read_beat(self.run_id, rank, incarnation, self.store.get(key))
+            if count is not None and count > seen:
+                seen = self._beat_seen[(rank, incarnation)] = count
+        return seen
 
     # --- links ---------------------------------------------------------------------------
     def _open(self, worker: int, incarnation: int, pair_rank: int) -> dist.ProcessGroupGloo:
         prefix = f"pair/{worker}/{incarnation}"
         # The group's own timeout bounds only the rendezvous (a short one, see the module
         # docstring); every wait below passes the long one, which overrides it per call.
-        return dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, self.store), pair_rank, 2, self.connect_timeout
-        )
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [gloo_device(self.address)]
+        opts._timeout = self.connect_timeout
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), pair_rank, 2, opts)
+
+    def _server_channel(self, worker: int, incarnation: int) -> Channel:
+        ch = self._channels.get((worker, incarnation))
+        if ch is None:
+            nonce = self._hellos[(worker, incarnation)]
+            ch = Channel(self.key, self.run_id, worker, incarnation, worker_nonce=nonce)
+            self._channels[(worker, incarnation)] = ch
+        return ch
 
     def accept(self, worker: int, incarnation: int) -> None:
-        """On the server: open the link to ``worker``'s ``incarnation`` (after its HELLO),
-        closing the link of any earlier incarnation. Raises if the worker does not
-        connect within the connect timeout."""
+        """On the server: open the link to ``worker``'s ``incarnation`` (after its verified
+        HELLO), closing the link of any earlier incarnation. Raises if the worker does
+        not connect within the connect timeout."""
         self.close(worker)
+        self._server_channel(worker, incarnation)
         self._links[worker] = self._open(worker, incarnation, 0)
+        self._link_incarnation[worker] = incarnation
 
     def refuse(self, worker: int, incarnation: int, why: Refused) -> None:
         """On the server: tell ``worker``'s ``incarnation`` why it is turned away, on a
         link opened for that alone, so that the link of a running incarnation of the same
         rank is left as it is. Never raises."""
         try:
+            ch = self._server_channel(worker, incarnation)
             pg = self._open(worker, incarnation, 0)
-        except RuntimeError:
-            return  # it is gone already
+        except (RuntimeError, KeyError):
+            return  # it is gone already (or never said a verified hello)
         try:
-            header = torch.tensor(encode(why), dtype=torch.float64)
-            pg.send([header], 1, _HEADER_TAG).wait(self.connect_timeout)
+            self._send_header(pg, ch, why, None)
         except RuntimeError:
             pass
         finally:
@@ -269,6 +394,7 @@ class Transport:
         """Close the link to ``peer`` (None: every link). A peer blocked on it fails."""
         for r in list(self._links) if peer is None else [peer]:
             pg = self._links.pop(r, None)
+            self._link_incarnation.pop(r, None)
             if pg is None:
                 continue
             # abort drops the sockets at once; a peer that is gone cannot take part in a
@@ -283,15 +409,37 @@ class Transport:
             raise RuntimeError(f"rank {self.rank} has no open link to rank {peer}")
         return pg
 
+    def _worker_channel(self) -> Channel:
+        key = (self.rank, self.incarnation)
+        if key not in self._channels:
+            self._channels[key] = Channel(self.key, self.run_id, self.rank, self.incarnation)
+        return self._channels[key]
+
     # --- messages --------------------------------------------------------------------------
+    def _send_header(
+        self, pg: dist.ProcessGroupGloo, ch: Channel, msg: Message, digest: bytes | None
+    ) -> None:
+        header = torch.tensor(encode(msg), dtype=torch.float64)
+        seal = ch.seal(_bytes(header), digest or payload_digest(None))
+        pg.send([header], 1, _HEADER_TAG).wait(self.timeout)
+        pg.send([torch.frombuffer(bytearray(seal), dtype=torch.uint8)], 1, _SEAL_TAG).wait(
+            self.timeout
+        )
+        record(f"{self.op_prefix}.ctrl", header.nbytes + len(seal), header.nbytes + len(seal))
+
     def send(self, dst: int, msg: Message, payload: torch.Tensor | None = None) -> None:
-        """Send ``msg`` (and ``payload``, flat) to ``dst``; raises if ``dst`` is gone.
+        """Send ``msg`` (and ``payload``, flat), sealed, to ``dst``; raises if ``dst`` is gone.
 
         A worker's first :class:`Hello` also opens its link: it waits (up to the connect
         timeout) until the server has read the hello and opened the other side.
         """
+        flat = None if payload is None else payload.detach().reshape(-1).cpu().contiguous()
+        if flat is not None and msg.kind not in _PAYLOAD_OPS:
+            raise ValueError(f"a {msg.kind.name} message carries no payload")
+        digest = payload_digest(flat)
         if dst == self.server:
             blob = pack_queued(self.rank, self.incarnation, msg)
+            blob += self._worker_channel().seal(blob, digest)
             self.store.queue_push(_QUEUE, blob)
             record(f"{self.op_prefix}.ctrl", len(blob), len(blob))
             if isinstance(msg, Hello) and self.server not in self._links:
@@ -304,41 +452,74 @@ class Transport:
                         "(has the run finished?)"
                     ) from None
         else:
-            header = torch.tensor(encode(msg), dtype=torch.float64)
-            self._link(dst).send([header], 1, _HEADER_TAG).wait(self.timeout)
-            record(f"{self.op_prefix}.ctrl", header.nbytes, header.nbytes)
-        if payload is not None:
-            if msg.kind not in _PAYLOAD_OPS:
-                raise ValueError(f"a {msg.kind.name} message carries no payload")
-            payload = payload.detach().reshape(-1).cpu().contiguous()
+            ch = self._channels[(dst, self._link_incarnation[dst])]
+            self._send_header(self._link(dst), ch, msg, digest)
+        if flat is not None:
             peer = 0 if dst == self.server else 1
-            self._link(dst).send([payload], peer, _PAYLOAD_TAG).wait(self.timeout)
-            nbytes = payload.numel() * payload.element_size()
+            self._link(dst).send([flat], peer, _PAYLOAD_TAG).wait(self.timeout)
+            nbytes = flat.numel() * flat.element_size()
             record(f"{self.op_prefix}.{_PAYLOAD_OPS[msg.kind]}", nbytes, nbytes)
 
     def poll(self) -> Envelope | None:
         """On the server: the next worker message if one has arrived, else None (no wait).
 
+        Its seal is checked before anything else: a first ``HELLO`` against the run key,
+        anything else against its connection's key.
+
         Raises:
-            MessageError: the queued header was malformed (it is consumed all the same).
+            MessageError: the queued message was malformed; :class:`AuthError`: it was
+                forged or replayed. Either way it is consumed and nothing else is read.
         """
         if self.store.queue_len(_QUEUE) == 0:
             return None
-        blob = self.store.queue_pop(_QUEUE, False)
-        self.bytes_received += len(blob)
-        return unpack_queued(blob)
+        raw = self.store.queue_pop(_QUEUE, False)
+        self.bytes_received += len(raw)
+        if len(raw) <= TRAILER_LEN:
+            raise MessageError(f"a queued message is longer than its seal, got {len(raw)} bytes")
+        blob, seal = raw[:-TRAILER_LEN], raw[-TRAILER_LEN:]
+        env = unpack_queued(blob)
+        w, inc = env.src, env.incarnation
+        ch = self._channels.get((w, inc))
+        if ch is not None:
+            digest = ch.open(blob, seal)
+        elif (w, inc) in self._hellos:
+            raise AuthError(f"a second hello of worker {w} (incarnation {inc}): a replay")
+        elif isinstance(env.message, Hello):
+            self._hellos[(w, inc)] = open_hello(self.key, self.run_id, w, inc, blob, seal)
+            digest = payload_digest(None)
+        else:
+            raise AuthError(
+                f"a {env.message.kind.name} claiming worker {w} (incarnation {inc}), which never "
+                "said a verified hello"
+            )
+        if env.message.kind in _PAYLOAD_OPS:
+            self._expect[w] = digest
+        return env
 
     def recv(self, src: int) -> Message:
-        """On a worker: the next message from the server (blocking)."""
+        """On a worker: the next message from the server (blocking), its seal checked."""
         buf = torch.zeros(HEADER_LEN, dtype=torch.float64)
-        self._link(src).recv([buf], 0, _HEADER_TAG).wait(self.timeout)
-        self.bytes_received += buf.nbytes
-        return decode(buf.tolist())
+        seal = torch.zeros(TRAILER_LEN, dtype=torch.uint8)
+        link = self._link(src)
+        link.recv([buf], 0, _HEADER_TAG).wait(self.timeout)
+        link.recv([seal], 0, _SEAL_TAG).wait(self.timeout)
+        self.bytes_received += buf.nbytes + seal.nbytes
+        digest = self._worker_channel().open(_bytes(buf), _bytes(seal))
+        msg = decode(buf.tolist())
+        if msg.kind in _PAYLOAD_OPS:
+            self._expect[src] = digest
+        return msg
 
     def recv_payload(self, src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The payload that follows ``src``'s last header."""
+        """The payload that follows ``src``'s last header.
+
+        Raises:
+            AuthError: it is not the payload the header's seal announced.
+        """
         buf = torch.empty(numel, dtype=dtype)
         peer = 0 if src == self.server else 1
         self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait(self.timeout)
         self.bytes_received += buf.numel() * buf.element_size()
+        if payload_digest(buf) != self._expect.pop(src, None):
+            raise AuthError(f"the payload from rank {src} is not the one its header announced")
         return buf
