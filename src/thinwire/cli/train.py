@@ -124,6 +124,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "through the server: the baseline for --slowdown comparisons)",
     )
     ls.add_argument(
+        "--dead-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="async-diloco: heartbeat silence after which the server drops a worker as dead "
+        "(default 10); a rejoin of a worker waits for this",
+    )
+    ls.add_argument(
         "--inner-momentum",
         default=d.inner_momentum,
         metavar="{keep,round}",
@@ -200,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grace_s=args.grace,
         sync=args.sync,
         shards=args.shards,
+        dead_after_s=args.dead_after,
         eval_interval=args.eval_interval,
         eval_sequences=args.eval_sequences,
         log_interval=args.log_interval,

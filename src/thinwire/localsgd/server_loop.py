@@ -97,8 +97,9 @@ def serve(
     if core.steps_applied >= core.total_steps:
         core.steps_assigned = core.total_steps  # resumed a finished run: just stop everyone
 
+    last: dict[str, Any] = {}  # the latest evaluation record
     if evaluate is not None and core.steps_applied == 0:
-        _report(core, evaluate, on_eval, clock0)
+        last = _report(core, evaluate, on_eval, clock0)
 
     def accounted() -> bool:
         return all(w in core.retired or w in core.dead for w in workers)
@@ -218,7 +219,7 @@ def serve(
             if core.steps_applied >= next_eval and evaluate is not None:
                 while next_eval <= core.steps_applied:
                     next_eval += eval_every_steps
-                _report(core, evaluate, on_eval, clock0)
+                last = _report(core, evaluate, on_eval, clock0)
             if checkpoint is not None and core.steps_applied >= next_ckpt:
                 while next_ckpt <= core.steps_applied:
                     next_ckpt += checkpoint_every_steps
@@ -274,7 +275,10 @@ def serve(
         "evicted_workers": sorted(core.evicted),
     }
     if evaluate is not None:
-        out.update(_report(core, evaluate, on_eval, clock0))
+        # The final evaluation, unless the last one was of this very theta (no record twice).
+        if last.get("updates") != core.updates_applied or last.get("step") != core.steps_applied:
+            last = _report(core, evaluate, on_eval, clock0)
+        out["val_loss"] = last["val_loss"]
     return out
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_async, run_async
+from thinwire.localsgd.auth import read_token
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
@@ -74,9 +75,12 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
 
 
 def check_async_config(cfg: TrainConfig, workers: int) -> None:
-    """Every bad setting of an asynchronous trainer run, as a one-line ConfigError."""
+    """Every bad setting of an asynchronous trainer run, as a one-line ConfigError
+    (a token given in the environment that is too short or unreadable included)."""
     _validate(cfg)
-    async_config(cfg).validate(workers)
+    acfg = async_config(cfg)
+    acfg.validate(workers)
+    read_token(acfg.token_file)
 
 
 def _validate(cfg: TrainConfig) -> None:
