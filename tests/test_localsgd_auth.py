@@ -230,7 +230,9 @@ def test_a_payload_swapped_on_the_link_and_forged_heartbeats_are_refused() -> No
         worker.recv(0)
         # A header sealed for zeros, then ones on the link.
         blob = pack_queued(1, worker.incarnation, Update(0, 2, 0.1, 1.0))
-        blob += worker._worker_channel().seal(blob, payload_digest(torch.zeros(4)))
+        blob += worker.seals.worker(1, worker.incarnation).seal(
+            blob, payload_digest(torch.zeros(4))
+        )
         worker.store.queue_push("to_server", blob)
         worker._link(0).send([torch.ones(4)], 0, 2).wait()
         done["sent"] = True

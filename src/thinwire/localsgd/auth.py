@@ -54,6 +54,7 @@ __all__ = [
     "TRAILER_LEN",
     "AuthError",
     "Channel",
+    "Keyring",
     "RunKey",
     "new_token",
     "open_hello",
@@ -337,3 +338,62 @@ class Channel:
             raise AuthError(f"a message of {who}'s connection is a replay (number {seq})")
         self._key, self._received = key, seq
         return digest
+
+
+class Keyring:
+    """Every connection's :class:`Channel` of one process: the server's table of worker
+    connections (and the hellos it verified), or a worker's own.
+
+    Args:
+        key: the run key. run_id: the run's name (fresh at every server start).
+    """
+
+    def __init__(self, key: RunKey, run_id: str) -> None:
+        self.key, self.run_id = key, run_id
+        self._channels: dict[tuple[int, int], Channel] = {}
+        self._hellos: dict[tuple[int, int], bytes] = {}  # verified hellos' worker nonces
+
+    def worker(self, worker: int, incarnation: int) -> Channel:
+        """On a worker: this connection's channel (made on first use)."""
+        if (worker, incarnation) not in self._channels:
+            self._channels[(worker, incarnation)] = Channel(
+                self.key, self.run_id, worker, incarnation
+            )
+        return self._channels[(worker, incarnation)]
+
+    def server(self, worker: int, incarnation: int) -> Channel:
+        """On the server: the channel of a connection whose hello was verified.
+
+        Raises:
+            KeyError: no verified hello of that connection.
+        """
+        if (worker, incarnation) not in self._channels:
+            nonce = self._hellos[(worker, incarnation)]
+            ch = Channel(self.key, self.run_id, worker, incarnation, worker_nonce=nonce)
+            self._channels[(worker, incarnation)] = ch
+        return self._channels[(worker, incarnation)]
+
+    def open_queued(
+        self, worker: int, incarnation: int, hello: bool, blob: bytes, seal: bytes
+    ) -> bytes:
+        """On the server: check a queued header's seal; the digest its payload must have.
+        A connection's first message must be a ``HELLO`` sealed with the run key.
+
+        Raises:
+            AuthError: forged, replayed, or from a connection that never said hello.
+        """
+        ch = self._channels.get((worker, incarnation))
+        if ch is not None:
+            return ch.open(blob, seal)
+        if (worker, incarnation) in self._hellos:
+            raise AuthError(
+                f"a second hello of worker {worker} (incarnation {incarnation}): a replay"
+            )
+        if not hello:
+            raise AuthError(
+                f"a message claiming worker {worker} (incarnation {incarnation}), which never "
+                "said a verified hello"
+            )
+        nonce = open_hello(self.key, self.run_id, worker, incarnation, blob, seal)
+        self._hellos[(worker, incarnation)] = nonce
+        return _NO_PAYLOAD

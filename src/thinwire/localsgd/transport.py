@@ -1,82 +1,58 @@
 """How the Local-SGD server and its workers reach each other, on torch.distributed.
 
 What they say is defined in :mod:`thinwire.localsgd.messages` (a header of named fields,
-optionally followed by one flat tensor); this module only moves it.
+optionally followed by one flat tensor); this module moves it, sealed.
 
 * **Links**: every worker talks to the server over its own two-rank gloo process group
-  (server = rank 0 of the pair, worker = rank 1), built from the run's key-value store
-  under a prefix that names the worker *and its incarnation*. A worker process that was
-  killed and started again gets a new incarnation number, hence a fresh pair group: it
-  never needs the launch's world group, whose membership is fixed once its rendezvous
-  is over. The server opens its side when it handles the worker's ``HELLO``.
-* **Server to worker**: header and payload on the worker's link (tags 1 and 2); the
+  (server = rank 0 of the pair, worker = rank 1), built from the run's store
+  (:mod:`thinwire.localsgd.run_store`: the server's own, on the address the user named)
+  under a prefix that names the worker *and its incarnation*. A restarted worker process
+  gets a new incarnation, hence a fresh pair group: it never needs the launch's world
+  group, whose membership is fixed. The server opens its side when it handles the
+  worker's ``HELLO``. Link sockets listen on the run's address (a worker's on its own
+  address towards the server).
+* **Server to worker**: header, seal and payload on the worker's link (tags 1, 3, 2); the
   worker blocks in a receive, which is what a worker has to do anyway.
-* **Worker to server**: the header goes into a queue on the store (``queue_push``), the
+* **Worker to server**: the header and its seal go into a queue on the store, the
   payload on the link (tag 2). The server must listen to every worker at once *without
-  blocking* (it also has grace periods to close and silent workers to declare dead).
-  gloo's ``recv_anysource`` cannot be polled (its ``is_completed`` stays false until
-  ``wait``) and a ``wait`` that times out breaks the connection, so the server polls the
-  store queue (``queue_len``) and then receives the announced payload on that one link.
-  Each queued header carries the sender's incarnation, so the server can ignore whatever
-  a replaced process still had in flight.
+  blocking*; gloo's ``recv_anysource`` cannot be polled (its ``is_completed`` stays false
+  until ``wait``) and a ``wait`` that times out breaks the connection, so the server polls
+  the store queue and then receives the announced payload on that one link. Each queued
+  header carries the sender's incarnation, so the server can ignore whatever a replaced
+  process still had in flight.
+* **Seals** (:mod:`thinwire.localsgd.auth`) cover the header, the payload's SHA-256 and a
+  growing sequence number: the server refuses a forged or replayed header before it
+  reads any payload, and either side refuses a payload swapped on the link
+  (:class:`~thinwire.localsgd.auth.AuthError`). Heartbeats are sealed counters.
 
-**The run's store** is hosted by the server itself, listening only on the address the
-user named (``bind_addr``, ``THINWIRE_BIND_ADDR``, else ``MASTER_ADDR``;
-:mod:`thinwire.comm.bind`), never on every interface as PyTorch's own store does. Its
-keys live under ``thinwire.localsgd/<run id>/``, the run id being fresh at every server
-start, so nothing left from an earlier attempt is read. The server says where its store
-is in the launch's store (``MASTER_ADDR:MASTER_PORT``): under the launch's prefix for the
-launched workers, and as the root's *current* run, which is how a restarted process that
-knows only that address finds it (:meth:`Transport.rejoin`). Links listen on the same
-address (the worker's side on its own address towards the server).
-
-**Seals** (:mod:`thinwire.localsgd.auth`): every header, both ways, is followed by a seal
-made with the run's key: a queued header carries it in the same blob, a header on a link
-as a second small tensor (tag 3). It covers the header, the payload's SHA-256 and a
-growing sequence number, so the server refuses a forged or replayed header before it
-reads any payload, and either side refuses a payload swapped on the link
-(:class:`~thinwire.localsgd.auth.AuthError`). Heartbeats are sealed counters.
-
-Every message is reported to :mod:`thinwire.comm.accounting`: headers as
+Every message is reported to :mod:`thinwire.comm.accounting`: headers and seals as
 ``localsgd.ctrl``, parameter vectors as ``localsgd.pull`` (server to worker) and
-pseudo-gradients as ``localsgd.push``. Point-to-point traffic crosses the link once, so
-payload and wire bytes are equal. Links are always gloo, whatever the launch's backend:
-NCCL has no CPU-side polling, and the traffic (one parameter vector per round of H
-steps) is small.
+pseudo-gradients as ``localsgd.push``; point-to-point, so payload and wire bytes are
+equal. Links are always gloo (NCCL has no CPU-side polling; the traffic is one vector
+per round of H steps).
 
-Dead peers: a worker that exits closes its sockets; the store queue and the other links
-keep working, and a send to the dead worker raises, which the server takes as a death
-notice. Workers also bump a heartbeat counter in the store from a background thread
-(:meth:`Transport.beat`), so the server tells a dead worker from a slow one without a
-timeout tied to the round length.
+Dead peers: a worker that exits closes its sockets, and a send to it raises, which the
+server takes as a death notice. Workers also beat a heartbeat in the store from a
+background thread (:meth:`Transport.beat`), so the server tells a dead worker from a
+slow one without a timeout tied to the round length.
 
-Timeouts: ``connect_timeout_s`` bounds opening a link (both sides wait for the other's
-address in the store; while the server opens a link it handles nothing else, so keep it
-short); ``timeout_s`` bounds every later send and receive, including a worker's wait for
-its next round, which can last as long as the slowest worker's round: keep it large.
+Timeouts: ``connect_timeout_s`` bounds opening a link (while the server opens one it
+handles nothing else, so keep it short); ``timeout_s`` bounds every later send and
+receive, including a worker's wait for its next round: keep it above the slowest round.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import uuid
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record
-from thinwire.comm.bind import bound_store, gloo_device, route_address
+from thinwire.comm.bind import gloo_device, route_address
 from thinwire.errors import ConfigError
-from thinwire.localsgd.auth import (
-    TRAILER_LEN,
-    AuthError,
-    Channel,
-    RunKey,
-    open_hello,
-    payload_digest,
-)
+from thinwire.localsgd.auth import TRAILER_LEN, AuthError, Channel, Keyring, RunKey, payload_digest
 from thinwire.localsgd.messages import (
     HEADER_LEN,
     Envelope,
@@ -91,52 +67,19 @@ from thinwire.localsgd.messages import (
     pack_queued,
     unpack_queued,
 )
+from thinwire.localsgd.run_store import (
+    NAMESPACE,
+    find_current,
+    find_launched,
+    host_store,
+    root_store,
+)
 
 __all__ = ["Transport", "root_store"]
 
 _PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull"}  # accounting names of payloads
 _HEADER_TAG, _PAYLOAD_TAG, _SEAL_TAG = 1, 2, 3
-_NAMESPACE = "thinwire.localsgd"
-_CURRENT = f"{_NAMESPACE}/current"  # in the root store: where the run being served is
-_RUN_ID = f"{_NAMESPACE}/run_id"  # in the launch's store: the same, for launched workers
 _QUEUE = "to_server"
-_STORE_CONNECT_S = 10.0
-
-
-def root_store(store: dist.Store) -> dist.Store:
-    """The store below every :class:`~torch.distributed.PrefixStore` wrapped around ``store``.
-
-    Launchers add prefixes a restarted process cannot know (``default_pg``, torchrun's
-    ``/worker/attempt_N``); the root is what ``MASTER_ADDR:MASTER_PORT`` reaches.
-    """
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
-
-
-def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    try:
-        store = dist.TCPStore(
-            host,
-            port,
-            is_master=False,
-            timeout=timedelta(seconds=min(timeout_s, _STORE_CONNECT_S)),
-            wait_for_workers=False,
-        )
-    except (RuntimeError, OSError) as exc:
-        raise ConfigError(
-            f"cannot reach the run's store at {host}:{port}: {str(exc).splitlines()[0]}"
-        ) from None
-    store.set_timeout(timedelta(seconds=timeout_s))
-    return store
-
-
-def _where(blob: bytes, where: str) -> tuple[str, str, int]:
-    try:
-        d = json.loads(blob)
-        return str(d["run_id"]), str(d["host"]), int(d["port"])
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"the run's address in {where} is unreadable") from None
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -176,7 +119,7 @@ class Transport:
     ) -> None:
         self.run_id = run_id
         self._root = store  # the server's store lives as long as its transport
-        self.store = dist.PrefixStore(f"{_NAMESPACE}/{run_id}/", store)
+        self.store = dist.PrefixStore(f"{NAMESPACE}/{run_id}/", store)
         self.rank = rank
         self.key = key
         self.address = address
@@ -187,75 +130,38 @@ class Transport:
         self.bytes_received = 0
         self._incarnation: int | None = None
         self._links: dict[int, dist.ProcessGroupGloo] = {}  # peer rank -> its pair group
-        self._channels: dict[tuple[int, int], Channel] = {}  # (worker, incarnation) -> seals
+        self.seals = Keyring(key, run_id)  # every connection's seals
         self._link_incarnation: dict[int, int] = {}  # server: worker -> incarnation linked
-        self._hellos: dict[tuple[int, int], bytes] = {}  # server: verified hellos' nonces
         self._expect: dict[int, bytes] = {}  # peer -> digest its announced payload must have
         self._beats = 0
         self._beat_seen: dict[tuple[int, int], int] = {}
 
+    # Three ways to build one; ``timeouts``: ``connect_timeout_s`` and ``timeout_s``.
     @classmethod
     def host(
-        cls,
-        launch_store: dist.Store,
-        key: RunKey,
-        address: str,
-        *,
-        connect_timeout_s: float = 120.0,
-        timeout_s: float = 1800.0,
+        cls, launch_store: dist.Store, key: RunKey, address: str, **timeouts: float
     ) -> Transport:
         """The server's transport: host the run's store on ``address`` (a free port), and
         say where it is in ``launch_store`` for launched and restarted workers."""
-        store = bound_store(address, timeout_s=connect_timeout_s)
-        run_id = uuid.uuid4().hex
-        where = json.dumps({"run_id": run_id, "host": address, "port": store.port})
-        launch_store.set(_RUN_ID, where)
-        root_store(launch_store).set(_CURRENT, where)
-        store.set(_CURRENT, where)  # also found by whoever connects to this store directly
-        t = cls(
-            store,
-            rank=0,
-            run_id=run_id,
-            key=key,
-            address=address,
-            connect_timeout_s=connect_timeout_s,
-            timeout_s=timeout_s,
-        )
+        store, run_id = host_store(launch_store, address, timeouts.get("connect_timeout_s", 120))
+        t = cls(store, rank=0, run_id=run_id, key=key, address=address, **timeouts)
         t.store.set("verifier", key.verifier(run_id))
         return t
 
     @classmethod
     def launched(
-        cls,
-        launch_store: dist.Store,
-        rank: int,
-        key: RunKey,
-        *,
-        connect_timeout_s: float = 120.0,
-        timeout_s: float = 1800.0,
+        cls, launch_store: dist.Store, rank: int, key: RunKey, **timeouts: float
     ) -> Transport:
         """A launched worker's transport: find the run's store through ``launch_store``."""
-        run_id, host, port = _where(launch_store.get(_RUN_ID), "the launch's store")
+        found = find_launched(launch_store, timeouts.get("connect_timeout_s", 120))
+        store, run_id, server = found
         return cls(
-            _connect(host, port, connect_timeout_s),
-            rank=rank,
-            run_id=run_id,
-            key=key,
-            address=route_address(host),
-            connect_timeout_s=connect_timeout_s,
-            timeout_s=timeout_s,
+            store, rank=rank, run_id=run_id, key=key, address=route_address(server), **timeouts
         )
 
     @classmethod
     def rejoin(
-        cls,
-        host: str,
-        port: int,
-        rank: int,
-        key: RunKey | None,
-        *,
-        connect_timeout_s: float = 120.0,
-        timeout_s: float = 1800.0,
+        cls, host: str, port: int, rank: int, key: RunKey | None, **timeouts: float
     ) -> Transport:
         """The transport of a restarted worker ``rank``, from the store's address alone
         (``MASTER_ADDR:MASTER_PORT`` of the run's rank 0).
@@ -264,27 +170,14 @@ class Transport:
             ConfigError: nothing listens at ``host:port``, no asynchronous run is being
                 served there, this process has no token (``key`` None), or not the run's.
         """
-        root = _connect(host, port, connect_timeout_s)
-        if not root.check([_CURRENT]):
-            raise ConfigError(f"no asynchronous Local-SGD run is being served at {host}:{port}")
-        run_id, run_host, run_port = _where(root.get(_CURRENT), f"{host}:{port}")
-        store = root if run_port == port and run_host == host else None
-        store = store or _connect(run_host, run_port, connect_timeout_s)
+        store, run_id, server = find_current(host, port, timeouts.get("connect_timeout_s", 120))
         if key is None:
             raise ConfigError(
                 f"the run at {host}:{port} admits only workers that hold its token: set "
                 "THINWIRE_RUN_TOKEN (or THINWIRE_RUN_TOKEN_FILE) to it, or rejoin with the "
                 "run's --out on its host, where it keeps run.token"
             )
-        t = cls(
-            store,
-            rank=rank,
-            run_id=run_id,
-            key=key,
-            address=route_address(run_host),
-            connect_timeout_s=connect_timeout_s,
-            timeout_s=timeout_s,
-        )
+        t = cls(store, rank=rank, run_id=run_id, key=key, address=route_address(server), **timeouts)
         published = t.store.get("verifier").decode() if t.store.check(["verifier"]) else ""
         if published != key.verifier(run_id):
             raise ConfigError(
@@ -353,20 +246,12 @@ class Transport:
         opts._timeout = self.connect_timeout
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), pair_rank, 2, opts)
 
-    def _server_channel(self, worker: int, incarnation: int) -> Channel:
-        ch = self._channels.get((worker, incarnation))
-        if ch is None:
-            nonce = self._hellos[(worker, incarnation)]
-            ch = Channel(self.key, self.run_id, worker, incarnation, worker_nonce=nonce)
-            self._channels[(worker, incarnation)] = ch
-        return ch
-
     def accept(self, worker: int, incarnation: int) -> None:
         """On the server: open the link to ``worker``'s ``incarnation`` (after its verified
         HELLO), closing the link of any earlier incarnation. Raises if the worker does
         not connect within the connect timeout."""
         self.close(worker)
-        self._server_channel(worker, incarnation)
+        self.seals.server(worker, incarnation)
         self._links[worker] = self._open(worker, incarnation, 0)
         self._link_incarnation[worker] = incarnation
 
@@ -375,7 +260,7 @@ class Transport:
         link opened for that alone, so that the link of a running incarnation of the same
         rank is left as it is. Never raises."""
         try:
-            ch = self._server_channel(worker, incarnation)
+            ch = self.seals.server(worker, incarnation)
             pg = self._open(worker, incarnation, 0)
         except (RuntimeError, KeyError):
             return  # it is gone already (or never said a verified hello)
@@ -409,12 +294,6 @@ class Transport:
             raise RuntimeError(f"rank {self.rank} has no open link to rank {peer}")
         return pg
 
-    def _worker_channel(self) -> Channel:
-        key = (self.rank, self.incarnation)
-        if key not in self._channels:
-            self._channels[key] = Channel(self.key, self.run_id, self.rank, self.incarnation)
-        return self._channels[key]
-
     # --- messages --------------------------------------------------------------------------
     def _send_header(
         self, pg: dist.ProcessGroupGloo, ch: Channel, msg: Message, digest: bytes | None
@@ -439,7 +318,7 @@ class Transport:
         digest = payload_digest(flat)
         if dst == self.server:
             blob = pack_queued(self.rank, self.incarnation, msg)
-            blob += self._worker_channel().seal(blob, digest)
+            blob += self.seals.worker(self.rank, self.incarnation).seal(blob, digest)
             self.store.queue_push(_QUEUE, blob)
             record(f"{self.op_prefix}.ctrl", len(blob), len(blob))
             if isinstance(msg, Hello) and self.server not in self._links:
@@ -452,7 +331,7 @@ class Transport:
                         "(has the run finished?)"
                     ) from None
         else:
-            ch = self._channels[(dst, self._link_incarnation[dst])]
+            ch = self.seals.server(dst, self._link_incarnation[dst])
             self._send_header(self._link(dst), ch, msg, digest)
         if flat is not None:
             peer = 0 if dst == self.server else 1
@@ -478,22 +357,10 @@ class Transport:
             raise MessageError(f"a queued message is longer than its seal, got {len(raw)} bytes")
         blob, seal = raw[:-TRAILER_LEN], raw[-TRAILER_LEN:]
         env = unpack_queued(blob)
-        w, inc = env.src, env.incarnation
-        ch = self._channels.get((w, inc))
-        if ch is not None:
-            digest = ch.open(blob, seal)
-        elif (w, inc) in self._hellos:
-            raise AuthError(f"a second hello of worker {w} (incarnation {inc}): a replay")
-        elif isinstance(env.message, Hello):
-            self._hellos[(w, inc)] = open_hello(self.key, self.run_id, w, inc, blob, seal)
-            digest = payload_digest(None)
-        else:
-            raise AuthError(
-                f"a {env.message.kind.name} claiming worker {w} (incarnation {inc}), which never "
-                "said a verified hello"
-            )
+        hello = isinstance(env.message, Hello)
+        digest = self.seals.open_queued(env.src, env.incarnation, hello, blob, seal)
         if env.message.kind in _PAYLOAD_OPS:
-            self._expect[w] = digest
+            self._expect[env.src] = digest
         return env
 
     def recv(self, src: int) -> Message:
@@ -504,7 +371,7 @@ class Transport:
         link.recv([buf], 0, _HEADER_TAG).wait(self.timeout)
         link.recv([seal], 0, _SEAL_TAG).wait(self.timeout)
         self.bytes_received += buf.nbytes + seal.nbytes
-        digest = self._worker_channel().open(_bytes(buf), _bytes(seal))
+        digest = self.seals.worker(self.rank, self.incarnation).open(_bytes(buf), _bytes(seal))
         msg = decode(buf.tolist())
         if msg.kind in _PAYLOAD_OPS:
             self._expect[src] = digest
