@@ -283,3 +283,39 @@ def test_the_run_key_reaches_every_rank_and_a_failure_reaches_all() -> None:
     assert [o["key"] for o in out] == [want] * 3
     assert all("error" in o for o in out[1:])
     assert "could not set up the run's key" in out[1]["error"]
+
+
+def _open(rank: int, world: int, worker_token: str | None) -> dict[str, Any]:
+    from unittest import mock
+
+    from thinwire.localsgd.async_runtime import open_transport
+    from thinwire.localsgd.config import AsyncConfig
+
+    os.environ.pop("THINWIRE_RUN_TOKEN", None)
+    if rank > 0 and worker_token:
+        os.environ["THINWIRE_RUN_TOKEN"] = worker_token
+    # As under NCCL: the exchange then runs on a gloo group of its own.
+    with mock.patch("thinwire.localsgd.async_runtime.dist.get_backend", return_value="nccl"):
+        try:
+            transport, generated = open_transport(AsyncConfig())
+        except ConfigError as exc:
+            return {"error": str(exc)}
+    out = {"key": transport.key.secret.hex(), "generated": generated is not None}
+    if rank == 0:
+        out["verifier_ok"] = transport.store.get("verifier").decode() == transport.key.verifier(
+            transport.run_id
+        )
+    if worker_token is None:
+        dist.barrier()  # the server's store stays up until every worker has connected
+    transport.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_open_transport_hands_out_rank_0s_key_and_checks_a_workers_own() -> None:
+    out = spawn(_open, 3, (None,), timeout_s=100)
+    assert out[0]["generated"] and not out[1]["generated"]
+    assert out[0]["key"] == out[1]["key"] == out[2]["key"] and out[0]["verifier_ok"]
+    bad = spawn(_open, 2, ("a token only the worker has",), timeout_s=100, may_fail=(1,))
+    assert "key" in bad[0]
+    assert bad[1] is None or "rank 1's run token is not rank 0's" in bad[1]["error"]

@@ -266,7 +266,7 @@ def format_summary(s: dict[str, Any]) -> str:
     """The short table printed at the end of a run."""
     who = f"{s['world_size']} worker(s)"
     if s["algo"] == "async-diloco":  # rank 0 serves and does not train
-        who = f"{s['workers']} workers plus the server"
+        who = f"{s.get('workers', s['world_size'] - 1)} workers plus the server"
     rows = [
         ("algorithm", f"{s['algo']} on {who}"),
         ("steps / samples", f"{s['steps']} / {s['samples']:,}"),
