@@ -99,19 +99,42 @@ def test_healthy_pushes_pass_and_the_bound_follows_the_median() -> None:
     core = _core()
     _warm(core, pushes=3, scale=0.01)
     steps = _round(core, 1, 5.0)
-    # 9x the recent norm per step: under the default bound of 10x.
-    assert core.submit(1, core.epoch, torch.full((6,), 0.09), steps, 0.1, 5.0)
+    # 19x the recent norm per step: under the default bound of 20x.
+    assert core.submit(1, core.epoch, torch.full((6,), 0.19), steps, 0.1, 5.0)
     steps = _round(core, 1, 6.0)
-    assert not core.submit(1, core.epoch, torch.full((6,), 0.2), steps, 0.1, 6.0)
-    assert core.guard.last_refusal == "norm" and 19 < core.guard.last_ratio < 21
+    assert not core.submit(1, core.epoch, torch.full((6,), 0.3), steps, 0.1, 6.0)
+    assert core.guard.last_refusal == "norm" and 29 < core.guard.last_ratio < 31
     # Compared per inner step: after 1-step rounds (DyLU's slow workers), a 4-step round
-    # with 4x their norm is in line; 80x is not.
+    # with 4x their norm is in line; 160x is not.
     guard = PushGuard()
     for _ in range(3):
         guard.accepted(1.0)
     four_x = torch.full((4,), 2.0)  # norm 4
     assert guard.check(four_x, 4, 0.1, numel=4, expected_steps=4, max_steps=4)[0] is None
-    assert guard.check(20 * four_x, 4, 0.1, numel=4, expected_steps=4, max_steps=4)[0] == "norm"
+    assert guard.check(40 * four_x, 4, 0.1, numel=4, expected_steps=4, max_steps=4)[0] == "norm"
+
+
+def test_pushes_are_compared_at_full_learning_rate() -> None:
+    # A 10-step warmup: the first step runs at a tenth of the peak lr and moves a tenth as
+    # far. After such steps, a full-lr step 10x longer is in line, and one 300x is not.
+    guard = PushGuard(lr_warmup=10, min_lr_ratio=0.1)
+    one = torch.tensor([0.1])
+    for _ in range(3):
+        why, per = guard.check(
+            one, 1, 0.1, numel=1, expected_steps=1, max_steps=4, lr_clock=0, planned=100
+        )
+        assert why is None and per == pytest.approx(1.0)
+        guard.accepted(per)
+    kw = {"numel": 1, "expected_steps": 1, "max_steps": 4, "lr_clock": 10, "planned": 100}
+    assert guard.check(10 * one, 1, 0.1, **kw) == (None, pytest.approx(1.0))
+    assert guard.check(300 * one, 1, 0.1, **kw)[0] == "norm"
+    # Without the schedule the same full-lr step would look 10x too long.
+    plain = PushGuard()
+    for _ in range(3):
+        plain.accepted(0.1)
+    assert plain.check(10 * one, 1, 0.1, numel=1, expected_steps=1, max_steps=4)[
+        1
+    ] == pytest.approx(1.0)
 
 
 def test_no_norm_bound_before_warmup_or_when_off() -> None:

@@ -12,19 +12,22 @@ refuses a push that is
 * ``timing``: a seconds-per-step that is not a finite positive number (DyLU would
   size every later round from it);
 * ``non-finite``: any NaN or inf, or a norm that overflows;
-* ``norm``: a norm per inner step more than ``max_ratio`` times the median of the last
-  ``history`` accepted pushes' (the median: a few outliers in the history do not move
-  it). Until ``warmup`` pushes have been accepted there is no median yet and only the
-  other checks apply; the history is part of the server's checkpoint, so a resumed run
-  keeps its bound.
+* ``norm``: a norm per inner step at full learning rate more than ``max_ratio`` times
+  the median of the last ``history`` accepted pushes' (the median: a few outliers in the
+  history do not move it). Until ``warmup`` pushes have been accepted there is no median
+  yet and only the other checks apply; the history is part of the server's checkpoint,
+  so a resumed run keeps its bound.
 
-The norm is compared *per inner step*, ``||g|| / steps``: DyLU gives slow workers rounds
-of a few steps and fast ones rounds of H, and a round's norm grows with its length
-(between ``sqrt(steps)`` and ``steps``). Measured on the tiny GPT (simulator, paper
-speeds 0.58/0.75/1.51/3.33 s per step), the largest ratio of a healthy push's norm per
-step to the median of the 32 before it stayed below the default 10 (see
-``docs/security-async.md``); a push from a worker with a learning rate of 50 instead of
-3e-3 is thousands of times over.
+The norm is compared per inner step at full learning rate, ``||g|| / sum of the round's
+relative inner lr`` (each step's share of the peak lr on the shard's schedule, floored at
+1%): DyLU gives slow workers rounds of a few steps and fast ones rounds of H, and a
+round moves roughly in proportion to its steps and their learning rate (Adam's steps are
+about lr long), which the warmup makes 20 times smaller at first. Measured on the tiny
+GPT (``tools/push_norms.py``: simulator, paper speeds 0.58/0.75/1.51/3.33 s per step, H
+from 1 to 20, with and without DyLU), the largest ratio of a healthy push to the median
+before it was 9; without the lr it reached 17 (H = 1, DyLU, during the warmup). The
+default bound of 20 leaves room; a push from a worker with a learning rate of 50 instead
+of 3e-3 is thousands of times over.
 
 A refused push is never applied; its round is rewound and handed out again, so the step
 budget is still met exactly. The server (:class:`~thinwire.localsgd.server.ServerCore`)
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.shards import inner_lr
 
 __all__ = ["REASONS", "PushGuard"]
 
@@ -60,10 +64,19 @@ class PushGuard:
             every worker, so one lr warmup or one slow worker does not dominate.
         warmup: accepted pushes before the norm bound applies.
         max_strikes: refused pushes in a row after which the server stops the worker.
+        lr_warmup, min_lr_ratio: the workers' inner lr schedule (``AsyncConfig``'s
+            ``warmup_steps`` and ``min_lr_ratio``), to compare pushes at full lr.
     """
 
     def __init__(
-        self, max_ratio: float = 10.0, history: int = 32, warmup: int = 3, max_strikes: int = 3
+        self,
+        max_ratio: float = 20.0,
+        history: int = 32,
+        warmup: int = 3,
+        max_strikes: int = 3,
+        *,
+        lr_warmup: int = 0,
+        min_lr_ratio: float = 1.0,
     ) -> None:
         if not (max_ratio == 0 or (max_ratio > 1 and math.isfinite(max_ratio))):
             raise ConfigError(f"max push ratio must be 0 (off) or a number > 1, got {max_ratio}")
@@ -75,6 +88,7 @@ class PushGuard:
         self.max_ratio = max_ratio
         self.warmup = warmup
         self.max_strikes = max_strikes
+        self.lr_warmup, self.min_lr_ratio = lr_warmup, min_lr_ratio
         self.norms: deque[float] = deque(maxlen=history)
         self.refused: dict[str, int] = {}
         self.last_ratio = 0.0
@@ -89,17 +103,21 @@ class PushGuard:
         numel: int,
         expected_steps: int | None,
         max_steps: int,
+        lr_clock: int | None = None,
+        planned: int = 1,
     ) -> tuple[str | None, float]:
-        """``(reason, norm per step)``: reason None when the push may be applied.
+        """``(reason, norm per full-lr step)``: reason None when the push may be applied.
 
         ``expected_steps``: the round's steps as handed out (None for a worker the
         server had presumed dead, whose round it no longer knows: then 1..``max_steps``).
+        ``lr_clock``, ``planned``: where the round started on its shard's lr schedule, and
+        the schedule's length (None: unknown, taken as full lr).
         """
         why = self._why(grad, steps, seconds_per_step, numel, expected_steps, max_steps)
         per_step = math.nan
         if why is None:
             norm = float(torch.linalg.vector_norm(grad.detach().float()))
-            per_step = norm / steps
+            per_step = norm / self._lr_steps(steps, lr_clock, planned)
             if not math.isfinite(norm):
                 why = "non-finite"
             elif self.max_ratio and len(self.norms) >= self.warmup:
@@ -130,6 +148,13 @@ class PushGuard:
         if not bool(torch.isfinite(grad).all()):
             return "non-finite"
         return None
+
+    def _lr_steps(self, steps: int, lr_clock: int | None, planned: int) -> float:
+        if lr_clock is None:
+            return float(steps)
+        w, floor = self.lr_warmup, self.min_lr_ratio
+        shares = (inner_lr(lr_clock + i, planned, 1.0, w, floor) for i in range(steps))
+        return sum(max(share, 0.01) for share in shares)
 
     def accepted(self, per_step: float) -> None:
         """Record an applied push's norm per step."""

@@ -57,6 +57,8 @@ class _Worker:
     busy: bool = False
     steps: int = 0
     since: float = 0.0
+    clock: int = 0  # where the round started on its shard's lr schedule
+    planned: int = 1
 
 
 class ServerCore:
@@ -213,6 +215,8 @@ class ServerCore:
             numel=self.theta.numel(),
             expected_steps=info.steps if known and was_busy else None,
             max_steps=self.local_steps,
+            lr_clock=info.clock if known and was_busy else None,
+            planned=info.planned,
         )
         if why is not None:
             self._refuse(worker, was_busy, now)
@@ -300,8 +304,9 @@ class ServerCore:
         shard, clock = self.shards.take(worker, steps)
         info = self.live[worker]
         info.busy, info.steps, info.since = True, steps, now
+        info.clock, info.planned = clock, self.shards.planned[shard]
         self.steps_assigned += steps
-        return Work(self.epoch, self.version, shard, steps, clock, self.shards.planned[shard])
+        return Work(self.epoch, self.version, shard, steps, clock, info.planned)
 
     def overdue(self, now: float, factor: float, floor_s: float) -> list[int]:
         """Busy workers silent for ``max(floor_s, factor * expected round time)``."""

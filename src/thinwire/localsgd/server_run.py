@@ -38,7 +38,6 @@ from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
 from thinwire.localsgd.auth import remove_token_file, write_token_file
 from thinwire.localsgd.config import AsyncConfig
-from thinwire.localsgd.push_guard import PushGuard
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.server_loop import serve
 from thinwire.localsgd.task import (
@@ -138,9 +137,7 @@ def run_server(
         grace_s=cfg.grace_s,
         sync=cfg.sync,
         dylu_ema=cfg.dylu_ema,
-        guard=PushGuard(
-            cfg.max_push_ratio, cfg.push_history, cfg.push_warmup, cfg.max_refused_pushes
-        ),
+        guard=cfg.push_guard(),
     )
     ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
     resumed, before = None, {"elapsed_s": 0.0, "comm_bytes": 0}
