@@ -17,11 +17,10 @@ import torch.multiprocessing as mp
 
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import make_worker
+from thinwire.localsgd.async_runtime import make_worker, open_transport
 from thinwire.localsgd.inner_state import resolve_inner_momentum
 from thinwire.localsgd.server import Work
 from thinwire.localsgd.task import shape_signature
-from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.localsgd.worker_loop import work_loop
 from thinwire.train.async_task import async_config, check_async_config, gpt_loss, gpt_task, run
@@ -90,7 +89,7 @@ def _rank_main(
         def die(rounds: int) -> None:
             os._exit(17)  # after its first round, before pushing it
 
-        work_loop(worker, Transport(), on_round=die)
+        work_loop(worker, open_transport(async_config(cfg))[0], on_round=die)
         raise AssertionError("unreachable: the worker died")
     out = run(cfg)
     results.put((rank, out))
@@ -221,7 +220,8 @@ def _mismatched_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
     if rank != 2:
         return run(cfg)
     other = replace(cfg, n_layer=2)  # one layer too many
-    return work_loop(make_worker(gpt_task(other), async_config(other), rank, 2), Transport())
+    acfg = async_config(other)
+    return work_loop(make_worker(gpt_task(other), acfg, rank, 2), open_transport(acfg)[0])
 
 
 @pytest.mark.timeout(120)
@@ -255,7 +255,7 @@ def _flaky_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
         if rounds == 1:
             raise RuntimeError("simulated failure in round 1")
 
-    return work_loop(worker, Transport(), on_round=fail_once)
+    return work_loop(worker, open_transport(async_config(cfg))[0], on_round=fail_once)
 
 
 @pytest.mark.timeout(120)

@@ -6,7 +6,10 @@ loopback (one process, no group, when W is 1).
 
 ``--rejoin RANK`` (``--algo async-diloco`` only) starts worker RANK again, in a fresh
 process, inside a run that is still going (its old process died): set ``MASTER_ADDR``
-and ``MASTER_PORT`` to the run's rank 0 and repeat the run's other options.
+and ``MASTER_PORT`` to the run's rank 0 and repeat the run's other options. It needs the
+run's token: ``THINWIRE_RUN_TOKEN`` (or ``THINWIRE_RUN_TOKEN_FILE``), or, on the run's
+host, the run's ``--out``, where a generated token is kept. It replaces only a worker the
+server considers dead, unless ``--force-rejoin``.
 """
 
 from __future__ import annotations
@@ -122,6 +125,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "through the server: the baseline for --slowdown comparisons)",
     )
     ls.add_argument(
+        "--dead-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="async-diloco: heartbeat silence after which the server drops a worker as dead "
+        "(default 10); a rejoin of a worker waits for this",
+    )
+    ls.add_argument(
         "--inner-momentum",
         default=d.inner_momentum,
         metavar="{keep,round}",
@@ -158,6 +169,12 @@ def register(sub: Any) -> None:
         "whose rank 0 is at MASTER_ADDR:MASTER_PORT (after the worker's process died); give "
         "the run's other options unchanged",
     )
+    p.add_argument(
+        "--force-rejoin",
+        action="store_true",
+        help="with --rejoin: replace worker RANK even if the server considers it alive "
+        "(its old process is stalled, not dead)",
+    )
     p.set_defaults(func=_main)
 
 
@@ -192,6 +209,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         grace_s=args.grace,
         sync=args.sync,
         shards=args.shards,
+        dead_after_s=args.dead_after,
         eval_interval=args.eval_interval,
         eval_sequences=args.eval_sequences,
         log_interval=args.log_interval,
@@ -248,15 +266,21 @@ def _mib(n: float) -> str:
 
 def format_summary(s: dict[str, Any]) -> str:
     """The short table printed at the end of a run."""
+    who = f"{s['world_size']} worker(s)"
+    if s["algo"] == "async-diloco":  # rank 0 serves and does not train
+        who = f"{s.get('workers', s['world_size'] - 1)} workers plus the server"
     rows = [
-        ("algorithm", f"{s['algo']} on {s['world_size']} worker(s)"),
+        ("algorithm", f"{s['algo']} on {who}"),
         ("steps / samples", f"{s['steps']} / {s['samples']:,}"),
         ("parameters", f"{s['parameters']:,}"),
         ("final val loss", f"{s['final_val_loss']:.4f}"),
         ("final val perplexity", f"{s['final_val_ppl']:.2f}"),
         ("throughput", f"{s['samples_per_s']:,.1f} samples/s"),
         ("training time", f"{s['train_time_s']:.1f} s"),
-        ("bytes sent per worker", _mib(s["comm_bytes"])),
+        (
+            "bytes through the server" if s["algo"] == "async-diloco" else "bytes sent per worker",
+            _mib(s["comm_bytes"]),
+        ),
         ("output", s["out_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -265,6 +289,8 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def _main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.force_rejoin and args.rejoin is None:
+        raise ConfigError("--force-rejoin goes with --rejoin RANK")
     if args.rejoin is not None:
         if cfg.algo != "async-diloco":
             raise ConfigError(
@@ -273,7 +299,7 @@ def _main(args: argparse.Namespace) -> int:
             )
         from thinwire.train.async_task import rejoin
 
-        out = rejoin(cfg, args.rejoin)
+        out = rejoin(cfg, args.rejoin, force=args.force_rejoin)
         print(
             f"  worker {out['worker']} (incarnation {out['incarnation']}): {out['rounds']} "
             f"rounds, {out['steps']} inner steps"
@@ -292,4 +318,7 @@ def _main(args: argparse.Namespace) -> int:
     if "note" in summary:
         print(f"thinwire: {summary['note']}", file=sys.stderr)
     print(format_summary(summary))
+    if summary.get("incomplete"):
+        print(f"thinwire: error: {summary['incomplete']}", file=sys.stderr)
+        return 1
     return 0

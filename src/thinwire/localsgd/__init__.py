@@ -15,11 +15,13 @@
 * The algorithm, free of transport: :class:`DelayedNesterov`, :class:`Nesterov`
   (``outer.py``), :class:`SpeedTracker`, :func:`dylu_steps` (``dylu.py``, Dynamic Local
   Updates), :class:`ServerCore` (``server.py``, the parameter server's logic),
+  :class:`PushGuard` (``push_guard.py``, the checks every push passes),
   :class:`LocalWorker` (``worker.py``), shards (``shards.py``), the inner-state rule
   (``inner_state.py``).
 * The wire: ``messages.py`` (every message, by name), ``transport.py`` (links and the
   store), ``server_loop.py`` / ``worker_loop.py`` (the two loops), ``server_run.py``
-  (rank 0's run and checkpoint).
+  (rank 0's run and checkpoint); admission: ``auth.py`` (the run's token and the seal on
+  every message), ``keyshare.py`` (the run key to the launched workers).
 
 See ``docs/localsgd.md`` for the user guide.
 """
@@ -29,8 +31,10 @@ from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.diloco import DiLoCo
 from thinwire.localsgd.dylu import SpeedTracker, dylu_steps
 from thinwire.localsgd.outer import DelayedNesterov, Nesterov
+from thinwire.localsgd.push_guard import PushGuard
 from thinwire.localsgd.rejoin import rejoin_async
 from thinwire.localsgd.server import ServerCore, Work
+from thinwire.localsgd.server_run import IncompleteRunError
 from thinwire.localsgd.simulator import METHODS, SimClock, for_method, simulate
 from thinwire.localsgd.task import BatchSource, Task
 from thinwire.localsgd.worker import LocalWorker
@@ -41,8 +45,10 @@ __all__ = [
     "BatchSource",
     "DelayedNesterov",
     "DiLoCo",
+    "IncompleteRunError",
     "LocalWorker",
     "Nesterov",
+    "PushGuard",
     "ServerCore",
     "SimClock",
     "SpeedTracker",

@@ -14,6 +14,7 @@ import torch
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd.inner_state import resolve_inner_momentum
+from thinwire.localsgd.push_guard import PushGuard
 from thinwire.localsgd.server import OUTER_CHOICES
 
 __all__ = ["COMPRESS", "AsyncConfig"]
@@ -124,6 +125,30 @@ class AsyncConfig:
     """Per-worker factors >= 1 (one per worker) that stretch each inner step by sleeping,
     to emulate slower machines on one host. ``None``: full speed."""
 
+    # --- admission and pushes (security; see docs/security-async.md) ---------------------
+    token_file: str | None = None
+    """A file holding the run's token (at least 16 characters; give every rank and every
+    rejoining worker the same). ``None``: ``THINWIRE_RUN_TOKEN``, else the file
+    ``THINWIRE_RUN_TOKEN_FILE`` names, else rank 0 generates one, hands it to the launched
+    workers, and keeps it in ``checkpoint_dir/run.token`` (mode 0600) while the run is
+    served. No worker is admitted and no rejoin accepted without it."""
+    bind_addr: str | None = None
+    """The address the server's store and links listen on, and only there. ``None``:
+    ``THINWIRE_BIND_ADDR``, else ``MASTER_ADDR``. Name the interface address the workers
+    reach the server by (e.g. the VPN's)."""
+    max_push_ratio: float = 20.0
+    """The server refuses a push whose norm per inner step at full lr is over this many
+    times the median of the last ``push_history`` accepted pushes; 0 turns the bound off
+    (NaN, inf and misshapen pushes are refused regardless). Healthy pushes measured on the
+    tiny GPT stayed below 9x (``tools/push_norms.py``); lower it to react to a worker going
+    astray sooner, at the risk of refusing (and redoing) healthy rounds."""
+    push_history: int = 32
+    """Accepted pushes the median of :attr:`max_push_ratio` is taken over."""
+    push_warmup: int = 3
+    """Accepted pushes before the norm bound applies (there is no median before)."""
+    max_refused_pushes: int = 3
+    """Refused pushes in a row after which the server stops the worker that sent them."""
+
     # --- evaluation and checkpoints -----------------------------------------------------
     eval_interval: int = 0
     """Inner steps per worker between evaluations on the server (0: only at the start and
@@ -136,6 +161,9 @@ class AsyncConfig:
     resume: bool = False
     """Continue from ``checkpoint_dir``'s checkpoint, in a new server epoch: updates
     computed from the old server's theta are rejected."""
+    stop_after: int | None = None
+    """Stop this launch after this many inner steps per worker, with a checkpoint;
+    ``resume`` continues to ``steps`` (the lr schedules are planned for ``steps``)."""
 
     def validate(self, workers: int | None = None) -> None:
         """Raise a one-line :class:`ConfigError` for the first impossible setting.
@@ -159,7 +187,7 @@ class AsyncConfig:
                 f"unknown outer optimizer {self.outer!r}; choose one of {OUTER_CHOICES}"
             )
         if not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
-            raise ConfigError(f"outer lr must be > 0, got {self.outer_lr}")
+            raise ConfigError(f"outer lr must be a finite number > 0, got {self.outer_lr}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(f"outer momentum must be in [0, 1), got {self.outer_momentum}")
         n = workers or 1
@@ -186,6 +214,24 @@ class AsyncConfig:
         self._check_seconds(workers)
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs the checkpoint_dir of the run to continue")
+        self._check_admission()
+
+    def _check_admission(self) -> None:
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ConfigError(f"stop-after must be >= 1, got {self.stop_after}")
+        if self.stop_after is not None and not self.checkpoint_dir:
+            raise ConfigError("stop_after needs a checkpoint_dir to keep the run in")
+        ratio = self.max_push_ratio
+        if not (ratio == 0 or (ratio > 1 and math.isfinite(ratio))):
+            raise ConfigError(f"max_push_ratio must be 0 (off) or a number > 1, got {ratio}")
+        for name in ("push_history", "push_warmup", "max_refused_pushes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.push_warmup > self.push_history:
+            raise ConfigError(
+                f"push_warmup ({self.push_warmup}) must not exceed push_history "
+                f"({self.push_history})"
+            )
 
     def _check_seconds(self, workers: int | None) -> None:
         for name in ("grace_s", "grad_clip"):
@@ -215,6 +261,17 @@ class AsyncConfig:
                 )
             if any(not (s >= 1.0 and math.isfinite(s)) for s in self.slowdown):
                 raise ConfigError(f"--slowdown factors must be >= 1, got {list(self.slowdown)}")
+
+    def push_guard(self) -> PushGuard:
+        """The server's checks of every push, with this config's bound and lr schedule."""
+        return PushGuard(
+            self.max_push_ratio,
+            self.push_history,
+            self.push_warmup,
+            self.max_refused_pushes,
+            lr_warmup=self.warmup_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
     def resolved_shards(self, workers: int) -> int:
         """The shard count of a run with ``workers`` workers."""

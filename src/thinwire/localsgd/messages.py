@@ -6,13 +6,13 @@ transport (:mod:`thinwire.localsgd.transport`) only moves the encoded numbers.
 ===========  ===========  ===============================================  ===============
 kind         direction    fields                                           payload after it
 ===========  ===========  ===============================================  ===============
-``HELLO``    worker->srv  :class:`Hello` numel, checksum, late             none
+``HELLO``    worker->srv  :class:`Hello` numel, checksum, late, force      none
 ``UPDATE``   worker->srv  :class:`Update` epoch, steps, seconds_per_step,  pseudo-gradient,
                           loss, dtype                                      ``dtype``
 ``WORK``     srv->worker  :class:`Work` epoch, version, shard, steps,      theta, fp32
                           lr_clock, planned
 ``STOP``     srv->worker  :class:`Work` with ``stop=True``: epoch, version none
-``ERROR``    srv->worker  :class:`Refused` numel, checksum                 none
+``ERROR``    srv->worker  :class:`Refused` numel, checksum, reason         none
 ===========  ===========  ===============================================  ===============
 
 **Header**: ``HEADER_LEN`` (8) float64 numbers: the kind, the fields in the order above,
@@ -25,6 +25,9 @@ checksum is a crc32.
 **Payload**: a flat tensor on the link right after its header. The receiver knows its
 length (the model's parameter count, agreed in the hello) and its dtype (fp32 for theta,
 the header's ``dtype`` for a push).
+
+**Seal**: every header is followed by a seal that authenticates it and its payload
+(:mod:`thinwire.localsgd.auth`); the transport adds and checks it.
 
 **Run information**: :class:`RunInfo`, JSON in the run's store, which a restarted worker
 reads before it says hello.
@@ -57,6 +60,7 @@ __all__ = [
     "Refused",
     "RunInfo",
     "Update",
+    "Why",
     "Work",
     "decode",
     "dtype_code",
@@ -106,6 +110,8 @@ class Hello:
     """crc32 of the parameter shapes (:func:`~thinwire.localsgd.task.shape_signature`)."""
     late: bool = False
     """A process joining a running run (a rejoin): a mismatch turns only it away."""
+    force: bool = False
+    """A rejoin that replaces its rank even if the server considers that worker alive."""
 
     kind: ClassVar[Kind] = Kind.HELLO
 
@@ -156,14 +162,27 @@ class Work:
         return Kind.STOP if self.stop else Kind.WORK
 
 
+class Why(IntEnum):
+    """Why the server turns a worker away (:attr:`Refused.reason`)."""
+
+    MODEL = 0
+    """Its model differs from the server's."""
+    ALIVE = 1
+    """A rejoin for a rank whose worker the server considers alive (not forced)."""
+    EVICTED = 2
+    """The server refused too many of its pushes in a row (non-finite, too large)."""
+
+
 @dataclass(frozen=True)
 class Refused:
-    """The server turns a worker away: its model differs from the server's."""
+    """The server turns a worker away (why: :class:`Why`)."""
 
     numel: int
     """Parameters in the server's model."""
     checksum: int
     """crc32 of the server's parameter shapes."""
+    reason: int = Why.MODEL
+    """A :class:`Why` code."""
 
     kind: ClassVar[Kind] = Kind.ERROR
 

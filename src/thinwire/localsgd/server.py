@@ -23,6 +23,13 @@ Mechanics (Liu et al., 2024, https://arxiv.org/abs/2401.09135):
   older epoch: they were computed from parameters the restored server never had.
 * **Dead workers** (:meth:`drop`) leave DN's buffer size and DyLU's reference speed;
   their shard is rewound and freed. A worker that shows up again is simply re-admitted.
+* **Checked pushes**: :meth:`submit` applies a push only if the
+  :class:`~thinwire.localsgd.push_guard.PushGuard` accepts it (finite, one value per
+  parameter, the steps handed out, a norm in line with recent pushes). A refused push is
+  rewound like a lost round; after ``guard.max_strikes`` refusals in a row the worker is
+  *evicted*: dropped like a dead one and listed in :attr:`evicted`.
+* **Stopping early** (:meth:`end_at`): a run may stop before its budget (``stop_after``)
+  and resume later; the shard schedules are planned for the whole budget either way.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.dylu import SpeedTracker
 from thinwire.localsgd.messages import Work
 from thinwire.localsgd.outer import DelayedNesterov, Nesterov
+from thinwire.localsgd.push_guard import PushGuard
 from thinwire.localsgd.shards import ShardBook
 
 __all__ = ["OUTER_CHOICES", "ServerCore", "Work"]
@@ -49,6 +57,8 @@ class _Worker:
     busy: bool = False
     steps: int = 0
     since: float = 0.0
+    clock: int = 0  # where the round started on its shard's lr schedule
+    planned: int = 1
 
 
 class ServerCore:
@@ -66,6 +76,7 @@ class ServerCore:
         dylu: size rounds by measured speed (DyLU) instead of H for everyone.
         grace_s: grace period in seconds (wall or virtual).
         sync: wait for every live worker before answering (synchronous DiLoCo).
+        guard: the checks every push must pass (default: :class:`PushGuard` defaults).
     """
 
     def __init__(
@@ -85,6 +96,7 @@ class ServerCore:
         grace_s: float = 0.0,
         sync: bool = False,
         dylu_ema: float = 0.5,
+        guard: PushGuard | None = None,
     ) -> None:
         if workers < 1:
             raise ConfigError(f"asynchronous Local-SGD needs >= 1 worker, got {workers}")
@@ -124,6 +136,10 @@ class ServerCore:
         self.retired: set[int] = set()
         self.waiting: list[int] = []
         self.deadline: float | None = None
+        self.planned_steps = total_steps  # the whole run's budget; total_steps: this launch's
+        self.guard = guard or PushGuard()
+        self.strikes: dict[int, int] = {}  # refused pushes in a row, per worker
+        self.evicted: set[int] = set()
 
     # --- membership --------------------------------------------------------------------
     def join(self, worker: int, now: float) -> None:
@@ -149,6 +165,8 @@ class ServerCore:
         if worker not in self.live:
             self.live[worker] = _Worker()
             self.retired.discard(worker)
+            self.evicted.discard(worker)
+            self.strikes.pop(worker, None)
             if worker in self.dead:
                 self.dead.discard(worker)
                 self._resize_buffer()
@@ -174,7 +192,10 @@ class ServerCore:
         seconds_per_step: float,
         now: float,
     ) -> bool:
-        """Apply ``worker``'s pseudo-gradient unless it is stale; True if applied."""
+        """Apply ``worker``'s pseudo-gradient unless it is stale or the guard refuses it;
+        True if applied. A refused push changes nothing but the counters."""
+        if worker in self.evicted:
+            return False  # a leftover of a worker stopped for its pushes
         known = worker in self.live
         self._admit(worker)
         info = self.live[worker]
@@ -187,11 +208,21 @@ class ServerCore:
                 self.shards.release(worker, completed=False)
             self._wait(worker, now)
             return False
-        if pseudo_grad.numel() != self.theta.numel():
-            raise ConfigError(
-                f"worker {worker} sent {pseudo_grad.numel()} parameters, the server holds "
-                f"{self.theta.numel()}: the models differ"
-            )
+        why, per_step = self.guard.check(
+            pseudo_grad,
+            steps,
+            seconds_per_step,
+            numel=self.theta.numel(),
+            expected_steps=info.steps if known and was_busy else None,
+            max_steps=self.local_steps,
+            lr_clock=info.clock if known and was_busy else None,
+            planned=info.planned,
+        )
+        if why is not None:
+            self._refuse(worker, was_busy, now)
+            return False
+        self.strikes.pop(worker, None)
+        self.guard.accepted(per_step)
         if not (known and was_busy):
             self.steps_assigned += steps  # a worker presumed dead came back with its round
         self.shards.release(worker, completed=True)
@@ -204,6 +235,28 @@ class ServerCore:
         self.speeds.report(worker, seconds_per_step)
         self._wait(worker, now)
         return True
+
+    def _refuse(self, worker: int, was_busy: bool, now: float) -> None:
+        info = self.live[worker]
+        if was_busy:
+            self.steps_assigned -= info.steps
+            self.shards.release(worker, completed=False)
+        self.strikes[worker] = self.strikes.get(worker, 0) + 1
+        if self.strikes[worker] >= self.guard.max_strikes:
+            self.drop(worker)
+            self.evicted.add(worker)
+        else:
+            self._wait(worker, now)
+
+    @property
+    def pushes_refused(self) -> int:
+        """Pushes the guard refused over the whole run (resumes included)."""
+        return self.guard.total_refused
+
+    def end_at(self, steps: int) -> None:
+        """End this launch after ``steps`` inner steps in all (at most the planned budget);
+        the shard schedules keep the whole budget, so a resume continues them."""
+        self.total_steps = max(1, min(steps, self.planned_steps))
 
     # --- scheduling --------------------------------------------------------------------
     def due(self, now: float) -> list[int]:
@@ -251,8 +304,9 @@ class ServerCore:
         shard, clock = self.shards.take(worker, steps)
         info = self.live[worker]
         info.busy, info.steps, info.since = True, steps, now
+        info.clock, info.planned = clock, self.shards.planned[shard]
         self.steps_assigned += steps
-        return Work(self.epoch, self.version, shard, steps, clock, self.shards.planned[shard])
+        return Work(self.epoch, self.version, shard, steps, clock, info.planned)
 
     def overdue(self, now: float, factor: float, floor_s: float) -> list[int]:
         """Busy workers silent for ``max(floor_s, factor * expected round time)``."""
@@ -289,6 +343,7 @@ class ServerCore:
             "updates_rejected": self.updates_rejected,
             "shards": self.shards.state_dict(),
             "speeds": self.speeds.state_dict(),
+            "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -314,3 +369,4 @@ class ServerCore:
         self.updates_rejected = int(state["updates_rejected"])
         self.shards.load_state_dict(state["shards"])
         self.speeds.load_state_dict(state["speeds"])
+        self.guard.load_state_dict(state.get("guard", {}))

@@ -127,6 +127,7 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
         grace_s=cfg.grace_s,
         sync=cfg.sync,
         dylu_ema=cfg.dylu_ema,
+        guard=cfg.push_guard(),
     )
     # The batch sources are shared: by contract a batch depends only on (shard, step).
     workers = {
