@@ -28,7 +28,7 @@ from thinwire.train.algorithms import (
     default_lr,
 )
 from thinwire.train.config import TrainConfig
-from thinwire.train.data import BUILTIN_CORPUS, load_text
+from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS, load_text
 from thinwire.train.model import PRESETS
 
 __all__ = ["config_from_args", "format_summary", "register", "run_training"]
@@ -60,7 +60,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=d.batch_size, help="sequences per worker per step"
     )
     g.add_argument(
-        "--data", default=None, help=f"UTF-8 text file (default: bundled {BUILTIN_CORPUS})"
+        "--data",
+        default=None,
+        help=f"UTF-8 text file, or a bundled corpus: {', '.join(BUILTIN_CORPORA)} "
+        f"(default {BUILTIN_CORPUS})",
     )
     g.add_argument("--out", default=None, help="output directory (default runs/ALGO)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out")

@@ -27,6 +27,7 @@ import torch
 from thinwire.errors import ConfigError
 
 __all__ = [
+    "BUILTIN_CORPORA",
     "BUILTIN_CORPUS",
     "ShardBatches",
     "TextData",
@@ -37,7 +38,15 @@ __all__ = [
 ]
 
 BUILTIN_CORPUS = "shakespeare"
-"""Name of the bundled corpus (42 works of Shakespeare, ~5 MB of text)."""
+"""Name of the default bundled corpus (42 works of Shakespeare, ~5 MB of text)."""
+
+BUILTIN_CORPORA: dict[str, tuple[str, str]] = {
+    "shakespeare": ("shakespeare.txt.gz", "bundled corpus: Shakespeare (42 works)"),
+    "moby-dick": ("mobydick.txt.gz", "bundled corpus: Moby-Dick (Herman Melville)"),
+}
+"""``--data`` names of the bundled public-domain corpora -> (file, description). The second
+one exists so that every convergence claim can be checked on text it was not tuned on
+(see ``src/thinwire/data/LICENSE.md`` for their sources)."""
 
 
 def encode(text: str) -> torch.Tensor:
@@ -50,8 +59,8 @@ def decode(tokens: torch.Tensor) -> str:
     return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
 
-def _read_builtin() -> bytes:
-    ref = resources.files("thinwire") / "data" / "shakespeare.txt.gz"
+def _read_builtin(name: str) -> bytes:
+    ref = resources.files("thinwire") / "data" / BUILTIN_CORPORA[name][0]
     with ref.open("rb") as f:
         return gzip.decompress(f.read())
 
@@ -59,12 +68,14 @@ def _read_builtin() -> bytes:
 def load_text(source: str | Path | None) -> tuple[bytes, str]:
     """Read the corpus; returns ``(utf8_bytes, description)``.
 
-    ``None`` or ``"shakespeare"`` is the bundled corpus; anything else is a path to a UTF-8
-    text file (``.gz`` is decompressed). Missing, empty, binary or non-UTF-8 files raise
+    ``None`` is the default bundled corpus, a name of :data:`BUILTIN_CORPORA` (``shakespeare``,
+    ``moby-dick``) that bundled corpus; anything else is a path to a UTF-8 text file
+    (``.gz`` is decompressed). Missing, empty, binary or non-UTF-8 files raise
     :class:`ConfigError`.
     """
-    if source is None or str(source) == BUILTIN_CORPUS:
-        return _read_builtin(), "bundled corpus: Shakespeare (42 works)"
+    name = BUILTIN_CORPUS if source is None else str(source)
+    if name in BUILTIN_CORPORA:
+        return _read_builtin(name), BUILTIN_CORPORA[name][1]
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"data file {path} does not exist")
