@@ -20,11 +20,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.compression import PullEncoder, decode
 from thinwire.localsgd.messages import Hello, MessageError, Refused, RunInfo, Update
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.transport import Transport
@@ -47,13 +49,16 @@ def serve(
     hung_after_min_s: float = 600.0,
     hung_after_factor: float = 10.0,
     max_wall_s: float | None = None,
+    pull: PullEncoder | None = None,
 ) -> dict[str, Any]:
     """Serve until every worker is stopped or dead; returns the run's counters.
 
     ``evaluate(theta)`` runs at the start (of a fresh run), every ``eval_every_steps``
     inner steps applied, and at the end, each record going to ``on_eval``.
     ``checkpoint(core)`` runs every ``checkpoint_every_steps`` and at the end.
+    ``pull``: the pull codec (None: theta goes out whole, in fp32).
     """
+    pull = pull or PullEncoder("none")
     numel, crc = signature
     start = time.monotonic()
     transport.publish(RunInfo(len(workers), numel, crc, len(core.shards)))
@@ -61,7 +66,7 @@ def serve(
     beats: dict[int, tuple[int, int, float]] = {w: (0, -1, start) for w in workers}
     updates: dict[tuple[int, int], list[int]] = {}  # (worker, incarnation) -> [pushes, steps]
     joins: list[dict[str, Any]] = []
-    stale = bad = 0
+    stale = bad = pushed = 0
     next_beat_check = start
     next_eval = eval_every_steps or math.inf
     next_ckpt = (
@@ -83,6 +88,7 @@ def serve(
         # back in, since nothing can reach the old one any more.
         core.drop(w)
         transport.close(w)
+        pull.forget(w)
 
     while not (core.finished and accounted()):
         now = time.monotonic()
@@ -127,16 +133,20 @@ def serve(
                 joins.append({"worker": w, "incarnation": inc, "time_s": now - start})
             elif w in core.live:
                 core.drop(w)  # the same process after a failed round: that round is lost
+            pull.forget(w)  # it says hello with no copy of theta we can count on
             core.join(w, now)
         elif env is not None and isinstance(msg, Update):
             w = env.src
             try:
-                grad = transport.recv_payload(w, numel, msg.dtype).float()
+                payload = transport.recv_payload(w, numel, msg.dtype)
+                pushed += payload.numel() * payload.element_size()
+                grad = decode(payload, numel)
             except RuntimeError:  # killed between its header and its payload
                 lost(w)
             else:
+                now = time.monotonic()
                 if core.submit(
-                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, time.monotonic()
+                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, now, msg.version
                 ):
                     tally = updates.setdefault((w, env.incarnation), [0, 0])
                     tally[0] += 1
@@ -158,7 +168,10 @@ def serve(
             if work is None:
                 continue
             try:
-                payload = None if work.stop else core.theta.detach()
+                payload = None
+                if not work.stop:
+                    delta, payload = pull.encode(w, core.theta.detach())
+                    work = replace(work, dtype=payload.dtype, delta=delta)
                 transport.send(w, work, payload)
             except RuntimeError:  # gloo: connection closed by a dead peer (or no link)
                 lost(w)
@@ -183,6 +196,7 @@ def serve(
         ],
         "stale_messages": stale,
         "malformed_messages": bad,
+        "push_bytes": pushed,
     }
     if evaluate is not None:
         out.update(_report(core, evaluate, on_eval, start))

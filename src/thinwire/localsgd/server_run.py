@@ -23,6 +23,7 @@ import torch
 
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
+from thinwire.localsgd.compression import PullEncoder
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.server_loop import serve
@@ -87,21 +88,7 @@ def run_server(
     """
     model = task.model()
     sources = make_sources(task, cfg.resolved_shards(workers))
-    core = ServerCore(
-        flat_parameters(model),
-        workers=workers,
-        local_steps=cfg.local_steps,
-        total_steps=cfg.steps * workers,
-        shard_sizes=shard_sizes(sources),
-        outer=cfg.outer,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        c=cfg.c,
-        dylu=cfg.dylu,
-        grace_s=cfg.grace_s,
-        sync=cfg.sync,
-        dylu_ema=cfg.dylu_ema,
-    )
+    core = ServerCore.from_config(flat_parameters(model), cfg, workers, shard_sizes(sources))
     ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
     resumed = None
     if cfg.resume and ckpt is not None:
@@ -139,19 +126,26 @@ def run_server(
         dead_after_s=cfg.dead_after_s,
         hung_after_min_s=cfg.hung_after_s,
         hung_after_factor=cfg.hung_after_factor,
+        pull=PullEncoder(cfg.compress_pull),
     )
     wall = time.monotonic() - t0
     summary = {
         "workers": workers,
         "outer": cfg.outer,
+        "method": cfg.method,
+        "outer_lr": cfg.resolved_outer_lr(),
+        "outer_momentum": cfg.resolved_outer_momentum(),
         "dylu": cfg.dylu,
         "inner_momentum": cfg.resolved_inner_momentum(),
+        "compress": cfg.compress,
+        "compress_pull": cfg.compress_pull,
         "sync": cfg.sync,
         "steps": core.steps_applied // workers,
         "inner_steps": core.steps_applied,
         "inner_steps_this_run": core.steps_applied - steps0,
         "updates_applied": core.updates_applied,
         "updates_rejected": core.updates_rejected,
+        "updates_dropped": core.updates_dropped,
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_time_s": wall,
         "comm_bytes": COUNTER.wire_bytes - sent0 + transport.bytes_received,
@@ -159,6 +153,8 @@ def run_server(
     }
     kept = ("dead_workers", "incarnations", "joins", "updates_by_incarnation")
     summary |= {k: stats[k] for k in (*kept, "stale_messages", "malformed_messages")}
+    summary["push_bytes"] = stats["push_bytes"]  # pseudo-gradient payloads received
+    summary["pull_bytes"] = summary["comm_by_op"].get("localsgd.pull", {}).get("payload_bytes", 0)
     if "val_loss" in stats:
         summary["final_val_loss"] = stats["val_loss"]
     return summary

@@ -69,12 +69,13 @@ from thinwire.localsgd.messages import (
     decode,
     encode,
     pack_queued,
+    payload_numel,
     unpack_queued,
 )
 
 __all__ = ["Transport", "root_store"]
 
-_PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull"}  # accounting names of payloads
+_PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull", Kind.DELTA: "pull"}  # accounting names
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _NAMESPACE = "thinwire.localsgd"
 _CURRENT = f"{_NAMESPACE}/current"  # in the root store: the run id being served
@@ -336,8 +337,8 @@ class Transport:
         return decode(buf.tolist())
 
     def recv_payload(self, src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The payload that follows ``src``'s last header."""
-        buf = torch.empty(numel, dtype=dtype)
+        """The payload that follows ``src``'s last header: ``numel`` parameters in ``dtype``."""
+        buf = torch.empty(payload_numel(numel, dtype), dtype=dtype)
         peer = 0 if src == self.server else 1
         self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait(self.timeout)
         self.bytes_received += buf.numel() * buf.element_size()
