@@ -24,11 +24,26 @@ the allreduce averages them at once; the trainer's evaluation is split between r
 
 def _cfg(out: Path, algo: str) -> TrainConfig:
     return TrainConfig(
-        algo=algo, model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16, steps=6,
-        local_steps=3, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=3,
-        eval_sequences=8, log_interval=3, checkpoint_interval=0, out_dir=str(out),
-        progress=False, device="cpu", sync=algo == "async-diloco",
-    )  # fmt: skip
+        algo=algo,
+        model="tiny",
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        seq_len=16,
+        steps=6,
+        local_steps=3,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_interval=3,
+        eval_sequences=8,
+        log_interval=3,
+        checkpoint_interval=0,
+        out_dir=str(out),
+        progress=False,
+        device="cpu",
+        sync=algo == "async-diloco",
+    )
 
 
 def _rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:

@@ -141,8 +141,14 @@ def test_paper_sampling_draws_only_shards_behind_their_share() -> None:
 
 def test_sync_schedule_replays_the_sync_servers_shards_and_clocks() -> None:
     for sampling in ("least-progress", "paper"):
-        core = _core(workers=3, sync=True, shard_sizes=[5, 5, 5], total_steps=36,
-                     shard_sampling=sampling, seed=4)  # fmt: skip
+        core = _core(
+            workers=3,
+            sync=True,
+            shard_sizes=[5, 5, 5],
+            total_steps=36,
+            shard_sampling=sampling,
+            seed=4,
+        )
         plan = SyncSchedule([5, 5, 5], 3, 4, 12, sampling, 4)
         now = 0.0
         for k in range(3):

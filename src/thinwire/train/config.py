@@ -66,8 +66,9 @@ class TrainConfig:
     """Steps of full-precision warmup before 1-bit compression (default: 15% of steps)."""
 
     # --- Local-SGD ----------------------------------------------------------------------
-    local_steps: int = 20
-    """Inner steps H between synchronisations (DiLoCo and asynchronous Local-SGD)."""
+    local_steps: int = 10
+    """Inner steps H between synchronisations (DiLoCo and asynchronous Local-SGD); see
+    ``AsyncConfig.local_steps`` for why 10."""
     outer_lr: float | None = None
     """Outer (Nesterov) learning rate of DiLoCo; None: the method's tuned value
     (``thinwire.localsgd.methods.TUNED``: 0.3 for DiLoCo and Delayed Nesterov)."""
