@@ -100,8 +100,10 @@ def test_real_run_with_onebit_pushes_and_compressed_pulls(tmp_path: Path) -> Non
     numel = summary["parameters"]
     assert summary["push_bytes"] == 8 * (packed_numel(numel) + 4)  # 1 bit per parameter
     pull = summary["comm_by_op"]["localsgd.pull"]
-    # Two whole fp32 pulls (one per worker's first round), then bf16 deltas.
-    whole, halves = 2 * 4 * numel, (pull["calls"] - 2) * 2 * numel
+    # One whole fp32 pull per worker that ran (a worker slow to start may find the tiny
+    # budget spent by the other), then bf16 deltas.
+    ran = len({u["worker"] for u in summary["updates_by_incarnation"] if u["updates"]})
+    whole, halves = ran * 4 * numel, (pull["calls"] - ran) * 2 * numel
     assert pull["payload_bytes"] == whole + halves, (pull, summary["updates_applied"])
     assert pull["calls"] == summary["updates_applied"]  # one pull per round
     assert summary["final_val_loss"] < 5.0 and math.isfinite(summary["final_val_loss"])
