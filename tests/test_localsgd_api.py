@@ -111,7 +111,7 @@ def test_simulate_takes_the_same_pieces() -> None:
     cfg = for_method(AsyncConfig(steps=30, local_steps=5, warmup_steps=2), "dn-dylu")
     clock = SimClock(seconds_per_step=(1.0, 3.0), eval_points=3)
     a = simulate(_task(), cfg, clock)
-    assert a["inner_steps"] == 60 and a["config"]["inner_momentum"] == "round"
+    assert a["inner_steps"] == 60 and a["config"]["inner_momentum"] == "restart"
     assert a["curve"][0]["val_loss"] == pytest.approx(_evaluate(_model()))
     assert a["final_val_loss"] < 0.3 * a["curve"][0]["val_loss"]
     assert simulate(_task(), cfg, clock)["curve"] == a["curve"]  # deterministic

@@ -39,6 +39,10 @@ _MESSAGES = [
     Update(epoch=0, steps=0, seconds_per_step=0.0, loss=0.0, dtype=torch.bfloat16),
     Work(epoch=1, version=99, shard=3, steps=20, lr_clock=140, planned=200),
     Work(epoch=4, version=12, stop=True),
+    Update(epoch=1, steps=3, seconds_per_step=0.5, loss=2.0, dtype=torch.uint8, version=41),
+    Work(
+        epoch=1, version=7, shard=0, steps=5, lr_clock=3, planned=9, dtype=torch.uint8, delta=True
+    ),
     Refused(numel=10, checksum=12345),
     Refused(numel=10, checksum=12345, reason=Why.ALIVE),
     Refused(numel=1, checksum=2, reason=Why.EVICTED),
@@ -66,7 +70,10 @@ def test_header_layouts_are_the_documented_ones() -> None:
     assert encode(Work(1, 2, 3, 4, 5, 6)) == [3.0, 1, 2, 3, 4, 5, 6, 0]
     assert encode(Work(1, 2, stop=True)) == [4.0, 1, 2, 0, 0, 0, 0, 0]
     assert encode(Refused(9, 10)) == [5.0, 9, 10, 0, 0, 0, 0, 0]
-    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5]
+    assert encode(Update(7, 8, 0.5, 2.25, torch.uint8, 11)) == [2.0, 7, 8, 0.5, 2.25, 3, 11, 0]
+    delta = Work(1, 2, 3, 4, 5, 6, dtype=torch.bfloat16, delta=True)
+    assert encode(delta) == [6.0, 1, 2, 3, 4, 5, 6, 2]
+    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6]
     assert Work(0, 0).kind == Kind.WORK and Work(0, 0, stop=True).kind == Kind.STOP
 
 

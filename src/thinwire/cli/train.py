@@ -33,10 +33,20 @@ from thinwire.train.algorithms import (
     default_lr,
 )
 from thinwire.train.config import TrainConfig
-from thinwire.train.data import BUILTIN_CORPUS, load_text
+from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS, load_text
 from thinwire.train.model import PRESETS
 
 __all__ = ["config_from_args", "format_summary", "register", "run_training"]
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0.5,1,2, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"seconds per step must be > 0, got {text!r}")
+    return values
 
 
 def _slowdown(text: str) -> tuple[float, ...]:
@@ -65,7 +75,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=d.batch_size, help="sequences per worker per step"
     )
     g.add_argument(
-        "--data", default=None, help=f"UTF-8 text file (default: bundled {BUILTIN_CORPUS})"
+        "--data",
+        default=None,
+        help=f"UTF-8 text file, or a bundled corpus: {', '.join(BUILTIN_CORPORA)} "
+        f"(default {BUILTIN_CORPUS})",
     )
     g.add_argument("--out", default=None, help="output directory (default runs/ALGO)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out")
@@ -97,10 +110,45 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     ls.add_argument(
         "--local-steps", type=int, default=d.local_steps, help="inner steps H per round"
     )
-    ls.add_argument("--outer-lr", type=float, default=d.outer_lr)
-    ls.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
-    ls.add_argument("--outer", default=d.outer, choices=("dn", "nesterov"))
+    ls.add_argument(
+        "--outer-lr", type=float, default=d.outer_lr, help="default: the method's tuned value"
+    )
+    ls.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=d.outer_momentum,
+        help="default: the method's tuned value; 0 is plain SGD on the averaged update",
+    )
+    ls.add_argument("--outer", default=d.outer, choices=("dn", "nesterov", "buffer"))
     ls.add_argument("--dylu", action="store_true", help="dynamic local updates")
+    ls.add_argument(
+        "--speeds",
+        type=_speeds,
+        default=None,
+        help="async-diloco: declared seconds per step of each worker, for DyLU's first "
+        "round (default: a short calibration round measures them)",
+    )
+    ls.add_argument("--calibration-steps", type=int, default=None, help="DyLU calibration")
+    ls.add_argument("--min-local-steps", type=int, default=None, help="DyLU's floor")
+    ls.add_argument(
+        "--staleness",
+        default=None,
+        choices=("none", "poly"),
+        help="async-diloco: poly scales each push by (1 + staleness)^-1/2",
+    )
+    ls.add_argument("--max-staleness", type=int, default=None, help="drop staler pushes")
+    ls.add_argument(
+        "--shard-sampling",
+        default=None,
+        choices=("least-progress", "paper"),
+        help="how a round's data shard is chosen (default least-progress)",
+    )
+    ls.add_argument(
+        "--shard-layout",
+        default=d.shard_layout,
+        choices=("striped", "contiguous"),
+        help="Local-SGD shards: 4 KiB blocks dealt round-robin, or contiguous stretches",
+    )
     ls.add_argument(
         "--slowdown", type=_slowdown, default=None, help="per-worker factors, e.g. 1,1,2,4"
     )
@@ -133,13 +181,27 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "(default 10); a rejoin of a worker waits for this",
     )
     ls.add_argument(
+        "--inner-state",
         "--inner-momentum",
+        dest="inner_momentum",
         default=d.inner_momentum,
-        metavar="{keep,round}",
-        help="diloco, async-diloco: the inner AdamW first moment is kept across rounds "
-        "(keep) or restarted every round (round); default round with --dylu, else keep",
+        metavar="{keep,round,restart,fresh}",
+        help="diloco, async-diloco: what the inner AdamW carries into the next round: "
+        "everything (keep), a zeroed first moment (round), a zeroed and bias-corrected one "
+        "(restart, the default), or nothing (fresh)",
     )
-    ls.add_argument("--compress", default=d.compress, choices=("none", "fp16", "bf16", "onebit"))
+    ls.add_argument(
+        "--compress",
+        default=d.compress,
+        choices=("none", "fp16", "bf16", "onebit"),
+        help="pseudo-gradients (diloco: the allreduce; async-diloco: every push)",
+    )
+    ls.add_argument(
+        "--compress-pull",
+        default=None,
+        choices=("none", "fp16", "bf16", "onebit"),
+        help="async-diloco: theta to workers as a delta to their copy in this codec",
+    )
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-interval", type=int, default=d.eval_interval)
     r.add_argument("--eval-sequences", type=int, default=d.eval_sequences)
@@ -206,6 +268,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         slowdown=args.slowdown,
         compress=args.compress,
         inner_momentum=args.inner_momentum,
+        speeds=args.speeds,
+        calibration_steps=args.calibration_steps,
+        min_local_steps=args.min_local_steps,
+        staleness=args.staleness,
+        max_staleness=args.max_staleness,
+        shard_sampling=args.shard_sampling,
+        shard_layout=args.shard_layout,
+        compress_pull=args.compress_pull,
         grace_s=args.grace,
         sync=args.sync,
         shards=args.shards,

@@ -10,8 +10,10 @@ machines: put rank 0 where the links to the others are best. The example trainer
 Per round a worker pulls theta (fp32), runs ``H`` (or DyLU's ``H_w``) inner steps of the
 user's optimizer on the shard the server gave it, and pushes ``theta - theta_w`` (fp32,
 or fp16/bf16 with ``compress``). The server applies each push on arrival
-(:class:`~thinwire.localsgd.server.ServerCore`). The first moment of the inner optimizer
-restarts at every round with ``inner_momentum="round"``, the default with DyLU.
+(:class:`~thinwire.localsgd.server.ServerCore`). What the inner optimizer carries from
+one round into the next is the run's inner-state rule (``inner_momentum``), the same for
+every method. ``compress`` and ``compress_pull`` shrink pushes and pulls to fp16, bf16
+or 1 bit (:mod:`~thinwire.localsgd.compression`).
 
 The pieces: :mod:`~thinwire.localsgd.server_run` (rank 0's run),
 :mod:`~thinwire.localsgd.server_loop` (its loop), :mod:`~thinwire.localsgd.worker_loop`
@@ -185,7 +187,7 @@ def run_async(
             return work_loop(
                 worker,
                 transport,
-                compress=cfg.push_dtype,
+                compress=cfg.compress,
                 heartbeat_s=cfg.heartbeat_s,
                 max_restarts=cfg.max_restarts,
             )

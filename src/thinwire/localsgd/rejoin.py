@@ -114,7 +114,7 @@ def rejoin_async(
     out = work_loop(
         worker,
         transport,
-        compress=cfg.push_dtype,
+        compress=cfg.compress,
         heartbeat_s=cfg.heartbeat_s,
         max_restarts=cfg.max_restarts,
         late=True,

@@ -31,12 +31,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd.auth import AuthError
+from thinwire.localsgd.compression import PullEncoder, decode
 from thinwire.localsgd.messages import Hello, MessageError, Refused, RunInfo, Update, Why
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.transport import Transport
@@ -63,6 +65,7 @@ def serve(
     hung_after_factor: float = 10.0,
     max_wall_s: float | None = None,
     elapsed_s: float = 0.0,
+    pull: PullEncoder | None = None,
 ) -> dict[str, Any]:
     """Serve until every worker is stopped or dead; returns the run's counters.
 
@@ -71,7 +74,9 @@ def serve(
     ``checkpoint(core)`` runs every ``checkpoint_every_steps`` and at the end.
     ``elapsed_s``: seconds a resumed run had already been served; reported times
     (``time_s``, ``wall_s``) continue from it.
+    ``pull``: the pull codec (None: theta goes out whole, in fp32).
     """
+    pull = pull or PullEncoder("none")
     numel, crc = signature
     start = time.monotonic()
     clock0 = start - elapsed_s
@@ -80,7 +85,7 @@ def serve(
     beats: dict[int, tuple[int, int, float]] = {w: (0, -1, start) for w in workers}
     updates: dict[tuple[int, int], list[int]] = {}  # (worker, incarnation) -> [pushes, steps]
     joins: list[dict[str, Any]] = []
-    stale = bad = forged = refused_rejoins = 0
+    stale = bad = forged = refused_rejoins = pushed = 0
     pending: dict[int, tuple[int, int, int]] = {}  # worker -> rejoin (incarnation, watched, beats)
     banned: set[tuple[int, int]] = set()  # evicted incarnations
     next_beat_check = next_pending_check = start
@@ -109,6 +114,7 @@ def serve(
         # back in, since nothing can reach the old one any more.
         core.drop(w)
         transport.close(w)
+        pull.forget(w)
 
     def admit(w: int, inc: int, now: float) -> None:
         # A new incarnation of ``w`` (first contact, or a restarted process).
@@ -122,6 +128,7 @@ def serve(
             return
         admitted[w] = inc
         joins.append({"worker": w, "incarnation": inc, "time_s": now - clock0})
+        pull.forget(w)  # a new process holds no copy of theta we can count on
         core.join(w, now)
 
     def replaceable(w: int) -> bool:
@@ -174,12 +181,15 @@ def serve(
             else:
                 if w in core.live:
                     core.drop(w)  # the same process after a failed round: that round is lost
+                pull.forget(w)  # it says hello with no copy of theta we can count on
                 core.join(w, now)
         elif env is not None and isinstance(msg, Update):
             w = env.src
             refused0 = core.pushes_refused
             try:
-                grad = transport.recv_payload(w, numel, msg.dtype).float()
+                payload = transport.recv_payload(w, numel, msg.dtype)
+                pushed += payload.numel() * payload.element_size()
+                grad = decode(payload, numel)
             except AuthError as exc:  # a payload swapped on the link: trust nothing on it
                 forged += 1
                 _log.warning("thinwire: refused a push: %s; worker %d is cut off", exc, w)
@@ -187,8 +197,9 @@ def serve(
             except RuntimeError:  # killed between its header and its payload
                 lost(w)
             else:
+                now = time.monotonic()
                 if core.submit(
-                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, time.monotonic()
+                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, now, msg.version
                 ):
                     tally = updates.setdefault((w, env.incarnation), [0, 0])
                     tally[0] += 1
@@ -230,7 +241,10 @@ def serve(
             if work is None:
                 continue
             try:
-                payload = None if work.stop else core.theta.detach()
+                payload = None
+                if not work.stop:
+                    delta, payload = pull.encode(w, core.theta.detach())
+                    work = replace(work, dtype=payload.dtype, delta=delta)
                 transport.send(w, work, payload)
             except RuntimeError:  # gloo: connection closed by a dead peer (or no link)
                 lost(w)
@@ -273,6 +287,7 @@ def serve(
         "unauthenticated_messages": forged,
         "refused_rejoins": refused_rejoins,
         "evicted_workers": sorted(core.evicted),
+        "push_bytes": pushed,
     }
     if evaluate is not None:
         # The final evaluation, unless the last one was of this very theta (no record twice).

@@ -37,6 +37,7 @@ import torch
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
 from thinwire.localsgd.auth import remove_token_file, write_token_file
+from thinwire.localsgd.compression import PullEncoder
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.server_loop import serve
@@ -120,22 +121,7 @@ def run_server(
     """
     model = task.model()
     sources = make_sources(task, cfg.resolved_shards(workers))
-    core = ServerCore(
-        flat_parameters(model),
-        workers=workers,
-        local_steps=cfg.local_steps,
-        total_steps=cfg.steps * workers,
-        shard_sizes=shard_sizes(sources),
-        outer=cfg.outer,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        c=cfg.c,
-        dylu=cfg.dylu,
-        grace_s=cfg.grace_s,
-        sync=cfg.sync,
-        dylu_ema=cfg.dylu_ema,
-        guard=cfg.push_guard(),
-    )
+    core = ServerCore.from_config(flat_parameters(model), cfg, workers, shard_sizes(sources))
     ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
     resumed, before = None, {"elapsed_s": 0.0, "comm_bytes": 0}
     if cfg.resume and ckpt is not None:
@@ -202,6 +188,7 @@ def run_server(
             hung_after_min_s=cfg.hung_after_s,
             hung_after_factor=cfg.hung_after_factor,
             elapsed_s=before["elapsed_s"],
+            pull=PullEncoder(cfg.compress_pull),
         )
     finally:
         if token_to_keep is not None and cfg.checkpoint_dir:
@@ -210,8 +197,13 @@ def run_server(
     summary = {
         "workers": workers,
         "outer": cfg.outer,
+        "method": cfg.method,
+        "outer_lr": cfg.resolved_outer_lr(),
+        "outer_momentum": cfg.resolved_outer_momentum(),
         "dylu": cfg.dylu,
         "inner_momentum": cfg.resolved_inner_momentum(),
+        "compress": cfg.compress,
+        "compress_pull": cfg.compress_pull,
         "sync": cfg.sync,
         "steps": core.steps_applied // workers,
         "inner_steps": core.steps_applied,
@@ -222,6 +214,7 @@ def run_server(
         "updates_rejected": core.updates_rejected,
         "pushes_refused": core.pushes_refused,
         "push_refusals": dict(core.guard.refused),
+        "updates_dropped": core.updates_dropped,
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_time_s": run["elapsed_s"],
         "comm_bytes": int(run["comm_bytes"]),
@@ -231,6 +224,8 @@ def run_server(
     summary |= {k: stats[k] for k in kept}
     counts = ("stale_messages", "malformed_messages", "unauthenticated_messages")
     summary |= {k: stats[k] for k in (*counts, "refused_rejoins")}
+    summary["push_bytes"] = stats["push_bytes"]  # pseudo-gradient payloads received
+    summary["pull_bytes"] = summary["comm_by_op"].get("localsgd.pull", {}).get("payload_bytes", 0)
     if idle:
         summary["already_done"] = True
         if evaluate is not None:

@@ -65,6 +65,7 @@ from thinwire.localsgd.messages import (
     decode,
     encode,
     pack_queued,
+    payload_numel,
     unpack_queued,
 )
 from thinwire.localsgd.run_store import (
@@ -77,7 +78,7 @@ from thinwire.localsgd.run_store import (
 
 __all__ = ["Transport", "root_store"]
 
-_PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull"}  # accounting names of payloads
+_PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull", Kind.DELTA: "pull"}  # accounting names
 _HEADER_TAG, _PAYLOAD_TAG, _SEAL_TAG = 1, 2, 3
 _QUEUE = "to_server"
 
@@ -378,12 +379,12 @@ class Transport:
         return msg
 
     def recv_payload(self, src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The payload that follows ``src``'s last header.
+        """The payload that follows ``src``'s last header: ``numel`` parameters in ``dtype``.
 
         Raises:
             AuthError: it is not the payload the header's seal announced.
         """
-        buf = torch.empty(numel, dtype=dtype)
+        buf = torch.empty(payload_numel(numel, dtype), dtype=dtype)
         peer = 0 if src == self.server else 1
         self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait(self.timeout)
         self.bytes_received += buf.numel() * buf.element_size()

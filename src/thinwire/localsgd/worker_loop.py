@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.compression import CODECS, PullDecoder, PushEncoder
 from thinwire.localsgd.messages import Hello, Refused, Update, Why, Work
 from thinwire.localsgd.task import shape_signature
 from thinwire.localsgd.transport import Transport
@@ -27,7 +28,7 @@ def work_loop(
     transport: Transport,
     *,
     server: int = 0,
-    compress: torch.dtype = torch.float32,
+    compress: str | torch.dtype = "none",
     on_round: Callable[[int], None] | None = None,
     heartbeat_s: float = 0.5,
     max_restarts: int = 3,
@@ -38,7 +39,9 @@ def work_loop(
 
     A background thread bumps the worker's heartbeat every ``heartbeat_s`` seconds. A
     round that raises is abandoned; the worker resets its inner optimizer and joins
-    again, at most ``max_restarts`` times. ``compress``: the dtype pushes travel in.
+    again, at most ``max_restarts`` times. ``compress``: the push codec (``none``,
+    ``fp16``, ``bf16``, ``onebit``; a dtype names the cast). Pulls are decoded as the
+    server's header says (theta whole, or a delta to this worker's copy).
     ``late``: this process joins a running run (see
     :func:`thinwire.localsgd.rejoin_async`), so a model mismatch turns only this worker
     away instead of stopping the run; ``force``: it replaces its rank even if the server
@@ -58,6 +61,8 @@ def work_loop(
             except RuntimeError:
                 return  # the store is gone with the server; the main loop will find out
 
+    if isinstance(compress, torch.dtype):
+        compress = next(name for name, d in CODECS.items() if d == compress)
     transport.beat()
     threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
     try:
@@ -72,12 +77,13 @@ def _rounds(
     worker: LocalWorker,
     transport: Transport,
     server: int,
-    compress: torch.dtype,
+    compress: str,
     on_round: Callable[[int], None] | None,
     max_restarts: int,
     hello: Hello,
 ) -> dict[str, Any]:
     numel, crc = hello.numel, hello.checksum
+    push, view = PushEncoder(compress), PullDecoder()
     transport.send(server, hello)
     rounds = steps = restarts = 0
     while True:
@@ -88,7 +94,8 @@ def _rounds(
             raise RuntimeError(f"unexpected {msg.kind.name} message from the server")
         if msg.stop:
             return {"rounds": rounds, "steps": steps, "restarts": restarts}
-        theta = transport.recv_payload(server, numel, torch.float32)
+        payload = transport.recv_payload(server, numel, msg.dtype)
+        theta = view.delta(payload) if msg.delta else view.whole(payload)
         try:
             result = worker.run_round(theta, msg)
             rounds += 1
@@ -106,8 +113,10 @@ def _rounds(
             transport.send(server, hello)
             continue
         steps += result.steps
-        update = Update(msg.epoch, result.steps, result.seconds_per_step, result.loss, compress)
-        transport.send(server, update, result.pseudo_grad.to(compress))
+        update = Update(
+            msg.epoch, result.steps, result.seconds_per_step, result.loss, push.dtype, msg.version
+        )
+        transport.send(server, update, push.encode(result.pseudo_grad))
 
 
 def _refusal(msg: Refused, rank: int, numel: int, crc: int) -> str:

@@ -44,6 +44,15 @@ _OPTIONAL = (
     "dead_after_s",
     "connect_timeout_s",
     "link_timeout_s",
+    "outer_lr",
+    "outer_momentum",
+    "staleness",
+    "max_staleness",
+    "speeds",
+    "calibration_steps",
+    "min_local_steps",
+    "shard_sampling",
+    "compress_pull",
 )
 """TrainConfig fields whose None means "AsyncConfig's default"."""
 
@@ -55,8 +64,6 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
         steps=cfg.steps,
         local_steps=cfg.local_steps,
         outer=cfg.outer,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
         dylu=cfg.dylu,
         sync=cfg.sync,
         inner_momentum=cfg.inner_momentum,
@@ -64,6 +71,7 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
         min_lr_ratio=cfg.min_lr_ratio,
         grad_clip=cfg.grad_clip,
         compress=cfg.compress,
+        seed=cfg.seed,
         slowdown=cfg.slowdown,
         eval_interval=cfg.eval_interval,
         checkpoint_dir=cfg.out_dir,
@@ -127,7 +135,7 @@ def gpt_task(
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def shards(n: int) -> list[Any]:
-        return list(text().shard_batches(n, cfg.batch_size))
+        return list(text().shard_batches(n, cfg.batch_size, cfg.shard_layout))
 
     def evaluate(m: nn.Module) -> float:
         if not val:  # built on first use: only the server evaluates
@@ -230,6 +238,9 @@ def _summary(cfg: TrainConfig, world: int, s: dict[str, Any]) -> dict[str, Any]:
         "samples_per_s": s["inner_steps"] * cfg.batch_size / wall if wall > 0 else math.nan,
         "comm_bytes": s["comm_bytes"],
         "comm_by_op": s["comm_by_op"],
+        "push_bytes": s["push_bytes"],
+        "pull_bytes": s["pull_bytes"],
+        **{k: s[k] for k in ("method", "outer_lr", "outer_momentum", "updates_dropped")},
         "out_dir": str(cfg.out_dir),
     }
     for key in ("stopped_after", "incomplete"):
