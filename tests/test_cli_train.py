@@ -116,7 +116,10 @@ def test_bad_inner_momentum_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     for algo in ("async-diloco", "diloco"):
         args = ["train", "--algo", algo, "--workers", "3", "--out", str(tmp_path / algo), *SMALL,
                 "--inner-momentum", "reset"]  # fmt: skip
-        assert "unknown inner momentum 'reset'; choose one of keep, round" in _error(args, capsys)
+        assert (
+            "unknown inner-state rule 'reset'; choose one of keep, round, restart, fresh"
+            in _error(args, capsys)
+        )
         assert not (tmp_path / algo).exists()  # refused before any process started
 
 

@@ -111,7 +111,7 @@ def test_simulate_takes_the_same_pieces() -> None:
     cfg = for_method(AsyncConfig(steps=30, local_steps=5, warmup_steps=2), "dn-dylu")
     clock = SimClock(seconds_per_step=(1.0, 3.0), eval_points=3)
     a = simulate(_task(), cfg, clock)
-    assert a["inner_steps"] == 60 and a["config"]["inner_momentum"] == "round"
+    assert a["inner_steps"] == 60 and a["config"]["inner_momentum"] == "restart"
     assert a["curve"][0]["val_loss"] == pytest.approx(_evaluate(_model()))
     assert a["final_val_loss"] < 0.3 * a["curve"][0]["val_loss"]
     assert simulate(_task(), cfg, clock)["curve"] == a["curve"]  # deterministic
@@ -145,7 +145,15 @@ def test_run_async_without_a_process_group_says_how_to_launch(
         ({"heartbeat_s": 20.0}, r"heartbeat_s \(20.0\) must be below dead_after_s"),
         ({"resume": True}, "resume needs the checkpoint_dir"),
         ({"sync": True, "dylu": True}, "sync mode is synchronous DiLoCo"),
-        ({"outer_lr": float("nan")}, "outer lr must be > 0"),
+        ({"outer_lr": float("nan")}, "outer lr must be a finite number > 0"),
+        ({"outer_lr": float("inf")}, "outer lr must be a finite number > 0, got inf"),
+        ({"max_push_ratio": 0.5}, r"max_push_ratio must be 0 \(off\) or a number > 1"),
+        ({"max_push_ratio": float("nan")}, "max_push_ratio must be 0"),
+        ({"push_history": 0}, "push_history must be >= 1, got 0"),
+        ({"push_warmup": 40}, r"push_warmup \(40\) must not exceed push_history \(32\)"),
+        ({"max_refused_pushes": 0}, "max_refused_pushes must be >= 1"),
+        ({"stop_after": 0}, "stop-after must be >= 1, got 0"),
+        ({"stop_after": 5}, "stop_after needs a checkpoint_dir"),
         ({"grace_s": -1.0}, "grace_s must be a finite number >= 0"),
         ({"link_timeout_s": 0.0}, "link_timeout_s must be > 0"),
         ({"steps": 0}, "steps must be >= 1, got 0"),

@@ -17,11 +17,10 @@ import torch.multiprocessing as mp
 
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import make_worker
+from thinwire.localsgd.async_runtime import make_worker, open_transport
 from thinwire.localsgd.inner_state import resolve_inner_momentum
 from thinwire.localsgd.server import Work
 from thinwire.localsgd.task import shape_signature
-from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.localsgd.worker_loop import work_loop
 from thinwire.train.async_task import async_config, check_async_config, gpt_loss, gpt_task, run
@@ -54,7 +53,7 @@ def test_async_run_completes(tmp_path: Path) -> None:
     assert summary["inner_steps"] == cfg.steps * 2
     assert summary["updates_applied"] >= cfg.steps * 2 // cfg.local_steps
     assert summary["updates_rejected"] == 0
-    assert summary["inner_momentum"] == "round"  # the default with DyLU
+    assert summary["inner_momentum"] == "restart"  # the default, for every method
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[0]["step"] == 0 and records[-1]["step"] == cfg.steps * 2
     assert summary["final_val_loss"] < records[0]["val_loss"] - 0.05  # it learned something
@@ -90,7 +89,7 @@ def _rank_main(
         def die(rounds: int) -> None:
             os._exit(17)  # after its first round, before pushing it
 
-        work_loop(worker, Transport(), on_round=die)
+        work_loop(worker, open_transport(async_config(cfg))[0], on_round=die)
         raise AssertionError("unreachable: the worker died")
     out = run(cfg)
     results.put((rank, out))
@@ -145,10 +144,16 @@ def test_bad_slowdown_fails_fast_on_every_rank(tmp_path: Path) -> None:
         ({"local_steps": 0}, 2, "local-steps must be >= 1"),
         ({"c": 0.9}, 2, r"c must be in \[0, 1/N\]"),
         ({"outer": "adam"}, 2, "unknown outer optimizer"),
-        ({"compress": "onebit"}, 2, "compresses pushes with none, fp16 or bf16"),
+        ({"compress": "int3"}, 2, "compress must be one of none, fp16, bf16, onebit"),
+        ({"compress_pull": "int3"}, 2, "compress-pull must be one of none, fp16, bf16, onebit"),
+        ({"speeds": (1.0,)}, 2, "--speeds lists 1 values but there are 2 workers"),
+        ({"shard_sampling": "random"}, 2, "unknown shard sampling 'random'"),
+        ({"staleness": "exp"}, 2, "unknown staleness rule 'exp'"),
+        ({"min_local_steps": 0}, 2, "min-local-steps must be >= 1"),
+        ({"sync": True, "staleness": "poly"}, 2, "sync mode is synchronous DiLoCo"),
         ({"slowdown": (1.0, 0.5)}, 2, "factors must be >= 1"),
         ({}, 0, "at least 2 ranks"),
-        ({"inner_momentum": "reset"}, 2, "unknown inner momentum 'reset'"),
+        ({"inner_momentum": "reset"}, 2, "unknown inner-state rule 'reset'"),
         ({"extra": {"sync": True}}, 2, "extra\\['sync'\\] is no longer read: set the TrainConfig"),
     ],
 )
@@ -172,8 +177,8 @@ def _first_moment_zero_at_each_step(worker: LocalWorker) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("mode", ["keep", "round"])
-def test_worker_restarts_the_first_moment_each_round_only_in_round_mode(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["keep", "round", "restart", "fresh"])
+def test_worker_applies_the_inner_state_rule_at_each_round(mode: str) -> None:
     torch.manual_seed(0)
     data = TextData(None, 16, 0.05, 0)
     model = GPT(GPTConfig(seq_len=16, n_layer=1, n_head=2, n_embd=32))
@@ -185,33 +190,32 @@ def test_worker_restarts_the_first_moment_each_round_only_in_round_mode(mode: st
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     zero_before_step = _first_moment_zero_at_each_step(worker)
     worker.run_round(theta.clone(), Work(0, 0, shard=0, steps=3, lr_clock=0, planned=10))
-    squares = [s["exp_avg_sq"].clone() for s in worker.opt.state.values()]
     worker.run_round(theta.clone(), Work(0, 1, shard=1, steps=2, lr_clock=0, planned=10))
     # Step 1 of round 1 has no state yet (False either way); step 1 of round 2 starts from a
-    # zero first moment only when restarting, and within a round the moment builds up.
-    assert zero_before_step == [False, False, False, mode == "round", False]
-    for state, square in zip(worker.opt.state.values(), squares, strict=True):
-        assert int(state["step"]) == 5  # the step count carries over in both modes
-        assert not torch.equal(state["exp_avg_sq"], torch.zeros_like(square))
-    with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
+    # zero first moment when restarting, from no state at all when fresh.
+    assert zero_before_step == [False, False, False, mode in ("round", "restart"), False]
+    for state in worker.opt.state.values():
+        # the step count carries over except with a fresh optimizer
+        assert int(state["step"]) == (2 if mode == "fresh" else 5)
+        assert bool(state["exp_avg_sq"].any())
+    with pytest.raises(ConfigError, match="unknown inner-state rule 'reset'"):
         LocalWorker(
             model, adamw, shards, gpt_loss, warmup_steps=0, min_lr_ratio=0.1, inner_momentum="reset"
         )
 
 
-def test_inner_momentum_default_follows_dylu(tmp_path: Path) -> None:
-    assert resolve_inner_momentum(None, dylu=True) == "round"
-    assert resolve_inner_momentum(None, dylu=False) == "keep"
+def test_inner_state_default_is_the_same_for_every_method(tmp_path: Path) -> None:
+    assert resolve_inner_momentum(None, dylu=True) == "restart"
+    assert resolve_inner_momentum(None, dylu=False) == "restart"
     assert resolve_inner_momentum("keep", dylu=True) == "keep"  # explicit wins
-    assert resolve_inner_momentum("round", dylu=False) == "round"
-    with pytest.raises(ConfigError, match="unknown inner momentum 'Round'"):
-        resolve_inner_momentum("Round", dylu=True)
+    with pytest.raises(ConfigError, match="unknown inner-state rule 'Round'"):
+        resolve_inner_momentum("Round")
     # The runtime's workers get the resolved mode.
     for kw, mode in [
-        ({"dylu": True}, "round"),
-        ({"dylu": False}, "keep"),
+        ({"dylu": True}, "restart"),
+        ({"dylu": False}, "restart"),
         ({"dylu": True, "inner_momentum": "keep"}, "keep"),
-        ({"dylu": False, "inner_momentum": "round"}, "round"),
+        ({"dylu": False, "inner_momentum": "fresh"}, "fresh"),
     ]:
         cfg = _cfg(tmp_path, **kw)
         assert make_worker(gpt_task(cfg), async_config(cfg), 1, 2).inner_momentum == mode, kw
@@ -221,7 +225,8 @@ def _mismatched_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
     if rank != 2:
         return run(cfg)
     other = replace(cfg, n_layer=2)  # one layer too many
-    return work_loop(make_worker(gpt_task(other), async_config(other), rank, 2), Transport())
+    acfg = async_config(other)
+    return work_loop(make_worker(gpt_task(other), acfg, rank, 2), open_transport(acfg)[0])
 
 
 @pytest.mark.timeout(120)
@@ -255,7 +260,7 @@ def _flaky_rank(rank: int, world: int, cfg: TrainConfig) -> Any:
         if rounds == 1:
             raise RuntimeError("simulated failure in round 1")
 
-    return work_loop(worker, Transport(), on_round=fail_once)
+    return work_loop(worker, open_transport(async_config(cfg))[0], on_round=fail_once)
 
 
 @pytest.mark.timeout(120)

@@ -41,7 +41,7 @@ def test_w1_h1_is_the_inner_step_then_the_outer_nesterov_step() -> None:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_global = [p.detach().clone() for p in ref.parameters()]
     ref_outer = torch.optim.SGD(ref_global, lr=0.7, momentum=0.9, nesterov=True)
-    with DiLoCo(model, opt, sync_every=1) as diloco:
+    with DiLoCo(model, opt, sync_every=1, outer_lr=0.7, inner_momentum="keep") as diloco:
         for i in range(5):
             _inner_step(model, opt, i)
             # reference: the same inner step, then SGD(nesterov) on theta - theta_w
@@ -62,7 +62,7 @@ def test_w1_h1_is_the_inner_step_then_the_outer_nesterov_step() -> None:
 def test_state_dict_resumes_exactly_mid_round() -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    d = DiLoCo(model, opt, sync_every=3)
+    d = DiLoCo(model, opt, sync_every=3)  # restart rule: its hooks see the same state
     for i in range(4):  # one sync, then one step into the next round
         _inner_step(model, opt, i)
         d.after_inner_step()
@@ -92,25 +92,45 @@ def test_bad_h(h: Any, match: str) -> None:
         DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, compress="int3")
 
 
-@pytest.mark.parametrize("mode", [None, "keep", "round"])
-def test_trainer_diloco_restarts_the_inner_first_moment_only_when_asked(mode: str | None) -> None:
+@pytest.mark.parametrize("mode", [None, "keep", "round", "restart", "fresh"])
+def test_trainer_diloco_applies_the_inner_state_rule_after_each_sync(mode: str | None) -> None:
     model = _model()
-    cfg = TrainConfig(algo="diloco", local_steps=2, inner_momentum=mode)
+    cfg = TrainConfig(algo="diloco", local_steps=2, inner_momentum=mode, steps=4)
     strategy = make_strategy(model, cfg)
     opt = strategy.optimizer
+    rule = mode or "restart"  # the default, the same for every method
     for step in range(1, 4):  # the second step syncs (a round is H = 2 steps)
         _inner_step(model, opt, step)
         assert strategy.after_step is not None
         strategy.after_step(step)
-        moments = [s["exp_avg"] for s in opt.state.values()]
-        zeroed = not any(bool(m.any()) for m in moments)
-        # Right after the sync the next round starts from a zero first moment in "round"
-        # mode; synchronous DiLoCo has no DyLU, so unset means "keep".
-        assert zeroed == (step == 2 and mode == "round"), step
-        assert all(bool(s["exp_avg_sq"].any()) and int(s["step"]) == step
-                   for s in opt.state.values())  # fmt: skip
-    with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
+        states = list(opt.state.values())
+        if step == 2 and rule == "fresh":  # a new optimizer: no state at all
+            assert states == []
+            continue
+        zeroed = not any(bool(s["exp_avg"].any()) for s in states)
+        # Right after the sync the next round starts from a zero first moment under the
+        # round and restart rules; the second moment and step count carry over.
+        assert zeroed == (step == 2 and rule in ("round", "restart")), step
+        assert all(bool(s["exp_avg_sq"].any()) for s in states)
+        expected = 1 if (step == 3 and rule == "fresh") else step
+        assert all(int(s["step"]) == expected for s in states)
+    with pytest.raises(ConfigError, match="unknown inner-state rule 'reset'"):
         DiLoCo(model, opt, 2, inner_momentum="reset")
+
+
+def test_outer_momentum_zero_is_plain_averaging() -> None:
+    # beta = 0, lr = 1 on one worker: the new theta is the replica's parameters.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    d = DiLoCo(model, opt, 2, outer_lr=1.0, outer_momentum=0.0)
+    for i in range(2):
+        _inner_step(model, opt, i)
+    local = [p.detach().clone() for p in model.parameters()]
+    assert d.after_inner_step(2)
+    for g, p in zip(d.global_params, local, strict=True):
+        torch.testing.assert_close(g, p)
+    with pytest.raises(ConfigError, match="outer momentum must be in"):
+        DiLoCo(model, opt, 2, outer_momentum=1.0)
 
 
 def _two_ranks(rank: int, world: int) -> dict[str, Any]:
@@ -121,7 +141,7 @@ def _two_ranks_one(rank: int, compress: str) -> dict[str, Any]:
     COUNTER.reset()
     model = _model(seed=rank)  # different inits: DiLoCo broadcasts rank 0's
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with DiLoCo(model, opt, sync_every=3, compress=compress) as d:
+    with DiLoCo(model, opt, sync_every=3, outer_lr=0.7, compress=compress) as d:
         start = [p.detach().clone() for p in model.parameters()]
         for i in range(3):
             _inner_step(model, opt, i, rank)  # the third step's hook syncs

@@ -124,10 +124,13 @@ def test_dead_worker_round_is_handed_out_again() -> None:
     assert stop is not None and stop.stop and core.finished and core.steps_applied == 8
 
 
-def test_server_rejects_other_model_size() -> None:
+def test_server_refuses_a_push_of_another_model_size() -> None:
     core = _core()
     core.join(1, 0.0)
     core.due(0.0)
     core.work_for(1, 0.0)
-    with pytest.raises(ConfigError, match="the models differ"):
-        core.submit(1, 0, torch.ones(7), 4, 0.1, 1.0)
+    theta = core.theta.detach().clone()
+    assert not core.submit(1, 0, torch.ones(7), 4, 0.1, 1.0)
+    assert core.guard.refused == {"shape": 1} and core.updates_applied == 0
+    assert torch.equal(core.theta.detach(), theta)
+    assert core.steps_assigned == 0  # the round is rewound, to be handed out again

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.launch import free_port
+from thinwire.localsgd.auth import AuthError, RunKey
 from thinwire.localsgd.messages import (
     HEADER_LEN,
     Envelope,
@@ -19,6 +20,7 @@ from thinwire.localsgd.messages import (
     Refused,
     RunInfo,
     Update,
+    Why,
     Work,
     decode,
     dtype_code,
@@ -31,12 +33,19 @@ from thinwire.localsgd.transport import Transport
 _MESSAGES = [
     Hello(numel=437_760, checksum=2**32 - 1),
     Hello(numel=4, checksum=0, late=True),
+    Hello(numel=4, checksum=0, late=True, force=True),
     Update(epoch=2, steps=17, seconds_per_step=0.125, loss=3.5, dtype=torch.float32),
     Update(epoch=0, steps=1, seconds_per_step=2.5e-3, loss=-1.0, dtype=torch.float16),
     Update(epoch=0, steps=0, seconds_per_step=0.0, loss=0.0, dtype=torch.bfloat16),
     Work(epoch=1, version=99, shard=3, steps=20, lr_clock=140, planned=200),
     Work(epoch=4, version=12, stop=True),
+    Update(epoch=1, steps=3, seconds_per_step=0.5, loss=2.0, dtype=torch.uint8, version=41),
+    Work(
+        epoch=1, version=7, shard=0, steps=5, lr_clock=3, planned=9, dtype=torch.uint8, delta=True
+    ),
     Refused(numel=10, checksum=12345),
+    Refused(numel=10, checksum=12345, reason=Why.ALIVE),
+    Refused(numel=1, checksum=2, reason=Why.EVICTED),
 ]
 
 
@@ -61,7 +70,10 @@ def test_header_layouts_are_the_documented_ones() -> None:
     assert encode(Work(1, 2, 3, 4, 5, 6)) == [3.0, 1, 2, 3, 4, 5, 6, 0]
     assert encode(Work(1, 2, stop=True)) == [4.0, 1, 2, 0, 0, 0, 0, 0]
     assert encode(Refused(9, 10)) == [5.0, 9, 10, 0, 0, 0, 0, 0]
-    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5]
+    assert encode(Update(7, 8, 0.5, 2.25, torch.uint8, 11)) == [2.0, 7, 8, 0.5, 2.25, 3, 11, 0]
+    delta = Work(1, 2, 3, 4, 5, 6, dtype=torch.bfloat16, delta=True)
+    assert encode(delta) == [6.0, 1, 2, 3, 4, 5, 6, 2]
+    assert [int(k) for k in Kind] == [1, 2, 3, 4, 5, 6]
     assert Work(0, 0).kind == Kind.WORK and Work(0, 0, stop=True).kind == Kind.STOP
 
 
@@ -82,7 +94,7 @@ def test_a_nan_loss_is_carried_but_counts_must_be_whole() -> None:
         ([1.0, 4, 0, 0.5, 0, 0, 0, 0], "HELLO field late must be 0 or 1, got 0.5"),
         ([2.0, 0, 1, 0.1, 0.0, 7.0, 0, 0], "UPDATE field dtype: unknown dtype code 7"),
         ([4.0, 1, 2, 3.0, 0, 0, 0, 0], "STOP header has numbers past its 2 fields"),
-        ([5.0, 1, 2, 0, 0, 0, 0, 1.0], "ERROR header has numbers past its 2 fields"),
+        ([5.0, 1, 2, 0, 0, 0, 0, 1.0], "ERROR header has numbers past its 3 fields"),
         ([1.0, 4, 0, 0], "a header has 8 numbers, got 4"),
     ],
 )
@@ -124,14 +136,21 @@ def test_server_transport_consumes_a_malformed_queued_header_and_reads_on() -> N
     store = dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
     )
-    server = Transport(store, rank=0, run_id="m", connect_timeout_s=2, timeout_s=5)
-    worker = Transport(store, rank=1, run_id="m", connect_timeout_s=2, timeout_s=5)
+    key = RunKey.from_token(b"a test token of the run")
+    server = Transport(store, rank=0, run_id="m", key=key, connect_timeout_s=2, timeout_s=5)
+    worker = Transport(store, rank=1, run_id="m", key=key, connect_timeout_s=2, timeout_s=5)
     try:
-        dist.PrefixStore("thinwire.localsgd/m/", store).queue_push("to_server", b"forged")
+        queue = dist.PrefixStore("thinwire.localsgd/m/", store)
+        queue.queue_push("to_server", b"forged")
+        queue.queue_push("to_server", b"x" * 200)  # as long as a message, and nonsense
         worker.send(0, Update(0, 2, 0.1, 1.0))  # a header only: no link is needed for it
-        with pytest.raises(MessageError, match="a queued header is 80 bytes, got 6"):
+        with pytest.raises(MessageError, match="longer than its seal, got 6 bytes"):
             server.poll()
-        assert server.poll() == Envelope(1, 1, Update(0, 2, 0.1, 1.0))
+        with pytest.raises(MessageError, match="a queued header is 80 bytes, got 112"):
+            server.poll()
+        # Well formed and sealed, but an UPDATE from a connection that never said hello.
+        with pytest.raises(AuthError, match="never said a verified hello"):
+            server.poll()
         assert server.poll() is None
     finally:
         server.close()

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import make_worker
+from thinwire.localsgd.async_runtime import make_worker, open_transport
+from thinwire.localsgd.auth import RunKey, read_token
 from thinwire.localsgd.messages import Hello, RunInfo, Work
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
@@ -69,7 +70,7 @@ def _rank_main(
         if role == "server":
             results.put((rank, run(cfg)))
             return
-        transport = Transport()
+        transport = open_transport(async_config(cfg))[0]
         deadline = time.monotonic() + 90
 
         def hook(rounds: int) -> None:
@@ -190,11 +191,11 @@ def test_killed_worker_process_rejoins(tmp_path: Path) -> None:
 
 def _rejoin_main(port: int, cfg: TrainConfig, results: Any) -> None:
     torch.set_num_threads(1)
-    results.put(("rejoined", rejoin(cfg, 2, host="127.0.0.1", port=port)))
+    results.put(("rejoined", rejoin(cfg, 2, host="127.0.0.1", port=port, force=True)))
 
 
 @pytest.mark.timeout(150)
-def test_newest_incarnation_wins_over_a_stalled_one(tmp_path: Path) -> None:
+def test_forced_rejoin_replaces_a_stalled_worker(tmp_path: Path) -> None:
     # The stall is not a death (dead_after_s); the new worker 2 is slowed down, and worker
     # 1 held until the old one has pushed, so that the budget outlasts the stale push.
     cfg = _cfg(tmp_path, slowdown=(1.0, 20.0), dead_after_s=30.0)
@@ -219,9 +220,12 @@ def test_newest_incarnation_wins_over_a_stalled_one(tmp_path: Path) -> None:
     assert summary["inner_steps"] == got[1]["steps"] + got["rejoined"]["steps"] == cfg.steps * 2
 
 
+_KEY = RunKey.from_token(b"the token of the slow test")
+
+
 def _slow_server(port: int, results: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    t = Transport(store, rank=0, run_id="slow", connect_timeout_s=2, timeout_s=60)
+    t = Transport(store, rank=0, run_id="slow", key=_KEY, connect_timeout_s=2, timeout_s=60)
     t.publish(RunInfo(workers=1, numel=4, checksum=0, shards=1))
     while (env := t.poll()) is None:
         time.sleep(0.01)
@@ -243,7 +247,7 @@ def test_link_waits_longer_than_its_connect_timeout() -> None:
     server.start()
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-        t = Transport(store, rank=1, run_id="slow", connect_timeout_s=2, timeout_s=60)
+        t = Transport(store, rank=1, run_id="slow", key=_KEY, connect_timeout_s=2, timeout_s=60)
         assert t.run_info().workers == 1
         t.send(0, Hello(numel=4, checksum=0))  # opens the link
         msg = t.recv(0)
@@ -257,7 +261,9 @@ def test_link_waits_longer_than_its_connect_timeout() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
+def test_bad_rejoins_fail_fast_and_leave_the_run_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = _cfg(tmp_path)
     ctx = mp.get_context("spawn")
     events = {"victim": ctx.Event(), "go": ctx.Event()}
@@ -265,17 +271,20 @@ def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
     host = "127.0.0.1"
     try:
         # The run is up once the server has registered it (after every launched rank
-        # joined) and published its settings: poll for that, as a restarted worker
-        # arriving this early would have to.
+        # joined), published its settings and kept its generated token: poll for that, as
+        # a restarted worker arriving this early would have to.
         deadline = time.monotonic() + 60
         while True:
             try:
-                probe = Transport.rejoin(host, port, 1, connect_timeout_s=60)
+                token = read_token(run_dir=str(tmp_path))
+                key = None if token is None else RunKey.from_token(token)
+                probe = Transport.rejoin(host, port, 1, key, connect_timeout_s=60)
                 break
             except ConfigError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+        assert (tmp_path / "run.token").stat().st_mode & 0o777 == 0o600
         info = probe.run_info()
         assert (info.workers, info.finished) == (2, False)
         t0 = time.monotonic()
@@ -289,6 +298,16 @@ def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
             rejoin(_cfg(tmp_path, shards=6), 1, host=host, port=port)
         with pytest.raises(ConfigError, match="slowdown lists 3 factors"):
             rejoin(_cfg(tmp_path, slowdown=(1.0, 1.0, 1.0)), 1, host=host, port=port)
+        # No token (another --out), a wrong one: refused before a word is sent.
+        with pytest.raises(ConfigError, match="admits only workers that hold its token"):
+            rejoin(_cfg(tmp_path / "elsewhere"), 1, host=host, port=port)
+        with monkeypatch.context() as env:
+            env.setenv("THINWIRE_RUN_TOKEN", "not-the-token-of-this-run")
+            with pytest.raises(ConfigError, match="not the token of the run at"):
+                rejoin(cfg, 1, host=host, port=port)
+        # The right token, but worker 1 is alive (paused, heartbeating): refused.
+        with pytest.raises(ConfigError, match=r"worker 1 is alive.*--force-rejoin"):
+            rejoin(cfg, 1, host=host, port=port)
         assert time.monotonic() - t0 < 30  # clear errors, not timeouts
         # No run at all at an address: a clear error after the connect timeout.
         with pytest.raises(ConfigError, match="cannot reach the run's store"):
@@ -306,6 +325,8 @@ def test_bad_rejoins_fail_fast_and_leave_the_run_alone(tmp_path: Path) -> None:
     assert summary["inner_steps"] == cfg.steps * 2
     assert summary["incarnations"] == {1: 1, 2: 1}
     assert summary["stale_messages"] == 0
+    assert summary["refused_rejoins"] == 1  # the live worker 1 was kept
+    assert summary["unauthenticated_messages"] == 0  # the others never said a word
     # A finished run turns late joiners away (the server's store may outlive the server
     # under some launchers; here it is gone, which is just as clear).
     with pytest.raises(ConfigError, match=r"has finished|cannot reach"):

@@ -82,7 +82,7 @@ def test_bad_simulation_settings() -> None:
         _sim("dn", local_steps=0)
     with pytest.raises(ConfigError, match=r"c must be in \[0, 1/N\]"):
         _sim("dn", c=0.5)
-    with pytest.raises(ConfigError, match="unknown inner momentum 'reset'"):
+    with pytest.raises(ConfigError, match="unknown inner-state rule 'reset'"):
         _sim("dn-dylu", inner_momentum="reset")
     with pytest.raises(ConfigError, match="shards must be >= 1, got 0"):
         _sim("dn", shards=0)
@@ -114,7 +114,9 @@ def test_restarted_first_moment_forgets_earlier_rounds(data: TextData) -> None:
     model = GPT(TrainConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16).gpt_config())
     adamw = functools.partial(torch.optim.AdamW, lr=3e-3)
     shards = data.shard_batches(2, batch_size=4)
-    a = LocalWorker(model, adamw, shards, gpt_loss, warmup_steps=0, min_lr_ratio=0.1)
+    a = LocalWorker(
+        model, adamw, shards, gpt_loss, warmup_steps=0, min_lr_ratio=0.1, inner_momentum="keep"
+    )
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     a.run_round(theta.clone(), Work(0, 0, shard=0, steps=3, lr_clock=0, planned=50))
     b = copy.deepcopy(a)
@@ -135,19 +137,19 @@ def test_restarted_first_moment_forgets_earlier_rounds(data: TextData) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_simulator_restarts_the_inner_moment_by_default_with_dylu(data: TextData) -> None:
+def test_simulator_applies_one_inner_state_rule_to_every_method(data: TextData) -> None:
     default = _sim("dn-dylu", data)
-    fresh = _sim("dn-dylu", data, inner_momentum="round")
-    keep = _sim("dn-dylu", data, inner_momentum="keep")  # still reachable
-    assert default["config"]["inner_momentum"] == "round"
+    restart = _sim("dn-dylu", data, inner_momentum="restart")
+    keep = _sim("dn-dylu", data, inner_momentum="keep")
+    assert default["config"]["inner_momentum"] == "restart"
     assert keep["config"]["inner_momentum"] == "keep"
-    assert default["curve"] == fresh["curve"]
-    assert fresh["inner_steps"] == keep["inner_steps"] == 24
-    assert fresh["curve"][0] == keep["curve"][0]  # same start
-    assert fresh["final_val_loss"] != keep["final_val_loss"]
-    assert _cfg("dn").resolved_inner_momentum() == "keep"  # no DyLU: DiLoCo's rule
-    assert _cfg("sync").resolved_inner_momentum() == "keep"
-    assert _cfg("dn", inner_momentum="round").resolved_inner_momentum() == "round"
+    assert default["curve"] == restart["curve"]
+    assert restart["inner_steps"] == keep["inner_steps"] == 24
+    assert restart["curve"][0] == keep["curve"][0]  # same start
+    assert restart["final_val_loss"] != keep["final_val_loss"]
+    for method in ("sync", "naive", "poly", "polythres", "buffer", "dn", "dn-dylu"):
+        assert _cfg(method).resolved_inner_momentum() == "restart"  # like for like
+        assert _cfg(method, inner_momentum="keep").resolved_inner_momentum() == "keep"
 
 
 @pytest.mark.timeout(200)
@@ -159,11 +161,11 @@ def test_cli_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
     )  # fmt: skip
     assert rc == 0
     blob = json.loads((tmp_path / "results.json").read_text())
-    assert set(blob["summary"]) == {"sync", "dn"}
+    assert set(blob["summary"]["best"]) == {"sync", "dn"}
     assert [r["config"]["inner_momentum"] for r in blob["runs"]] == ["round", "round"]
-    assert blob["summary"]["sync"]["loss_vs_sync"] == 1.0
+    assert blob["summary"]["best"]["sync"]["loss_vs_sync"] == 1.0
     assert (tmp_path / "loss_vs_time.png").exists()
-    assert "speedup" in capsys.readouterr().out
+    assert "speed-up" in capsys.readouterr().out
     assert main(["simulate", "async", "--seconds-per-step", "1,x", "--out", str(tmp_path)]) == 2
 
 
@@ -171,5 +173,5 @@ def test_cli_inner_momentum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     rc = main(["simulate", "async", "--inner-momentum", "reset", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
-    assert "unknown inner momentum 'reset'" in err
+    assert "unknown inner-state rule 'reset'" in err
     assert not (tmp_path / "results.json").exists()

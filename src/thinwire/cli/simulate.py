@@ -1,18 +1,24 @@
 """``thinwire simulate async``: heterogeneous Local-SGD workers on a virtual clock.
 
-Runs sync DiLoCo, naive async, Delayed Nesterov and DN+DyLU on the same inner-step
-budget with per-worker seconds-per-step, writes ``results.json`` and two plots (loss
-vs inner steps, loss vs simulated time) to ``--out``, and prints a comparison table:
-final validation loss (ratio to sync) and simulated time to reach sync's final loss.
+Runs the paper's methods (sync DiLoCo, naive async, Poly, PolyThres, the async buffer,
+Delayed Nesterov, DN+DyLU) on the same inner-step budget and seeds, each at its tuned
+outer lr and momentum unless told otherwise, and prints each method's final validation
+loss (mean and sd over the seeds, ratio to sync) and the simulated time to reach sync's
+final loss. ``--sweep`` tunes: every method runs every setting of its grid on every seed,
+and the best setting per method is reported with the whole grid::
 
-Each worker's inner AdamW first moment restarts every round under dn-dylu (its slow
-workers' rounds are a few steps long) and persists under the other methods;
-``--inner-momentum keep|round`` sets it for every method.
+    thinwire simulate async --methods sync,naive,dn,dn-dylu --seeds 0,1,2 \\
+        --sweep outer-lr=0.1,0.2,0.3,0.5 --sweep naive:outer-lr=0.01,0.02,0.05,0.1
+
+Every method uses the same inner-state rule (``--inner-state``), shards and H. Writes
+``results.json`` (the grid, the best per method, every run's curve), ``table.md`` and two
+plots of the best settings to ``--out``; each run is also kept in ``--out/runs/``, and a
+rerun reads those back instead of computing them again (an interrupted sweep resumes).
 
 The simulator takes the same pieces as a real run: thinwire's GPT and text shards as a
-:class:`thinwire.localsgd.Task` (built by the example trainer's
-:func:`~thinwire.train.async_task.gpt_task`), one :class:`thinwire.localsgd.AsyncConfig`
-per method, and a :class:`thinwire.localsgd.SimClock`.
+:class:`thinwire.localsgd.Task` (built by :func:`thinwire.train.async_task.gpt_task`),
+one :class:`thinwire.localsgd.AsyncConfig` per method and a
+:class:`thinwire.localsgd.SimClock`.
 """
 
 from __future__ import annotations
@@ -22,22 +28,27 @@ import json
 import math
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd import METHODS, AsyncConfig, SimClock, for_method, simulate
-from thinwire.localsgd.simulator import time_to_reach
+from thinwire.localsgd import METHODS, AsyncConfig, SimClock
+from thinwire.localsgd.compression import CODECS
+from thinwire.localsgd.inner_state import INNER_MOMENTUM
+from thinwire.localsgd.shards import SAMPLING_CHOICES
+from thinwire.localsgd.simulator import HETEROGENEITY
+from thinwire.localsgd.sweep import parse_grid, run_sweep, summarize_sweep
 from thinwire.rundir import writable_dir
 from thinwire.train.async_task import gpt_task
 from thinwire.train.config import TrainConfig
-from thinwire.train.data import TextData
+from thinwire.train.data import SHARD_LAYOUTS, TextData
 from thinwire.train.metrics import atomic_write_text
 
-__all__ = ["register", "run_async", "summarize"]
+__all__ = ["format_tables", "register", "run_async"]
+
+DEFAULT_METHODS = ("sync", "naive", "dn", "dn-dylu")
 
 
 def _floats(text: str, name: str) -> tuple[float, ...]:
@@ -55,11 +66,15 @@ def _check_numbers(args: argparse.Namespace) -> None:
     checks = [
         ("--jitter", args.jitter, args.jitter >= 0, ">= 0"),
         ("--lr", args.lr, args.lr > 0, "> 0"),
-        ("--outer-lr", args.outer_lr, args.outer_lr > 0, "> 0"),
-        ("--outer-momentum", args.outer_momentum, 0 <= args.outer_momentum < 1, "in [0, 1)"),
         ("--grace", args.grace, args.grace >= 0, ">= 0"),
         ("--warmup-steps", args.warmup_steps, args.warmup_steps >= 0, ">= 0"),
     ]
+    # None: each method's tuned value (thinwire.localsgd.TUNED).
+    if args.outer_lr is not None:
+        checks.append(("--outer-lr", args.outer_lr, args.outer_lr > 0, "> 0"))
+    if args.outer_momentum is not None:
+        mom = args.outer_momentum
+        checks.append(("--outer-momentum", mom, 0 <= mom < 1, "in [0, 1)"))
     for name, value, ok, rule in checks:
         if not (ok and math.isfinite(value)):
             raise ConfigError(f"{name} must be a number {rule}, got {value}")
@@ -70,71 +85,109 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="simulate_command", required=True, metavar="WHAT")
     p = sub.add_parser(
         "async",
-        help="sync DiLoCo vs naive async vs Delayed Nesterov vs DN+DyLU",
+        help="the paper's asynchronous Local-SGD methods against sync DiLoCo, tuned",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    d, t = AsyncConfig(), TrainConfig()
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"of {METHODS}")
     p.add_argument(
-        "--seconds-per-step",
-        default="0.58,0.75,1.51,3.33",
-        help="virtual seconds per inner step, one per worker (default: the paper's toy speeds)",
+        "--heterogeneity",
+        default="very",
+        choices=tuple(HETEROGENEITY),
+        help="worker speed preset (default very: the paper's notebook's 0.58/0.75/1.51/3.33)",
     )
+    p.add_argument("--seconds-per-step", default=None, help="explicit speeds, one per worker")
     p.add_argument("--jitter", type=float, default=0.0, help="relative per-round time noise")
-    p.add_argument("--local-steps", type=int, default=50, help="H (default 50)")
+    p.add_argument("--calibrate", action="store_true", help="DyLU measures speeds (no declare)")
+    p.add_argument("--local-steps", type=int, default=50, help="H (default 50, the paper's)")
     p.add_argument("--steps", type=int, default=500, help="inner steps per worker (budget)")
-    d = AsyncConfig()
-    p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="outer lr of every method")
-    p.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
+    p.add_argument("--outer-lr", type=float, default=None, help="default: each method's tuned")
+    p.add_argument("--outer-momentum", type=float, default=None, help="default: tuned")
     p.add_argument("--c", type=float, default=d.c, help="Delayed Nesterov's c in [0, 1/W]")
-    p.add_argument("--grace", type=float, default=d.grace_s, help="grace period, virtual seconds")
+    p.add_argument("--grace", type=float, default=d.grace_s, help="grace period, virtual s")
     p.add_argument(
+        "--inner-state",
         "--inner-momentum",
+        dest="inner_state",
         default=None,
-        metavar="{keep,round}",
-        help="inner AdamW first moment: keep it across rounds, or restart it every round "
-        "(default: round for dn-dylu, keep for the other methods)",
+        metavar="{" + ",".join(INNER_MOMENTUM) + "}",
+        help="inner-state rule of every method (default restart)",
     )
-    p.add_argument("--shards", type=int, default=None, help="data shards (default: one per worker)")
-    t = TrainConfig()
+    p.add_argument("--min-local-steps", type=int, default=d.min_local_steps)
+    p.add_argument("--calibration-steps", type=int, default=d.calibration_steps)
+    p.add_argument("--shards", type=int, default=None, help="data shards (default: W)")
+    p.add_argument("--shard-sampling", default=d.shard_sampling, choices=SAMPLING_CHOICES)
+    p.add_argument("--shard-layout", default=t.shard_layout, choices=SHARD_LAYOUTS)
+    p.add_argument("--compress", default="none", choices=tuple(CODECS), help="push codec")
+    p.add_argument("--compress-pull", default="none", choices=tuple(CODECS), help="pull codec")
     p.add_argument("--model", default=t.model, help="model preset (default tiny)")
     p.add_argument("--batch-size", type=int, default=t.batch_size)
     p.add_argument("--lr", type=float, default=t.lr, help="peak inner AdamW lr")
-    p.add_argument(
-        "--warmup-steps", type=int, default=d.warmup_steps, help="inner warmup per shard"
-    )
-    p.add_argument("--data", default=None, help="text file (default: bundled corpus)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="per shard")
+    p.add_argument("--data", default=None, help="text file or bundled corpus name")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds (default: --seed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="append", default=[], metavar="[METHOD:]KEY=V1,V2")
+    p.add_argument("--target", type=float, default=None, help="also report time to this loss")
     p.add_argument("--eval-points", type=int, default=20, help="validation passes per run")
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch threads (default 1: steadier timing)"
-    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--out", default="runs/simulate", help="output directory")
     p.set_defaults(func=run_async)
 
 
-def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ratios to sync DiLoCo: final loss, and simulated time to reach sync's final loss."""
-    by = {r["method"]: r for r in results}
-    out: dict[str, Any] = {}
-    ref = by.get("sync")
-    for m, r in by.items():
-        row: dict[str, Any] = {
-            "final_val_loss": r["final_val_loss"],
-            "sim_time_s": r["sim_time_s"],
-            "updates": r["updates"],
-        }
-        if ref is not None:
-            target = ref["final_val_loss"]
-            reach = time_to_reach(r["curve"], target)
-            row["loss_vs_sync"] = r["final_val_loss"] / target
-            row["time_to_sync_loss_s"] = reach
-            row["speedup_to_sync_loss"] = ref["sim_time_s"] / reach if reach else None
-        out[m] = row
-    return out
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{name} needs at least one value")
+    return values
 
 
-def _plot(results: list[dict[str, Any]], out: Path) -> list[str]:
+def _setting(s: dict[str, Any]) -> str:
+    return " ".join(f"{k.replace('_', '-')}={v}" for k, v in sorted(s.items())) or "defaults"
+
+
+def _times(xs: list[float | None]) -> str:
+    got = [x for x in xs if x]
+    if not got:
+        return "never"
+    mean = sum(got) / len(got)
+    return f"{mean:.0f} s" + (f" ({len(got)}/{len(xs)} seeds)" if len(got) < len(xs) else "")
+
+
+def format_tables(summary: dict[str, Any]) -> str:
+    """The best setting per method, then the whole grid, as markdown tables."""
+    lines = [
+        "| method | best setting | final val loss (mean ± sd) | vs sync | time to sync's "
+        "final loss | speed-up | runner-up (gap) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m, b in summary["best"].items():
+        ratio = b.get("loss_vs_sync")
+        ups = [x for x in b.get("speedup_to_sync_loss", []) if x]
+        ru = b["runner_up"]
+        runner = (
+            f"{_setting(ru['setting'])} (+{ru['final_mean'] - b['final_mean']:.4f})" if ru else "-"
+        )
+        lines.append(
+            f"| {m} | {_setting(b['setting'])} | {b['final_mean']:.4f} ± {b['final_sd']:.4f} | "
+            f"{f'{ratio:.4f}' if ratio else '-'} | {_times(b.get('time_to_sync_loss_s', []))} | "
+            f"{f'{sum(ups) / len(ups):.2f}x' if ups else '-'} | {runner} |"
+        )
+    lines += ["", "| method | setting | final val loss (mean ± sd) | seeds |", "|---|---|---|---|"]
+    for g in summary["grid"]:
+        seeds = ",".join(str(s) for s in g["seeds"])
+        lines.append(
+            f"| {g['method']} | {_setting(g['setting'])} | "
+            f"{g['final_mean']:.4f} ± {g['final_sd']:.4f} | {seeds} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
     try:
         import matplotlib
 
@@ -148,17 +201,17 @@ def _plot(results: list[dict[str, Any]], out: Path) -> list[str]:
         ("time_s", "simulated wall-clock (s)", "loss_vs_time.png"),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for r in results:
+        for r in runs:
             xs = [p[key] for p in r["curve"]]
             ys = [p["val_loss"] for p in r["curve"]]
-            ax.plot(xs, ys, marker=".", label=r["method"])
+            ax.plot(xs, ys, marker=".", label=f"{r['method']} (seed {r['seed']})")
         ax.set_xlabel(label)
         ax.set_ylabel("validation loss")
-        losses = [p["val_loss"] for r in results for p in r["curve"]]
-        # A diverged method (naive async at a large outer lr) must not squash the others.
+        losses = [p["val_loss"] for r in runs for p in r["curve"]]
+        # A diverged method must not squash the others.
         ax.set_ylim(bottom=min(losses) - 0.1, top=min(max(losses), 4.0))
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -168,14 +221,14 @@ def _plot(results: list[dict[str, Any]], out: Path) -> list[str]:
 
 def run_async(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods:
-        raise ConfigError(
-            f"--methods needs at least one of {', '.join(METHODS)}, got {args.methods!r}"
-        )
-    for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
-    speeds = _floats(args.seconds_per_step, "--seconds-per-step")
+    if not methods or any(m not in METHODS for m in methods):
+        raise ConfigError(f"--methods takes a comma-separated subset of {', '.join(METHODS)}")
+    speeds = (
+        _floats(args.seconds_per_step, "--seconds-per-step")
+        if args.seconds_per_step
+        else HETEROGENEITY[args.heterogeneity]
+    )
+    seeds = _ints(args.seeds, "--seeds") if args.seeds else (args.seed,)
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     _check_numbers(args)
@@ -183,14 +236,13 @@ def run_async(args: argparse.Namespace) -> int:
     if not 0.0 <= args.c <= 1.0 / len(speeds):
         raise ConfigError(f"--c must be in [0, 1/W] = [0, {1 / len(speeds):.4g}], got {args.c}")
     torch.set_num_threads(args.threads)
-    # The GPT and its data, as the example trainer builds them.
     model = TrainConfig(
         model=args.model,
         batch_size=args.batch_size,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         data=args.data,
-        seed=args.seed,
+        shard_layout=args.shard_layout,
     )
     model.validate()
     base = AsyncConfig(
@@ -200,50 +252,56 @@ def run_async(args: argparse.Namespace) -> int:
         outer_momentum=args.outer_momentum,
         c=args.c,
         grace_s=args.grace,
-        inner_momentum=args.inner_momentum,
+        inner_momentum=args.inner_state,
+        min_local_steps=args.min_local_steps,
+        calibration_steps=args.calibration_steps,
         shards=args.shards,
+        shard_sampling=args.shard_sampling,
         warmup_steps=args.warmup_steps,
         min_lr_ratio=model.min_lr_ratio,
+        compress=args.compress,
+        compress_pull=args.compress_pull,
     )
     clock = SimClock(
-        seconds_per_step=speeds, jitter=args.jitter, seed=args.seed, eval_points=args.eval_points
+        seconds_per_step=speeds,
+        jitter=args.jitter,
+        eval_points=args.eval_points,
+        declare_speeds=not args.calibrate,
     )
     clock.validate()
-    configs = [(m, for_method(base, m)) for m in methods]
-    for _, c in configs:
-        c.validate(len(speeds))  # every bad option before the first (long) run
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    data = TextData(args.data, model.gpt_config().seq_len, model.val_fraction, args.seed)
-    task = gpt_task(model, data)
-    settings = {k: getattr(model, k) for k in ("model", "batch_size", "lr", "data", "seed")}
-    results = []
-    for method, c in configs:
-        t0 = time.perf_counter()
-        r = {"method": method} | simulate(task, c, clock) | {"task": settings}
-        r["wall_s"] = time.perf_counter() - t0
-        results.append(r)
+    grid = parse_grid(args.sweep, methods)
+
+    def task_for_seed(seed: int) -> Any:
+        cfg = TrainConfig(**{**model.to_dict(), "seed": seed})
+        return gpt_task(cfg, TextData(args.data, cfg.gpt_config().seq_len, cfg.val_fraction, seed))
+
+    def report(run: dict[str, Any], cached: bool) -> None:
         print(
-            f"{method:8s} final val loss {r['final_val_loss']:.4f}  updates {r['updates']:5d}  "
-            f"simulated {r['sim_time_s']:9.1f} s  inner momentum "
-            f"{r['config']['inner_momentum']:5s}  (computed in {r['wall_s']:.0f} s)",
+            f"{run['method']:9s} {_setting(run['setting']):32s} seed {run['seed']}  final val "
+            f"loss {run['final_val_loss']:.4f}  updates {run['updates']:5d}  simulated "
+            f"{run['sim_time_s']:8.1f} s" + ("  (read back)" if cached else ""),
             flush=True,
         )
-    summary = summarize(results)
+
+    out = Path(args.out)
+    runs = run_sweep(task_for_seed, base, clock, grid, seeds, out, on_run=report)
+    summary = summarize_sweep(runs, args.target)
+    unigram = TextData(args.data, model.gpt_config().seq_len, model.val_fraction).unigram_loss()
     command = "thinwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    blob = {"command": command, "summary": summary, "runs": results}
-    atomic_write_text(out / "results.json", json.dumps(blob, indent=2) + "\n")
-    print(
-        f"\n{'method':8s} {'val loss':>9s} {'vs sync':>8s} {'t to sync loss':>15s} {'speedup':>8s}"
-    )
-    for m, row in summary.items():
-        reach = row.get("time_to_sync_loss_s")
-        speed = row.get("speedup_to_sync_loss")
-        print(
-            f"{m:8s} {row['final_val_loss']:9.4f} {row.get('loss_vs_sync', math.nan):8.4f} "
-            f"{(f'{reach:.0f} s' if reach else 'never'):>15s} "
-            f"{(f'{speed:.2f}x' if speed else '-'):>8s}"
-        )
-    plots = _plot(results, out)
-    print(f"wrote {out / 'results.json'}" + "".join(f", {p}" for p in plots))
+    blob = {
+        "command": command,
+        "seconds_per_step": list(speeds),
+        "seeds": list(seeds),
+        "byte_frequency_loss": unigram,
+        "summary": summary,
+        "runs": runs,
+    }
+    atomic_write_text(out / "results.json", json.dumps(blob, indent=1) + "\n")
+    tables = format_tables(summary)
+    atomic_write_text(out / "table.md", f"`{command}`\n\n" + tables)
+    print(f"\nbyte-frequency loss of the data: {unigram:.4f}\n")
+    print(tables)
+    best = {b for m in summary["best"].values() for b in m["runs"]}
+    plots = _plot([r for r in runs if r["key"] in best], out)
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}" + "".join(f", {p}" for p in plots))
     return 0

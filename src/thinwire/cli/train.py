@@ -6,7 +6,10 @@ loopback (one process, no group, when W is 1).
 
 ``--rejoin RANK`` (``--algo async-diloco`` only) starts worker RANK again, in a fresh
 process, inside a run that is still going (its old process died): set ``MASTER_ADDR``
-and ``MASTER_PORT`` to the run's rank 0 and repeat the run's other options.
+and ``MASTER_PORT`` to the run's rank 0 and repeat the run's other options. It needs the
+run's token: ``THINWIRE_RUN_TOKEN`` (or ``THINWIRE_RUN_TOKEN_FILE``), or, on the run's
+host, the run's ``--out``, where a generated token is kept. It replaces only a worker the
+server considers dead, unless ``--force-rejoin``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS, load_text
 from thinwire.train.model import PRESETS
 
 __all__ = ["config_from_args", "format_summary", "register", "run_training"]
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0.5,1,2, got {text!r}") from None
+    if any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"seconds per step must be > 0, got {text!r}")
+    return values
 
 
 def _slowdown(text: str) -> tuple[float, ...]:
@@ -140,10 +153,45 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     ls.add_argument(
         "--local-steps", type=int, default=d.local_steps, help="inner steps H per round"
     )
-    ls.add_argument("--outer-lr", type=float, default=d.outer_lr)
-    ls.add_argument("--outer-momentum", type=float, default=d.outer_momentum)
-    ls.add_argument("--outer", default=d.outer, choices=("dn", "nesterov"))
+    ls.add_argument(
+        "--outer-lr", type=float, default=d.outer_lr, help="default: the method's tuned value"
+    )
+    ls.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=d.outer_momentum,
+        help="default: the method's tuned value; 0 is plain SGD on the averaged update",
+    )
+    ls.add_argument("--outer", default=d.outer, choices=("dn", "nesterov", "buffer"))
     ls.add_argument("--dylu", action="store_true", help="dynamic local updates")
+    ls.add_argument(
+        "--speeds",
+        type=_speeds,
+        default=None,
+        help="async-diloco: declared seconds per step of each worker, for DyLU's first "
+        "round (default: a short calibration round measures them)",
+    )
+    ls.add_argument("--calibration-steps", type=int, default=None, help="DyLU calibration")
+    ls.add_argument("--min-local-steps", type=int, default=None, help="DyLU's floor")
+    ls.add_argument(
+        "--staleness",
+        default=None,
+        choices=("none", "poly"),
+        help="async-diloco: poly scales each push by (1 + staleness)^-1/2",
+    )
+    ls.add_argument("--max-staleness", type=int, default=None, help="drop staler pushes")
+    ls.add_argument(
+        "--shard-sampling",
+        default=None,
+        choices=("least-progress", "paper"),
+        help="how a round's data shard is chosen (default least-progress)",
+    )
+    ls.add_argument(
+        "--shard-layout",
+        default=d.shard_layout,
+        choices=("striped", "contiguous"),
+        help="Local-SGD shards: 4 KiB blocks dealt round-robin, or contiguous stretches",
+    )
     ls.add_argument(
         "--slowdown", type=_slowdown, default=None, help="per-worker factors, e.g. 1,1,2,4"
     )
@@ -168,13 +216,35 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "through the server: the baseline for --slowdown comparisons)",
     )
     ls.add_argument(
-        "--inner-momentum",
-        default=d.inner_momentum,
-        metavar="{keep,round}",
-        help="diloco, async-diloco: the inner AdamW first moment is kept across rounds "
-        "(keep) or restarted every round (round); default round with --dylu, else keep",
+        "--dead-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="async-diloco: heartbeat silence after which the server drops a worker as dead "
+        "(default 10); a rejoin of a worker waits for this",
     )
-    ls.add_argument("--compress", default=d.compress, choices=("none", "fp16", "bf16", "onebit"))
+    ls.add_argument(
+        "--inner-state",
+        "--inner-momentum",
+        dest="inner_momentum",
+        default=d.inner_momentum,
+        metavar="{keep,round,restart,fresh}",
+        help="diloco, async-diloco: what the inner AdamW carries into the next round: "
+        "everything (keep), a zeroed first moment (round), a zeroed and bias-corrected one "
+        "(restart, the default), or nothing (fresh)",
+    )
+    ls.add_argument(
+        "--compress",
+        default=d.compress,
+        choices=("none", "fp16", "bf16", "onebit"),
+        help="pseudo-gradients (diloco: the allreduce; async-diloco: every push)",
+    )
+    ls.add_argument(
+        "--compress-pull",
+        default=None,
+        choices=("none", "fp16", "bf16", "onebit"),
+        help="async-diloco: theta to workers as a delta to their copy in this codec",
+    )
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-interval", type=int, default=d.eval_interval)
     r.add_argument("--eval-sequences", type=int, default=d.eval_sequences)
@@ -203,6 +273,12 @@ def register(sub: Any) -> None:
         help="async-diloco: run worker RANK again in a fresh process inside the running run "
         "whose rank 0 is at MASTER_ADDR:MASTER_PORT (after the worker's process died); give "
         "the run's other options unchanged",
+    )
+    p.add_argument(
+        "--force-rejoin",
+        action="store_true",
+        help="with --rejoin: replace worker RANK even if the server considers it alive "
+        "(its old process is stalled, not dead)",
     )
     p.set_defaults(func=_main)
 
@@ -239,9 +315,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         slowdown=args.slowdown,
         compress=args.compress,
         inner_momentum=args.inner_momentum,
+        speeds=args.speeds,
+        calibration_steps=args.calibration_steps,
+        min_local_steps=args.min_local_steps,
+        staleness=args.staleness,
+        max_staleness=args.max_staleness,
+        shard_sampling=args.shard_sampling,
+        shard_layout=args.shard_layout,
+        compress_pull=args.compress_pull,
         grace_s=args.grace,
         sync=args.sync,
         shards=args.shards,
+        dead_after_s=args.dead_after,
         eval_interval=args.eval_interval,
         eval_sequences=args.eval_sequences,
         log_interval=args.log_interval,
@@ -298,15 +383,21 @@ def _mib(n: float) -> str:
 
 def format_summary(s: dict[str, Any]) -> str:
     """The short table printed at the end of a run."""
+    who = f"{s['world_size']} worker(s)"
+    if s["algo"] == "async-diloco":  # rank 0 serves and does not train
+        who = f"{s.get('workers', s['world_size'] - 1)} workers plus the server"
     rows = [
-        ("algorithm", f"{s['algo']} on {s['world_size']} worker(s)"),
+        ("algorithm", f"{s['algo']} on {who}"),
         ("steps / samples", f"{s['steps']} / {s['samples']:,}"),
         ("parameters", f"{s['parameters']:,}"),
         ("final val loss", f"{s['final_val_loss']:.4f}"),
         ("final val perplexity", f"{s['final_val_ppl']:.2f}"),
         ("throughput", f"{s['samples_per_s']:,.1f} samples/s"),
         ("training time", f"{s['train_time_s']:.1f} s"),
-        ("bytes sent per worker", _mib(s["comm_bytes"])),
+        (
+            "bytes through the server" if s["algo"] == "async-diloco" else "bytes sent per worker",
+            _mib(s["comm_bytes"]),
+        ),
         ("output", s["out_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -315,6 +406,8 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def _main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.force_rejoin and args.rejoin is None:
+        raise ConfigError("--force-rejoin goes with --rejoin RANK")
     if args.rejoin is not None:
         if cfg.algo != "async-diloco":
             raise ConfigError(
@@ -323,7 +416,7 @@ def _main(args: argparse.Namespace) -> int:
             )
         from thinwire.train.async_task import rejoin
 
-        out = rejoin(cfg, args.rejoin)
+        out = rejoin(cfg, args.rejoin, force=args.force_rejoin)
         print(
             f"  worker {out['worker']} (incarnation {out['incarnation']}): {out['rounds']} "
             f"rounds, {out['steps']} inner steps"
@@ -342,4 +435,7 @@ def _main(args: argparse.Namespace) -> int:
     if "note" in summary:
         print(f"thinwire: {summary['note']}", file=sys.stderr)
     print(format_summary(summary))
+    if summary.get("incomplete"):
+        print(f"thinwire: error: {summary['incomplete']}", file=sys.stderr)
+        return 1
     return 0

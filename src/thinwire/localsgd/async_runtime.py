@@ -10,8 +10,10 @@ machines: put rank 0 where the links to the others are best. The example trainer
 Per round a worker pulls theta (fp32), runs ``H`` (or DyLU's ``H_w``) inner steps of the
 user's optimizer on the shard the server gave it, and pushes ``theta - theta_w`` (fp32,
 or fp16/bf16 with ``compress``). The server applies each push on arrival
-(:class:`~thinwire.localsgd.server.ServerCore`). The first moment of the inner optimizer
-restarts at every round with ``inner_momentum="round"``, the default with DyLU.
+(:class:`~thinwire.localsgd.server.ServerCore`). What the inner optimizer carries from
+one round into the next is the run's inner-state rule (``inner_momentum``), the same for
+every method. ``compress`` and ``compress_pull`` shrink pushes and pulls to fp16, bf16
+or 1 bit (:mod:`~thinwire.localsgd.compression`).
 
 The pieces: :mod:`~thinwire.localsgd.server_run` (rank 0's run),
 :mod:`~thinwire.localsgd.server_loop` (its loop), :mod:`~thinwire.localsgd.worker_loop`
@@ -36,6 +38,12 @@ Fault tolerance:
 * The server checkpoints ``theta, m, Delta, t``, shard progress, lr clocks and speeds
   every ``checkpoint_interval`` inner steps per worker; ``resume`` continues from it in a
   new epoch and rejects updates computed before the restart.
+
+Admission (:func:`open_transport`): rank 0 takes the user's token or generates one and
+hands the run key to the launched workers (:mod:`thinwire.localsgd.keyshare`); it hosts
+the run's store on the address the user named (:mod:`thinwire.comm.bind`); every
+message is sealed (:mod:`thinwire.localsgd.auth`) and every push checked
+(:mod:`thinwire.localsgd.push_guard`).
 """
 
 from __future__ import annotations
@@ -45,16 +53,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+from thinwire.comm.bind import listen_address
 from thinwire.comm.launch import init_from_env
 from thinwire.errors import ConfigError
+from thinwire.localsgd.auth import RunKey, new_token, read_token
 from thinwire.localsgd.config import AsyncConfig
+from thinwire.localsgd.keyshare import share_run_key
 from thinwire.localsgd.server_run import run_server
 from thinwire.localsgd.task import Task, make_sources
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.localsgd.worker_loop import work_loop
 
-__all__ = ["make_worker", "run_async"]
+__all__ = ["make_worker", "open_transport", "run_async"]
 
 
 def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalWorker:
@@ -71,6 +82,56 @@ def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalW
         slowdown=cfg.slowdown[rank - 1] if cfg.slowdown else 1.0,
         inner_momentum=cfg.resolved_inner_momentum(),
     )
+
+
+def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
+    """This rank's transport, with the run key; call on every rank of the launch's group.
+
+    Rank 0 reads the user's token (:func:`~thinwire.localsgd.auth.read_token`) or
+    generates one, hands the run key to every launched worker without sending it in
+    clear (:func:`~thinwire.localsgd.keyshare.share_run_key`) and hosts the run's store
+    on ``cfg.bind_addr`` / ``THINWIRE_BIND_ADDR`` / ``MASTER_ADDR``. A worker that holds a
+    token of its own checks that it is rank 0's. Returns the transport and, on rank 0,
+    the token it generated (None when the user gave one, and on workers).
+
+    Raises:
+        ConfigError: an unreadable or too short token, a worker token that differs from
+            rank 0's, an address that cannot be listened on (on every rank).
+    """
+    rank = dist.get_rank()
+    launch_store = dist.distributed_c10d._get_default_store()
+    key: RunKey | None = None
+    generated: bytes | None = None
+    error: ConfigError | None = None
+    if rank == 0:
+        try:
+            token = read_token(cfg.token_file)
+        except ConfigError as exc:
+            token, error = None, exc
+        if token is None and error is None:
+            token = generated = new_token()
+        key = RunKey.from_token(token) if token is not None else None
+    # The exchange runs on a gloo group: the launch's when it is gloo, else its own.
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    try:
+        key = share_run_key(key, group)  # every rank raises if rank 0 has no key
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+    if error is not None:
+        raise error
+    timeouts = {"connect_timeout_s": cfg.connect_timeout_s, "timeout_s": cfg.link_timeout_s}
+    if rank == 0:
+        return Transport.host(
+            launch_store, key, listen_address(cfg.bind_addr), **timeouts
+        ), generated
+    own = read_token(cfg.token_file)
+    if own is not None and RunKey.from_token(own) != key:
+        raise ConfigError(
+            f"rank {rank}'s run token is not rank 0's: give every rank the same "
+            "THINWIRE_RUN_TOKEN (or token file)"
+        )
+    return Transport.launched(launch_store, rank, key, **timeouts), None
 
 
 def run_async(
@@ -104,7 +165,9 @@ def run_async(
 
     Raises:
         ConfigError: a bad setting (on every rank, before any message), no process group,
-            or a worker whose model differs from the server's.
+            a bad token, or a worker whose model differs from the server's.
+        IncompleteRunError: rank 0 only; every worker died before the budget was met
+            (the checkpoint keeps what was done; its ``summary`` says so).
     """
     created = False
     if not dist.is_initialized():
@@ -118,18 +181,26 @@ def run_async(
         rank, world = dist.get_rank(), dist.get_world_size()
         workers = world - 1
         cfg.validate(workers)
-        transport = Transport(connect_timeout_s=cfg.connect_timeout_s, timeout_s=cfg.link_timeout_s)
+        transport, generated = open_transport(cfg)
         if rank != 0:
             worker = make_worker(task, cfg, rank, workers)
             return work_loop(
                 worker,
                 transport,
-                compress=cfg.push_dtype,
+                compress=cfg.compress,
                 heartbeat_s=cfg.heartbeat_s,
                 max_restarts=cfg.max_restarts,
             )
         try:
-            return run_server(task, cfg, transport, workers, on_start=on_start, on_eval=on_eval)
+            return run_server(
+                task,
+                cfg,
+                transport,
+                workers,
+                on_start=on_start,
+                on_eval=on_eval,
+                token_to_keep=generated,
+            )
         finally:
             transport.mark_finished()  # late joiners are turned away, even after a failure
             transport.close()

@@ -4,9 +4,9 @@ DiLoCo (Douillard et al., 2023, https://arxiv.org/abs/2311.08105) runs on every 
 the user's own model and inner optimizer (AdamW) for ``H`` steps without any
 communication, then averages the *pseudo-gradients* ``theta - theta_w`` with one
 allreduce and lets an outer Nesterov optimizer move the global parameters theta. Every
-worker then continues from the new theta; its inner optimizer state stays local (with
-``inner_momentum="round"`` the first moment restarts at every round instead, see
-:mod:`thinwire.localsgd.inner_state`).
+worker then continues from the new theta; what its inner optimizer state carries into
+the next round is the inner-state rule ``inner_momentum`` (default ``restart``: the
+first moment restarts, bias-corrected; see :mod:`thinwire.localsgd.inner_state`).
 Communication drops by a factor H (the paper uses 500; 20-100 is typical for small
 models), at the price of a round that waits for the slowest worker (see
 :func:`thinwire.localsgd.run_async` for the asynchronous variant).
@@ -41,11 +41,16 @@ from torch import nn
 from thinwire.comm.accounting import record
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.errors import ConfigError
-from thinwire.localsgd.inner_state import check_inner_momentum, restart_first_moment_
+from thinwire.localsgd.inner_state import DEFAULT_INNER_STATE, InnerStateRule
+from thinwire.localsgd.outer import check_outer_args
 
-__all__ = ["COMPRESS_CHOICES", "DiLoCo"]
+__all__ = ["COMPRESS_CHOICES", "DEFAULT_OUTER_LR", "DiLoCo"]
 
 COMPRESS_CHOICES = ("none", "fp16", "bf16", "onebit")
+DEFAULT_OUTER_LR = 0.3
+"""Outer lr of synchronous DiLoCo unless told otherwise: the best of the sweep on the tiny
+and small GPT at H = 10-50 (docs/benchmarks.md). DiLoCo's 0.7 (tuned on 150M-1B models
+at H = 500) stalled sync DiLoCo at the byte-frequency loss at H = 10."""
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -57,21 +62,23 @@ class DiLoCo:
         inner_optimizer: the optimizer the user steps every iteration (AdamW).
         sync_every: H, inner steps per outer step. Larger H communicates less but lets
             replicas drift further; with lr-warmup, start around 20-50.
-        outer_lr: outer Nesterov lr (0.7, the paper's value, works from H = 10 to 500).
-        outer_momentum: outer Nesterov momentum (0.9); 0 averages the replicas plainly
-            (with ``outer_lr`` 1, the replicas' mean becomes the new global model).
+        outer_lr: outer Nesterov lr. The default, :data:`DEFAULT_OUTER_LR`, is the best
+            of a sweep on thinwire's small models (docs/benchmarks.md); DiLoCo's 0.7 stalled
+            there at H = 10 with the first moment kept.
+        outer_momentum: outer Nesterov momentum (0.9). 0 is plain SGD on the averaged
+            pseudo-gradient; with ``outer_lr=1`` that is plain parameter averaging.
         outer_optimizer: factory ``params -> Optimizer`` replacing the default
             ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)``.
         compress: ``none``, ``fp16``, ``bf16`` or ``onebit`` (see the module docstring).
         process_group: the workers' group (default: the default group, if initialised).
         sync_initial: broadcast rank 0's parameters at construction so all replicas start
             equal (skip it when the caller already did).
-        inner_momentum: ``"keep"`` (DiLoCo) carries the inner optimizer's first moment
-            (``exp_avg``, or SGD's ``momentum_buffer``) from one round into the next;
-            ``"round"`` zeroes it after every outer step, keeping the second moment and
-            the step count. The restart was measured to help with DyLU's rounds of 1-3
-            steps (asynchronous runs); with synchronous rounds of H steps ``keep`` is
-            DiLoCo's rule and the default, and ``round`` is untested on quality.
+        inner_momentum: the inner-state rule applied after every outer step: ``keep``
+            (DiLoCo's), ``round``, ``restart`` (the default) or ``fresh``; see
+            :mod:`thinwire.localsgd.inner_state`. ``restart`` scales each inner step's lr
+            by a bias correction, through step hooks on ``inner_optimizer`` registered
+            here (so it works with or without ``with``), applied after any lr the
+            caller set.
     """
 
     def __init__(
@@ -80,15 +87,17 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         sync_every: int,
         *,
-        outer_lr: float = 0.7,
+        outer_lr: float | None = None,
         outer_momentum: float = 0.9,
         outer_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         compress: str = "none",
         process_group: dist.ProcessGroup | None = None,
         sync_initial: bool = True,
-        inner_momentum: str = "keep",
+        inner_momentum: str = DEFAULT_INNER_STATE,
     ) -> None:
-        check_inner_momentum(inner_momentum)
+        self.rule = InnerStateRule(inner_momentum)
+        outer_lr = DEFAULT_OUTER_LR if outer_lr is None else outer_lr
+        check_outer_args(outer_lr, outer_momentum)
         if int(sync_every) != sync_every or sync_every < 1:
             raise ConfigError(f"DiLoCo sync_every (H) must be an integer >= 1, got {sync_every}")
         if compress not in COMPRESS_CHOICES:
@@ -128,6 +137,18 @@ class DiLoCo:
 
             self._onebit = OneBitAllreduce(process_group)
         self._handle: Any = None
+        # The first round needs no rule: the optimizer starts it fresh (or resumed, in
+        # which case load_state_dict puts the rule's round clock back).
+        self._rule_hooks: list[Any] = []
+        if self.rule.mode == "restart":
+            self._rule_hooks = [
+                inner_optimizer.register_step_pre_hook(
+                    lambda opt, args, kwargs: self.rule.before_step(opt)
+                ),
+                inner_optimizer.register_step_post_hook(
+                    lambda opt, args, kwargs: self.rule.after_step(opt)
+                ),
+            ]
 
     # --- hooking into the inner optimizer ----------------------------------------------
     def __enter__(self) -> DiLoCo:
@@ -163,9 +184,9 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Average the pseudo-gradients ``theta - theta_w``, step the outer optimizer, and
-        load the new theta into the model (and restart the inner first moment with
-        ``inner_momentum="round"``: the next round starts here)."""
+        """Average the pseudo-gradients ``theta - theta_w``, step the outer optimizer, load
+        the new theta into the model and apply the inner-state rule: the next round
+        starts here."""
         pseudo = torch.cat(
             [
                 (g - p.detach()).reshape(-1).float()
@@ -182,8 +203,7 @@ class DiLoCo:
         for g, p in zip(self.global_params, self.params, strict=True):
             g.grad = None
             p.copy_(g)
-        if self.inner_momentum == "round":
-            restart_first_moment_(self.inner)
+        self.rule.begin_round(self.inner)
         self.outer_steps += 1
 
     # --- checkpoints -------------------------------------------------------------------
@@ -216,5 +236,6 @@ class DiLoCo:
         self.outer.load_state_dict(state["outer"])
         self.local_step = int(state["local_step"])
         self.outer_steps = int(state["outer_steps"])
+        self.rule.round_step = self.local_step % self.sync_every
         if self._onebit is not None and "onebit" in state:
             self._onebit.load_state_dict(state["onebit"])

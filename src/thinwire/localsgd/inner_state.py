@@ -1,68 +1,78 @@
 """What a Local-SGD worker's inner optimizer carries from one round into the next.
 
-DiLoCo keeps each worker's AdamW state local and persistent across rounds. That is
-harmless when a round is long compared with AdamW's first-moment memory
-(``1 / (1 - beta1)`` = 10 steps at ``beta1 = 0.9``), and harmful when it is not: a round
-of ``H_w`` steps then moves the replica mostly along the momentum built up in earlier
-rounds, i.e. along gradients taken at global parameters that many outer updates have
-since moved past. DyLU gives slow workers exactly such rounds (``H_w`` of 1-3 steps when
-H is small), and with DyLU those workers also arrive the most often.
+One rule, set once per run and applied to every method of a comparison (synchronous
+DiLoCo, every asynchronous variant), since the rule alone moves the final loss by more
+than the methods differ (docs/benchmarks.md). The four rules:
 
-Measured in the virtual-clock simulator (tiny GPT, 4 workers at the paper's toy speeds,
-H = 10, 200 inner steps per worker, no grace period), DN+DyLU ends at val loss
-4.64 / 3.93 / 4.66 (seeds 0 / 1 / 2) with the persistent first moment and at
-2.66 / 2.61 / 2.67 with :func:`restart_first_moment_` before every round. On arrival,
-the slowest worker's 1-step pseudo-gradients have a cosine of 0.04-0.10 with the
-gradient of the validation loss at the server's parameters with the carried moment, and
-0.20-0.26 with a restarted one (after the first 40 simulated seconds).
+* ``keep``: the optimizer's state persists across rounds (DiLoCo's rule). A round of
+  ``H_w`` steps then starts with momentum built from gradients taken at global
+  parameters that outer updates have since moved past; that is harmless when rounds are
+  long against AdamW's first-moment memory (``1 / (1 - beta1)`` = 10 steps) and harmful
+  when they are not, as DyLU's short rounds are.
+* ``round``: the first moment (``exp_avg``, SGD's ``momentum_buffer``) is zeroed before
+  every round; the second moment and the step count are kept. Keeping the step count
+  keeps the bias correction off, so the k-th step of a round moves only ``1 - beta1^k``
+  as far as a steady step: 10% for the first, 41% on average over a 10-step round.
+* ``restart`` (the default): the first moment is zeroed *and bias-corrected on the
+  round's own clock*: the k-th step's lr is multiplied by
+  ``(1 - beta1^t) / (1 - beta1^k)`` (``t`` the optimizer's step count, which Adam
+  already divides by), so a round's first step is a full normalised-gradient step
+  ``g / sqrt(v)``. The second moment, a slow scale estimate, is kept. Decoupled weight
+  decay is divided by the same factor, so it stays what the schedule says.
+* ``fresh``: a new optimizer every round (the paper's notebook): moments and step count
+  restart, so a round's first AdamW step is about ``lr * sign(g)``, a full step in every
+  coordinate however small its gradient. Rounds of 1-3 steps (DyLU at a small H) then
+  become sign-noise; pair it with a DyLU floor (``min_local_steps`` of 5, the notebook's).
 
-Tuning: keep the moment (``"keep"``, DiLoCo's rule) when every worker's round is well
-above 10 inner steps; restart it (``"round"``) when rounds are short, which is what DyLU
-with a small H produces. Unset, :func:`resolve_inner_momentum` picks ``"round"`` with
-DyLU and ``"keep"`` without. With the restart DN+DyLU needs no grace period; a grace
-period instead, with the moment kept, gave 2.54 / 3.02 / 3.11 on the same three seeds,
-as good as the restart on seed 0 only. The second moment and the step count are kept
-either way: the second moment is a slow (``beta2 = 0.999``) scale estimate that stays
-valid across rounds, and keeping the step count keeps the bias correction off, so a
-restarted moment makes a round start with small steps instead of a full sign-like step.
+Which is best was measured for every method (docs/benchmarks.md, "inner-state
+ablation"); :data:`DEFAULT_INNER_STATE` is the one chosen there, with the reason.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from thinwire.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_INNER_STATE",
     "INNER_MOMENTUM",
+    "InnerStateRule",
     "check_inner_momentum",
     "resolve_inner_momentum",
     "restart_first_moment_",
 ]
 
-INNER_MOMENTUM = ("keep", "round")
-"""``keep``: the inner first moment persists across rounds (DiLoCo). ``round``: it
-restarts from zero at the start of every round."""
+INNER_MOMENTUM = ("keep", "round", "restart", "fresh")
+"""The inner-state rules (see the module docstring)."""
+
+DEFAULT_INNER_STATE = "restart"
+"""The rule a run uses unless told otherwise. ``restart`` was the best or tied-best rule
+for sync DiLoCo, DN and DN+DyLU in the ablation (docs/benchmarks.md): ``keep`` stalls
+sync DiLoCo at H = 10 and lets DyLU's short rounds replay stale momentum, ``round``
+damps every round's start, ``fresh`` turns DyLU's 1-step rounds into sign steps."""
 
 
 def check_inner_momentum(mode: str) -> None:
-    """Raise :class:`ConfigError` (one line) for an unknown inner-momentum mode."""
+    """Raise :class:`ConfigError` (one line) for an unknown inner-state rule."""
     if mode not in INNER_MOMENTUM:
         raise ConfigError(
-            f"unknown inner momentum {mode!r}; choose one of {', '.join(INNER_MOMENTUM)}"
+            f"unknown inner-state rule {mode!r}; choose one of {', '.join(INNER_MOMENTUM)}"
         )
 
 
-def resolve_inner_momentum(mode: str | None, dylu: bool) -> str:
-    """The inner-momentum mode a run uses: ``mode`` when given, else the default.
+def resolve_inner_momentum(mode: str | None, dylu: bool = False) -> str:
+    """The rule a run uses: ``mode`` when given, else :data:`DEFAULT_INNER_STATE`.
 
-    The default is ``"round"`` with DyLU (its slow workers get rounds of a few steps, in
-    which a carried first moment is mostly stale) and ``"keep"`` without it (every round
-    is H steps, DiLoCo's setting). An explicit ``mode`` always wins, so ``"keep"`` stays
-    reachable with DyLU. Raises :class:`ConfigError` for an unknown ``mode``.
+    The default is the same for every method (``dylu`` is accepted for callers of the
+    earlier per-method default and ignored), so a comparison is like-for-like unless a
+    rule is set on purpose. Raises :class:`ConfigError` for an unknown ``mode``.
     """
+    del dylu
     if mode is None:
-        return "round" if dylu else "keep"
+        return DEFAULT_INNER_STATE
     check_inner_momentum(mode)
     return mode
 
@@ -71,9 +81,8 @@ def resolve_inner_momentum(mode: str | None, dylu: bool) -> str:
 def restart_first_moment_(opt: torch.optim.Optimizer) -> int:
     """Zero the first moment (``exp_avg``, or SGD's ``momentum_buffer``) of every parameter.
 
-    Call it right before a round's first inner step. The second moment and the step
-    count are left alone (see the module docstring for why). Parameters without state
-    yet are skipped. Returns how many moment tensors were zeroed.
+    The second moment and the step count are left alone. Parameters without state yet
+    are skipped. Returns how many moment tensors were zeroed.
     """
     zeroed = 0
     for state in opt.state.values():
@@ -83,3 +92,68 @@ def restart_first_moment_(opt: torch.optim.Optimizer) -> int:
                 buf.zero_()
                 zeroed += 1
     return zeroed
+
+
+def _step_count(opt: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    """Adam's step count for ``group`` before its next step (0 without state yet)."""
+    for p in group["params"]:
+        step = opt.state.get(p, {}).get("step")
+        if step is not None:
+            return int(step.item() if isinstance(step, torch.Tensor) else step)
+    return 0
+
+
+class InnerStateRule:
+    """Applies one inner-state rule to one inner optimizer, round after round.
+
+    Call :meth:`begin_round` before a round's first step, and wrap every inner step in
+    :meth:`before_step` / :meth:`after_step` (only ``restart`` does anything there: it
+    scales that step's lr and weight decay, and puts them back afterwards).
+
+    Args:
+        mode: one of :data:`INNER_MOMENTUM`.
+    """
+
+    def __init__(self, mode: str) -> None:
+        check_inner_momentum(mode)
+        self.mode = mode
+        self.round_step = 0
+        self._saved: list[tuple[float, float | None]] | None = None
+
+    def begin_round(self, opt: torch.optim.Optimizer) -> None:
+        """The next step is a round's first: apply the rule to ``opt``'s state."""
+        self.round_step = 0
+        if self.mode in ("round", "restart"):
+            restart_first_moment_(opt)
+        elif self.mode == "fresh":
+            opt.state.clear()  # every torch optimizer rebuilds empty state lazily
+
+    def before_step(self, opt: torch.optim.Optimizer) -> None:
+        """Count the step; under ``restart``, bias-correct the restarted first moment."""
+        self.round_step += 1
+        if self.mode != "restart":
+            return
+        self._saved = []
+        for group in opt.param_groups:
+            lr, wd = float(group["lr"]), group.get("weight_decay")
+            self._saved.append((lr, wd))
+            betas = group.get("betas")
+            if betas is None:
+                continue  # SGD's momentum buffer has no bias to correct
+            beta1, t = float(betas[0]), _step_count(opt, group) + 1
+            if beta1 <= 0.0 or self.round_step >= t:
+                continue  # the optimizer's own count is the round's: Adam corrects it
+            factor = (1.0 - beta1**t) / (1.0 - beta1**self.round_step)
+            group["lr"] = lr * factor
+            if wd:
+                group["weight_decay"] = wd / factor  # decoupled decay: lr * wd unchanged
+
+    def after_step(self, opt: torch.optim.Optimizer) -> None:
+        """Put back what :meth:`before_step` changed."""
+        if self._saved is None:
+            return
+        for group, (lr, wd) in zip(opt.param_groups, self._saved, strict=True):
+            group["lr"] = lr
+            if wd is not None:
+                group["weight_decay"] = wd
+        self._saved = None

@@ -6,13 +6,16 @@ transport (:mod:`thinwire.localsgd.transport`) only moves the encoded numbers.
 ===========  ===========  ===============================================  ===============
 kind         direction    fields                                           payload after it
 ===========  ===========  ===============================================  ===============
-``HELLO``    worker->srv  :class:`Hello` numel, checksum, late             none
+``HELLO``    worker->srv  :class:`Hello` numel, checksum, late, force      none
 ``UPDATE``   worker->srv  :class:`Update` epoch, steps, seconds_per_step,  pseudo-gradient,
-                          loss, dtype                                      ``dtype``
-``WORK``     srv->worker  :class:`Work` epoch, version, shard, steps,      theta, fp32
-                          lr_clock, planned
+                          loss, dtype, version                             ``dtype``
+``WORK``     srv->worker  :class:`Work` epoch, version, shard, steps,      theta, ``dtype``
+                          lr_clock, planned, dtype
+``DELTA``    srv->worker  :class:`Work` with ``delta=True``, same fields   theta minus the
+                                                                           worker's copy,
+                                                                           ``dtype``
 ``STOP``     srv->worker  :class:`Work` with ``stop=True``: epoch, version none
-``ERROR``    srv->worker  :class:`Refused` numel, checksum                 none
+``ERROR``    srv->worker  :class:`Refused` numel, checksum, reason         none
 ===========  ===========  ===============================================  ===============
 
 **Header**: ``HEADER_LEN`` (8) float64 numbers: the kind, the fields in the order above,
@@ -23,8 +26,12 @@ float64 holds every field exactly: counts and versions stay far below 2**53, the
 checksum is a crc32.
 
 **Payload**: a flat tensor on the link right after its header. The receiver knows its
-length (the model's parameter count, agreed in the hello) and its dtype (fp32 for theta,
-the header's ``dtype`` for a push).
+length from the model's parameter count (agreed in the hello) and the header's
+``dtype`` (:func:`payload_numel`). ``dtype`` uint8 means 1-bit: the packed sign bits
+followed by the 4 bytes of one fp32 scale (:mod:`thinwire.localsgd.compression`).
+
+**Seal**: every header is followed by a seal that authenticates it and its payload
+(:mod:`thinwire.localsgd.auth`); the transport adds and checks it.
 
 **Run information**: :class:`RunInfo`, JSON in the run's store, which a restarted worker
 reads before it says hello.
@@ -57,11 +64,13 @@ __all__ = [
     "Refused",
     "RunInfo",
     "Update",
+    "Why",
     "Work",
     "decode",
     "dtype_code",
     "encode",
     "pack_queued",
+    "payload_numel",
     "unpack_queued",
 ]
 
@@ -70,8 +79,18 @@ HEADER_LEN = 8
 
 _QUEUED = f"<qq{HEADER_LEN}d"  # sender rank, sender incarnation, header
 
-DTYPES: dict[int, torch.dtype] = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
-"""Payload dtype codes in a header."""
+DTYPES: dict[int, torch.dtype] = {
+    0: torch.float32,
+    1: torch.float16,
+    2: torch.bfloat16,
+    3: torch.uint8,
+}
+"""Payload dtype codes in a header; uint8 is a 1-bit payload (signs, then an fp32 scale)."""
+
+
+def payload_numel(numel: int, dtype: torch.dtype) -> int:
+    """Elements of a payload carrying ``numel`` parameters in ``dtype``."""
+    return (numel + 7) // 8 + 4 if dtype == torch.uint8 else numel
 
 
 class MessageError(ValueError):
@@ -86,6 +105,7 @@ class Kind(IntEnum):
     WORK = 3
     STOP = 4
     ERROR = 5
+    DELTA = 6
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -106,6 +126,8 @@ class Hello:
     """crc32 of the parameter shapes (:func:`~thinwire.localsgd.task.shape_signature`)."""
     late: bool = False
     """A process joining a running run (a rejoin): a mismatch turns only it away."""
+    force: bool = False
+    """A rejoin that replaces its rank even if the server considers that worker alive."""
 
     kind: ClassVar[Kind] = Kind.HELLO
 
@@ -123,7 +145,11 @@ class Update:
     loss: float
     """Mean training loss over the round (for logs; NaN is allowed)."""
     dtype: torch.dtype = torch.float32
-    """dtype of the pseudo-gradient payload (fp32, or fp16/bf16 when pushes are compressed)."""
+    """dtype of the pseudo-gradient payload (fp32; fp16/bf16/uint8 when pushes are
+    compressed, uint8 meaning 1-bit)."""
+    version: int = 0
+    """The theta version the round started from (the :class:`Work`'s): the server's
+    version now minus this is the update's staleness."""
 
     kind: ClassVar[Kind] = Kind.UPDATE
 
@@ -132,8 +158,10 @@ class Update:
 class Work:
     """The server's order: run ``steps`` inner steps from theta ``version``, or stop.
 
-    A round's theta (fp32) follows a ``WORK`` header; ``stop=True`` is sent as ``STOP``
-    with only ``epoch`` and ``version`` and no payload.
+    A round's theta follows a ``WORK`` header, or with ``delta=True`` (a ``DELTA``
+    header) the difference between theta and the worker's copy of it (compressed
+    pulls); ``stop=True`` is sent as ``STOP`` with only ``epoch`` and ``version`` and no
+    payload.
     """
 
     epoch: int
@@ -150,20 +178,39 @@ class Work:
     """Steps planned for the shard over the whole run (the length of its schedule)."""
     stop: bool = False
     """No more rounds: the budget is spent."""
+    dtype: torch.dtype = torch.float32
+    """dtype of the payload (theta in fp32; a delta in its codec's dtype)."""
+    delta: bool = False
+    """The payload is ``theta - the worker's copy``, to add to that copy (sent as ``DELTA``)."""
 
     @property
     def kind(self) -> Kind:
-        return Kind.STOP if self.stop else Kind.WORK
+        if self.stop:
+            return Kind.STOP
+        return Kind.DELTA if self.delta else Kind.WORK
+
+
+class Why(IntEnum):
+    """Why the server turns a worker away (:attr:`Refused.reason`)."""
+
+    MODEL = 0
+    """Its model differs from the server's."""
+    ALIVE = 1
+    """A rejoin for a rank whose worker the server considers alive (not forced)."""
+    EVICTED = 2
+    """The server refused too many of its pushes in a row (non-finite, too large)."""
 
 
 @dataclass(frozen=True)
 class Refused:
-    """The server turns a worker away: its model differs from the server's."""
+    """The server turns a worker away (why: :class:`Why`)."""
 
     numel: int
     """Parameters in the server's model."""
     checksum: int
     """crc32 of the server's parameter shapes."""
+    reason: int = Why.MODEL
+    """A :class:`Why` code."""
 
     kind: ClassVar[Kind] = Kind.ERROR
 
@@ -185,7 +232,7 @@ class Envelope:
 def _wire_fields(msg_type: type) -> list[tuple[str, str]]:
     """(name, type) of the fields a header carries for ``msg_type``, in order."""
     out = [(f.name, str(f.type)) for f in fields(msg_type)]
-    return [(n, t) for n, t in out if n != "stop"]
+    return [(n, t) for n, t in out if n not in ("stop", "delta")]
 
 
 _STOP_FIELDS = [("epoch", "int"), ("version", "int")]
@@ -195,6 +242,7 @@ _TYPES: dict[Kind, type] = {
     Kind.WORK: Work,
     Kind.STOP: Work,
     Kind.ERROR: Refused,
+    Kind.DELTA: Work,
 }
 
 
@@ -230,6 +278,8 @@ def decode(values: Sequence[float]) -> Message:
         kwargs[name] = _field(kind, name, typ, float(v))
     if kind == Kind.STOP:
         kwargs["stop"] = True
+    if kind == Kind.DELTA:
+        kwargs["delta"] = True
     return _TYPES[kind](**kwargs)
 
 

@@ -1,4 +1,5 @@
-"""Outer optimizers of asynchronous Local-SGD: Delayed Nesterov and naive per-arrival Nesterov.
+"""Outer optimizers of asynchronous Local-SGD: Delayed Nesterov, naive per-arrival Nesterov,
+and the asynchronous buffer baseline.
 
 Both are ordinary :class:`torch.optim.Optimizer` subclasses. The "gradient" they read from
 ``p.grad`` is a *pseudo-gradient*: ``theta_pulled - theta_after_H_inner_steps`` from one
@@ -27,7 +28,7 @@ import torch
 
 from thinwire.errors import ConfigError
 
-__all__ = ["DelayedNesterov", "Nesterov", "check_outer_args"]
+__all__ = ["AsyncBuffer", "DelayedNesterov", "Nesterov", "check_outer_args"]
 
 
 def check_outer_args(lr: float, momentum: float, buffer_size: int = 1, c: float = 0.0) -> None:
@@ -164,5 +165,69 @@ class DelayedNesterov(torch.optim.Optimizer):
                     if c > 0:
                         p.add_(m, alpha=-lr * c * beta)
                     p.add_(g, alpha=-lr / n)
+                state["step"] += 1
+        return loss
+
+
+class AsyncBuffer(torch.optim.Optimizer):
+    """The paper's "Async Buffer" baseline (FedBuff-like): N arrivals, then one Nesterov step.
+
+    Each arrival's pseudo-gradient is added to a buffer; at the N-th arrival one
+    ``SGD(nesterov=True)`` step is taken on the buffer's mean and the buffer is emptied::
+
+        Delta += g
+        if this is the N-th arrival since the last step:
+            m = beta * m + Delta / N;  theta -= lr * (Delta / N + beta * m);  Delta = 0
+
+    Between steps theta does not move, so every worker that pulls meanwhile gets the
+    same parameters. That is where it differs from :class:`DelayedNesterov` with
+    ``c = 0``, which applies each arrival's ``g / N`` at once: both take the same total
+    step over N arrivals, but DN's workers start from fresher parameters. The paper
+    reports the buffer as the strongest of its baselines but unstable early on.
+
+    Args:
+        params: the global parameters theta.
+        lr: outer learning rate; N arrivals make one Nesterov step on their mean, so the
+            synchronous DiLoCo lr is the starting point.
+        momentum: beta.
+        buffer_size: N, arrivals per step (the number of workers);
+            :meth:`set_buffer_size` changes it when workers die or join.
+    """
+
+    def __init__(
+        self, params: Iterable[Any], lr: float = 0.3, momentum: float = 0.9, buffer_size: int = 1
+    ) -> None:
+        check_outer_args(lr, momentum, buffer_size)
+        super().__init__(params, {"lr": lr, "momentum": momentum, "buffer_size": int(buffer_size)})
+
+    def set_buffer_size(self, n: int) -> None:
+        """Step every ``n`` arrivals from now on; a fuller buffer steps at the next one."""
+        for group in self.param_groups:
+            check_outer_args(group["lr"], group["momentum"], n)
+            group["buffer_size"] = int(n)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, beta, n = group["lr"], group["momentum"], group["buffer_size"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["delta"] = torch.zeros_like(p)
+                    state["step"] = 0
+                    state["pending"] = 0
+                m, delta = state["momentum_buffer"], state["delta"]
+                delta.add_(p.grad)
+                state["pending"] += 1
+                if state["pending"] >= n:
+                    delta.div_(state["pending"])
+                    m.mul_(beta).add_(delta)
+                    p.add_(delta + beta * m, alpha=-lr)
+                    delta.zero_()
+                    state["pending"] = 0
                 state["step"] += 1
         return loss

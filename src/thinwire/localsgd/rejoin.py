@@ -8,6 +8,11 @@ link to the server, is checked against the run (rank, model, shard count, settin
 before it says hello, and is admitted as a new *incarnation* of its rank; whatever the
 old process left in flight is ignored. See :mod:`thinwire.localsgd.async_runtime` for
 the run itself.
+
+It needs the run's token (``THINWIRE_RUN_TOKEN``, a token file, or, on the server's
+host, the ``run.token`` rank 0 keeps in the run's checkpoint directory), which it checks
+against the server's published verifier before it says anything; and it replaces only
+a worker the server considers dead, unless forced.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd.async_runtime import make_worker
+from thinwire.localsgd.auth import RunKey, read_token
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.task import Task, shape_signature
 from thinwire.localsgd.transport import Transport
@@ -32,6 +38,7 @@ def rejoin_async(
     *,
     host: str | None = None,
     port: int | str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Run worker ``rank`` again, in a fresh process, inside a running asynchronous run.
 
@@ -41,16 +48,21 @@ def rejoin_async(
     rank 0's), and never joins the launch's process group, whose rendezvous is long
     over. The server admits it as a new incarnation of worker ``rank`` and ignores
     anything the old process still had in flight. If the old process is in fact alive,
-    it is cut off and fails: the newest incarnation of a rank wins.
+    the rejoin is refused, unless ``force``: then the old one is cut off and fails.
+
+    The token: ``cfg.token_file``, ``THINWIRE_RUN_TOKEN``, ``THINWIRE_RUN_TOKEN_FILE``,
+    else ``cfg.checkpoint_dir/run.token`` (where rank 0 keeps a token it generated).
 
     Returns the worker's counts (rounds, inner steps, restarts) with its ``worker``
     rank and ``incarnation``.
 
     Raises:
-        ConfigError: no address, nothing served there, the run has finished, ``rank``
-            is not a worker of the run, or the model, the shard count or other settings
-            differ from the run's.
+        ConfigError: no address, nothing served there, no token or not the run's, the
+            run has finished, ``rank`` is not a worker of the run, or the model, the shard
+            count or other settings differ from the run's.
             All are checked before this process says hello, so the run is not disturbed.
+            After the hello: the server refused it (its worker is alive, or its model
+            differs).
     """
     host = host or os.environ.get("MASTER_ADDR")
     port = port or os.environ.get("MASTER_PORT")
@@ -69,8 +81,14 @@ def rejoin_async(
             "resume); workers are ranks 1..W"
         )
     cfg.validate()
+    token = read_token(cfg.token_file, run_dir=cfg.checkpoint_dir)
     transport = Transport.rejoin(
-        host, port, rank, connect_timeout_s=cfg.connect_timeout_s, timeout_s=cfg.link_timeout_s
+        host,
+        port,
+        rank,
+        None if token is None else RunKey.from_token(token),
+        connect_timeout_s=cfg.connect_timeout_s,
+        timeout_s=cfg.link_timeout_s,
     )
     info = transport.run_info()
     if info.finished:
@@ -96,9 +114,10 @@ def rejoin_async(
     out = work_loop(
         worker,
         transport,
-        compress=cfg.push_dtype,
+        compress=cfg.compress,
         heartbeat_s=cfg.heartbeat_s,
         max_restarts=cfg.max_restarts,
         late=True,
+        force=force,
     )
     return out | {"worker": rank, "incarnation": transport.incarnation}

@@ -13,23 +13,40 @@ incarnation's link is closed, its round in flight is lost (rewound and handed ou
 again), and whatever it still had queued is ignored. The newcomer starts as a worker
 that joined late: no DyLU speed yet, back in Delayed Nesterov's N, the free shard with
 least progress.
+
+Admission (see :mod:`thinwire.localsgd.auth`): every message's seal is checked before
+anything else; one that fails (forged, replayed, sent without the run's token) is
+consumed, logged and counted (``unauthenticated_messages``), and changes nothing. A
+rejoin replaces only a worker the server considers dead: its hello waits until the old
+incarnation is declared dead (heartbeat silent for ``dead_after_s``) and is refused as
+soon as the old one is seen beating, unless the rejoin is forced (``Hello.force``).
+Pushes the :class:`~thinwire.localsgd.push_guard.PushGuard` refuses are logged; a
+worker the core evicts for them is told why and cut off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.messages import Hello, MessageError, Refused, RunInfo, Update
+from thinwire.localsgd.auth import AuthError
+from thinwire.localsgd.compression import PullEncoder, decode
+from thinwire.localsgd.messages import Hello, MessageError, Refused, RunInfo, Update, Why
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.transport import Transport
 
 __all__ = ["serve"]
+
+_log = logging.getLogger("thinwire.localsgd")
+_LOGGED_FORGERIES = 10  # then only counted: a flood must not flood the log too
 
 
 def serve(
@@ -47,23 +64,36 @@ def serve(
     hung_after_min_s: float = 600.0,
     hung_after_factor: float = 10.0,
     max_wall_s: float | None = None,
+    elapsed_s: float = 0.0,
+    pull: PullEncoder | None = None,
 ) -> dict[str, Any]:
     """Serve until every worker is stopped or dead; returns the run's counters.
 
     ``evaluate(theta)`` runs at the start (of a fresh run), every ``eval_every_steps``
     inner steps applied, and at the end, each record going to ``on_eval``.
     ``checkpoint(core)`` runs every ``checkpoint_every_steps`` and at the end.
+    ``elapsed_s``: seconds a resumed run had already been served; reported times
+    (``time_s``, ``wall_s``) continue from it.
+    ``pull``: the pull codec (None: theta goes out whole, in fp32).
     """
+    pull = pull or PullEncoder("none")
     numel, crc = signature
     start = time.monotonic()
+    clock0 = start - elapsed_s
     transport.publish(RunInfo(len(workers), numel, crc, len(core.shards)))
     admitted: dict[int, int] = {}  # worker -> incarnation whose link is open
     beats: dict[int, tuple[int, int, float]] = {w: (0, -1, start) for w in workers}
     updates: dict[tuple[int, int], list[int]] = {}  # (worker, incarnation) -> [pushes, steps]
     joins: list[dict[str, Any]] = []
-    stale = bad = 0
-    next_beat_check = start
-    next_eval = eval_every_steps or math.inf
+    stale = bad = forged = refused_rejoins = pushed = 0
+    pending: dict[int, tuple[int, int, int]] = {}  # worker -> rejoin (incarnation, watched, beats)
+    banned: set[tuple[int, int]] = set()  # evicted incarnations
+    next_beat_check = next_pending_check = start
+    next_eval = (
+        (core.steps_applied // eval_every_steps + 1) * eval_every_steps
+        if eval_every_steps
+        else math.inf
+    )
     next_ckpt = (
         (core.steps_applied // checkpoint_every_steps + 1) * checkpoint_every_steps
         if checkpoint_every_steps
@@ -72,8 +102,9 @@ def serve(
     if core.steps_applied >= core.total_steps:
         core.steps_assigned = core.total_steps  # resumed a finished run: just stop everyone
 
+    last: dict[str, Any] = {}  # the latest evaluation record
     if evaluate is not None and core.steps_applied == 0:
-        _report(core, evaluate, on_eval, start)
+        last = _report(core, evaluate, on_eval, clock0)
 
     def accounted() -> bool:
         return all(w in core.retired or w in core.dead for w in workers)
@@ -83,6 +114,25 @@ def serve(
         # back in, since nothing can reach the old one any more.
         core.drop(w)
         transport.close(w)
+        pull.forget(w)
+
+    def admit(w: int, inc: int, now: float) -> None:
+        # A new incarnation of ``w`` (first contact, or a restarted process).
+        if w in core.live:
+            core.drop(w)  # the older incarnation's round in flight is lost
+        try:
+            transport.accept(w, inc)
+        except RuntimeError:  # it died between its hello and connecting
+            core.drop(w)
+            core.dead.add(w)
+            return
+        admitted[w] = inc
+        joins.append({"worker": w, "incarnation": inc, "time_s": now - clock0})
+        pull.forget(w)  # a new process holds no copy of theta we can count on
+        core.join(w, now)
+
+    def replaceable(w: int) -> bool:
+        return w in core.dead or w in core.retired
 
     while not (core.finished and accounted()):
         now = time.monotonic()
@@ -90,6 +140,11 @@ def serve(
             raise TimeoutError(f"the server ran past max_wall_s={max_wall_s}")
         try:
             env = transport.poll()
+        except AuthError as exc:
+            # Forged, replayed, or sealed without the run's token: consumed, nothing else.
+            env, forged = None, forged + 1
+            if forged <= _LOGGED_FORGERIES:
+                _log.warning("thinwire: refused a message: %s", exc)
         except MessageError:
             # A malformed header in the queue: no worker of this run sent it (or it is
             # from another version of thinwire). It is consumed; nothing else is read.
@@ -98,6 +153,7 @@ def serve(
         if env is not None and (
             env.src not in workers
             or env.incarnation < admitted.get(env.src, 0)
+            or (env.src, env.incarnation) in banned
             or (not isinstance(msg, Hello) and env.incarnation != admitted.get(env.src))
         ):
             # An unknown rank, or a replaced process's leftovers (its link is closed, so
@@ -106,7 +162,7 @@ def serve(
         elif env is not None and isinstance(msg, Hello):
             w, inc = env.src, env.incarnation
             if (msg.numel, msg.checksum) != (numel, crc):
-                transport.refuse(w, inc, Refused(numel, crc))
+                transport.refuse(w, inc, Refused(numel, crc, Why.MODEL))
                 if msg.late:
                     continue  # a late joiner with another model: it got the error, go on
                 raise ConfigError(
@@ -115,39 +171,66 @@ def serve(
                     f"(checksum {crc}); start every rank with the same model settings"
                 )
             if admitted.get(w) != inc:
+                watched = admitted.get(w, inc - 1)
+                if msg.late and not msg.force and not replaceable(w) and watched > 0:
+                    # Decided below: admitted once the old incarnation is declared dead,
+                    # refused as soon as it is seen beating.
+                    pending[w] = (inc, watched, transport.heartbeat(w, watched))
+                else:
+                    admit(w, inc, now)
+            else:
                 if w in core.live:
-                    core.drop(w)  # the older incarnation's round in flight is lost
-                try:
-                    transport.accept(w, inc)
-                except RuntimeError:  # it died between its hello and connecting
-                    core.drop(w)
-                    core.dead.add(w)
-                    continue
-                admitted[w] = inc
-                joins.append({"worker": w, "incarnation": inc, "time_s": now - start})
-            elif w in core.live:
-                core.drop(w)  # the same process after a failed round: that round is lost
-            core.join(w, now)
+                    core.drop(w)  # the same process after a failed round: that round is lost
+                pull.forget(w)  # it says hello with no copy of theta we can count on
+                core.join(w, now)
         elif env is not None and isinstance(msg, Update):
             w = env.src
+            refused0 = core.pushes_refused
             try:
-                grad = transport.recv_payload(w, numel, msg.dtype).float()
+                payload = transport.recv_payload(w, numel, msg.dtype)
+                pushed += payload.numel() * payload.element_size()
+                grad = decode(payload, numel)
+            except AuthError as exc:  # a payload swapped on the link: trust nothing on it
+                forged += 1
+                _log.warning("thinwire: refused a push: %s; worker %d is cut off", exc, w)
+                lost(w)
             except RuntimeError:  # killed between its header and its payload
                 lost(w)
             else:
+                now = time.monotonic()
                 if core.submit(
-                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, time.monotonic()
+                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, now, msg.version
                 ):
                     tally = updates.setdefault((w, env.incarnation), [0, 0])
                     tally[0] += 1
                     tally[1] += msg.steps
+                elif core.pushes_refused > refused0:
+                    _log.warning(
+                        "thinwire: refused a push from worker %d (incarnation %d): %s%s",
+                        w,
+                        env.incarnation,
+                        core.guard.last_refusal,
+                        f" ({core.guard.last_ratio:.1f}x the recent median norm per step)"
+                        if core.guard.last_refusal == "norm"
+                        else "",
+                    )
+                    if w in core.evicted:
+                        banned.add((w, env.incarnation))
+                        with contextlib.suppress(RuntimeError):
+                            transport.send(w, Refused(numel, crc, Why.EVICTED))
+                        transport.close(w)
+                        _log.warning(
+                            "thinwire: stopped worker %d after %d refused pushes in a row",
+                            w,
+                            core.guard.max_strikes,
+                        )
         elif env is not None:
             stale += 1  # a server-to-worker kind in the workers' queue
         if env is not None:
             if core.steps_applied >= next_eval and evaluate is not None:
                 while next_eval <= core.steps_applied:
                     next_eval += eval_every_steps
-                _report(core, evaluate, on_eval, start)
+                last = _report(core, evaluate, on_eval, clock0)
             if checkpoint is not None and core.steps_applied >= next_ckpt:
                 while next_ckpt <= core.steps_applied:
                     next_ckpt += checkpoint_every_steps
@@ -158,12 +241,30 @@ def serve(
             if work is None:
                 continue
             try:
-                payload = None if work.stop else core.theta.detach()
+                payload = None
+                if not work.stop:
+                    delta, payload = pull.encode(w, core.theta.detach())
+                    work = replace(work, dtype=payload.dtype, delta=delta)
                 transport.send(w, work, payload)
             except RuntimeError:  # gloo: connection closed by a dead peer (or no link)
                 lost(w)
         for w in core.overdue(now, hung_after_factor, hung_after_min_s):
             core.drop(w)
+        if pending and now >= next_pending_check:
+            next_pending_check = now + 0.1
+            for w, (inc, watched, count) in list(pending.items()):
+                if replaceable(w):
+                    del pending[w]
+                    admit(w, inc, now)
+                elif transport.heartbeat(w, watched) > count:
+                    del pending[w]
+                    refused_rejoins += 1
+                    _log.warning(
+                        "thinwire: refused a rejoin of worker %d: its incarnation %d is alive",
+                        w,
+                        watched,
+                    )
+                    transport.refuse(w, inc, Refused(numel, crc, Why.ALIVE))
         if now >= next_beat_check:
             next_beat_check = now + min(1.0, dead_after_s / 4)
             _check_heartbeats(core, transport, workers, admitted, beats, now, dead_after_s)
@@ -173,7 +274,7 @@ def serve(
         checkpoint(core)
     transport.mark_finished()
     out = {
-        "wall_s": time.monotonic() - start,
+        "wall_s": time.monotonic() - clock0,
         "dead_workers": sorted(core.dead),
         "incarnations": dict(sorted(admitted.items())),
         "joins": joins,
@@ -183,9 +284,16 @@ def serve(
         ],
         "stale_messages": stale,
         "malformed_messages": bad,
+        "unauthenticated_messages": forged,
+        "refused_rejoins": refused_rejoins,
+        "evicted_workers": sorted(core.evicted),
+        "push_bytes": pushed,
     }
     if evaluate is not None:
-        out.update(_report(core, evaluate, on_eval, start))
+        # The final evaluation, unless the last one was of this very theta (no record twice).
+        if last.get("updates") != core.updates_applied or last.get("step") != core.steps_applied:
+            last = _report(core, evaluate, on_eval, clock0)
+        out["val_loss"] = last["val_loss"]
     return out
 
 

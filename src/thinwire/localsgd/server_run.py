@@ -8,7 +8,20 @@ summary: evaluation, updates applied and rejected, worker incarnations, bytes.
 
 Checkpoint: ``checkpoint_dir/localsgd_server.pt`` holds only tensors, numbers and
 strings, written to a temporary file and renamed into place, and read back with
-``torch.load(weights_only=True)``, which executes nothing from the file.
+``torch.load(weights_only=True)``, which executes nothing from the file. Besides the
+server core's state it keeps the run's clock and bytes so far (``run``), so that the
+summary and the evaluation times of a resumed run cover the whole run.
+
+How a run ends, in the summary:
+
+* ``complete``: the whole budget (``steps * W`` inner steps) was trained.
+* ``stopped_after``: this launch stopped at ``stop_after`` as asked, with a checkpoint;
+  a resume continues it.
+* Otherwise every worker died (or was evicted) before the budget was met: the server
+  checkpoints what it has and raises :class:`IncompleteRunError`, whose ``summary``
+  says so; a resume finishes the run.
+* ``already_done``: a resume found the budget already met. Nothing is trained, evaluated
+  into ``on_eval`` or written; the workers are told to stop.
 """
 
 from __future__ import annotations
@@ -23,6 +36,8 @@ import torch
 
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
+from thinwire.localsgd.auth import remove_token_file, write_token_file
+from thinwire.localsgd.compression import PullEncoder
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.server_loop import serve
@@ -37,10 +52,26 @@ from thinwire.localsgd.task import (
 from thinwire.localsgd.transport import Transport
 from thinwire.safeload import safe_load
 
-__all__ = ["SERVER_CHECKPOINT", "load_server_state", "run_server", "save_server_state"]
+__all__ = [
+    "SERVER_CHECKPOINT",
+    "IncompleteRunError",
+    "load_server_state",
+    "run_server",
+    "save_server_state",
+]
 
 SERVER_CHECKPOINT = "localsgd_server.pt"
 """The server's checkpoint file in :attr:`AsyncConfig.checkpoint_dir`."""
+
+
+class IncompleteRunError(RuntimeError):
+    """Every worker died (or was evicted) before the run's budget was trained. The
+    checkpoint holds what was done (resume to finish); :attr:`summary` is the run's
+    summary, marked ``complete: False``."""
+
+    def __init__(self, message: str, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.summary = summary
 
 
 def save_server_state(state: dict[str, Any], path: Path) -> None:
@@ -75,35 +106,29 @@ def run_server(
     *,
     on_start: Callable[[int | None], None] | None = None,
     on_eval: Callable[[dict[str, Any]], None] | None = None,
+    token_to_keep: bytes | None = None,
 ) -> dict[str, Any]:
     """Serve ``workers`` workers (ranks 1..W) until the budget is spent; the summary.
 
     ``on_start(resumed_steps)`` runs once the checkpoint (if any) is restored and before
     the first message: ``resumed_steps`` is the inner steps restored, None for a fresh
-    run. ``on_eval(record)`` receives every evaluation record.
+    run. ``on_eval(record)`` receives every evaluation record. ``token_to_keep``: a token
+    rank 0 generated, kept in ``checkpoint_dir/run.token`` (mode 0600) while the run is
+    served, for workers that rejoin on this host.
+
+    Raises:
+        IncompleteRunError: every worker was gone before the budget was met.
     """
     model = task.model()
     sources = make_sources(task, cfg.resolved_shards(workers))
-    core = ServerCore(
-        flat_parameters(model),
-        workers=workers,
-        local_steps=cfg.local_steps,
-        total_steps=cfg.steps * workers,
-        shard_sizes=shard_sizes(sources),
-        outer=cfg.outer,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        c=cfg.c,
-        dylu=cfg.dylu,
-        grace_s=cfg.grace_s,
-        sync=cfg.sync,
-        dylu_ema=cfg.dylu_ema,
-    )
+    core = ServerCore.from_config(flat_parameters(model), cfg, workers, shard_sizes(sources))
     ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
-    resumed = None
+    resumed, before = None, {"elapsed_s": 0.0, "comm_bytes": 0}
     if cfg.resume and ckpt is not None:
-        core.load_state_dict(load_server_state(ckpt))
+        state = load_server_state(ckpt)
+        core.load_state_dict(state)
         resumed = core.steps_applied
+        before |= state.get("run", {})
     elif ckpt is not None:
         if ckpt.exists():
             raise ConfigError(
@@ -111,6 +136,14 @@ def run_server(
                 "it or choose another checkpoint directory"
             )
         ckpt.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.stop_after is not None:
+        if core.steps_applied > cfg.stop_after * workers:
+            raise ConfigError(
+                f"the checkpoint is at {core.steps_applied // workers} steps per worker, past "
+                f"stop_after {cfg.stop_after}"
+            )
+        core.end_at(cfg.stop_after * workers)
+    idle = resumed is not None and core.steps_applied >= core.total_steps
     if on_start is not None:
         on_start(resumed)
     evaluate: Callable[[torch.Tensor], float] | None = None
@@ -123,39 +156,91 @@ def run_server(
         evaluate = evaluate_theta
 
     sent0, t0, steps0 = COUNTER.wire_bytes, time.monotonic(), core.steps_applied
-    stats = serve(
-        core,
-        transport,
-        list(range(1, workers + 1)),
-        shape_signature(model),
-        evaluate=evaluate,
-        eval_every_steps=cfg.eval_interval * workers,
-        on_eval=on_eval,
-        checkpoint=None if ckpt is None else (lambda c: save_server_state(c.state_dict(), ckpt)),
-        checkpoint_every_steps=cfg.checkpoint_interval * workers,
-        dead_after_s=cfg.dead_after_s,
-        hung_after_min_s=cfg.hung_after_s,
-        hung_after_factor=cfg.hung_after_factor,
-    )
-    wall = time.monotonic() - t0
+
+    def totals() -> dict[str, Any]:
+        # The whole run's clock and bytes: earlier launches' plus this one's.
+        return {
+            "elapsed_s": before["elapsed_s"] + time.monotonic() - t0,
+            "comm_bytes": int(before["comm_bytes"])
+            + COUNTER.wire_bytes
+            - sent0
+            + transport.bytes_received,
+        }
+
+    def save(c: ServerCore) -> None:
+        assert ckpt is not None
+        save_server_state(c.state_dict() | {"run": totals()}, ckpt)
+
+    if token_to_keep is not None and cfg.checkpoint_dir:
+        write_token_file(cfg.checkpoint_dir, token_to_keep)
+    try:
+        stats = serve(
+            core,
+            transport,
+            list(range(1, workers + 1)),
+            shape_signature(model),
+            evaluate=None if idle else evaluate,
+            eval_every_steps=cfg.eval_interval * workers,
+            on_eval=on_eval,
+            checkpoint=None if ckpt is None or idle else save,
+            checkpoint_every_steps=cfg.checkpoint_interval * workers,
+            dead_after_s=cfg.dead_after_s,
+            hung_after_min_s=cfg.hung_after_s,
+            hung_after_factor=cfg.hung_after_factor,
+            elapsed_s=before["elapsed_s"],
+            pull=PullEncoder(cfg.compress_pull),
+        )
+    finally:
+        if token_to_keep is not None and cfg.checkpoint_dir:
+            remove_token_file(cfg.checkpoint_dir)
+    run = before if idle else totals()
     summary = {
         "workers": workers,
         "outer": cfg.outer,
+        "method": cfg.method,
+        "outer_lr": cfg.resolved_outer_lr(),
+        "outer_momentum": cfg.resolved_outer_momentum(),
         "dylu": cfg.dylu,
         "inner_momentum": cfg.resolved_inner_momentum(),
+        "compress": cfg.compress,
+        "compress_pull": cfg.compress_pull,
         "sync": cfg.sync,
         "steps": core.steps_applied // workers,
         "inner_steps": core.steps_applied,
         "inner_steps_this_run": core.steps_applied - steps0,
+        "planned_inner_steps": core.planned_steps,
+        "complete": core.steps_applied >= core.planned_steps,
         "updates_applied": core.updates_applied,
         "updates_rejected": core.updates_rejected,
+        "pushes_refused": core.pushes_refused,
+        "push_refusals": dict(core.guard.refused),
+        "updates_dropped": core.updates_dropped,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "train_time_s": wall,
-        "comm_bytes": COUNTER.wire_bytes - sent0 + transport.bytes_received,
+        "train_time_s": run["elapsed_s"],
+        "comm_bytes": int(run["comm_bytes"]),
         "comm_by_op": COUNTER.snapshot(),
     }
-    kept = ("dead_workers", "incarnations", "joins", "updates_by_incarnation")
-    summary |= {k: stats[k] for k in (*kept, "stale_messages", "malformed_messages")}
+    kept = ("dead_workers", "evicted_workers", "incarnations", "joins", "updates_by_incarnation")
+    summary |= {k: stats[k] for k in kept}
+    counts = ("stale_messages", "malformed_messages", "unauthenticated_messages")
+    summary |= {k: stats[k] for k in (*counts, "refused_rejoins")}
+    summary["push_bytes"] = stats["push_bytes"]  # pseudo-gradient payloads received
+    summary["pull_bytes"] = summary["comm_by_op"].get("localsgd.pull", {}).get("payload_bytes", 0)
+    if idle:
+        summary["already_done"] = True
+        if evaluate is not None:
+            summary["final_val_loss"] = evaluate(core.theta.detach())
+        return summary
     if "val_loss" in stats:
         summary["final_val_loss"] = stats["val_loss"]
+    if not summary["complete"] and core.steps_applied >= core.total_steps:
+        summary["stopped_after"] = core.steps_applied // workers
+    elif not summary["complete"]:
+        gone = ", ".join(str(w) for w in stats["dead_workers"])
+        raise IncompleteRunError(
+            f"the run is incomplete: every worker is gone (dead or stopped: {gone}) after "
+            f"{core.steps_applied // workers} of {cfg.steps} steps per worker; the "
+            + ("checkpoint keeps them: resume to finish it" if ckpt else "no checkpoint was kept"),
+            summary | {"incomplete": "every worker is gone"},
+        )
     return summary

@@ -8,14 +8,20 @@ virtual-time order. The server is the very :class:`ServerCore` the multi-process
 uses, so sweeps over speeds, H, outer optimizers or DyLU are cheap, reproducible (same
 seed, same numbers), and test the production code path.
 
-Methods (the paper's comparison, arXiv 2401.09135):
+Methods: the paper's comparison (arXiv 2401.09135), see :mod:`thinwire.localsgd.methods`:
+``sync`` (synchronous DiLoCo), ``naive``, ``poly``, ``polythres``, ``buffer``, ``dn``
+and ``dn-dylu``.
 
-* ``sync``: synchronous DiLoCo. Every round waits for all workers (the server's sync
-  barrier) and Delayed Nesterov with ``N = W, c = 0`` makes the W arrivals one
-  ``SGD(nesterov=True)`` step on their mean, which is DiLoCo's outer step exactly.
-* ``naive``: asynchronous, outer Nesterov applied to every arrival.
-* ``dn``: asynchronous with Delayed Nesterov.
-* ``dn-dylu``: Delayed Nesterov plus Dynamic Local Updates.
+Heterogeneity: :data:`HETEROGENEITY` holds four speed presets named after the paper's
+levels (none / slight / moderate / very). ``very`` is the paper's notebook's speeds;
+the paper's own distributions were not available to us, so the other three are
+thinwire's: ``s_i = 0.58 * (s_i_very / 0.58) ** a`` with ``a`` = 0, 1/4, 1/2, i.e.
+spreads of 1x, 1.55x and 2.4x against very's 5.7x.
+
+DyLU's speeds: by default the simulator *declares* the clock's speeds to the server, so
+DyLU sizes even the first round (as in the paper's simulation); with
+``SimClock.declare_speeds=False`` the server measures them in a short calibration round
+(``AsyncConfig.calibration_steps``), as a real run without ``speeds`` does.
 
 All methods spend the same budget of inner steps (``steps * W``), so final losses
 compare equal compute; the virtual clock shows what each costs in time.
@@ -25,21 +31,25 @@ The simulator takes the very pieces a real run takes: the user's
 and one :class:`~thinwire.localsgd.config.AsyncConfig`, plus a :class:`SimClock` with the
 virtual-clock knobs; :func:`for_method` sets a config up as one of the methods above.
 The config's wall-clock settings (timeouts, heartbeats, checkpoints, ``eval_interval``)
-do not apply to a virtual clock; ``slowdown`` is refused (speeds come from the clock),
-and ``compress`` casts each push as the runtime would.
+do not apply to a virtual clock; ``slowdown`` is refused (speeds come from the clock).
+``compress`` and ``compress_pull`` go through the runtime's very codecs
+(:mod:`thinwire.localsgd.compression`), error feedback included, and the payload bytes
+of every push and pull are counted.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.compression import PullDecoder, PullEncoder, PushEncoder, decode
 from thinwire.localsgd.config import AsyncConfig
+from thinwire.localsgd.methods import METHODS, for_method
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.task import (
     Task,
@@ -50,26 +60,21 @@ from thinwire.localsgd.task import (
 )
 from thinwire.localsgd.worker import LocalWorker
 
-__all__ = ["METHODS", "SimClock", "for_method", "simulate", "time_to_reach"]
+__all__ = [
+    "HETEROGENEITY",
+    "METHODS",
+    "SimClock",
+    "for_method",
+    "simulate",
+    "time_to_reach",
+]
 
-METHODS = ("sync", "naive", "dn", "dn-dylu")
-
-
-def for_method(cfg: AsyncConfig, method: str) -> AsyncConfig:
-    """``cfg`` set up as one of :data:`METHODS` (outer optimizer, DyLU, sync barrier).
-
-    ``sync`` also sets ``c = 0``: with it, Delayed Nesterov's N = W arrivals make exactly
-    DiLoCo's outer step.
-    """
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    return replace(
-        cfg,
-        outer="nesterov" if method == "naive" else "dn",
-        dylu=method == "dn-dylu",
-        sync=method == "sync",
-        c=0.0 if method == "sync" else cfg.c,
-    )
+HETEROGENEITY: dict[str, tuple[float, ...]] = {
+    level: tuple(round(0.58 * (s / 0.58) ** a, 3) for s in (0.58, 0.75, 1.51, 3.33))
+    for level, a in (("none", 0.0), ("slight", 0.25), ("moderate", 0.5), ("very", 1.0))
+}
+"""Seconds per inner step of 4 workers at the paper's four heterogeneity levels (see the
+module docstring: ``very`` is the paper's notebook's, the others thinwire's stand-ins)."""
 
 
 @dataclass
@@ -84,6 +89,9 @@ class SimClock:
     """Seeds the jitter."""
     eval_points: int = 20
     """Evaluations spread evenly over the inner-step budget (plus one at the start)."""
+    declare_speeds: bool = True
+    """Tell the server the speeds above before the first round (DyLU sizes every round
+    from the start); False: the server calibrates them as a real run does."""
 
     def validate(self) -> None:
         if not self.seconds_per_step:
@@ -113,20 +121,11 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
     sources = make_sources(task, cfg.resolved_shards(w_count))
     inner_momentum = cfg.resolved_inner_momentum()
     total = cfg.steps * w_count
-    core = ServerCore(
-        flat_parameters(model),
-        workers=w_count,
-        local_steps=cfg.local_steps,
-        total_steps=total,
-        shard_sizes=shard_sizes(sources),
-        outer=cfg.outer,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        c=cfg.c,
-        dylu=cfg.dylu,
-        grace_s=cfg.grace_s,
-        sync=cfg.sync,
-        dylu_ema=cfg.dylu_ema,
+    declared = None
+    if clock.declare_speeds and cfg.speeds is None:
+        declared = dict(enumerate(clock.seconds_per_step, start=1))
+    core = ServerCore.from_config(
+        flat_parameters(model), cfg, w_count, shard_sizes(sources), speeds=declared
     )
     # The batch sources are shared: by contract a batch depends only on (shard, step).
     workers = {
@@ -142,6 +141,9 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
         )
         for w in range(1, w_count + 1)
     }
+    push = {w: PushEncoder(cfg.compress) for w in workers}
+    pull, views = PullEncoder(cfg.compress_pull), {w: PullDecoder() for w in workers}
+    wire = {"push_bytes": 0, "pull_bytes": 0}
     spw = dict(zip(workers, clock.seconds_per_step, strict=True))
     jitter_rng = torch.Generator().manual_seed(clock.seed + 7919)
     curve: list[dict[str, float]] = []
@@ -160,9 +162,13 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
             work = core.work_for(w, now)
             if work is None or work.stop:
                 continue
-            result = workers[w].run_round(core.theta.detach().clone(), work)
-            if cfg.compress != "none":  # the push's rounding, as on the wire
-                result.pseudo_grad = result.pseudo_grad.to(cfg.push_dtype).float()
+            is_delta, payload = pull.encode(w, core.theta.detach())
+            wire["pull_bytes"] += payload.numel() * payload.element_size()
+            theta = views[w].delta(payload) if is_delta else views[w].whole(payload)
+            result = workers[w].run_round(theta, work)
+            sent = push[w].encode(result.pseudo_grad)  # as on the wire, error feedback too
+            wire["push_bytes"] += sent.numel() * sent.element_size()
+            result.pseudo_grad = decode(sent, result.pseudo_grad.numel())
             factor = 1.0
             if clock.jitter > 0:
                 factor = math.exp(clock.jitter * float(torch.randn((), generator=jitter_rng)))
@@ -183,7 +189,7 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
             now = deadline
         else:
             now, _, w, work, result, seconds = heapq.heappop(events)
-            core.submit(w, work.epoch, result.pseudo_grad, work.steps, seconds, now)
+            core.submit(w, work.epoch, result.pseudo_grad, work.steps, seconds, now, work.version)
             if core.steps_applied >= next_eval - 1e-9:
                 while next_eval <= core.steps_applied + 1e-9:
                     next_eval += every
@@ -192,15 +198,24 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
     if curve[-1]["steps"] != core.steps_applied:
         record(now)
     return {
-        "config": asdict(cfg) | {"inner_momentum": inner_momentum},
+        "config": asdict(cfg)
+        | {
+            "inner_momentum": inner_momentum,
+            "outer_lr": cfg.resolved_outer_lr(),
+            "outer_momentum": cfg.resolved_outer_momentum(),
+            "method": cfg.method,
+        },
         "clock": asdict(clock),
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_val_loss": curve[-1]["val_loss"],
         "inner_steps": core.steps_applied,
         "updates": core.updates_applied,
+        "updates_dropped": core.updates_dropped,
+        "staleness": {str(k): v for k, v in sorted(core.staleness_seen.items())},
         "sim_time_s": now,
         "shard_steps": list(core.shards.clock),
         "shard_planned": list(core.shards.planned),
+        **wire,
         "curve": curve,
     }
 

@@ -1,62 +1,58 @@
 """How the Local-SGD server and its workers reach each other, on torch.distributed.
 
 What they say is defined in :mod:`thinwire.localsgd.messages` (a header of named fields,
-optionally followed by one flat tensor); this module only moves it.
+optionally followed by one flat tensor); this module moves it, sealed.
 
 * **Links**: every worker talks to the server over its own two-rank gloo process group
-  (server = rank 0 of the pair, worker = rank 1), built from the run's key-value store
-  under a prefix that names the worker *and its incarnation*. A worker process that was
-  killed and started again gets a new incarnation number, hence a fresh pair group: it
-  never needs the launch's world group, whose membership is fixed once its rendezvous
-  is over. The server opens its side when it handles the worker's ``HELLO``.
-* **Server to worker**: header and payload on the worker's link (tags 1 and 2); the
+  (server = rank 0 of the pair, worker = rank 1), built from the run's store
+  (:mod:`thinwire.localsgd.run_store`: the server's own, on the address the user named)
+  under a prefix that names the worker *and its incarnation*. A restarted worker process
+  gets a new incarnation, hence a fresh pair group: it never needs the launch's world
+  group, whose membership is fixed. The server opens its side when it handles the
+  worker's ``HELLO``. Link sockets listen on the run's address (a worker's on its own
+  address towards the server).
+* **Server to worker**: header, seal and payload on the worker's link (tags 1, 3, 2); the
   worker blocks in a receive, which is what a worker has to do anyway.
-* **Worker to server**: the header goes into a queue on the store (``queue_push``), the
+* **Worker to server**: the header and its seal go into a queue on the store, the
   payload on the link (tag 2). The server must listen to every worker at once *without
-  blocking* (it also has grace periods to close and silent workers to declare dead).
-  gloo's ``recv_anysource`` cannot be polled (its ``is_completed`` stays false until
-  ``wait``) and a ``wait`` that times out breaks the connection, so the server polls the
-  store queue (``queue_len``) and then receives the announced payload on that one link.
-  Each queued header carries the sender's incarnation, so the server can ignore whatever
-  a replaced process still had in flight.
+  blocking*; gloo's ``recv_anysource`` cannot be polled (its ``is_completed`` stays false
+  until ``wait``) and a ``wait`` that times out breaks the connection, so the server polls
+  the store queue and then receives the announced payload on that one link. Each queued
+  header carries the sender's incarnation, so the server can ignore whatever a replaced
+  process still had in flight.
+* **Seals** (:mod:`thinwire.localsgd.auth`) cover the header, the payload's SHA-256 and a
+  growing sequence number: the server refuses a forged or replayed header before it
+  reads any payload, and either side refuses a payload swapped on the link
+  (:class:`~thinwire.localsgd.auth.AuthError`). Heartbeats are sealed counters.
 
-The store: the launch's TCP store (rank 0's ``MASTER_ADDR:MASTER_PORT``), below any
-prefixes the launcher added, under ``thinwire.localsgd/<run id>/``. The server picks the
-run id, hands it to the launched workers through the launch's own store, and also
-records it as the store's *current* run, which is how a restarted process that knows
-only the address finds the run (:meth:`Transport.rejoin`). A new launch (a torchrun
-restart) picks a new id, so nothing left over from an earlier attempt is read.
-
-Every message is reported to :mod:`thinwire.comm.accounting`: headers as
+Every message is reported to :mod:`thinwire.comm.accounting`: headers and seals as
 ``localsgd.ctrl``, parameter vectors as ``localsgd.pull`` (server to worker) and
-pseudo-gradients as ``localsgd.push``. Point-to-point traffic crosses the link once, so
-payload and wire bytes are equal. Links are always gloo, whatever the launch's backend:
-NCCL has no CPU-side polling, and the traffic (one parameter vector per round of H
-steps) is small.
+pseudo-gradients as ``localsgd.push``; point-to-point, so payload and wire bytes are
+equal. Links are always gloo (NCCL has no CPU-side polling; the traffic is one vector
+per round of H steps).
 
-Dead peers: a worker that exits closes its sockets; the store queue and the other links
-keep working, and a send to the dead worker raises, which the server takes as a death
-notice. Workers also bump a heartbeat counter in the store from a background thread
-(:meth:`Transport.beat`), so the server tells a dead worker from a slow one without a
-timeout tied to the round length.
+Dead peers: a worker that exits closes its sockets, and a send to it raises, which the
+server takes as a death notice. Workers also beat a heartbeat in the store from a
+background thread (:meth:`Transport.beat`), so the server tells a dead worker from a
+slow one without a timeout tied to the round length.
 
-Timeouts: ``connect_timeout_s`` bounds opening a link (both sides wait for the other's
-address in the store; while the server opens a link it handles nothing else, so keep it
-short); ``timeout_s`` bounds every later send and receive, including a worker's wait for
-its next round, which can last as long as the slowest worker's round: keep it large.
+Timeouts: ``connect_timeout_s`` bounds opening a link (while the server opens one it
+handles nothing else, so keep it short); ``timeout_s`` bounds every later send and
+receive, including a worker's wait for its next round: keep it above the slowest round.
 """
 
 from __future__ import annotations
 
 import contextlib
-import uuid
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record
+from thinwire.comm.bind import gloo_device, route_address
 from thinwire.errors import ConfigError
+from thinwire.localsgd.auth import TRAILER_LEN, AuthError, Channel, Keyring, RunKey, payload_digest
 from thinwire.localsgd.messages import (
     HEADER_LEN,
     Envelope,
@@ -69,75 +65,65 @@ from thinwire.localsgd.messages import (
     decode,
     encode,
     pack_queued,
+    payload_numel,
     unpack_queued,
+)
+from thinwire.localsgd.run_store import (
+    NAMESPACE,
+    find_current,
+    find_launched,
+    host_store,
+    root_store,
 )
 
 __all__ = ["Transport", "root_store"]
 
-_PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull"}  # accounting names of payloads
-_HEADER_TAG, _PAYLOAD_TAG = 1, 2
-_NAMESPACE = "thinwire.localsgd"
-_CURRENT = f"{_NAMESPACE}/current"  # in the root store: the run id being served
-_RUN_ID = f"{_NAMESPACE}/run_id"  # in the launch's store: the same id, for launched workers
+_PAYLOAD_OPS = {Kind.UPDATE: "push", Kind.WORK: "pull", Kind.DELTA: "pull"}  # accounting names
+_HEADER_TAG, _PAYLOAD_TAG, _SEAL_TAG = 1, 2, 3
 _QUEUE = "to_server"
-_STORE_CONNECT_S = 10.0
 
 
-def root_store(store: dist.Store) -> dist.Store:
-    """The store below every :class:`~torch.distributed.PrefixStore` wrapped around ``store``.
-
-    Launchers add prefixes a restarted process cannot know (``default_pg``, torchrun's
-    ``/worker/attempt_N``); the root is what ``MASTER_ADDR:MASTER_PORT`` reaches.
-    """
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    return store
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).numpy())
 
 
 class Transport:
-    """Header+payload messages between a server rank and worker ranks.
+    """Sealed header+payload messages between a server rank and worker ranks.
+
+    Build it with :meth:`host` (the server), :meth:`launched` (a worker started with the
+    run) or :meth:`rejoin` (a restarted worker); the constructor is the common part.
 
     Args:
-        store: the run's key-value store. None: the launch's store (the default process
-            group's, which every launcher, torchrun included, provides), and ``rank`` is
-            this process's rank in the default group.
-        rank: this process's rank (0 .. W; required with an explicit ``store``).
+        store: the run's store (the root of its keys; the server's own, or a client).
+        rank: this process's rank (0 .. W).
+        run_id: the run's namespace in the store.
+        key: the run key every message is sealed with.
+        address: the local address this process's link sockets listen on.
         server: the server's rank.
         op_prefix: accounting name prefix.
-        run_id: the run's namespace in the store. None: the server makes one and the
-            launched workers read it from ``store``; a restarted worker passes the id it
-            read from the store's *current* entry (see :meth:`rejoin`).
         connect_timeout_s: how long opening a link may take (see the module docstring).
         timeout_s: how long any later send or receive on a link may take.
     """
 
     def __init__(
         self,
-        store: dist.Store | None = None,
+        store: dist.Store,
         *,
-        rank: int | None = None,
+        rank: int,
+        run_id: str,
+        key: RunKey,
+        address: str = "127.0.0.1",
         server: int = 0,
         op_prefix: str = "localsgd",
-        run_id: str | None = None,
         connect_timeout_s: float = 120.0,
         timeout_s: float = 1800.0,
     ) -> None:
-        if store is None:
-            store = dist.distributed_c10d._get_default_store()
-            rank = dist.get_rank() if rank is None else rank
-        elif rank is None:
-            raise ValueError("Transport needs this process's rank when a store is given")
-        root = root_store(store)
-        if run_id is None:
-            if rank == server:
-                run_id = uuid.uuid4().hex
-                store.set(_RUN_ID, run_id)
-                root.set(_CURRENT, run_id)
-            else:
-                run_id = store.get(_RUN_ID).decode()
         self.run_id = run_id
-        self.store = dist.PrefixStore(f"{_NAMESPACE}/{run_id}/", root)
+        self._root = store  # the server's store lives as long as its transport
+        self.store = dist.PrefixStore(f"{NAMESPACE}/{run_id}/", store)
         self.rank = rank
+        self.key = key
+        self.address = address
         self.server = server
         self.op_prefix = op_prefix
         self.connect_timeout = timedelta(seconds=connect_timeout_s)
@@ -145,48 +131,61 @@ class Transport:
         self.bytes_received = 0
         self._incarnation: int | None = None
         self._links: dict[int, dist.ProcessGroupGloo] = {}  # peer rank -> its pair group
+        self.seals = Keyring(key, run_id)  # every connection's seals
+        self._link_incarnation: dict[int, int] = {}  # server: worker -> incarnation linked
+        self._expect: dict[int, bytes] = {}  # peer -> digest its announced payload must have
+        self._beats = 0
+        self._beat_seen: dict[tuple[int, int], int] = {}
+
+    # Three ways to build one; ``timeouts``: ``connect_timeout_s`` and ``timeout_s``.
+    @classmethod
+    def host(
+        cls, launch_store: dist.Store, key: RunKey, address: str, **timeouts: float
+    ) -> Transport:
+        """The server's transport: host the run's store on ``address`` (a free port), and
+        say where it is in ``launch_store`` for launched and restarted workers."""
+        store, run_id = host_store(launch_store, address, timeouts.get("connect_timeout_s", 120))
+        t = cls(store, rank=0, run_id=run_id, key=key, address=address, **timeouts)
+        t.store.set("verifier", key.verifier(run_id))
+        return t
+
+    @classmethod
+    def launched(
+        cls, launch_store: dist.Store, rank: int, key: RunKey, **timeouts: float
+    ) -> Transport:
+        """A launched worker's transport: find the run's store through ``launch_store``."""
+        found = find_launched(launch_store, timeouts.get("connect_timeout_s", 120))
+        store, run_id, server = found
+        return cls(
+            store, rank=rank, run_id=run_id, key=key, address=route_address(server), **timeouts
+        )
 
     @classmethod
     def rejoin(
-        cls,
-        host: str,
-        port: int,
-        rank: int,
-        *,
-        connect_timeout_s: float = 120.0,
-        timeout_s: float = 1800.0,
+        cls, host: str, port: int, rank: int, key: RunKey | None, **timeouts: float
     ) -> Transport:
-        """The transport of a restarted worker ``rank``, from the store's address alone.
+        """The transport of a restarted worker ``rank``, from the store's address alone
+        (``MASTER_ADDR:MASTER_PORT`` of the run's rank 0).
 
         Raises:
-            ConfigError: nothing listens at ``host:port``, or no asynchronous run is
-                being served there.
+            ConfigError: nothing listens at ``host:port``, no asynchronous run is being
+                served there, this process has no token (``key`` None), or not the run's.
         """
-        try:
-            # The store of a running run answers at once: do not retry for long.
-            root = dist.TCPStore(
-                host,
-                port,
-                is_master=False,
-                timeout=timedelta(seconds=min(connect_timeout_s, _STORE_CONNECT_S)),
-                wait_for_workers=False,
-            )
-            root.set_timeout(timedelta(seconds=connect_timeout_s))
-        except (RuntimeError, OSError) as exc:
+        store, run_id, server = find_current(host, port, timeouts.get("connect_timeout_s", 120))
+        if key is None:
             raise ConfigError(
-                f"cannot reach the run's store at {host}:{port} (MASTER_ADDR:MASTER_PORT of "
-                f"the run's rank 0): {str(exc).splitlines()[0]}"
-            ) from None
-        if not root.check([_CURRENT]):
-            raise ConfigError(f"no asynchronous Local-SGD run is being served at {host}:{port}")
-        run_id = root.get(_CURRENT).decode()
-        return cls(
-            root,
-            rank=rank,
-            run_id=run_id,
-            connect_timeout_s=connect_timeout_s,
-            timeout_s=timeout_s,
-        )
+                f"the run at {host}:{port} admits only workers that hold its token: set "
+                "THINWIRE_RUN_TOKEN (or THINWIRE_RUN_TOKEN_FILE) to it, or rejoin with the "
+                "run's --out on its host, where it keeps run.token"
+            )
+        t = cls(store, rank=rank, run_id=run_id, key=key, address=route_address(server), **timeouts)
+        published = t.store.get("verifier").decode() if t.store.check(["verifier"]) else ""
+        if published != key.verifier(run_id):
+            raise ConfigError(
+                f"this process's run token is not the token of the run at {host}:{port}; "
+                "nothing was sent to it"
+            )
+        return t
 
     # --- run information -------------------------------------------------------------------
     def publish(self, info: RunInfo) -> None:
@@ -222,40 +221,52 @@ class Transport:
         return int(self.store.add(f"incarnation/{rank}", 0))
 
     def beat(self) -> None:
-        """Worker liveness signal: bump this incarnation's heartbeat counter in the store."""
-        self.store.add(f"heartbeat/{self.rank}/{self.incarnation}", 1)
+        """Worker liveness signal: a sealed, growing counter for this incarnation."""
+        self._beats += 1
+        blob = self.key.beat(self.run_id, self.rank, self.incarnation, self._beats)
+        self.store.set(f"heartbeat/{self.rank}/{self.incarnation}", blob)
 
     def heartbeat(self, rank: int, incarnation: int) -> int:
-        """The server's view of a worker incarnation's heartbeat (0 before its first beat)."""
-        return int(self.store.add(f"heartbeat/{rank}/{incarnation}", 0))
+        """The server's view of a worker incarnation's heartbeat: the highest sealed count
+        seen (0 before its first beat). A value that does not verify is ignored."""
+        key = f"heartbeat/{rank}/{incarnation}"
+        seen = self._beat_seen.get((rank, incarnation), 0)
+        if self.store.check([key]):
+            count = self.key.read_beat(self.run_id, rank, incarnation, self.store.get(key))
+            if count is not None and count > seen:
+                seen = self._beat_seen[(rank, incarnation)] = count
+        return seen
 
     # --- links ---------------------------------------------------------------------------
     def _open(self, worker: int, incarnation: int, pair_rank: int) -> dist.ProcessGroupGloo:
         prefix = f"pair/{worker}/{incarnation}"
         # The group's own timeout bounds only the rendezvous (a short one, see the module
         # docstring); every wait below passes the long one, which overrides it per call.
-        return dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, self.store), pair_rank, 2, self.connect_timeout
-        )
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [gloo_device(self.address)]
+        opts._timeout = self.connect_timeout
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), pair_rank, 2, opts)
 
     def accept(self, worker: int, incarnation: int) -> None:
-        """On the server: open the link to ``worker``'s ``incarnation`` (after its HELLO),
-        closing the link of any earlier incarnation. Raises if the worker does not
-        connect within the connect timeout."""
+        """On the server: open the link to ``worker``'s ``incarnation`` (after its verified
+        HELLO), closing the link of any earlier incarnation. Raises if the worker does
+        not connect within the connect timeout."""
         self.close(worker)
+        self.seals.server(worker, incarnation)
         self._links[worker] = self._open(worker, incarnation, 0)
+        self._link_incarnation[worker] = incarnation
 
     def refuse(self, worker: int, incarnation: int, why: Refused) -> None:
         """On the server: tell ``worker``'s ``incarnation`` why it is turned away, on a
         link opened for that alone, so that the link of a running incarnation of the same
         rank is left as it is. Never raises."""
         try:
+            ch = self.seals.server(worker, incarnation)
             pg = self._open(worker, incarnation, 0)
-        except RuntimeError:
-            return  # it is gone already
+        except (RuntimeError, KeyError):
+            return  # it is gone already (or never said a verified hello)
         try:
-            header = torch.tensor(encode(why), dtype=torch.float64)
-            pg.send([header], 1, _HEADER_TAG).wait(self.connect_timeout)
+            self._send_header(pg, ch, why, None)
         except RuntimeError:
             pass
         finally:
@@ -269,6 +280,7 @@ class Transport:
         """Close the link to ``peer`` (None: every link). A peer blocked on it fails."""
         for r in list(self._links) if peer is None else [peer]:
             pg = self._links.pop(r, None)
+            self._link_incarnation.pop(r, None)
             if pg is None:
                 continue
             # abort drops the sockets at once; a peer that is gone cannot take part in a
@@ -284,14 +296,30 @@ class Transport:
         return pg
 
     # --- messages --------------------------------------------------------------------------
+    def _send_header(
+        self, pg: dist.ProcessGroupGloo, ch: Channel, msg: Message, digest: bytes | None
+    ) -> None:
+        header = torch.tensor(encode(msg), dtype=torch.float64)
+        seal = ch.seal(_bytes(header), digest or payload_digest(None))
+        pg.send([header], 1, _HEADER_TAG).wait(self.timeout)
+        pg.send([torch.frombuffer(bytearray(seal), dtype=torch.uint8)], 1, _SEAL_TAG).wait(
+            self.timeout
+        )
+        record(f"{self.op_prefix}.ctrl", header.nbytes + len(seal), header.nbytes + len(seal))
+
     def send(self, dst: int, msg: Message, payload: torch.Tensor | None = None) -> None:
-        """Send ``msg`` (and ``payload``, flat) to ``dst``; raises if ``dst`` is gone.
+        """Send ``msg`` (and ``payload``, flat), sealed, to ``dst``; raises if ``dst`` is gone.
 
         A worker's first :class:`Hello` also opens its link: it waits (up to the connect
         timeout) until the server has read the hello and opened the other side.
         """
+        flat = None if payload is None else payload.detach().reshape(-1).cpu().contiguous()
+        if flat is not None and msg.kind not in _PAYLOAD_OPS:
+            raise ValueError(f"a {msg.kind.name} message carries no payload")
+        digest = payload_digest(flat)
         if dst == self.server:
             blob = pack_queued(self.rank, self.incarnation, msg)
+            blob += self.seals.worker(self.rank, self.incarnation).seal(blob, digest)
             self.store.queue_push(_QUEUE, blob)
             record(f"{self.op_prefix}.ctrl", len(blob), len(blob))
             if isinstance(msg, Hello) and self.server not in self._links:
@@ -304,41 +332,62 @@ class Transport:
                         "(has the run finished?)"
                     ) from None
         else:
-            header = torch.tensor(encode(msg), dtype=torch.float64)
-            self._link(dst).send([header], 1, _HEADER_TAG).wait(self.timeout)
-            record(f"{self.op_prefix}.ctrl", header.nbytes, header.nbytes)
-        if payload is not None:
-            if msg.kind not in _PAYLOAD_OPS:
-                raise ValueError(f"a {msg.kind.name} message carries no payload")
-            payload = payload.detach().reshape(-1).cpu().contiguous()
+            ch = self.seals.server(dst, self._link_incarnation[dst])
+            self._send_header(self._link(dst), ch, msg, digest)
+        if flat is not None:
             peer = 0 if dst == self.server else 1
-            self._link(dst).send([payload], peer, _PAYLOAD_TAG).wait(self.timeout)
-            nbytes = payload.numel() * payload.element_size()
+            self._link(dst).send([flat], peer, _PAYLOAD_TAG).wait(self.timeout)
+            nbytes = flat.numel() * flat.element_size()
             record(f"{self.op_prefix}.{_PAYLOAD_OPS[msg.kind]}", nbytes, nbytes)
 
     def poll(self) -> Envelope | None:
         """On the server: the next worker message if one has arrived, else None (no wait).
 
+        Its seal is checked before anything else: a first ``HELLO`` against the run key,
+        anything else against its connection's key.
+
         Raises:
-            MessageError: the queued header was malformed (it is consumed all the same).
+            MessageError: the queued message was malformed; :class:`AuthError`: it was
+                forged or replayed. Either way it is consumed and nothing else is read.
         """
         if self.store.queue_len(_QUEUE) == 0:
             return None
-        blob = self.store.queue_pop(_QUEUE, False)
-        self.bytes_received += len(blob)
-        return unpack_queued(blob)
+        raw = self.store.queue_pop(_QUEUE, False)
+        self.bytes_received += len(raw)
+        if len(raw) <= TRAILER_LEN:
+            raise MessageError(f"a queued message is longer than its seal, got {len(raw)} bytes")
+        blob, seal = raw[:-TRAILER_LEN], raw[-TRAILER_LEN:]
+        env = unpack_queued(blob)
+        hello = isinstance(env.message, Hello)
+        digest = self.seals.open_queued(env.src, env.incarnation, hello, blob, seal)
+        if env.message.kind in _PAYLOAD_OPS:
+            self._expect[env.src] = digest
+        return env
 
     def recv(self, src: int) -> Message:
-        """On a worker: the next message from the server (blocking)."""
+        """On a worker: the next message from the server (blocking), its seal checked."""
         buf = torch.zeros(HEADER_LEN, dtype=torch.float64)
-        self._link(src).recv([buf], 0, _HEADER_TAG).wait(self.timeout)
-        self.bytes_received += buf.nbytes
-        return decode(buf.tolist())
+        seal = torch.zeros(TRAILER_LEN, dtype=torch.uint8)
+        link = self._link(src)
+        link.recv([buf], 0, _HEADER_TAG).wait(self.timeout)
+        link.recv([seal], 0, _SEAL_TAG).wait(self.timeout)
+        self.bytes_received += buf.nbytes + seal.nbytes
+        digest = self.seals.worker(self.rank, self.incarnation).open(_bytes(buf), _bytes(seal))
+        msg = decode(buf.tolist())
+        if msg.kind in _PAYLOAD_OPS:
+            self._expect[src] = digest
+        return msg
 
     def recv_payload(self, src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The payload that follows ``src``'s last header."""
-        buf = torch.empty(numel, dtype=dtype)
+        """The payload that follows ``src``'s last header: ``numel`` parameters in ``dtype``.
+
+        Raises:
+            AuthError: it is not the payload the header's seal announced.
+        """
+        buf = torch.empty(payload_numel(numel, dtype), dtype=dtype)
         peer = 0 if src == self.server else 1
         self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait(self.timeout)
         self.bytes_received += buf.numel() * buf.element_size()
+        if payload_digest(buf) != self._expect.pop(src, None):
+            raise AuthError(f"the payload from rank {src} is not the one its header announced")
         return buf

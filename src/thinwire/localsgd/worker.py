@@ -2,10 +2,9 @@
 
 :class:`LocalWorker` is transport-free; the multi-process runtime and the simulator both
 drive it. It trains the user's model with the user's inner optimizer and loss on the
-user's batch sources (:class:`~thinwire.localsgd.task.Task`). Its inner optimizer state
-persists across rounds (DiLoCo keeps each worker's moments local), except the first
-moment with ``inner_momentum="round"``, which restarts at every round (see
-:mod:`thinwire.localsgd.inner_state`); every round starts by loading the pulled theta
+user's batch sources (:class:`~thinwire.localsgd.task.Task`). What its inner optimizer
+state carries from one round into the next is the run's inner-state rule
+(:mod:`thinwire.localsgd.inner_state`); every round starts by loading the pulled theta
 into the model.
 
 The inner lr follows the shard's own clock (:func:`~thinwire.localsgd.shards.inner_lr`)
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from thinwire.localsgd.inner_state import check_inner_momentum, restart_first_moment_
+from thinwire.localsgd.inner_state import DEFAULT_INNER_STATE, InnerStateRule
 from thinwire.localsgd.messages import Work
 from thinwire.localsgd.shards import inner_lr
 from thinwire.localsgd.task import BatchSource, load_flat_, to_device
@@ -55,11 +54,8 @@ class LocalWorker:
         grad_clip: global norm clip, 0 disables.
         slowdown: multiply each step's time by this factor by sleeping, to emulate slower
             hardware on one machine (1.0 = no slowdown).
-        inner_momentum: ``"keep"`` (DiLoCo: the first moment persists across rounds) or
-            ``"round"`` (it restarts at the start of every round; second moment and step
-            count are kept). Use ``"round"`` when rounds are short (DyLU with a small H);
-            runs resolve the default with
-            :func:`~thinwire.localsgd.inner_state.resolve_inner_momentum`.
+        inner_momentum: the inner-state rule, ``keep``, ``round``, ``restart`` or
+            ``fresh`` (see :mod:`thinwire.localsgd.inner_state`).
     """
 
     def __init__(
@@ -73,9 +69,9 @@ class LocalWorker:
         min_lr_ratio: float,
         grad_clip: float = 0.0,
         slowdown: float = 1.0,
-        inner_momentum: str = "keep",
+        inner_momentum: str = DEFAULT_INNER_STATE,
     ) -> None:
-        check_inner_momentum(inner_momentum)
+        self.rule = InnerStateRule(inner_momentum)
         self.model = model
         self.params = list(model.parameters())
         self.device = self.params[0].device
@@ -106,13 +102,10 @@ class LocalWorker:
         """Load ``theta``, run ``work.steps`` inner steps, return ``theta - theta_w``."""
         theta = theta.to(self.device, torch.float32)
         load_flat_(self.params, theta)
-        if self.inner_momentum == "round":
-            # A few-step round would otherwise mostly replay momentum built from gradients
-            # at global parameters that outer updates have since moved past.
-            restart_first_moment_(self.opt)
+        self.rule.begin_round(self.opt)
         self.model.train()
         total_loss = 0.0
-        t0 = time.perf_counter()
+        step_times: list[float] = []
         for i in range(work.steps):
             t_step = time.perf_counter()
             clock = work.lr_clock + i
@@ -123,13 +116,25 @@ class LocalWorker:
             loss.backward()
             if self.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            self.rule.before_step(self.opt)
             self.opt.step()
+            self.rule.after_step(self.opt)
             total_loss += float(loss.detach())
             if self.slowdown > 1.0:
                 # Emulated slower hardware: stretch this step to slowdown x its real time.
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t_step))
-        elapsed = time.perf_counter() - t0
+            step_times.append(time.perf_counter() - t_step)
         with torch.no_grad():
             pseudo = theta - parameters_to_vector(self.params).float()
         steps = max(1, work.steps)
-        return RoundResult(pseudo, work.steps, elapsed / steps, total_loss / steps)
+        # The median, not the mean: a round's first step pays one-off costs (allocations,
+        # a cold cache) that would make a short calibration round look slow to DyLU.
+        return RoundResult(pseudo, work.steps, _median(step_times), total_loss / steps)
+
+
+def _median(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])

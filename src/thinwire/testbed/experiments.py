@@ -87,6 +87,10 @@ _FLAGS: dict[str, str] = {
     "local_steps": "--local-steps", "outer_lr": "--outer-lr",
     "outer_momentum": "--outer-momentum", "outer": "--outer", "compress": "--compress",
     "inner_momentum": "--inner-momentum", "grace_s": "--grace", "shards": "--shards",
+    "staleness": "--staleness", "max_staleness": "--max-staleness",
+    "calibration_steps": "--calibration-steps", "min_local_steps": "--min-local-steps",
+    "shard_sampling": "--shard-sampling", "shard_layout": "--shard-layout",
+    "compress_pull": "--compress-pull",
     "eval_interval": "--eval-interval", "eval_sequences": "--eval-sequences",
     "log_interval": "--log-interval", "checkpoint_interval": "--checkpoint-interval",
     "device": "--device",
@@ -137,6 +141,8 @@ def train_argv(
         argv.append("--precondition" if cfg.precondition else "--no-precondition")
     if cfg.slowdown is not None:
         argv += ["--slowdown", ",".join(f"{v:g}" for v in cfg.slowdown)]
+    if cfg.speeds is not None:
+        argv += ["--speeds", ",".join(f"{v:g}" for v in cfg.speeds)]
     return [*argv, "--out", str(out_dir), "--no-progress", *(extra_args or [])]
 
 

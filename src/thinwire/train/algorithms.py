@@ -62,6 +62,10 @@ class Strategy:
     """Algorithm-specific numbers to log with each metric record (e.g. trust ratios)."""
     scale_lr: bool = True
     """Whether the trainer's warmup+cosine schedule drives ``optimizer``'s learning rate."""
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """This rank's batch of a step, replacing the trainer's slice of the global batch."""
+    lr_at: Callable[[int], float] | None = None
+    """The peak-scaled learning rate of a step, replacing the trainer's global schedule."""
 
 
 def _ddp_adamw(
@@ -194,24 +198,55 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
 
 
 def _diloco(model: nn.Module, cfg: TrainConfig) -> Strategy:
-    """Synchronous DiLoCo: raw model, inner AdamW, outer sync every H steps."""
+    """Synchronous DiLoCo: raw model, inner AdamW, outer sync every H steps.
+
+    Each rank trains on Local-SGD shards, on the shard and lr clock a sync-mode server
+    would give it (:class:`thinwire.localsgd.shards.SyncSchedule`), so this run and the
+    simulator's ``sync`` method see the same data in the same order.
+    """
+    from thinwire.comm.launch import rank
     from thinwire.localsgd import DiLoCo
     from thinwire.localsgd.inner_state import resolve_inner_momentum
+    from thinwire.localsgd.methods import TUNED
+    from thinwire.localsgd.shards import SyncSchedule, inner_lr
+    from thinwire.train.data import TextData
 
     inner = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
     )
+    momentum = cfg.outer_momentum
     diloco = DiLoCo(
         model,
         inner,
         cfg.local_steps,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
+        outer_lr=TUNED["sync"].outer_lr if cfg.outer_lr is None else cfg.outer_lr,
+        outer_momentum=TUNED["sync"].outer_momentum if momentum is None else momentum,
         compress=cfg.compress,
         sync_initial=False,  # the trainer broadcasts rank 0's weights before this
-        # Synchronous DiLoCo has no DyLU (every round is H steps): the default is keep.
-        inner_momentum=resolve_inner_momentum(cfg.inner_momentum, dylu=False),
+        inner_momentum=resolve_inner_momentum(cfg.inner_momentum),
     )
+    world = world_size()
+    data = TextData(cfg.data, cfg.gpt_config().seq_len, cfg.val_fraction, cfg.seed)
+    sources = data.shard_batches(world, cfg.batch_size, cfg.shard_layout)
+    plan = SyncSchedule(
+        [len(s) for s in sources],
+        world,
+        cfg.local_steps,
+        cfg.steps,
+        cfg.shard_sampling or "least-progress",
+        cfg.seed,
+    )
+    me = rank() + 1
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shard, clock = plan.at(me, step)
+        return sources[shard](clock)
+
+    def lr(step: int) -> float:
+        shard, clock = plan.at(me, step)
+        planned = plan.book.planned[shard]
+        return inner_lr(clock, planned, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+
     return Strategy(
         model=model,
         optimizer=inner,
@@ -219,6 +254,8 @@ def _diloco(model: nn.Module, cfg: TrainConfig) -> Strategy:
         state_dict=diloco.state_dict,
         load_state_dict=diloco.load_state_dict,
         metrics=lambda: {"outer_steps": float(diloco.outer_steps)},
+        batch=batch,
+        lr_at=lr,
     )
 
 
@@ -371,8 +408,18 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.algo == "diloco":
         from thinwire.localsgd.diloco import COMPRESS_CHOICES
         from thinwire.localsgd.inner_state import resolve_inner_momentum
+        from thinwire.localsgd.outer import check_outer_args
+        from thinwire.localsgd.shards import SAMPLING_CHOICES
 
-        resolve_inner_momentum(cfg.inner_momentum, dylu=False)
+        resolve_inner_momentum(cfg.inner_momentum)
+        check_outer_args(
+            0.3 if cfg.outer_lr is None else cfg.outer_lr,
+            0.9 if cfg.outer_momentum is None else cfg.outer_momentum,
+        )
+        if cfg.shard_sampling not in (None, *SAMPLING_CHOICES):
+            raise ConfigError(
+                f"unknown shard sampling {cfg.shard_sampling!r}; choose one of {SAMPLING_CHOICES}"
+            )
         if cfg.compress not in COMPRESS_CHOICES:
             raise ConfigError(
                 f"unknown compression {cfg.compress!r}; choose one of {COMPRESS_CHOICES}"

@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd import AsyncConfig, Task, rejoin_async, run_async
+from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_async, run_async
+from thinwire.localsgd.auth import read_token
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
@@ -41,6 +44,15 @@ _OPTIONAL = (
     "dead_after_s",
     "connect_timeout_s",
     "link_timeout_s",
+    "outer_lr",
+    "outer_momentum",
+    "staleness",
+    "max_staleness",
+    "speeds",
+    "calibration_steps",
+    "min_local_steps",
+    "shard_sampling",
+    "compress_pull",
 )
 """TrainConfig fields whose None means "AsyncConfig's default"."""
 
@@ -52,8 +64,6 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
         steps=cfg.steps,
         local_steps=cfg.local_steps,
         outer=cfg.outer,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
         dylu=cfg.dylu,
         sync=cfg.sync,
         inner_momentum=cfg.inner_momentum,
@@ -61,19 +71,24 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
         min_lr_ratio=cfg.min_lr_ratio,
         grad_clip=cfg.grad_clip,
         compress=cfg.compress,
+        seed=cfg.seed,
         slowdown=cfg.slowdown,
         eval_interval=cfg.eval_interval,
         checkpoint_dir=cfg.out_dir,
         checkpoint_interval=cfg.checkpoint_interval,
         resume=cfg.resume,
+        stop_after=cfg.stop_after,
         **given,
     )
 
 
 def check_async_config(cfg: TrainConfig, workers: int) -> None:
-    """Every bad setting of an asynchronous trainer run, as a one-line ConfigError."""
+    """Every bad setting of an asynchronous trainer run, as a one-line ConfigError
+    (a token given in the environment that is too short or unreadable included)."""
     _validate(cfg)
-    async_config(cfg).validate(workers)
+    acfg = async_config(cfg)
+    acfg.validate(workers)
+    read_token(acfg.token_file)
 
 
 def _validate(cfg: TrainConfig) -> None:
@@ -120,7 +135,7 @@ def gpt_task(
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def shards(n: int) -> list[Any]:
-        return list(text().shard_batches(n, cfg.batch_size))
+        return list(text().shard_batches(n, cfg.batch_size, cfg.shard_layout))
 
     def evaluate(m: nn.Module) -> float:
         if not val:  # built on first use: only the server evaluates
@@ -146,8 +161,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """Trainer runner for ``--algo async-diloco``; call on every rank of a process group.
 
     Returns the run summary on rank 0 (final validation loss and perplexity, updates
-    applied and rejected, inner steps, samples/s, bytes, and which worker incarnations
-    pushed how much; also written to ``summary.json``) and the worker's counts elsewhere.
+    applied and rejected, pushes refused, inner steps, samples/s, bytes, and which worker
+    incarnations pushed how much; also written to ``summary.json``) and the worker's
+    counts elsewhere. Times and bytes cover the whole run, across resumes. A run whose
+    every worker died returns its summary with ``incomplete`` set (the command exits
+    non-zero; ``--resume`` finishes it); resuming a finished run returns its saved summary
+    with a ``note`` and changes no file.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     workers = world - 1
@@ -167,34 +186,78 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             write_run_identity(out_dir, identity)
         else:
             check_run_identity(out_dir, identity)
-        writers.append(MetricsWriter(out_dir, True, resumed, cfg.tensorboard))
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if addr and port:  # what a restarted worker needs (--rejoin)
+            print(f"thinwire: asynchronous run served at {addr}:{port}", file=sys.stderr)
+        if resumed is None or resumed < min(cfg.steps, cfg.stop_after or cfg.steps) * workers:
+            writers.append(MetricsWriter(out_dir, True, resumed, cfg.tensorboard))
+
+    def on_eval(record: dict[str, Any]) -> None:
+        for w in writers:
+            w.write(record)
 
     try:
-        s = run_async(gpt_task(cfg), acfg, on_start=on_start, on_eval=lambda r: writers[0].write(r))
+        s = run_async(gpt_task(cfg), acfg, on_start=on_start, on_eval=on_eval)
+    except IncompleteRunError as exc:
+        s = exc.summary | {
+            "incomplete": f"{str(exc).split('; the', 1)[0]}; its checkpoint is kept: run the "
+            "same command with --resume to finish it"
+        }
     finally:
         for w in writers:
             w.close()
+    if s.get("already_done"):
+        saved = _saved_summary(out_dir, s["inner_steps"])
+        if saved is not None:
+            return saved | {
+                "note": f"the run in {out_dir} already reached step {s['steps']}; nothing "
+                "was changed (raise --steps to train further)"
+            }
+    summary = _summary(cfg, world, s)
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _summary(cfg: TrainConfig, world: int, s: dict[str, Any]) -> dict[str, Any]:
     wall = s["train_time_s"]
+    keys = ("workers", "outer", "dylu", "inner_momentum", "sync", "steps", "complete")
     summary = {
         "algo": cfg.algo,
         "world_size": world,
-        **{k: s[k] for k in ("workers", "outer", "dylu", "inner_momentum", "sync", "steps")},
+        **{k: s[k] for k in keys},
         "samples": s["inner_steps"] * cfg.batch_size,  # sequences trained on, all workers
         **{k: s[k] for k in ("inner_steps", "updates_applied", "updates_rejected")},
-        **{k: s[k] for k in ("dead_workers", "incarnations", "joins", "updates_by_incarnation")},
+        **{k: s[k] for k in ("pushes_refused", "push_refusals")},
+        **{k: s[k] for k in ("dead_workers", "evicted_workers", "incarnations", "joins")},
+        "updates_by_incarnation": s["updates_by_incarnation"],
         **{k: s[k] for k in ("stale_messages", "malformed_messages", "parameters")},
-        "final_val_loss": s["final_val_loss"],
-        "final_val_ppl": math.exp(min(s["final_val_loss"], 50.0)),
-        "train_time_s": wall,
-        "samples_per_s": s["inner_steps_this_run"] * cfg.batch_size / wall
-        if wall > 0
-        else math.nan,
+        **{k: s[k] for k in ("unauthenticated_messages", "refused_rejoins")},
+        "final_val_loss": s.get("final_val_loss", math.nan),
+        "final_val_ppl": math.exp(min(s.get("final_val_loss", math.nan), 50.0)),
+        "train_time_s": wall,  # the whole run's, across resumes
+        "samples_per_s": s["inner_steps"] * cfg.batch_size / wall if wall > 0 else math.nan,
         "comm_bytes": s["comm_bytes"],
         "comm_by_op": s["comm_by_op"],
-        "out_dir": str(out_dir),
+        "push_bytes": s["push_bytes"],
+        "pull_bytes": s["pull_bytes"],
+        **{k: s[k] for k in ("method", "outer_lr", "outer_momentum", "updates_dropped")},
+        "out_dir": str(cfg.out_dir),
     }
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    for key in ("stopped_after", "incomplete"):
+        if key in s:
+            summary[key] = s[key]
     return summary
+
+
+def _saved_summary(out_dir: Path, inner_steps: int) -> dict[str, Any] | None:
+    """The summary a finished run wrote, if it is that run's (same inner steps)."""
+    try:
+        saved = json.loads((out_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("inner_steps") != inner_steps:
+        return None
+    return saved
 
 
 def rejoin(
@@ -204,11 +267,14 @@ def rejoin(
     host: str | None = None,
     port: int | str | None = None,
     connect_timeout_s: float | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """``thinwire train ... --rejoin RANK``: worker ``rank`` of a running trainer run comes
-    back in this process (see :func:`thinwire.localsgd.rejoin_async`)."""
+    back in this process (see :func:`thinwire.localsgd.rejoin_async`); ``force``
+    (``--force-rejoin``) replaces it even if the server considers it alive."""
     _validate(cfg)
     acfg = async_config(cfg)
     if connect_timeout_s is not None:
         acfg = replace(acfg, connect_timeout_s=connect_timeout_s)
-    return rejoin_async(gpt_task(cfg, device=_worker_device(cfg)), acfg, rank, host=host, port=port)
+    task = gpt_task(cfg, device=_worker_device(cfg))
+    return rejoin_async(task, acfg, rank, host=host, port=port, force=force)

@@ -133,14 +133,18 @@ class TrainConfig:
     ``None``: each optimizer's default (on for 1-bit Adam, off for 1-bit LAMB)."""
 
     # --- Local-SGD ----------------------------------------------------------------------
-    local_steps: int = 20
-    """Inner steps H between synchronisations (DiLoCo and asynchronous Local-SGD)."""
-    outer_lr: float = 0.7
-    """Outer (Nesterov) learning rate of DiLoCo."""
-    outer_momentum: float = 0.9
-    """Outer Nesterov momentum of DiLoCo."""
+    local_steps: int = 10
+    """Inner steps H between synchronisations (DiLoCo and asynchronous Local-SGD); see
+    ``AsyncConfig.local_steps`` for why 10."""
+    outer_lr: float | None = None
+    """Outer (Nesterov) learning rate of DiLoCo; None: the method's tuned value
+    (``thinwire.localsgd.methods.TUNED``: 0.3 for DiLoCo and Delayed Nesterov)."""
+    outer_momentum: float | None = None
+    """Outer Nesterov momentum of DiLoCo; None: the method's tuned value (0.9). 0 is plain
+    SGD on the averaged pseudo-gradient."""
     outer: str = "dn"
-    """Asynchronous outer optimizer: ``dn`` (Delayed Nesterov) or ``nesterov`` (naive)."""
+    """Asynchronous outer optimizer: ``dn`` (Delayed Nesterov), ``nesterov`` (naive) or
+    ``buffer`` (the paper's asynchronous buffer)."""
     dylu: bool = False
     """Dynamic Local Updates: fewer inner steps for slower workers."""
     slowdown: tuple[float, ...] | None = None
@@ -148,10 +152,15 @@ class TrainConfig:
     compress: str = "none"
     """Compression of pseudo-gradients: ``none``, ``fp16``, ``bf16`` or ``onebit``."""
     inner_momentum: str | None = None
-    """Local-SGD inner AdamW first moment: ``keep`` it across rounds (DiLoCo) or restart
-    it every ``round`` (second moment and step count kept). ``None``: ``round`` with DyLU,
-    whose slow workers get rounds of a few steps that would mostly replay stale momentum,
-    ``keep`` otherwise. See :mod:`thinwire.localsgd.inner_state`."""
+    """Local-SGD inner-state rule, the same for every method: ``keep`` the inner AdamW
+    state across rounds (DiLoCo), zero the first moment every ``round``, ``restart`` it
+    bias-corrected (the default) or build a ``fresh`` optimizer every round. See
+    :mod:`thinwire.localsgd.inner_state`."""
+    shard_layout: str = "striped"
+    """How Local-SGD cuts the training text into shards: ``striped`` (4 KiB blocks dealt
+    round-robin: every shard samples the whole text) or ``contiguous`` (one stretch each,
+    so shards differ in style). ``--algo diloco`` reads them too: rank r trains on the
+    shard the schedule of synchronous rounds gives it, as the simulator's sync does."""
 
     # --- asynchronous Local-SGD (async-diloco) ------------------------------------------
     # Mapped onto thinwire.localsgd.AsyncConfig, whose field of the same name documents
@@ -173,6 +182,20 @@ class TrainConfig:
     """Opening a worker's link; see ``AsyncConfig.connect_timeout_s``."""
     link_timeout_s: float | None = None
     """Any later send or receive; see ``AsyncConfig.link_timeout_s``."""
+    staleness: str | None = None
+    """``poly`` discounts stale pushes (``--staleness``); see ``AsyncConfig.staleness``."""
+    max_staleness: int | None = None
+    """Drop pushes staler than this (``--max-staleness``); see ``AsyncConfig``."""
+    speeds: tuple[float, ...] | None = None
+    """Declared seconds per step per worker for DyLU (``--speeds``); see ``AsyncConfig``."""
+    calibration_steps: int | None = None
+    """DyLU's first round without declared speeds; see ``AsyncConfig.calibration_steps``."""
+    min_local_steps: int | None = None
+    """DyLU's floor on a round; see ``AsyncConfig.min_local_steps``."""
+    shard_sampling: str | None = None
+    """``least-progress`` or ``paper`` (``--shard-sampling``); see ``AsyncConfig``."""
+    compress_pull: str | None = None
+    """Pull codec (``--compress-pull``); see ``AsyncConfig.compress_pull``."""
 
     # --- measuring, saving -------------------------------------------------------------
     eval_interval: int = 50
@@ -246,8 +269,15 @@ class TrainConfig:
             raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
         # An outer lr of 0 leaves a model that never moves; momentum must be in [0, 1) for
         # the outer step to converge (0 is plain averaging of the pseudo-gradients).
-        _check_range("outer-lr", self.outer_lr, 0.0, math.inf, lo_open=True)
-        _check_range("outer-momentum", self.outer_momentum, 0.0, 1.0, hi_open=True)
+        # None: the method's tuned value (thinwire.localsgd.TUNED).
+        if self.outer_lr is not None:
+            _check_range("outer-lr", self.outer_lr, 0.0, math.inf, lo_open=True)
+        if self.outer_momentum is not None:
+            _check_range("outer-momentum", self.outer_momentum, 0.0, 1.0, hi_open=True)
+        if self.shard_layout not in ("striped", "contiguous"):
+            raise ConfigError(
+                f"shard layout must be striped or contiguous, got {self.shard_layout!r}"
+            )
         self._check_device()
         self.gpt_config()
 
@@ -315,7 +345,7 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
-        for key in ("betas", "slowdown"):
+        for key in ("betas", "slowdown", "speeds"):
             if kwargs.get(key) is not None:
                 kwargs[key] = tuple(kwargs[key])
         return cls(**kwargs)

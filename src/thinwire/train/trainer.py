@@ -225,11 +225,14 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     compressing = bool(getattr(strategy.optimizer, "compressing", False))
     try:
         for step in range(start, end):
-            lr = lr_at(step, cfg)
+            lr = strategy.lr_at(step) if strategy.lr_at is not None else lr_at(step, cfg)
             if strategy.scale_lr:
                 for group in strategy.optimizer.param_groups:
                     group["lr"] = lr
-            x, y = data.batch(step, cfg.batch_size, rank, world)
+            if strategy.batch is not None:
+                x, y = strategy.batch(step)
+            else:
+                x, y = data.batch(step, cfg.batch_size, rank, world)
             t0 = time.perf_counter()
             _, loss = strategy.model(x.to(device), y.to(device))
             loss.backward()

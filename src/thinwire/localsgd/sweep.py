@@ -1,0 +1,223 @@
+"""Tune every method on one budget and the same seeds: a grid of simulated runs.
+
+:func:`run_sweep` runs, for each method of the comparison, every setting of its grid on
+every seed through the simulator (:func:`~thinwire.localsgd.simulator.simulate`), and
+:func:`summarize_sweep` picks each method's best setting by mean final loss over the
+seeds. Grids are per method, because methods live at different scales of outer lr
+(per-arrival Nesterov needs about 1/W of what a once-per-W-arrivals step takes)::
+
+    grid = parse_grid(["outer-lr=0.1,0.3,0.5", "naive:outer-lr=0.01,0.03,0.1"], methods)
+
+A key is any :class:`~thinwire.localsgd.config.AsyncConfig` field, dashes for
+underscores (``outer-lr``, ``outer-momentum``, ``inner-momentum`` or its alias
+``inner-state``, ``c``, ``min-local-steps``, ``local-steps``, ...). A key given without a
+method applies to every method that has no grid of its own for that key.
+
+Each run is written to ``<out>/runs/<method>__<setting>__seed<S>.json`` as it ends, and a
+run whose file exists is read back instead of computed, so an interrupted sweep resumes
+where it stopped (delete a file to redo that run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.config import AsyncConfig
+from thinwire.localsgd.methods import METHODS, for_method
+from thinwire.localsgd.simulator import SimClock, simulate, time_to_reach
+from thinwire.localsgd.task import Task
+
+__all__ = ["parse_grid", "run_key", "run_sweep", "settings_of", "summarize_sweep"]
+
+_ALIASES = {"inner_state": "inner_momentum", "grace": "grace_s"}
+
+
+def _field_types() -> dict[str, str]:
+    return {f.name: str(f.type) for f in fields(AsyncConfig)}
+
+
+def _convert(name: str, typ: str, text: str) -> Any:
+    text = text.strip()
+    if text.lower() == "none" and "None" in typ:
+        return None
+    try:
+        if typ.startswith("float"):
+            return float(text)
+        if typ.startswith("int"):
+            return int(text)
+        if typ.startswith("bool"):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if typ.startswith("str"):
+            return text
+    except ValueError:
+        raise ConfigError(f"--sweep {name}: {text!r} is not a valid {typ}") from None
+    raise ConfigError(f"--sweep cannot vary {name} (of type {typ})")
+
+
+def parse_grid(specs: Sequence[str], methods: Sequence[str]) -> dict[str, dict[str, tuple]]:
+    """``[METHOD:]KEY=V1,V2,...`` strings as each method's ``{field: values}`` grid."""
+    types = _field_types()
+    shared: dict[str, tuple] = {}
+    own: dict[str, dict[str, tuple]] = {m: {} for m in methods}
+    for spec in specs:
+        head, eq, values = spec.partition("=")
+        if not eq or not values.strip():
+            raise ConfigError(f"--sweep wants [METHOD:]KEY=V1,V2,..., got {spec!r}")
+        method, colon, key = head.rpartition(":")
+        name = key.strip().replace("-", "_")
+        name = _ALIASES.get(name, name)
+        if name not in types:
+            raise ConfigError(f"--sweep: {key!r} is not a setting of AsyncConfig")
+        if name in ("sync", "dylu", "outer", "staleness", "max_staleness", "slowdown"):
+            raise ConfigError(f"--sweep: {key!r} is set by the method; sweep methods instead")
+        parsed = tuple(_convert(key, types[name], v) for v in values.split(",") if v.strip())
+        if colon:
+            if method not in methods:
+                raise ConfigError(f"--sweep {spec!r}: {method!r} is not one of the methods run")
+            own[method][name] = parsed
+        else:
+            shared[name] = parsed
+    return {m: shared | own[m] for m in methods}
+
+
+def settings_of(grid: dict[str, tuple]) -> list[dict[str, Any]]:
+    """Every combination of a method's grid (one empty setting for an empty grid)."""
+    names = sorted(grid)
+    combos = itertools.product(*(grid[n] for n in names))
+    return [dict(zip(names, combo, strict=True)) for combo in combos]
+
+
+def run_key(method: str, setting: dict[str, Any], seed: int) -> str:
+    """The file name stem of one run (stable across invocations)."""
+    parts = [f"{k.replace('_', '-')}={setting[k]}" for k in sorted(setting)]
+    return f"{method}__{'_'.join(parts) or 'default'}__seed{seed}"
+
+
+def _write_json(path: Path, blob: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(blob) + "\n")
+    os.replace(tmp, path)
+
+
+def run_sweep(
+    task_for_seed: Callable[[int], Task],
+    base: AsyncConfig,
+    clock: SimClock,
+    grid: dict[str, dict[str, tuple]],
+    seeds: Sequence[int],
+    out_dir: Path | None = None,
+    on_run: Callable[[dict[str, Any], bool], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every method x setting x seed, simulated; returns the runs (curves included).
+
+    ``task_for_seed(seed)`` builds the task of one seed (its data order and initial
+    parameters); the seed also seeds the clock's jitter and the server's shard sampler.
+    ``on_run(run, cached)`` is called after each run, ``cached`` when read from
+    ``out_dir``. Every configuration is validated before the first run.
+    """
+    for method in grid:
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    plan = []
+    for method, mgrid in grid.items():
+        for setting in settings_of(mgrid):
+            cfg = replace(for_method(base, method), **setting)
+            cfg.validate(len(clock.seconds_per_step))
+            plan += [(method, setting, cfg, seed) for seed in seeds]
+    runs_dir = None
+    if out_dir is not None:
+        runs_dir = Path(out_dir) / "runs"
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    tasks: dict[int, Task] = {}
+    runs = []
+    for method, setting, cfg, seed in plan:
+        key = run_key(method, setting, seed)
+        path = runs_dir / f"{key}.json" if runs_dir is not None else None
+        if path is not None and path.exists():
+            run = json.loads(path.read_text())
+            cached = True
+        else:
+            if seed not in tasks:
+                tasks[seed] = task_for_seed(seed)
+            run = simulate(tasks[seed], replace(cfg, seed=seed), replace(clock, seed=seed))
+            run |= {"method": method, "setting": setting, "seed": seed, "key": key}
+            if path is not None:
+                _write_json(path, run)
+            cached = False
+        runs.append(run)
+        if on_run is not None:
+            on_run(run, cached)
+    return runs
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    mean = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return mean, sd
+
+
+def summarize_sweep(runs: list[dict[str, Any]], target: float | None = None) -> dict[str, Any]:
+    """The grid (mean and sd of the final loss per method and setting), each method's best
+    setting, and how the bests compare with sync DiLoCo's best.
+
+    For each best: final loss against sync's (same seeds), and the simulated time to
+    reach sync's final loss of the same seed (plus ``target``, a fixed loss, if given)
+    with its speed-up over sync's time for the whole budget. Settings whose mean is
+    within one sd of the best are listed as ties.
+    """
+    cells: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        cells.setdefault((r["method"], json.dumps(r["setting"], sort_keys=True)), []).append(r)
+    grid = []
+    order = {m: i for i, m in enumerate(METHODS)}
+    for (method, setting), rs in sorted(cells.items(), key=lambda c: (order[c[0][0]], c[0][1])):
+        mean, sd = _mean_sd([r["final_val_loss"] for r in rs])
+        row = {"method": method, "setting": json.loads(setting), "final_mean": mean}
+        grid.append(row | {"final_sd": sd, "seeds": sorted(r["seed"] for r in rs)})
+    best: dict[str, Any] = {}
+    for method in dict.fromkeys(r["method"] for r in runs):
+        rows = sorted((g for g in grid if g["method"] == method), key=lambda g: g["final_mean"])
+        top = rows[0]
+        ties = [
+            g["setting"] for g in rows[1:] if g["final_mean"] - top["final_mean"] <= top["final_sd"]
+        ]
+        key = json.dumps(top["setting"], sort_keys=True)
+        runner_up = rows[1] if len(rows) > 1 else None
+        best[method] = top | {"runner_up": runner_up, "ties": ties, "runs": cells[(method, key)]}
+    if "sync" in best:
+        _compare_to_sync(best, target)
+    for b in best.values():
+        b["runs"] = [r["key"] for r in b["runs"]]
+    return {"grid": grid, "best": best}
+
+
+def _compare_to_sync(best: dict[str, Any], target: float | None) -> None:
+    sync = {r["seed"]: r for r in best["sync"]["runs"]}
+    for b in best.values():
+        ratios, reach, speedups, fixed = [], [], [], []
+        for r in b["runs"]:
+            ref = sync.get(r["seed"])
+            if ref is None:
+                continue
+            ratios.append(r["final_val_loss"] / ref["final_val_loss"])
+            t = time_to_reach(r["curve"], ref["final_val_loss"])
+            reach.append(t)
+            speedups.append(ref["sim_time_s"] / t if t else None)
+            if target is not None:
+                fixed.append(time_to_reach(r["curve"], target))
+        b["loss_vs_sync"] = _mean_sd(ratios)[0] if ratios else None
+        b["time_to_sync_loss_s"] = reach
+        b["speedup_to_sync_loss"] = speedups
+        b["sim_time_s"] = _mean_sd([r["sim_time_s"] for r in b["runs"]])[0]
+        if target is not None:
+            b["time_to_target_s"] = fixed

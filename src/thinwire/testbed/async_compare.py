@@ -1,0 +1,237 @@
+"""The paper's asynchronous methods end to end: real processes, or hosts on a slow network.
+
+The simulator (``thinwire simulate async``) compares methods on a virtual clock; this runs
+the same comparison for real, with ``thinwire train --algo async-diloco`` (1 server + W
+workers, ``--slowdown`` stretching each worker's steps to emulate uneven machines), and
+reports what wall-clock time buys: each method's final validation loss, its training time
+for the same inner-step budget, and the time it took to reach synchronous DiLoCo's final
+loss (sync DiLoCo runs through the server's sync barrier, ``--sync``, since it needs the
+same slowdowns)::
+
+    python -m thinwire.testbed.async_compare --methods sync,naive,dn,dn-dylu \\
+        --steps 200 --local-steps 10 --slowdown 1,1.29,2.6,5.74 --out runs/async-real
+    python -m thinwire.testbed.async_compare ... --hosts 5 --rate 100mbit   # testbed (root)
+
+Each method runs at its tuned outer lr and momentum unless ``--`` passes other
+``thinwire train`` flags to all of them. Without ``--hosts`` the processes run on this
+machine (the local spawner); with it, one process per emulated host. Writes
+``results.json`` and ``table.md`` to ``--out``, and records the machine's load average
+before and after every run: wall-clock numbers from a busy host say as much about the host
+as about the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.simulator import time_to_reach
+from thinwire.train.config import TrainConfig
+from thinwire.train.metrics import atomic_write_text, read_metrics
+
+__all__ = ["METHOD_SETTINGS", "compare_methods", "format_table", "main"]
+
+METHOD_SETTINGS: dict[str, dict[str, Any]] = {
+    "sync": {"sync": True},
+    "naive": {"outer": "nesterov"},
+    "poly": {"outer": "nesterov", "staleness": "poly"},
+    "polythres": {"outer": "nesterov", "staleness": "poly", "max_staleness": 10},
+    "buffer": {"outer": "buffer"},
+    "dn": {},
+    "dn-dylu": {"dylu": True},
+}
+"""Each method as ``TrainConfig`` settings of ``--algo async-diloco``."""
+
+
+def _curve(out: Path) -> list[dict[str, float]]:
+    return [
+        {"time_s": r["time_s"], "val_loss": r["val_loss"], "steps": r["step"]}
+        for r in read_metrics(out / "metrics.jsonl")
+        if "val_loss" in r
+    ]
+
+
+def _run_one(
+    cfg: TrainConfig, out: Path, hosts: int | None, rate: str | None, cluster: Any
+) -> dict[str, Any]:
+    load = os.getloadavg()[0]
+    workers = len(cfg.slowdown) + 1 if cfg.slowdown else 5
+    if hosts is None:
+        from thinwire.cli.train import run_training
+
+        summary = run_training(replace(cfg, out_dir=str(out)), workers)
+    else:
+        from thinwire.testbed.experiments import train_on_testbed
+
+        summary = train_on_testbed(cfg, hosts, rate, out, cluster=cluster)
+    return summary | {"curve": _curve(out), "load_avg_1min": [load, os.getloadavg()[0]]}
+
+
+def compare_methods(
+    base: TrainConfig,
+    methods: list[str],
+    out_dir: Path,
+    hosts: int | None = None,
+    rate: str | None = None,
+) -> dict[str, Any]:
+    """Run ``base`` as each of ``methods``; the runs and their comparison with ``sync``.
+
+    ``base`` is an ``async-diloco`` config (its ``out_dir`` is replaced per method). A
+    method whose ``out_dir/METHOD/summary.json`` exists is read back, not run again.
+    """
+    unknown = [m for m in methods if m not in METHOD_SETTINGS]
+    if unknown:
+        raise ConfigError(
+            f"unknown method {unknown[0]!r}; choose from {', '.join(METHOD_SETTINGS)}"
+        )
+    cluster = None
+    if hosts is not None:
+        from thinwire.testbed.cluster import Cluster
+
+        cluster = Cluster(hosts, rate)
+        cluster.up()
+    runs: dict[str, Any] = {}
+    try:
+        for m in methods:
+            out = Path(out_dir) / m
+            done = out / "result.json"
+            if done.exists():
+                runs[m] = json.loads(done.read_text())
+                continue
+            cfg = replace(base, algo="async-diloco", **METHOD_SETTINGS[m])
+            runs[m] = _run_one(cfg, out, hosts, rate, cluster)
+            atomic_write_text(done, json.dumps(runs[m], indent=1) + "\n")
+            r = runs[m]
+            print(f"{m}: final val loss {r['final_val_loss']:.4f} in {r['train_time_s']:.1f} s")
+    finally:
+        if cluster is not None:
+            cluster.close()
+    return {"runs": runs, "summary": _summary(runs)}
+
+
+def _summary(runs: dict[str, Any]) -> dict[str, Any]:
+    ref = runs.get("sync")
+    out = {}
+    for m, r in runs.items():
+        row = {
+            "final_val_loss": r["final_val_loss"],
+            "train_time_s": r["train_time_s"],
+            "updates_applied": r["updates_applied"],
+            "push_bytes": r.get("push_bytes"),
+            "pull_bytes": r.get("pull_bytes"),
+            "load_avg_1min": r["load_avg_1min"],
+        }
+        if ref is not None:
+            # Both times from the evaluation records, on the server's one clock.
+            target = ref["final_val_loss"]
+            reach, ref_reach = (
+                time_to_reach(r["curve"], target),
+                time_to_reach(ref["curve"], target),
+            )
+            row["loss_vs_sync"] = r["final_val_loss"] / target
+            row["time_to_sync_loss_s"] = reach
+            row["speedup_to_sync_loss"] = ref_reach / reach if reach and ref_reach else None
+        out[m] = row
+    return out
+
+
+_BYTES = ("push_bytes", "pull_bytes")
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The comparison as a markdown table."""
+    lines = [
+        "| method | final val loss | vs sync | training time | time to sync's final loss "
+        "| speed-up | updates | pushed MB | pulled MB | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, r in summary.items():
+        reach, up = r.get("time_to_sync_loss_s"), r.get("speedup_to_sync_loss")
+        ratio = r.get("loss_vs_sync")
+        push, pull = (r[k] / 1e6 if r.get(k) is not None else math.nan for k in _BYTES)
+        lines.append(
+            f"| {m} | {r['final_val_loss']:.4f} | {f'{ratio:.4f}' if ratio else '-'} | "
+            f"{r['train_time_s']:.1f} s | {f'{reach:.1f} s' if reach else 'never'} | "
+            f"{f'{up:.2f}x' if up else '-'} | {r['updates_applied']} | {push:.1f} | "
+            f"{pull:.1f} | {r['load_avg_1min'][0]:.1f}-{r['load_avg_1min'][1]:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m thinwire.testbed.async_compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--methods", default="sync,naive,dn,dn-dylu")
+    p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
+    p.add_argument("--local-steps", type=int, default=10)
+    p.add_argument("--slowdown", default="1,1.29,2.6,5.74", help="one factor per worker")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None)
+    p.add_argument("--eval-interval", type=int, default=10, help="steps per worker")
+    p.add_argument("--hosts", type=int, default=None, help="testbed hosts (default: local)")
+    p.add_argument("--rate", default="100mbit", help="testbed link rate")
+    p.add_argument("--out", default="runs/async-compare")
+    args, extra = p.parse_known_args(argv)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    try:
+        slowdown = tuple(float(x) for x in args.slowdown.split(","))
+        base = TrainConfig(
+            algo="async-diloco",
+            model=args.model,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            local_steps=args.local_steps,
+            seed=args.seed,
+            data=args.data,
+            slowdown=slowdown,
+            eval_interval=args.eval_interval,
+            checkpoint_interval=0,
+            progress=False,
+            device="cpu",
+        )
+        if extra:
+            from thinwire.cli.main import build_parser
+            from thinwire.cli.train import config_from_args
+
+            given = build_parser().parse_args(["train", "--algo", "async-diloco", *extra])
+            flags = config_from_args(given)
+            keep_lr = "--lr" in extra
+            base = replace(base, **{k: getattr(flags, k) for k in _changed(flags, keep_lr)})
+        if args.hosts is not None and args.hosts != len(slowdown) + 1:
+            raise ConfigError(f"--hosts must be {len(slowdown) + 1}: 1 server + one per factor")
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        result = compare_methods(base, methods, Path(args.out), args.hosts, args.rate)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    command = "python -m thinwire.testbed.async_compare " + shlex.join(argv or sys.argv[1:])
+    table = format_table(result["summary"])
+    blob = {"command": command, **result}
+    atomic_write_text(Path(args.out) / "results.json", json.dumps(blob, indent=1) + "\n")
+    atomic_write_text(Path(args.out) / "table.md", f"`{command}`\n\n{table}")
+    print(table)
+    return 0
+
+
+def _changed(cfg: TrainConfig, keep_lr: bool) -> list[str]:
+    default = TrainConfig(algo="async-diloco")
+    skip = {"out_dir"} if keep_lr else {"out_dir", "lr"}
+    return [k for k, v in cfg.to_dict().items() if k not in skip and v != getattr(default, k)]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""The end-to-end comparison of asynchronous methods on real processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from thinwire.testbed.async_compare import main
+
+SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+
+
+@pytest.mark.timeout(300)
+def test_compares_methods_on_real_processes_and_resumes(tmp_path: Path) -> None:
+    args = [
+        "--methods",
+        "sync,dn-dylu",
+        "--steps",
+        "6",
+        "--local-steps",
+        "3",
+        "--slowdown",
+        "1,2",
+        "--batch-size",
+        "4",
+        "--eval-interval",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--",
+        *SMALL,
+        "--eval-sequences",
+        "8",
+    ]
+    assert main(args) == 0
+    blob = json.loads((tmp_path / "results.json").read_text())
+    runs, summary = blob["runs"], blob["summary"]
+    assert runs["sync"]["sync"] and runs["dn-dylu"]["dylu"] and not runs["sync"]["dylu"]
+    for m in ("sync", "dn-dylu"):
+        assert runs[m]["inner_steps"] == 12 and runs[m]["parameters"] < 30_000  # --n-embd
+        assert runs[m]["curve"][0]["steps"] == 0 and runs[m]["curve"][-1]["steps"] == 12
+    assert summary["sync"]["loss_vs_sync"] == 1.0
+    assert summary["sync"]["speedup_to_sync_loss"] == 1.0
+    assert summary["dn-dylu"]["train_time_s"] > 0
+    assert "| dn-dylu |" in (tmp_path / "table.md").read_text()
+    # A second call reads the finished runs back instead of training again.
+    before = (tmp_path / "sync" / "result.json").stat().st_mtime
+    assert main(args) == 0
+    assert (tmp_path / "sync" / "result.json").stat().st_mtime == before
+    assert main(["--methods", "fedavg", "--out", str(tmp_path / "x")]) == 2
