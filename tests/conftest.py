@@ -15,10 +15,21 @@ REPO = Path(__file__).resolve().parents[1]
 def tiny_config(tmp_path: Path, **overrides: object) -> TrainConfig:
     """A model and run small enough that a few ranks train tens of steps in seconds."""
     cfg = TrainConfig(
-        model="tiny", seq_len=16, n_layer=1, n_head=2, n_embd=32, batch_size=4, steps=12,
-        eval_interval=6, eval_sequences=8, log_interval=2, checkpoint_interval=6,
-        warmup_steps=2, out_dir=str(tmp_path / "run"), progress=False,
-    )  # fmt: skip
+        model="tiny",
+        seq_len=16,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        batch_size=4,
+        steps=12,
+        eval_interval=6,
+        eval_sequences=8,
+        log_interval=2,
+        checkpoint_interval=6,
+        warmup_steps=2,
+        out_dir=str(tmp_path / "run"),
+        progress=False,
+    )
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg

@@ -200,9 +200,17 @@ def test_smoke_on_the_testbed(tmp_path: Path) -> None:
     if reason is not None:
         pytest.skip(reason)
     cfg = ValidationConfig(
-        model="tiny", batch_size=2, hosts=2, rates=("1gbit",), steps=6, freeze_step=2,
-        skip_steps=1, profile_warmup=1, profile_steps=2, fit=False,
-    )  # fmt: skip
+        model="tiny",
+        batch_size=2,
+        hosts=2,
+        rates=("1gbit",),
+        steps=6,
+        freeze_step=2,
+        skip_steps=1,
+        profile_warmup=1,
+        profile_steps=2,
+        fit=False,
+    )
     before = {c.cluster_id for c in list_clusters()}
     res = run_validation(cfg, tmp_path / "v")
     rows = res["rates"][0]["rows"]
@@ -235,15 +243,29 @@ def test_repredict_refits_the_link_from_saved_runs(tmp_path: Path) -> None:
         (rdir / algo / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     alpha, bw, n = 3e-3, 0.09e9, 4  # an exact ring: T = alpha + 8 * 2 (n-1)/n * S / B
     rows = [
-        {"method": "fp32", "size_bytes": s, "world_size": n,
-         "time_s": alpha + 8 * 2 * (n - 1) / n * s / bw}
+        {
+            "method": "fp32",
+            "size_bytes": s,
+            "world_size": n,
+            "time_s": alpha + 8 * 2 * (n - 1) / n * s / bw,
+        }
         for s in (2**k for k in range(16, 25))
-    ]  # fmt: skip
+    ]
     (rdir / "bench").mkdir()
     (rdir / "bench" / "allreduce.json").write_text(json.dumps({"meta": {}, "rows": rows}))
-    saved = {"format": "thinwire.validation/1", "config": asdict(cfg),
-             "rates": [{"rate": "100mbit", "rate_bits": 100e6, "profiles": [{}, {}, {}],
-                        "runs": {"adamw": {}, "onebit-adam": {}}, "load_avg_1min": {}}]}  # fmt: skip
+    saved = {
+        "format": "thinwire.validation/1",
+        "config": asdict(cfg),
+        "rates": [
+            {
+                "rate": "100mbit",
+                "rate_bits": 100e6,
+                "profiles": [{}, {}, {}],
+                "runs": {"adamw": {}, "onebit-adam": {}},
+                "load_avg_1min": {},
+            }
+        ],
+    }
     (tmp_path / "validation.json").write_text(json.dumps(saved))
     res = repredict(tmp_path, fit_min_bytes=MIB)
     entry = res["rates"][0]

@@ -46,10 +46,26 @@ from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics
 
 _MODEL = [
-    "--model", "tiny", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len",
-    "16", "--batch-size", "4", "--warmup-steps", "2", "--eval-sequences", "8", "--device",
-    "cpu", "--no-progress",
-]  # fmt: skip
+    "--model",
+    "tiny",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--eval-sequences",
+    "8",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
 _TW = ["train", "--algo", "async-diloco", *_MODEL]
 
 
@@ -65,11 +81,25 @@ def _eval_records_are_one_run(out: Path) -> list[dict[str, Any]]:
 # --- a stranger, a wrong token, a live worker, a forged header (the repro) ---------
 def _cfg(out: Path, **kw: Any) -> TrainConfig:
     base = dict(
-        algo="async-diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16,
-        steps=8, local_steps=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=4,
-        eval_sequences=8, checkpoint_interval=4, out_dir=str(out), progress=False,
-        device="cpu", dead_after_s=3.0,
-    )  # fmt: skip
+        algo="async-diloco",
+        model="tiny",
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        seq_len=16,
+        steps=8,
+        local_steps=2,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_interval=4,
+        eval_sequences=8,
+        checkpoint_interval=4,
+        out_dir=str(out),
+        progress=False,
+        device="cpu",
+        dead_after_s=3.0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -106,8 +136,11 @@ def _attack(port: int, out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     args = [*_TW, "--steps", "8", "--local-steps", "2", "--eval-interval", "4"]
     return subprocess.Popen(
         [sys.executable, "-m", "thinwire", *args, "--lr", "50", "--out", str(out), "--rejoin", "1"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _forge(port: int) -> None:
@@ -303,8 +336,23 @@ def _summary(out: Path) -> dict[str, Any]:
 @pytest.mark.timeout(200)
 def test_a_killed_worker_loses_no_accepted_update(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = [*_TW, "--workers", "3", "--steps", "60", "--local-steps", "2", "--slowdown",
-            "8,8", "--eval-interval", "6", "--dead-after", "2", "--out", str(out)]  # fmt: skip
+    args = [
+        *_TW,
+        "--workers",
+        "3",
+        "--steps",
+        "60",
+        "--local-steps",
+        "2",
+        "--slowdown",
+        "8,8",
+        "--eval-interval",
+        "6",
+        "--dead-after",
+        "2",
+        "--out",
+        str(out),
+    ]
     res: dict[str, Any] = {}
     thread = _launch(args, res)
     _kill_when(out, 2, 2, thread)
@@ -322,9 +370,25 @@ def test_the_only_worker_killed_is_an_incomplete_run_that_resume_finishes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run"
-    args = [*_TW, "--workers", "2", "--steps", "60", "--local-steps", "2", "--slowdown", "8",
-            "--eval-interval", "6", "--checkpoint-interval", "6", "--dead-after", "2",
-            "--out", str(out)]  # fmt: skip
+    args = [
+        *_TW,
+        "--workers",
+        "2",
+        "--steps",
+        "60",
+        "--local-steps",
+        "2",
+        "--slowdown",
+        "8",
+        "--eval-interval",
+        "6",
+        "--checkpoint-interval",
+        "6",
+        "--dead-after",
+        "2",
+        "--out",
+        str(out),
+    ]
     res: dict[str, Any] = {}
     thread = _launch(args, res)
     _kill_when(out, 1, 2, thread)
@@ -351,8 +415,23 @@ def test_the_only_worker_killed_is_an_incomplete_run_that_resume_finishes(
 @pytest.mark.timeout(240)
 def test_a_killed_server_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = [*_TW, "--workers", "3", "--steps", "60", "--local-steps", "2", "--slowdown",
-            "8,8", "--eval-interval", "6", "--checkpoint-interval", "6", "--out", str(out)]  # fmt: skip
+    args = [
+        *_TW,
+        "--workers",
+        "3",
+        "--steps",
+        "60",
+        "--local-steps",
+        "2",
+        "--slowdown",
+        "8,8",
+        "--eval-interval",
+        "6",
+        "--checkpoint-interval",
+        "6",
+        "--out",
+        str(out),
+    ]
     res: dict[str, Any] = {}
     thread = _launch(args, res)
     _kill_when(out, 0, 3, thread)
@@ -376,8 +455,19 @@ def test_stop_after_then_resume_then_resume_of_the_finished_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run"
-    args = [*_TW, "--workers", "3", "--steps", "8", "--local-steps", "2", "--eval-interval",
-            "2", "--out", str(out)]  # fmt: skip
+    args = [
+        *_TW,
+        "--workers",
+        "3",
+        "--steps",
+        "8",
+        "--local-steps",
+        "2",
+        "--eval-interval",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert cli_main([*args, "--stop-after", "4"]) == 0
     first = _summary(out)
     assert first["stopped_after"] == 4 and first["complete"] is False

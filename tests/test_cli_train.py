@@ -18,16 +18,30 @@ from thinwire.train import checkpoint as ckpt
 from thinwire.train.metrics import read_metrics
 
 SMALL = [
-    "--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
-    "--batch-size", "4", "--eval-sequences", "8", "--no-progress",
-]  # fmt: skip
+    "--seq-len",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-sequences",
+    "8",
+    "--no-progress",
+]
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 150) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "thinwire", *args],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _summary(out: Path) -> dict:
@@ -41,10 +55,24 @@ def test_torchrun_and_own_spawning_agree(tmp_path: Path, cli_env: dict[str, str]
     assert own.returncode == 0, own.stderr
     assert "final val loss" in own.stdout
     tr = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "thinwire", *common, "--out", str(tmp_path / "torchrun")],
-        env=cli_env, capture_output=True, text=True, timeout=200,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "thinwire",
+            *common,
+            "--out",
+            str(tmp_path / "torchrun"),
+        ],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert tr.returncode == 0, tr.stderr[-3000:]
     a, b = _summary(tmp_path / "own"), _summary(tmp_path / "torchrun")
     assert a["world_size"] == b["world_size"] == 2
@@ -114,8 +142,18 @@ def test_impossible_sizes(
 
 def test_bad_inner_momentum_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for algo in ("async-diloco", "diloco"):
-        args = ["train", "--algo", algo, "--workers", "3", "--out", str(tmp_path / algo), *SMALL,
-                "--inner-momentum", "reset"]  # fmt: skip
+        args = [
+            "train",
+            "--algo",
+            algo,
+            "--workers",
+            "3",
+            "--out",
+            str(tmp_path / algo),
+            *SMALL,
+            "--inner-momentum",
+            "reset",
+        ]
         assert (
             "unknown inner-state rule 'reset'; choose one of keep, round, restart, fresh"
             in _error(args, capsys)
@@ -124,8 +162,21 @@ def test_bad_inner_momentum_is_one_line(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def _train_once(out: Path, *extra: str) -> int:
-    return main(["train", "--workers", "1", "--steps", "4", "--eval-interval", "2",
-                 "--out", str(out), *SMALL, *extra])  # fmt: skip
+    return main(
+        [
+            "train",
+            "--workers",
+            "1",
+            "--steps",
+            "4",
+            "--eval-interval",
+            "2",
+            "--out",
+            str(out),
+            *SMALL,
+            *extra,
+        ]
+    )
 
 
 def test_output_dir_of_another_run_is_refused(
@@ -146,16 +197,43 @@ def test_resume_from_corrupt_or_mismatched_checkpoint(
     out = tmp_path / "run"
     assert _train_once(out, "--stop-after", "2") == 0
     capsys.readouterr()
-    err = _error(["train", "--workers", "1", "--steps", "4", "--out", str(out), "--resume",
-                  *SMALL, "--n-embd", "64"], capsys)  # fmt: skip
+    err = _error(
+        [
+            "train",
+            "--workers",
+            "1",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            "--resume",
+            *SMALL,
+            "--n-embd",
+            "64",
+        ],
+        capsys,
+    )
     assert "cannot resume" in err and "n_embd: checkpoint has 32, this run has 64" in err
     rank_file = out / "checkpoints" / "step-00000002" / "rank0.pt"
     rank_file.write_bytes(rank_file.read_bytes()[:100])  # truncated, as by a dying disk
-    err = _error(["train", "--workers", "1", "--steps", "4", "--out", str(out), "--resume",
-                  *SMALL], capsys)  # fmt: skip
+    err = _error(
+        ["train", "--workers", "1", "--steps", "4", "--out", str(out), "--resume", *SMALL], capsys
+    )
     assert "is corrupt or unreadable" in err and "rank0.pt" in err
-    err = _error(["train", "--workers", "1", "--steps", "4", "--out", str(tmp_path / "none"),
-                  "--resume", *SMALL], capsys)  # fmt: skip
+    err = _error(
+        [
+            "train",
+            "--workers",
+            "1",
+            "--steps",
+            "4",
+            "--out",
+            str(tmp_path / "none"),
+            "--resume",
+            *SMALL,
+        ],
+        capsys,
+    )
     assert "no checkpoint" in err
 
 
@@ -163,11 +241,29 @@ def test_resume_from_corrupt_or_mismatched_checkpoint(
 def test_ctrl_c_keeps_last_checkpoint(tmp_path: Path, cli_env: dict[str, str]) -> None:
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "thinwire", "train", "--workers", "1", "--steps", "100000",
-         "--checkpoint-interval", "3", "--eval-interval", "1000", "--out", str(out), *SMALL],
-        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "thinwire",
+            "train",
+            "--workers",
+            "1",
+            "--steps",
+            "100000",
+            "--checkpoint-interval",
+            "3",
+            "--eval-interval",
+            "1000",
+            "--out",
+            str(out),
+            *SMALL,
+        ],
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=interruptible,
-    )  # fmt: skip
+    )
     deadline = time.monotonic() + 150
     while ckpt_latest(out) is None or ckpt_latest(out) < 6:
         assert proc.poll() is None, proc.communicate()[1]
@@ -182,8 +278,24 @@ def test_ctrl_c_keeps_last_checkpoint(tmp_path: Path, cli_env: dict[str, str]) -
     ckpt.load_model_state(out, step)  # loads: not half-written
     ckpt.load_rank_state(out, step, 0)
     assert not list(out.rglob(".*tmp*"))
-    assert main(["train", "--workers", "1", "--steps", str(step + 2), "--eval-interval", "1000",
-                 "--out", str(out), "--resume", *SMALL]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--workers",
+                "1",
+                "--steps",
+                str(step + 2),
+                "--eval-interval",
+                "1000",
+                "--out",
+                str(out),
+                "--resume",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
 
 
 def ckpt_latest(out: Path) -> int | None:
@@ -197,8 +309,19 @@ def test_tensorboard_writes_events_or_says_what_is_missing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "tb"
-    args = ["train", "--workers", "1", "--steps", "2", "--eval-interval", "2",
-            "--out", str(out), "--tensorboard", *SMALL]  # fmt: skip
+    args = [
+        "train",
+        "--workers",
+        "1",
+        "--steps",
+        "2",
+        "--eval-interval",
+        "2",
+        "--out",
+        str(out),
+        "--tensorboard",
+        *SMALL,
+    ]
     try:
         import torch.utils.tensorboard  # noqa: F401
     except ImportError:

@@ -25,11 +25,23 @@ FREEZE = 20  # 25% of the run in full precision
 def _ci_base(tmp_path: Path) -> TrainConfig:
     """A 1-layer, 64-wide GPT on the bundled Shakespeare, 2 workers x 16 sequences of 32."""
     return TrainConfig(
-        model="tiny", n_layer=1, n_embd=64, seq_len=32, batch_size=16, steps=STEPS,
-        lr=0.015, warmup_steps=8, freeze_step=FREEZE, seed=0, eval_interval=STEPS,
-        eval_sequences=64, log_interval=10, checkpoint_interval=0, progress=False,
+        model="tiny",
+        n_layer=1,
+        n_embd=64,
+        seq_len=32,
+        batch_size=16,
+        steps=STEPS,
+        lr=0.015,
+        warmup_steps=8,
+        freeze_step=FREEZE,
+        seed=0,
+        eval_interval=STEPS,
+        eval_sequences=64,
+        log_interval=10,
+        checkpoint_interval=0,
+        progress=False,
         out_dir=str(tmp_path / "unused"),
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.timeout(400)

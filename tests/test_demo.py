@@ -15,9 +15,26 @@ from thinwire.cli.main import main
 @pytest.mark.timeout(300)
 def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "demo"
-    args = ["demo", "--no-testbed", "--workers", "2", "--steps", "10", "--batch-size", "4",
-            "--seq-len", "16", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-            "--out", str(out)]  # fmt: skip
+    args = [
+        "demo",
+        "--no-testbed",
+        "--workers",
+        "2",
+        "--steps",
+        "10",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     for needle in (
@@ -31,7 +48,7 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
         "step after freeze, predicted",
         "step after freeze, measured",
     ):
-        assert needle in text, needle  # fmt: skip
+        assert needle in text, needle
     result = json.loads((out / "demo.json").read_text())
     lamb, onebit = result["runs"]
     assert (lamb["algo"], onebit["algo"]) == ("lamb", "onebit-lamb")

@@ -32,11 +32,24 @@ from thinwire.train.model import GPT, GPTConfig
 
 def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
     base = dict(
-        algo="async-diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16,
-        steps=6, local_steps=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=3,
-        eval_sequences=8, checkpoint_interval=2, out_dir=str(out_dir), progress=False,
+        algo="async-diloco",
+        model="tiny",
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        seq_len=16,
+        steps=6,
+        local_steps=2,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_interval=3,
+        eval_sequences=8,
+        checkpoint_interval=2,
+        out_dir=str(out_dir),
+        progress=False,
         device="cpu",
-    )  # fmt: skip
+    )
     base.update(kw)
     return TrainConfig(**base)
 

@@ -188,10 +188,23 @@ def _train_rank(rank: int, world: int, out: str) -> dict[str, Any]:
     from thinwire.train.trainer import train
 
     cfg = TrainConfig(
-        algo="diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16, steps=6,
-        local_steps=3, batch_size=4, eval_interval=6, eval_sequences=8, log_interval=3,
-        checkpoint_interval=0, out_dir=out, progress=False, device="cpu",
-    )  # fmt: skip
+        algo="diloco",
+        model="tiny",
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        seq_len=16,
+        steps=6,
+        local_steps=3,
+        batch_size=4,
+        eval_interval=6,
+        eval_sequences=8,
+        log_interval=3,
+        checkpoint_interval=0,
+        out_dir=out,
+        progress=False,
+        device="cpu",
+    )
     return train(cfg)
 
 

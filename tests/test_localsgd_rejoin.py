@@ -37,21 +37,61 @@ from thinwire.train.config import TrainConfig
 # The run's settings, once as command-line options (for the rejoining process) and once
 # as a config (for the launched ranks); the test asserts they agree.
 _ARGS = [
-    "--algo", "async-diloco", "--model", "tiny", "--n-layer", "1", "--n-embd", "32",
-    "--n-head", "2", "--seq-len", "16", "--steps", "12", "--local-steps", "2",
-    "--batch-size", "4", "--lr", "3e-3", "--warmup-steps", "2", "--eval-interval", "6",
-    "--eval-sequences", "8", "--checkpoint-interval", "4", "--device", "cpu",
+    "--algo",
+    "async-diloco",
+    "--model",
+    "tiny",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--seq-len",
+    "16",
+    "--steps",
+    "12",
+    "--local-steps",
+    "2",
+    "--batch-size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--eval-interval",
+    "6",
+    "--eval-sequences",
+    "8",
+    "--checkpoint-interval",
+    "4",
+    "--device",
+    "cpu",
     "--no-progress",
-]  # fmt: skip
+]
 
 
 def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
     base = dict(
-        algo="async-diloco", model="tiny", n_layer=1, n_embd=32, n_head=2, seq_len=16,
-        steps=12, local_steps=2, batch_size=4, lr=3e-3, warmup_steps=2, eval_interval=6,
-        eval_sequences=8, checkpoint_interval=4, out_dir=str(out_dir), progress=False,
-        device="cpu", dead_after_s=3.0,
-    )  # fmt: skip
+        algo="async-diloco",
+        model="tiny",
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        seq_len=16,
+        steps=12,
+        local_steps=2,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_interval=6,
+        eval_sequences=8,
+        checkpoint_interval=4,
+        out_dir=str(out_dir),
+        progress=False,
+        device="cpu",
+        dead_after_s=3.0,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -159,10 +199,22 @@ def test_killed_worker_process_rejoins(tmp_path: Path) -> None:
         assert procs[2].exitcode == -signal.SIGKILL
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         rejoiner = subprocess.Popen(
-            [sys.executable, "-m", "thinwire", "train", *_ARGS, "--out", str(tmp_path),
-             "--rejoin", "2"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "thinwire",
+                "train",
+                *_ARGS,
+                "--out",
+                str(tmp_path),
+                "--rejoin",
+                "2",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         got = _collect(results, {0, 1}, time.monotonic() + 120)
         out, err = rejoiner.communicate(timeout=60)
     finally:

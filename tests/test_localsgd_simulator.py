@@ -155,10 +155,29 @@ def test_simulator_applies_one_inner_state_rule_to_every_method(data: TextData) 
 @pytest.mark.timeout(200)
 def test_cli_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(
-        ["simulate", "async", "--methods", "sync,dn", "--seconds-per-step", "1,3",
-         "--local-steps", "2", "--steps", "4", "--model", "tiny", "--batch-size", "2",
-         "--eval-points", "2", "--inner-momentum", "round", "--out", str(tmp_path)]
-    )  # fmt: skip
+        [
+            "simulate",
+            "async",
+            "--methods",
+            "sync,dn",
+            "--seconds-per-step",
+            "1,3",
+            "--local-steps",
+            "2",
+            "--steps",
+            "4",
+            "--model",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--eval-points",
+            "2",
+            "--inner-momentum",
+            "round",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     blob = json.loads((tmp_path / "results.json").read_text())
     assert set(blob["summary"]["best"]) == {"sync", "dn"}

@@ -70,11 +70,29 @@ def test_names_addresses_and_environment() -> None:
 
 def test_placeholders_for_torchrun_style_commands() -> None:
     c = Cluster(4, "1gbit", cluster_id="t1")
-    argv = ["torchrun", "--nnodes", "{hosts}", "--node-rank", "{rank}", "--master-addr",
-            "{master_addr}", "--master-port={master_port}", "-c", "print({})"]  # fmt: skip
+    argv = [
+        "torchrun",
+        "--nnodes",
+        "{hosts}",
+        "--node-rank",
+        "{rank}",
+        "--master-addr",
+        "{master_addr}",
+        "--master-port={master_port}",
+        "-c",
+        "print({})",
+    ]
     out = c._argv_for(argv, 3)
-    assert out[:8] == ["torchrun", "--nnodes", "4", "--node-rank", "3", "--master-addr",
-                       "10.213.0.1", "--master-port=29500"]  # fmt: skip
+    assert out[:8] == [
+        "torchrun",
+        "--nnodes",
+        "4",
+        "--node-rank",
+        "3",
+        "--master-addr",
+        "10.213.0.1",
+        "--master-port=29500",
+    ]
     assert out[-1] == "print({})"  # other braces are left alone
 
 

@@ -154,9 +154,17 @@ def test_each_algorithm_gets_its_tuned_lr_unless_one_is_given(
 def test_onebit_lamb_on_two_hosts(tmp_path: Path) -> None:
     before = {c.cluster_id for c in list_clusters()}
     cfg = TrainConfig(
-        algo="onebit-lamb", model="tiny", seq_len=32, batch_size=4, steps=10, freeze_step=4,
-        warmup_steps=2, eval_interval=10, eval_sequences=8, checkpoint_interval=0,
-    )  # fmt: skip
+        algo="onebit-lamb",
+        model="tiny",
+        seq_len=32,
+        batch_size=4,
+        steps=10,
+        freeze_step=4,
+        warmup_steps=2,
+        eval_interval=10,
+        eval_sequences=8,
+        checkpoint_interval=0,
+    )
     res = train_on_testbed(cfg, hosts=2, rate="1gbit", out_dir=tmp_path / "run", timeout_s=100)
 
     # The rank-0 summary came back, merged with what the testbed measured.

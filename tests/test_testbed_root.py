@@ -189,11 +189,18 @@ def test_allreduce_bus_bandwidth_and_nic_bytes(
     assert rate_bits is not None
     with Cluster(4, rate) as c:
         res = c.run(
-            [sys.executable, "-m", "thinwire.testbed.probe", "--mib", str(mib),
-             "--iters", str(iters)],
+            [
+                sys.executable,
+                "-m",
+                "thinwire.testbed.probe",
+                "--mib",
+                str(mib),
+                "--iters",
+                str(iters),
+            ],
             log_dir=tmp_path,
             timeout_s=70,
-        )  # fmt: skip
+        )
     assert res.ok, res.summary()
     for h in res.hosts:
         p = _probe(h.log)

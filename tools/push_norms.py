@@ -7,7 +7,7 @@ Simulates the tiny GPT (:func:`thinwire.localsgd.simulate` with the trainer's
 for every push the server's :class:`~thinwire.localsgd.PushGuard` checks once it is
 warm, the ratio it compares with ``max_push_ratio``: the push's norm per inner step over
 the median of the last ``push_history`` accepted pushes. Prints the largest ratio per
-method; a healthy run should stay well below the default bound of 10.
+method; a healthy run should stay well below the default bound of 20.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ def measure(method: str, local_steps: int, steps: int, seed: int) -> dict[str, A
     pg.PushGuard.check = recording  # type: ignore[method-assign]
     try:
         cfg = TrainConfig(
-            algo="async-diloco", model="tiny", steps=steps, local_steps=local_steps,
-            batch_size=8, eval_sequences=8, seed=seed,
-        )  # fmt: skip
+            algo="async-diloco",
+            model="tiny",
+            steps=steps,
+            local_steps=local_steps,
+            batch_size=8,
+            eval_sequences=8,
+            seed=seed,
+        )
         sim = simulate(
             gpt_task(cfg),
             for_method(async_config(cfg), method),

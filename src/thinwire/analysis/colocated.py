@@ -82,9 +82,18 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
 
 
 def _profile_worker(
-    rank: int, barrier: Any, model: str, batch_size: int, warmup: int, steps: int,
-    threads: int, hosts: int, observe: bool, own_session: bool, path: str,
-) -> None:  # fmt: skip
+    rank: int,
+    barrier: Any,
+    model: str,
+    batch_size: int,
+    warmup: int,
+    steps: int,
+    threads: int,
+    hosts: int,
+    observe: bool,
+    own_session: bool,
+    path: str,
+) -> None:
     import torch
 
     from thinwire.analysis.costs import measure_codec_cost
@@ -112,10 +121,19 @@ def _profile_worker(
 
 
 def profile_processes(
-    model: str, batch_size: int, processes: int, threads: int, hosts: int, out_dir: Path, *,
-    warmup: int = 2, steps: int = 6, observe_ddp: bool = False, timeout_s: float = 1200.0,
+    model: str,
+    batch_size: int,
+    processes: int,
+    threads: int,
+    hosts: int,
+    out_dir: Path,
+    *,
+    warmup: int = 2,
+    steps: int = 6,
+    observe_ddp: bool = False,
+    timeout_s: float = 1200.0,
     own_session: bool = True,
-) -> Profile:  # fmt: skip
+) -> Profile:
     """Profile GPT preset ``model`` in ``processes`` fresh processes at once; their mean.
 
     Each process uses ``threads`` threads and also measures the 1-bit compute for

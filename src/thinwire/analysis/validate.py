@@ -179,18 +179,34 @@ def _fit_on_cluster(
     # Reuse the project's benchmark (fp32 only) on the cluster, then fit the ring model.
     bench_dir = out_dir / "bench"
     argv = [
-        sys.executable, "-m", "thinwire", "bench", "allreduce", "--methods", "fp32",
-        "--min-size", str(cfg.fit_min_bytes), "--max-size", str(cfg.fit_max_bytes),
-        "--warmup", "1", "--iters", "3", "--out", str(bench_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "thinwire",
+        "bench",
+        "allreduce",
+        "--methods",
+        "fp32",
+        "--min-size",
+        str(cfg.fit_min_bytes),
+        "--max-size",
+        str(cfg.fit_max_bytes),
+        "--warmup",
+        "1",
+        "--iters",
+        "3",
+        "--out",
+        str(bench_dir),
+    ]
     res = cluster.run(argv, timeout_s=cfg.timeout_s, log_dir=out_dir / "bench-hosts")
     if not res.ok:
         raise RuntimeError(f"the allreduce benchmark failed on the testbed:\n{res.summary()}")
     rows = json.loads((bench_dir / "allreduce.json").read_text())["rows"]
     fit = fit_link(rows)
     return Link(fit.bandwidth_gbps, fit.alpha_per_message_s, "fitted"), {
-        "fit": fit.to_json(), "rows": rows, "command": argv,
-    }  # fmt: skip
+        "fit": fit.to_json(),
+        "rows": rows,
+        "command": argv,
+    }
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -215,17 +231,28 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
         for kind, procs in (("alone", 1), ("colocated", cfg.hosts)):
             load[f"profile-{point}-{kind}"] = os.getloadavg()[0]
             got[kind] = profile_processes(
-                cfg.model, cfg.batch_size, procs, threads, cfg.hosts,
-                out_dir / f"profile-{point}-{kind}", observe_ddp=point == 0 and procs == 1,
+                cfg.model,
+                cfg.batch_size,
+                procs,
+                threads,
+                cfg.hosts,
+                out_dir / f"profile-{point}-{kind}",
+                observe_ddp=point == 0 and procs == 1,
                 **prof_args,  # type: ignore[arg-type]
-            )  # fmt: skip
+            )
         return got
 
     train_cfg = TrainConfig(
-        model=cfg.model, batch_size=cfg.batch_size, steps=cfg.steps, freeze_step=cfg.freeze_step,
-        warmup_steps=min(10, cfg.steps), eval_interval=cfg.steps, eval_sequences=8,
-        checkpoint_interval=0, grad_dtype="fp32",
-    )  # fmt: skip
+        model=cfg.model,
+        batch_size=cfg.batch_size,
+        steps=cfg.steps,
+        freeze_step=cfg.freeze_step,
+        warmup_steps=min(10, cfg.steps),
+        eval_interval=cfg.steps,
+        eval_sequences=8,
+        checkpoint_interval=0,
+        grad_dtype="fp32",
+    )
     runs: dict[str, Any] = {}
     algos = ("adamw", cfg.onebit_algo)
     with Cluster(cfg.hosts, rate) as cluster:
@@ -240,11 +267,18 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
         for algo in algos:
             load[algo] = os.getloadavg()[0]
             res = train_on_testbed(
-                replace(train_cfg, algo=algo), cfg.hosts, rate, out_dir / algo, cluster=cluster,
+                replace(train_cfg, algo=algo),
+                cfg.hosts,
+                rate,
+                out_dir / algo,
+                cluster=cluster,
                 timeout_s=cfg.timeout_s,
-            )  # fmt: skip
-            runs[algo] = {"records": _records(out_dir / algo), "testbed": res["testbed"],
-                          "first_compressing_step": res["stages"]["first_compressing_step"]}  # fmt: skip
+            )
+            runs[algo] = {
+                "records": _records(out_dir / algo),
+                "testbed": res["testbed"],
+                "first_compressing_step": res["stages"]["first_compressing_step"],
+            }
             points.append(profile(len(points)))
     load["end"] = os.getloadavg()[0]
     records = {algo: r["records"] for algo, r in runs.items()}
@@ -396,8 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--from-json", default=None, help="re-render table and plot from an earlier validation.json"
     )
-    p.add_argument("--refit-min-bytes", type=int, default=None,
-                   help="with --from-json: predict again, the link fitted from this size up")  # fmt: skip
+    p.add_argument(
+        "--refit-min-bytes",
+        type=int,
+        default=None,
+        help="with --from-json: predict again, the link fitted from this size up",
+    )
     args = p.parse_args(argv)
     plot = Path(args.plot) if args.plot else None
     try:
@@ -407,13 +445,19 @@ def main(argv: list[str] | None = None) -> int:
             result = read_result(Path(args.from_json))
         else:
             cfg = ValidationConfig(
-                model=args.model, batch_size=args.batch_size, hosts=args.hosts,
+                model=args.model,
+                batch_size=args.batch_size,
+                hosts=args.hosts,
                 rates=tuple(r.strip() for r in args.rates.split(",") if r.strip()),
-                steps=args.steps, freeze_step=args.freeze_step, skip_steps=args.skip_steps,
-                onebit_algo=args.onebit_algo, profile_steps=args.profile_steps,
-                fit=not args.no_fit, fit_min_bytes=args.fit_min_bytes,
+                steps=args.steps,
+                freeze_step=args.freeze_step,
+                skip_steps=args.skip_steps,
+                onebit_algo=args.onebit_algo,
+                profile_steps=args.profile_steps,
+                fit=not args.no_fit,
+                fit_min_bytes=args.fit_min_bytes,
                 fit_max_bytes=args.fit_max_bytes,
-            )  # fmt: skip
+            )
             result = run_validation(cfg, Path(args.out), plot)
     except ConfigError as exc:
         print(f"thinwire: error: {exc}", file=sys.stderr)

@@ -74,9 +74,13 @@ def _one_bucket(profile: Profile) -> list[Bucket]:
 
 
 def predict_step(
-    profile: Profile, scheme: str, link: Link, hosts: int, codec_s_per_byte: float = 0.0,
+    profile: Profile,
+    scheme: str,
+    link: Link,
+    hosts: int,
+    codec_s_per_byte: float = 0.0,
     add: AddCost | None = None,
-) -> SimResult:  # fmt: skip
+) -> SimResult:
     """Predicted step of ``scheme`` (one of :data:`SCHEMES`) on ``hosts`` workers.
 
     ``add`` prices reductions; leave it None with a fitted link, whose effective
@@ -93,9 +97,13 @@ def predict_step(
     else:
         raise ConfigError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     cfg = NetworkConfig(
-        workers=hosts, bandwidth_gbps=link.bandwidth_gbps, alpha_s=link.alpha_per_message_s,
-        codec_s_per_byte=codec, overlap=overlap, scheme=sim_scheme,
-    )  # fmt: skip
+        workers=hosts,
+        bandwidth_gbps=link.bandwidth_gbps,
+        alpha_s=link.alpha_per_message_s,
+        codec_s_per_byte=codec,
+        overlap=overlap,
+        scheme=sim_scheme,
+    )
     return simulate(profile, buckets, cfg, add)
 
 

@@ -42,8 +42,9 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: Path | None) -> No
     """Add the error summary to ``result``; write ``validation.json`` and ``validation.md``
     to ``out_dir``, and the plot to ``plot`` when given and there are rows to draw."""
     rows = [r for rate in result["rates"] for r in rate["rows"]]
-    result["summary"] = {k: summarize(rows, k) for k in ("err_pct", "err_alone_pct",
-                                                          "err_nominal_pct")}  # fmt: skip
+    result["summary"] = {
+        k: summarize(rows, k) for k in ("err_pct", "err_alone_pct", "err_nominal_pct")
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "validation.json").write_text(json.dumps(result, indent=1) + "\n")
     (out_dir / "validation.md").write_text(format_table(result) + "\n")
@@ -112,10 +113,23 @@ def plot_validation(result: dict[str, Any], path: Path) -> Path:
     )
     comp = [r["predicted"]["compute_s"] for r in rows]
     ax.bar([x + 0.2 for x in xs], comp, 0.4, color="C0", label="predicted: compute")
-    ax.bar([x + 0.2 for x in xs], [r["predicted"]["exposed_s"] for r in rows], 0.4, bottom=comp,
-           color="C1", label="predicted: exposed communication")  # fmt: skip
-    ax.scatter([x + 0.2 for x in xs], [r["predicted_alone"]["step_s"] for r in rows], marker="_",
-               s=300, color="k", zorder=3, label="prediction from the alone profile")  # fmt: skip
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r["predicted"]["exposed_s"] for r in rows],
+        0.4,
+        bottom=comp,
+        color="C1",
+        label="predicted: exposed communication",
+    )
+    ax.scatter(
+        [x + 0.2 for x in xs],
+        [r["predicted_alone"]["step_s"] for r in rows],
+        marker="_",
+        s=300,
+        color="k",
+        zorder=3,
+        label="prediction from the alone profile",
+    )
     ax.set_xticks(list(xs), [f"{r['rate']}\n{r['scheme']}" for r in rows], fontsize=7)
     ax.set_ylabel("seconds per step")
     ax.set_title("step time on the emulated network: measured vs predicted")
@@ -126,8 +140,12 @@ def plot_validation(result: dict[str, Any], path: Path) -> Path:
     bx.plot(grid, grid, color="C2")
     for k, scheme in enumerate(SCHEMES):
         sel = [r for r in rows if r["scheme"] == scheme]
-        bx.scatter([r["measured"]["mean_s"] for r in sel], [r["predicted"]["step_s"] for r in sel],
-                   color=f"C{k + 3}", label=_NAMES[scheme])  # fmt: skip
+        bx.scatter(
+            [r["measured"]["mean_s"] for r in sel],
+            [r["predicted"]["step_s"] for r in sel],
+            color=f"C{k + 3}",
+            label=_NAMES[scheme],
+        )
     bx.set_xlim(0, lim)
     bx.set_ylim(0, lim)
     bx.set_xlabel("measured s/step")

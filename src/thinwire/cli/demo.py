@@ -80,12 +80,22 @@ def register(sub: Any) -> None:
 
 def _base_config(args: argparse.Namespace) -> TrainConfig:
     cfg = TrainConfig(
-        model=args.model, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-        n_embd=args.n_embd, steps=args.steps, batch_size=args.batch_size,
-        freeze_step=args.freeze_step, lr=args.lr, warmup_steps=max(1, args.steps // 10),
-        eval_interval=max(1, args.steps // 6), eval_sequences=64,
-        log_interval=max(1, args.steps // 30), checkpoint_interval=0, progress=False,
-    )  # fmt: skip
+        model=args.model,
+        seq_len=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        freeze_step=args.freeze_step,
+        lr=args.lr,
+        warmup_steps=max(1, args.steps // 10),
+        eval_interval=max(1, args.steps // 6),
+        eval_sequences=64,
+        log_interval=max(1, args.steps // 30),
+        checkpoint_interval=0,
+        progress=False,
+    )
     cfg.validate()
     return cfg
 
@@ -126,9 +136,17 @@ def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool)
     threads = host_threads(workers)
     # 2 + 4 steps: the demo's budget is minutes; medians of 4 steps resist one slow one.
     profile = profile_processes(
-        cfg.model, cfg.batch_size, workers, threads, workers, out / "profile",
-        warmup=2, steps=4, timeout_s=600.0, own_session=testbed,
-    )  # fmt: skip
+        cfg.model,
+        cfg.batch_size,
+        workers,
+        threads,
+        workers,
+        out / "profile",
+        warmup=2,
+        steps=4,
+        timeout_s=600.0,
+        own_session=testbed,
+    )
     print(
         f"(compute profiled in {workers} processes at once, {threads} thread(s) each, "
         f"as the {workers} workers will train)\n"
@@ -136,9 +154,11 @@ def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool)
     bits = parse_rate(rate)
     gbps = bits / 1e9 if bits else 100.0  # "unlimited": veth runs at tens of Gbit/s
     study = run_study(
-        profile, make_buckets(profile, "ddp"), NetworkConfig(workers=workers, bandwidth_gbps=gbps),
+        profile,
+        make_buckets(profile, "ddp"),
+        NetworkConfig(workers=workers, bandwidth_gbps=gbps),
         onebit_codec_s_per_byte=float(profile.meta["onebit_codec_s_per_byte"]),
-    )  # fmt: skip
+    )
     atomic_write_text(out / "study.json", json.dumps(study, indent=2) + "\n")
     with contextlib.suppress(ImportError):  # plots need matplotlib; the report does not
         write_plots(study, out / "analysis")
@@ -200,16 +220,21 @@ def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bo
         from thinwire.testbed.experiments import compare_on_testbed
 
         for r in compare_on_testbed(list(ALGOS), cfg, workers, [rate], out / "train"):
-            rows.append({
-                "algo": r["algo"], "final_val_loss": r["final_val_loss"],
-                "samples_per_s": r["samples_per_s"],
-                "compression_samples_per_s": r["compression_samples_per_s"],
-                "train_time_s": json.loads((Path(r["out_dir"]) / "summary.json").read_text())["train_time_s"],
-                "comm_bytes": r["accounted_mb_per_host"] * 1e6,
-                "nic_bytes": r["nic_tx_mb_per_host"] * 1e6,
-                "run_dir": r["out_dir"],
-                "freeze_step": r.get("freeze_step"),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "algo": r["algo"],
+                    "final_val_loss": r["final_val_loss"],
+                    "samples_per_s": r["samples_per_s"],
+                    "compression_samples_per_s": r["compression_samples_per_s"],
+                    "train_time_s": json.loads((Path(r["out_dir"]) / "summary.json").read_text())[
+                        "train_time_s"
+                    ],
+                    "comm_bytes": r["accounted_mb_per_host"] * 1e6,
+                    "nic_bytes": r["nic_tx_mb_per_host"] * 1e6,
+                    "run_dir": r["out_dir"],
+                    "freeze_step": r.get("freeze_step"),
+                }
+            )
         return rows
     from thinwire.train.compare import compare
 
@@ -217,13 +242,21 @@ def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bo
     freeze = freeze_step_of(result["runs"].values())
     for algo, r in result["runs"].items():
         run_dir = out / "train" / algo
-        rows.append({
-            "algo": algo, "final_val_loss": r["final_val_loss"],
-            "samples_per_s": r["samples_per_s"],
-            "compression_samples_per_s": _stage_speed(run_dir, freeze, cfg.batch_size * workers),
-            "train_time_s": r["train_time_s"], "comm_bytes": r["comm_bytes"], "nic_bytes": None,
-            "run_dir": str(run_dir), "freeze_step": r.get("freeze_step"),
-        })  # fmt: skip
+        rows.append(
+            {
+                "algo": algo,
+                "final_val_loss": r["final_val_loss"],
+                "samples_per_s": r["samples_per_s"],
+                "compression_samples_per_s": _stage_speed(
+                    run_dir, freeze, cfg.batch_size * workers
+                ),
+                "train_time_s": r["train_time_s"],
+                "comm_bytes": r["comm_bytes"],
+                "nic_bytes": None,
+                "run_dir": str(run_dir),
+                "freeze_step": r.get("freeze_step"),
+            }
+        )
     return rows
 
 
@@ -261,27 +294,53 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         ("", LABELS[a["algo"]], LABELS[b["algo"]], "1-bit / fp32"),
-        ("final validation loss", num(a["final_val_loss"], ".4f"), num(b["final_val_loss"], ".4f"),
-         ratio(a["final_val_loss"], b["final_val_loss"])),
-        ("samples/s, whole run", num(a["samples_per_s"], ".1f"), num(b["samples_per_s"], ".1f"),
-         ratio(a["samples_per_s"], b["samples_per_s"])),
-        ("samples/s, after freeze", num(a["compression_samples_per_s"], ".1f"),
-         num(b["compression_samples_per_s"], ".1f"),
-         ratio(a["compression_samples_per_s"], b["compression_samples_per_s"])),
+        (
+            "final validation loss",
+            num(a["final_val_loss"], ".4f"),
+            num(b["final_val_loss"], ".4f"),
+            ratio(a["final_val_loss"], b["final_val_loss"]),
+        ),
+        (
+            "samples/s, whole run",
+            num(a["samples_per_s"], ".1f"),
+            num(b["samples_per_s"], ".1f"),
+            ratio(a["samples_per_s"], b["samples_per_s"]),
+        ),
+        (
+            "samples/s, after freeze",
+            num(a["compression_samples_per_s"], ".1f"),
+            num(b["compression_samples_per_s"], ".1f"),
+            ratio(a["compression_samples_per_s"], b["compression_samples_per_s"]),
+        ),
         ("step after freeze, predicted", *secs("predicted_step_s")),
         ("step after freeze, measured", *secs("measured_step_s")),
-        ("training time", f"{a['train_time_s']:.1f} s", f"{b['train_time_s']:.1f} s",
-         ratio(a["train_time_s"], b["train_time_s"])),
-        ("bytes sent per worker", mib(a["comm_bytes"]), mib(b["comm_bytes"]),
-         ratio(a["comm_bytes"], b["comm_bytes"])),
-        ("bytes on each host's NIC", mib(a["nic_bytes"]), mib(b["nic_bytes"]),
-         ratio(a["nic_bytes"], b["nic_bytes"])),
-    ]  # fmt: skip
+        (
+            "training time",
+            f"{a['train_time_s']:.1f} s",
+            f"{b['train_time_s']:.1f} s",
+            ratio(a["train_time_s"], b["train_time_s"]),
+        ),
+        (
+            "bytes sent per worker",
+            mib(a["comm_bytes"]),
+            mib(b["comm_bytes"]),
+            ratio(a["comm_bytes"], b["comm_bytes"]),
+        ),
+        (
+            "bytes on each host's NIC",
+            mib(a["nic_bytes"]),
+            mib(b["nic_bytes"]),
+            ratio(a["nic_bytes"], b["nic_bytes"]),
+        ),
+    ]
     widths = [max(len(row[i]) for row in lines) for i in range(4)]
     return "\n".join(
-        "  " + row[0].ljust(widths[0]) + "  " + "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
+        "  "
+        + row[0].ljust(widths[0])
+        + "  "
+        + "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
         for row in lines
-    )  # fmt: skip
+    )
 
 
 def plot_demo(rows: list[dict[str, Any]], freeze: int, path: Path, title: str) -> Path | None:
@@ -334,8 +393,11 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     _prepare_out(out)
     reason = "--no-testbed was given" if args.no_testbed else unavailable_reason()
-    where = (f"{args.workers} emulated hosts on {args.rate} links" if reason is None
-             else f"{args.workers} local workers over loopback (network not slowed: {reason})")  # fmt: skip
+    where = (
+        f"{args.workers} emulated hosts on {args.rate} links"
+        if reason is None
+        else f"{args.workers} local workers over loopback (network not slowed: {reason})"
+    )
 
     print(
         f"== 1/3  Is the network the bottleneck? {cfg.model} GPT, {args.workers} workers, {args.rate}\n"

@@ -45,8 +45,9 @@ __all__ = [
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False,
-                hi_open: bool = False) -> None:  # fmt: skip
+def check_range(
+    name: str, value: float, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
+) -> None:
     """Raise ``ValueError`` naming ``name`` and its valid range unless ``value`` lies in it."""
     ok_lo = value > lo if lo_open else value >= lo
     ok_hi = value < hi if hi_open else value <= hi

@@ -78,23 +78,46 @@ __all__ = [
 
 # TrainConfig field -> ``thinwire train`` flag (None: a boolean switch handled below).
 _FLAGS: dict[str, str] = {
-    "algo": "--algo", "model": "--model", "seq_len": "--seq-len", "n_layer": "--n-layer",
-    "n_head": "--n-head", "n_embd": "--n-embd", "data": "--data", "seed": "--seed",
-    "steps": "--steps", "stop_after": "--stop-after", "batch_size": "--batch-size",
-    "lr": "--lr", "warmup_steps": "--warmup-steps", "weight_decay": "--weight-decay",
-    "grad_clip": "--grad-clip", "freeze_step": "--freeze-step", "freeze_cap": "--freeze-cap",
-    "freeze_tolerance": "--freeze-tolerance", "grad_dtype": "--grad-dtype",
-    "local_steps": "--local-steps", "outer_lr": "--outer-lr",
-    "outer_momentum": "--outer-momentum", "outer": "--outer", "compress": "--compress",
-    "inner_momentum": "--inner-momentum", "grace_s": "--grace", "shards": "--shards",
-    "staleness": "--staleness", "max_staleness": "--max-staleness",
-    "calibration_steps": "--calibration-steps", "min_local_steps": "--min-local-steps",
-    "shard_sampling": "--shard-sampling", "shard_layout": "--shard-layout",
+    "algo": "--algo",
+    "model": "--model",
+    "seq_len": "--seq-len",
+    "n_layer": "--n-layer",
+    "n_head": "--n-head",
+    "n_embd": "--n-embd",
+    "data": "--data",
+    "seed": "--seed",
+    "steps": "--steps",
+    "stop_after": "--stop-after",
+    "batch_size": "--batch-size",
+    "lr": "--lr",
+    "warmup_steps": "--warmup-steps",
+    "weight_decay": "--weight-decay",
+    "grad_clip": "--grad-clip",
+    "freeze_step": "--freeze-step",
+    "freeze_cap": "--freeze-cap",
+    "freeze_tolerance": "--freeze-tolerance",
+    "grad_dtype": "--grad-dtype",
+    "local_steps": "--local-steps",
+    "outer_lr": "--outer-lr",
+    "outer_momentum": "--outer-momentum",
+    "outer": "--outer",
+    "compress": "--compress",
+    "inner_momentum": "--inner-momentum",
+    "grace_s": "--grace",
+    "shards": "--shards",
+    "staleness": "--staleness",
+    "max_staleness": "--max-staleness",
+    "calibration_steps": "--calibration-steps",
+    "min_local_steps": "--min-local-steps",
+    "shard_sampling": "--shard-sampling",
+    "shard_layout": "--shard-layout",
     "compress_pull": "--compress-pull",
-    "eval_interval": "--eval-interval", "eval_sequences": "--eval-sequences",
-    "log_interval": "--log-interval", "checkpoint_interval": "--checkpoint-interval",
+    "eval_interval": "--eval-interval",
+    "eval_sequences": "--eval-sequences",
+    "log_interval": "--log-interval",
+    "checkpoint_interval": "--checkpoint-interval",
     "device": "--device",
-}  # fmt: skip
+}
 # Fields the command line cannot carry: refused when they differ from the default,
 # rather than silently training something else than the caller asked for.
 # That includes the asynchronous Local-SGD settings without a flag.
@@ -393,14 +416,20 @@ def compare_on_testbed(
                     t0 = time.strftime("%H:%M:%S")
                     res = train_on_testbed(
                         replace(cfg, algo=algo, lr=(lrs or {}).get(algo, cfg.lr)),
-                        hosts, rate, run_dir, extra_args,
-                        cluster=c, timeout_s=timeout_s,
-                    )  # fmt: skip
+                        hosts,
+                        rate,
+                        run_dir,
+                        extra_args,
+                        cluster=c,
+                        timeout_s=timeout_s,
+                    )
                     row = _row(res, rep)
-                    print(f"[{t0}] {label} round {rep} {algo}: {row['samples_per_s']:.2f} "
-                          f"samples/s, {row['wall_s']:.0f} s wall, load "
-                          f"{row['load_avg_1min'][0]:.1f}->{row['load_avg_1min'][1]:.1f}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"[{t0}] {label} round {rep} {algo}: {row['samples_per_s']:.2f} "
+                        f"samples/s, {row['wall_s']:.0f} s wall, load "
+                        f"{row['load_avg_1min'][0]:.1f}->{row['load_avg_1min'][1]:.1f}",
+                        flush=True,
+                    )
                     round_rows.append(row)
                 _common_split(round_rows, cfg.batch_size * hosts)
                 base = round_rows[0]
@@ -492,8 +521,14 @@ def plot_comparison(rows: Sequence[dict[str, Any]], path: Path) -> Path:
                 for rate in rates
             ]
             xs = [i + k * width + (0 if hatch else width / 2) for i in range(len(rates))]
-            ax.bar(xs, ys, width / 2, color=f"C{k}", hatch=hatch,
-                   label=f"{algo} ({'warmup' if hatch else 'compression'})")  # fmt: skip
+            ax.bar(
+                xs,
+                ys,
+                width / 2,
+                color=f"C{k}",
+                hatch=hatch,
+                label=f"{algo} ({'warmup' if hatch else 'compression'})",
+            )
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))], rates)
     ax.set_ylabel("seconds per step")
     ax.set_title("step time by stage (hatched: warmup)")
@@ -521,8 +556,11 @@ def main(argv: list[str] | None = None) -> int:
         description="Compare training algorithms end to end on testbed clusters.",
         epilog="Flags after '--' go to 'thinwire train' unchanged.",
     )
-    p.add_argument("--algos", default="lamb,onebit-lamb,adamw-powersgd",
-                   help="comma list; speedups are over the first")  # fmt: skip
+    p.add_argument(
+        "--algos",
+        default="lamb,onebit-lamb,adamw-powersgd",
+        help="comma list; speedups are over the first",
+    )
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--rates", default="100mbit,1gbit,unlimited", help="comma list of rates")
     p.add_argument("--model", default="small")
@@ -544,19 +582,26 @@ def main(argv: list[str] | None = None) -> int:
         extra = extra[1:]
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)} (train flags go after '--')")
-    cfg = TrainConfig(model=args.model, batch_size=args.batch_size, steps=args.steps,
-                      freeze_step=args.freeze_step)  # fmt: skip
+    cfg = TrainConfig(
+        model=args.model, batch_size=args.batch_size, steps=args.steps, freeze_step=args.freeze_step
+    )
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     if args.lr is not None:
         cfg = replace(cfg, lr=args.lr)
     try:
         lrs = None if args.lr is not None else {a: default_lr(a) for a in algos}
         rows = compare_on_testbed(
-            algos, cfg, args.hosts,
-            [r.strip() for r in args.rates.split(",") if r.strip()], Path(args.out),
-            repeats=args.repeats, extra_args=extra, timeout_s=args.timeout,
-            plot=Path(args.plot) if args.plot else None, lrs=lrs,
-        )  # fmt: skip
+            algos,
+            cfg,
+            args.hosts,
+            [r.strip() for r in args.rates.split(",") if r.strip()],
+            Path(args.out),
+            repeats=args.repeats,
+            extra_args=extra,
+            timeout_s=args.timeout,
+            plot=Path(args.plot) if args.plot else None,
+            lrs=lrs,
+        )
     except ConfigError as exc:
         print(f"thinwire: error: {exc}", file=sys.stderr)
         return 2

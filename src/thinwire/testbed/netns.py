@@ -283,9 +283,18 @@ def add_host_link(host_ns_name: str, br_ns: str, port: str, address_cidr: str) -
     """
     _checked_ns(br_ns)
     ip(
-        "link", "add", HOST_IFNAME, "type", "veth", "peer", "name", port, "netns", br_ns,
+        "link",
+        "add",
+        HOST_IFNAME,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        port,
+        "netns",
+        br_ns,
         netns=host_ns_name,
-    )  # fmt: skip
+    )
     ip("link", "set", port, "master", BRIDGE_IFNAME, netns=br_ns)
     ip("link", "set", port, "up", netns=br_ns)
     ip("addr", "add", address_cidr, "dev", HOST_IFNAME, netns=host_ns_name)
@@ -296,10 +305,20 @@ def shape(ns: str, dev: str, rate_bits: int) -> None:
     """Limit the egress of ``dev`` in ``ns`` to ``rate_bits`` with a token bucket."""
     burst = max(int(rate_bits / 8 * BURST_SECONDS), MIN_BURST_BYTES)
     tc(
-        "qdisc", "replace", "dev", dev, "root", "tbf",
-        "rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms",
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{int(rate_bits)}bit",
+        "burst",
+        str(burst),
+        "latency",
+        f"{QUEUE_LATENCY_MS}ms",
         netns=ns,
-    )  # fmt: skip
+    )
 
 
 def read_shaping(ns: str, dev: str) -> int | None:

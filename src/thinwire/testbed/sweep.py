@@ -47,8 +47,15 @@ def sweep(
         rate_bits = parse_rate(rate)
         log_dir = out / f"{hosts}hosts-{format_rate(rate_bits)}"
         with Cluster(hosts, rate) as c:
-            argv = [sys.executable, "-m", "thinwire.testbed.probe", "--mib", mib_arg,
-                    "--iters", str(iters)]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "thinwire.testbed.probe",
+                "--mib",
+                mib_arg,
+                "--iters",
+                str(iters),
+            ]
             res = c.run(argv, log_dir=log_dir, timeout_s=900)
         if not res.ok:
             raise RuntimeError(f"probe failed at {rate}; logs in {log_dir}\n{res.summary()}")

@@ -98,8 +98,11 @@ def _lamb_metrics(opt: Any) -> Callable[[], dict[str, float]]:
         coeffs = [c[0] if isinstance(c, tuple) else c for c in opt.get_lamb_coeffs()]
         out: dict[str, float] = {"skipped_steps": opt.skipped_steps}
         if coeffs:
-            out |= {"trust_ratio_min": min(coeffs), "trust_ratio_mean": sum(coeffs) / len(coeffs),
-                    "trust_ratio_max": max(coeffs)}  # fmt: skip
+            out |= {
+                "trust_ratio_min": min(coeffs),
+                "trust_ratio_mean": sum(coeffs) / len(coeffs),
+                "trust_ratio_max": max(coeffs),
+            }
         return out | _stage_metrics(opt)
 
     return metrics

@@ -264,13 +264,15 @@ def format_comparison(result: dict[str, Any]) -> str:
     """One line per run: final validation loss, bytes per worker, ratios to the reference."""
     rows = [("run", "final val loss", "loss / ref", "MiB per worker", "bytes reduction")]
     for label, r in result["runs"].items():
-        rows.append((
-            label + (" (ref)" if label == result["reference"] else ""),
-            f"{r['final_val_loss']:.4f}",
-            f"{r['loss_ratio']:.4f}",
-            f"{r['comm_bytes'] / 2**20:,.2f}",
-            "-" if r["bytes_reduction"] is None else f"{r['bytes_reduction']:.2f}x",
-        ))  # fmt: skip
+        rows.append(
+            (
+                label + (" (ref)" if label == result["reference"] else ""),
+                f"{r['final_val_loss']:.4f}",
+                f"{r['loss_ratio']:.4f}",
+                f"{r['comm_bytes'] / 2**20:,.2f}",
+                "-" if r["bytes_reduction"] is None else f"{r['bytes_reduction']:.2f}x",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
@@ -335,9 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_arguments(p)
     p.add_argument(
-        "--algos", "--algo", nargs="+", required=True,
+        "--algos",
+        "--algo",
+        nargs="+",
+        required=True,
         help="run specs: ALGO or ALGO@key=value,... (e.g. lamb@lr=0.01)",
-    )  # fmt: skip
+    )
     p.add_argument("--reference", default=None, help="run the ratios refer to (default: first)")
     p.add_argument("--overwrite", action="store_true", help="replace runs already in --out")
     p.add_argument("--plot", default=None, help="PNG path (default OUT/comparison.png)")
@@ -355,9 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = config_from_args(args)
         result = compare(
-            args.algos, base, args.workers, out_dir, reference=args.reference,
-            overwrite=args.overwrite, timeout_s=args.timeout, command=command,
-        )  # fmt: skip
+            args.algos,
+            base,
+            args.workers,
+            out_dir,
+            reference=args.reference,
+            overwrite=args.overwrite,
+            timeout_s=args.timeout,
+            command=command,
+        )
     except ConfigError as exc:
         print(f"thinwire: error: {exc}", file=sys.stderr)
         return 2

@@ -222,9 +222,17 @@ class TrainConfig:
     of the 1-bit optimizers, ``powersgd_rank`` and ``powersgd_start``)."""
 
     IDENTITY: ClassVar[tuple[str, ...]] = (
-        "algo", "model", "seq_len", "n_layer", "n_head", "n_embd", "data", "val_fraction",
-        "seed", "batch_size",
-    )  # fmt: skip
+        "algo",
+        "model",
+        "seq_len",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "data",
+        "val_fraction",
+        "seed",
+        "batch_size",
+    )
 
     def gpt_config(self) -> GPTConfig:
         """The model shape: the preset with any overrides applied."""

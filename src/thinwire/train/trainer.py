@@ -276,9 +276,13 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             if done % cfg.eval_interval == 0 or done == end:
                 val_loss = evaluate(model, data, cfg, device)
                 metrics.write(
-                    {"step": done, "samples": done * samples_per_step, "val_loss": val_loss,
-                     "val_ppl": math.exp(min(val_loss, 50.0))}
-                )  # fmt: skip
+                    {
+                        "step": done,
+                        "samples": done * samples_per_step,
+                        "val_loss": val_loss,
+                        "val_ppl": math.exp(min(val_loss, 50.0)),
+                    }
+                )
                 guard.check_val(done, val_loss)
             if save:
                 _save(cfg, out_dir, done, rank, model, strategy, elapsed, run_id)
@@ -344,9 +348,15 @@ def _announce_freeze(
 
 
 def _save(
-    cfg: TrainConfig, out_dir: Path, step: int, rank: int, model: nn.Module, strategy: Any,
-    elapsed: float, run_id: str | None,
-) -> None:  # fmt: skip
+    cfg: TrainConfig,
+    out_dir: Path,
+    step: int,
+    rank: int,
+    model: nn.Module,
+    strategy: Any,
+    elapsed: float,
+    run_id: str | None,
+) -> None:
     rank_state = {
         "rank": rank,
         "step": step,
