@@ -492,10 +492,10 @@ def test_stop_after_then_resume_then_resume_of_the_finished_run(
 @pytest.mark.parametrize(
     ("extra", "env", "match"),
     [
-        (["--outer-lr", "0"], {}, "outer lr must be a finite number > 0, got 0.0"),
-        (["--outer-lr", "nan"], {}, "outer lr must be a finite number > 0, got nan"),
-        (["--outer-momentum", "2"], {}, r"outer momentum must be in \[0, 1\), got 2.0"),
-        (["--outer-momentum", "-1"], {}, r"outer momentum must be in \[0, 1\), got -1.0"),
+        (["--outer-lr", "0"], {}, r"outer-lr must be a number in \(0, inf\), got 0.0"),
+        (["--outer-lr", "nan"], {}, r"outer-lr must be a number in \(0, inf\), got nan"),
+        (["--outer-momentum", "2"], {}, r"outer-momentum must be a number in \[0, 1\), got 2.0"),
+        (["--outer-momentum", "-1"], {}, r"outer-momentum must be a number in \[0, 1\), got -1.0"),
         (["--workers", "1"], {}, "needs at least 2 ranks: rank 0 is the server"),
         (["--shards", "0"], {}, "shards must be >= 1, got 0"),
         (["--slowdown", "1,2,3"], {}, "--slowdown lists 3 factors but there are 2 workers"),

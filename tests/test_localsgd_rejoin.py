@@ -316,7 +316,8 @@ def test_link_waits_longer_than_its_connect_timeout() -> None:
 def test_bad_rejoins_fail_fast_and_leave_the_run_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = _cfg(tmp_path)
+    # A paused worker must keep looking alive on a loaded machine: a longer silence.
+    cfg = _cfg(tmp_path, dead_after_s=8.0)
     ctx = mp.get_context("spawn")
     events = {"victim": ctx.Event(), "go": ctx.Event()}
     results, procs, port = _start(cfg, ["server", "paused", "paused"], events)

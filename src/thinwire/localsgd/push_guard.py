@@ -122,7 +122,9 @@ class PushGuard:
                 why = "non-finite"
             elif self.max_ratio and len(self.norms) >= self.warmup:
                 median = statistics.median(self.norms)
-                self.last_ratio = per_step / median if median > 0 else math.inf
+                # Pushes of exactly zero (a frozen model, an lr of 0) give the bound no
+                # scale: it applies again once the history holds real steps.
+                self.last_ratio = per_step / median if median > 0 else 0.0
                 if self.last_ratio > self.max_ratio:
                     why = "norm"
         if why is not None:
