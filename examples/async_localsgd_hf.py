@@ -22,9 +22,10 @@ to show the rejoined worker's pushes. A real run keeps training meanwhile.
 
 Run::
 
+    export THINWIRE_RUN_TOKEN=$(python -c "import secrets; print(secrets.token_hex(32))")
     torchrun --standalone --nproc_per_node 3 examples/async_localsgd_hf.py \\
         --kill-worker 2 --kill-at-step 40
-    # worker 2 prints the rejoin command; in another terminal:
+    # worker 2 prints the rejoin command; in another terminal, with the same token:
     MASTER_ADDR=localhost MASTER_PORT=<port> python examples/async_localsgd_hf.py \\
         --kill-worker 2 --kill-at-step 40 --rejoin 2
     python examples/async_localsgd_hf.py --tiny    # thinwire's spawner: 1 server + 2 workers
@@ -35,18 +36,20 @@ its links just close, which the server cannot tell from a crash. Under thinwire'
 (``may_fail``) it kills itself with SIGKILL. Where machines may really die, start each
 rank as a process of its own (docs/localsgd.md, "Fault tolerance").
 
-Admission: a run that admits workers only with a per-run secret needs it from the
-rejoining process too; :func:`rejoin` below is the one place it is handed over (marked
-"ADMISSION").
+Admission: the run admits only processes that hold its token. Give it yourself in
+``THINWIRE_RUN_TOKEN`` (as above) to every rank and to the rejoining process; without one,
+rank 0 generates a token and keeps it in ``OUT/run.token`` (``--out``), which a rejoin on
+the same host reads with ``THINWIRE_RUN_TOKEN_FILE=OUT/run.token``. :func:`rejoin` below
+is where the rejoining process hands it over (marked "ADMISSION").
 
 It prints the evaluation loss, each worker incarnation's accepted pushes, the joins, a
 check that the model saved with ``save_pretrained`` from the server's checkpoint is the
 server's final model, and all bytes on the wire (``thinwire.comm.accounting``) against an
 fp32 allreduce on every inner step. Needs ``pip install 'thinwire[hf]'``.
 
-Tuning: H (``--local-steps``) 20-50 and the outer lr 0.7 to start, as for DiLoCo; DyLU
-plus the per-round restart of AdamW's first moment (its default) is the setting for
-uneven machines. ``dead_after_s`` is how fast a death is noticed: a few seconds on a
+Tuning: H (``--local-steps``) 20-50 to start; the outer lr and momentum are left to
+thinwire's tuned values for the method (``thinwire.localsgd.TUNED``). DyLU is the setting
+for uneven machines. ``dead_after_s`` is how fast a death is noticed: a few seconds on a
 quiet cluster, more where hosts stall (docs/localsgd.md, "Tuning guide").
 """
 
@@ -165,7 +168,11 @@ class Drill:
             env = ("MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
             addr = " ".join(f"{k}={os.environ[k]}" for k in env if k in os.environ)
             print(f"worker {self.rank} exits hard at its inner step {self.at}, mid-round")
-            print(f"rejoin it from a fresh process: {addr} {self.rejoin_cmd}", flush=True)
+            print(
+                f"rejoin it from a fresh process, with the run's THINWIRE_RUN_TOKEN: {addr} "
+                f"{self.rejoin_cmd}",
+                flush=True,
+            )
             if "TORCHELASTIC_RUN_ID" in os.environ:
                 os._exit(0)  # see the module docstring: torchrun ends the group on an error
             os.kill(os.getpid(), signal.SIGKILL)
@@ -216,7 +223,6 @@ def make_config(args: argparse.Namespace, checkpoint_dir: str | None = None) -> 
         steps=args.steps,
         local_steps=args.local_steps,
         outer="dn",  # Delayed Nesterov: W arrivals make one DiLoCo outer step
-        outer_lr=0.7,
         dylu=True,  # worker w runs H * v_w / max v steps per round
         slowdown=args.slowdown,
         # Two shards per worker: a worker takes the free shard with the least progress, so

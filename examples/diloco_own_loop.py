@@ -16,8 +16,10 @@ Run::
 It prints the loss and the bytes each rank sent (``thinwire.comm.accounting``) against
 the fp32 gradient allreduce DDP would send on every step.
 
-Tuning: H = 20-50 to start (the paper uses up to 500 on large models); the outer lr 0.7
-and momentum 0.9 hold across a wide range of H. The outer step amplifies whatever the
+Tuning: H = 20-50 to start (the paper uses up to 500 on large models). The outer lr
+defaults to thinwire's ``DEFAULT_OUTER_LR`` (0.3) with momentum 0.9: DiLoCo's 0.7 comes
+from large models at large H, and on small models at H = 10 it stalled in thinwire's
+sweeps (docs/benchmarks.md). The outer step amplifies whatever the
 inner steps do, so the inner lr wants to be a notch lower than for a single worker: on
 this task, inner AdamW at 1e-3 made the loss climb again after ~100 steps, 3e-4 did not. ``--compress bf16`` halves the bytes of
 each sync, ``onebit`` divides them by ~32 (see docs/localsgd.md).
@@ -33,6 +35,7 @@ from torch import nn
 
 from thinwire.comm.accounting import COUNTER, ring_allreduce_bytes
 from thinwire.localsgd import DiLoCo
+from thinwire.localsgd.diloco import DEFAULT_OUTER_LR
 
 
 def batches(rank: int, batch_size: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +69,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
     ap.add_argument("--lr", type=float, default=3e-4, help="inner AdamW lr")
-    ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov lr")
+    ap.add_argument("--outer-lr", type=float, default=DEFAULT_OUTER_LR, help="outer Nesterov lr")
     ap.add_argument("--tiny", action="store_true", help="a few seconds: for tests")
     args = ap.parse_args()
     if args.tiny:

@@ -318,14 +318,16 @@ def test_async_localsgd_hf_recipe(tmp_path: Path) -> None:
     deadline = time.monotonic() + 200
     rejoin_lines: list[str] = []
     try:
-        run_lines = start([*torchrun, script, *flags], _env())
+        # The run's token, given by the user to the run and to the rejoining process.
+        token = {"THINWIRE_RUN_TOKEN": "recipe-test-" + "0123456789abcdef" * 2}
+        run_lines = start([*torchrun, script, *flags], _env() | token)
         addr = None
         while addr is None and procs[0].poll() is None and time.monotonic() < deadline:
             said = re.search(r"MASTER_ADDR=(\S+) MASTER_PORT=(\d+) ", "".join(run_lines))
             addr = said.groups() if said else None
             time.sleep(0.1)
         if addr is not None:
-            env = _env() | {"MASTER_ADDR": addr[0], "MASTER_PORT": addr[1]}
+            env = _env() | token | {"MASTER_ADDR": addr[0], "MASTER_PORT": addr[1]}
             rejoin_lines = start([sys.executable, script, *flags, "--rejoin", "2"], env)
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)

@@ -221,8 +221,13 @@ def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
 
 def run_async(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or any(m not in METHODS for m in methods):
-        raise ConfigError(f"--methods takes a comma-separated subset of {', '.join(METHODS)}")
+    if not methods:
+        raise ConfigError(
+            f"--methods needs at least one of {', '.join(METHODS)}, got {args.methods!r}"
+        )
+    for m in methods:
+        if m not in METHODS:
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
     speeds = (
         _floats(args.seconds_per_step, "--seconds-per-step")
         if args.seconds_per_step
