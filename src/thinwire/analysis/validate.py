@@ -139,7 +139,7 @@ class ValidationConfig:
     """Per training run and per profile."""
 
     def check(self) -> None:
-        from thinwire.testbed.netns import parse_rate
+        from thinwire.testbed.rates import parse_rate
         from thinwire.train.algorithms import check_algorithm
 
         if self.hosts < 2:
@@ -217,7 +217,7 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str, Any]:
     from thinwire.testbed.cluster import Cluster
     from thinwire.testbed.experiments import train_on_testbed
-    from thinwire.testbed.netns import format_rate, parse_rate
+    from thinwire.testbed.rates import format_rate, parse_rate
     from thinwire.train.config import TrainConfig
 
     rate_bits = parse_rate(rate)

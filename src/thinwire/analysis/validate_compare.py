@@ -173,7 +173,7 @@ def compare_rows(
     (the alone profile: the paper's method) and ``predicted_nominal`` (co-located
     profile, nominal link), and the signed error of each in % of the measured mean.
     """
-    from thinwire.testbed.netns import format_rate
+    from thinwire.testbed.rates import format_rate
 
     nominal = Link.nominal(rate_bits)
     rows = []

@@ -21,8 +21,8 @@ from typing import Any
 
 from thinwire.analysis.memory import check_bench_memory, check_profile_memory
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.rundir import writable_dir, writable_file
-from thinwire.train.metrics import atomic_write_text
 
 __all__ = ["register"]
 

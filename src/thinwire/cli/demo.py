@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from thinwire.cli.train import freeze_step_arg
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.plotting import pyplot, save_figure
 from thinwire.rundir import writable_dir
 from thinwire.train.config import TrainConfig
-from thinwire.train.metrics import atomic_write_text, read_metrics
+from thinwire.train.metrics import read_metrics
 
 if TYPE_CHECKING:
     from thinwire.analysis.profile import Profile
@@ -131,7 +132,7 @@ def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool)
     from thinwire.analysis import NetworkConfig, make_buckets, run_study, write_plots
     from thinwire.analysis.colocated import host_threads, profile_processes
     from thinwire.analysis.report import render_report
-    from thinwire.testbed.netns import parse_rate
+    from thinwire.testbed.rates import parse_rate
 
     threads = host_threads(workers)
     # 2 + 4 steps: the demo's budget is minutes; medians of 4 steps resist one slow one.
@@ -170,7 +171,7 @@ def _link(rate: str) -> Link:
     """The link of the predicted steps: the set rate as a TCP stream can use it (the
     analysis report uses the set rate itself, so its wire times are ~4% shorter)."""
     from thinwire.analysis.validate_compare import Link
-    from thinwire.testbed.netns import parse_rate
+    from thinwire.testbed.rates import parse_rate
 
     bits = parse_rate(rate)
     # "unlimited" (or loopback): veth and loopback run at tens of Gbit/s.

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.localsgd.simulator import time_to_reach
 from thinwire.train.config import TrainConfig
-from thinwire.train.metrics import atomic_write_text, read_metrics
+from thinwire.train.metrics import read_metrics
 from thinwire.train.run import run_training
 
 __all__ = ["METHOD_SETTINGS", "compare_methods", "format_table", "save_results"]

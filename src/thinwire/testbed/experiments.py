@@ -60,7 +60,7 @@ from typing import Any
 from thinwire.errors import ConfigError
 from thinwire.plotting import pyplot, save_figure
 from thinwire.testbed.cluster import Cluster
-from thinwire.testbed.netns import format_rate, parse_rate
+from thinwire.testbed.rates import format_rate, parse_rate
 from thinwire.train.algorithms import check_algorithm, default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics

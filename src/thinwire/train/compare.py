@@ -38,12 +38,13 @@ from thinwire import runlock
 from thinwire.comm.accounting import COUNTER
 from thinwire.comm.launch import launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.plotting import pyplot, save_figure
 from thinwire.rundir import existing_run
 from thinwire.train.algorithms import check_algorithm
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import load_text
-from thinwire.train.metrics import atomic_write_text, read_metrics
+from thinwire.train.metrics import read_metrics
 from thinwire.train.run import run_training
 
 __all__ = ["compare", "format_comparison", "parse_run_spec", "plot_comparison"]
