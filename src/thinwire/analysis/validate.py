@@ -1,6 +1,6 @@
 """Check ``thinwire analyze``'s predicted step time against training on the emulated network.
 
-The what-if model (:mod:`thinwire.analysis.simulate`) predicts a step from a profile of
+The what-if model (:mod:`thinwire.analysis.network_model`) predicts a step from a profile of
 one worker and a link. This module puts that prediction next to reality: per link rate
 it brings up a testbed cluster (:mod:`thinwire.testbed`, needs root) and
 

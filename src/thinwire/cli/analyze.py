@@ -151,9 +151,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from thinwire.analysis.bklog import read_bklog
     from thinwire.analysis.buckets import make_buckets
     from thinwire.analysis.costs import measure_codec_cost
+    from thinwire.analysis.network_model import NetworkConfig
     from thinwire.analysis.profile import load_profile
     from thinwire.analysis.report import fmt_rate, fmt_time
-    from thinwire.analysis.simulate import NetworkConfig
     from thinwire.analysis.study import run_study
 
     writable_file(args.out)
