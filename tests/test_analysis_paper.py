@@ -214,7 +214,7 @@ def test_report_names_frozen_parameters_and_handles_nothing_to_send() -> None:
 
 
 def test_hierarchical_allreduce_costs() -> None:
-    from thinwire.analysis.simulate import bucket_cost
+    from thinwire.analysis.network_model import bucket_cost
 
     s = 8_000_000
     add = AddCost.zero()
@@ -239,7 +239,7 @@ def test_overlapped_onebit_hook_hides_the_wire_but_not_the_codec() -> None:
     backward; 1-bit Adam/LAMB reduce after backward (nothing hidden)."""
     from dataclasses import replace
 
-    from thinwire.analysis.simulate import bucket_cost
+    from thinwire.analysis.network_model import bucket_cost
 
     nbytes = 4_000_000
     prof = Profile(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.testbed.async_compare import main
+from thinwire.cli.async_compare import main
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
 

@@ -1,5 +1,6 @@
 """The paper's setting on the server: its baselines (staleness discounts, the async buffer),
-DyLU from the first round, Eq. 2 shard sampling, deterministic sync rounds, methods."""
+DyLU from the first round, deterministic sync rounds and their shard schedule, methods.
+(Eq. 2 shard sampling on its own: ``test_localsgd_shards.py``.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, ServerCore
 from thinwire.localsgd.methods import METHODS, TUNED, for_method, method_of
 from thinwire.localsgd.outer import AsyncBuffer, DelayedNesterov
-from thinwire.localsgd.shards import ShardBook, SyncSchedule
+from thinwire.localsgd.shards import SyncSchedule
 
 
 def _core(**kw: Any) -> ServerCore:
@@ -122,21 +123,6 @@ def test_dylu_sizes_the_first_round_from_declared_speeds_or_a_calibration() -> N
     assert floored.work_for(2, 0.0).steps == 5  # type: ignore[union-attr]
     full = _core(dylu=True, local_steps=10)  # no calibration, no declaration: H
     assert full.work_for(2, 0.0).steps == 10  # type: ignore[union-attr]
-
-
-def test_paper_sampling_draws_only_shards_behind_their_share() -> None:
-    book = ShardBook([30, 10], 400, sampling="paper", seed=1)
-    assert book.weights() == pytest.approx([0.75, 0.25])  # nothing spent: by size
-    draws = [book.take(w, 5)[0] for w in range(1, 41)]  # non-exclusive: 40 takes
-    # Eq. 2 keeps each shard within a round of its share of the steps handed out.
-    assert abs(book.clock[0] - 0.75 * sum(book.clock)) <= 5
-    assert set(draws) == {0, 1}
-    book.clock = [10, 10]
-    assert book.weights() == pytest.approx([0.25, 0.0])  # shard 1 is ahead: not drawable
-    again = ShardBook([30, 10], 400, sampling="paper", seed=1)
-    assert [again.take(w, 5)[0] for w in range(1, 41)] == draws  # seeded
-    with pytest.raises(ConfigError, match="unknown shard sampling"):
-        ShardBook([1], 10, sampling="random")
 
 
 def test_sync_schedule_replays_the_sync_servers_shards_and_clocks() -> None:

@@ -23,6 +23,7 @@ from thinwire.cli.main import main
 from thinwire.errors import ConfigError
 from thinwire.testbed import Cluster, list_clusters, remove_clusters, unavailable_reason
 from thinwire.testbed import netns as nx
+from thinwire.testbed.rates import parse_rate
 from thinwire.testbed.registry import STATE_DIR
 
 _REASON = unavailable_reason()
@@ -185,7 +186,7 @@ def test_down_removes_leftovers_of_a_killed_run_but_not_a_live_one() -> None:
 def test_allreduce_bus_bandwidth_and_nic_bytes(
     rate: str, mib: int, iters: int, tmp_path: Path
 ) -> None:
-    rate_bits = nx.parse_rate(rate)
+    rate_bits = parse_rate(rate)
     assert rate_bits is not None
     with Cluster(4, rate) as c:
         res = c.run(

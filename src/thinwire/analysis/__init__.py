@@ -26,10 +26,7 @@ from thinwire.analysis.buckets import (
 from thinwire.analysis.costs import AddCost, measure_codec_cost
 from thinwire.analysis.fit import LinkFit, bench_link, fit_link
 from thinwire.analysis.measure import gpt_loss, observe_ddp_buckets, profile_gpt, profile_model
-from thinwire.analysis.plots import write_plots
-from thinwire.analysis.profile import ParamTiming, Profile, load_profile, save_profile
-from thinwire.analysis.report import recommend, render_report
-from thinwire.analysis.simulate import (
+from thinwire.analysis.network_model import (
     NetworkConfig,
     SimResult,
     required_bandwidth,
@@ -37,6 +34,9 @@ from thinwire.analysis.simulate import (
     required_local_steps,
     simulate,
 )
+from thinwire.analysis.plots import write_plots
+from thinwire.analysis.profile import ParamTiming, Profile, load_profile, save_profile
+from thinwire.analysis.report import recommend, render_report
 from thinwire.analysis.study import run_study
 from thinwire.analysis.user_model import ProfileTarget, build_target, load_factory, profile_factory
 

@@ -21,14 +21,14 @@ from typing import Any
 
 from thinwire.analysis.buckets import Bucket, ddp_buckets
 from thinwire.analysis.costs import AddCost
-from thinwire.analysis.profile import Profile
-from thinwire.analysis.simulate import (
+from thinwire.analysis.network_model import (
     NetworkConfig,
     required_bandwidth,
     required_compression,
     required_local_steps,
     simulate,
 )
+from thinwire.analysis.profile import Profile
 from thinwire.errors import ConfigError
 
 __all__ = ["SIMULATION_FORMAT", "run_study", "sweep_values"]

@@ -1,7 +1,7 @@
 """Score a step-time prediction against the trainer's log: the schemes, the link, the errors.
 
 :func:`predict_step` turns a profile and a :class:`Link` into the what-if model's step
-(:func:`thinwire.analysis.simulate.simulate`) for one of three schemes, each the way
+(:func:`thinwire.analysis.network_model.simulate`) for one of three schemes, each the way
 thinwire's trainer communicates:
 
 * ``ddp``: fp32 DDP (``adamw``), the observed DDP buckets overlapped with backward;
@@ -26,8 +26,8 @@ from typing import Any
 
 from thinwire.analysis.buckets import Bucket, make_buckets
 from thinwire.analysis.costs import AddCost
+from thinwire.analysis.network_model import NetworkConfig, SimResult, simulate
 from thinwire.analysis.profile import Profile
-from thinwire.analysis.simulate import NetworkConfig, SimResult, simulate
 from thinwire.errors import ConfigError
 
 __all__ = [
@@ -173,7 +173,7 @@ def compare_rows(
     (the alone profile: the paper's method) and ``predicted_nominal`` (co-located
     profile, nominal link), and the signed error of each in % of the measured mean.
     """
-    from thinwire.testbed.netns import format_rate
+    from thinwire.testbed.rates import format_rate
 
     nominal = Link.nominal(rate_bits)
     rows = []

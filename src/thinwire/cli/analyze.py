@@ -19,10 +19,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from thinwire.analysis.formats import link_document, load_link, load_study, reduction_cost
 from thinwire.analysis.memory import check_bench_memory, check_profile_memory
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.rundir import writable_dir, writable_file
-from thinwire.train.metrics import atomic_write_text
 
 __all__ = ["register"]
 
@@ -141,71 +142,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         f"({fmt_time(fit.alpha_per_message_s)} per message), effective bandwidth "
         f"{fmt_rate(fit.bandwidth_gbps)}, worst relative error {fit.max_rel_error:.0%}"
     )
-    out = _write_json({"format": "thinwire.link/1", "fit": fit.to_json(), "rows": rows}, args.out)
+    out = _write_json(link_document(fit.to_json(), rows), args.out)
     print(f"wrote {out}")
     return 0
-
-
-def _read_json(path: str, what: str) -> Any:
-    """A JSON file's content; unreadable, non-UTF-8 or invalid JSON is a one-line error."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a thinwire {what} (not UTF-8 text)") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-
-
-def _load_link(path: str) -> dict[str, Any]:
-    data = _read_json(path, "link fit")
-    if not isinstance(data, dict) or data.get("format") != "thinwire.link/1":
-        raise ConfigError(f"{path}:1: not a thinwire link fit (run thinwire analyze bench)")
-    fit = data.get("fit")
-    if not isinstance(fit, dict):
-        raise ConfigError(
-            f"{path}: the link fit lacks its 'fit' object; re-run thinwire analyze bench"
-        )
-    for key in ("bandwidth_gbps", "alpha_per_message_s"):
-        value = fit.get(key)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise ConfigError(f"{path}: fit.{key} must be a number, got {value!r}")
-    return fit
-
-
-def _reduction(choice: str, profile_path: Path, meta: dict[str, Any]) -> Any:
-    from thinwire.analysis.bklog import read_vec_add_table
-    from thinwire.analysis.costs import AddCost
-
-    if choice == "none":
-        return AddCost.zero()
-    if choice == "cpu":
-        return AddCost.measure()
-    if choice == "auto":
-        beside = profile_path.parent / "cuda_vec_add.log"
-        if profile_path.name.endswith(".bk.log") and beside.exists():
-            return read_vec_add_table(beside)
-        if "add_cost" in meta:
-            add = AddCost.from_json(meta["add_cost"])
-            return AddCost(add.sizes, add.seconds, f"{add.source} (at profile time)")
-        return AddCost.measure()
-    return read_vec_add_table(choice)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from thinwire.analysis.bklog import read_bklog
     from thinwire.analysis.buckets import make_buckets
     from thinwire.analysis.costs import measure_codec_cost
+    from thinwire.analysis.network_model import NetworkConfig
     from thinwire.analysis.profile import load_profile
     from thinwire.analysis.report import fmt_rate, fmt_time
-    from thinwire.analysis.simulate import NetworkConfig
     from thinwire.analysis.study import run_study
 
     writable_file(args.out)
@@ -221,7 +169,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             prof.iteration_s = args.iteration_ms / 1e3
     bandwidth, alpha = args.bandwidth_gbps, args.alpha_us
     if args.link:
-        fit = _load_link(args.link)
+        fit = load_link(args.link)
         bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
         alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
     codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
@@ -254,7 +202,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         prof,
         buckets,
         cfg,
-        _reduction(args.reduction, path, prof.meta),
+        reduction_cost(args.reduction, path, prof.meta),
         target=args.target,
         bucket_kind=args.buckets,
         onebit_codec_s_per_byte=onebit_codec,
@@ -284,44 +232,16 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_study(path: str) -> dict[str, Any]:
-    from thinwire.analysis.study import SIMULATION_FORMAT
-
-    data = _read_json(path, "simulation")
-    if not isinstance(data, dict) or data.get("format") != SIMULATION_FORMAT:
-        raise ConfigError(
-            f"{path}:1: not a thinwire simulation (run thinwire analyze simulate first)"
-        )
-    types = {
-        "profile": dict,
-        "result": dict,
-        "needed": dict,
-        "alternatives": list,
-        "sweeps": dict,
-        "buckets": dict,
-        "target": (int, float),
-    }
-    for key, kind in types.items():
-        if key not in data:
-            raise ConfigError(f"{path}: simulation lacks {key!r}; re-run thinwire analyze simulate")
-        if not isinstance(data[key], kind) or isinstance(data[key], bool):
-            raise ConfigError(
-                f"{path}: simulation field {key!r} has the wrong type; re-run thinwire analyze "
-                "simulate"
-            )
-    return data
-
-
 def _cmd_report(args: argparse.Namespace) -> int:
     from thinwire.analysis.report import render_report
 
     if args.plots:
         writable_dir(args.plots, "--plots")
-    study = _load_study(args.simulation)
+    study = load_study(args.simulation)
     try:
         text = render_report(study)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        # Deeper fields than _load_study checks: a file edited by hand, or of another version.
+        # Deeper fields than load_study checks: a file edited by hand, or of another version.
         raise ConfigError(
             f"{args.simulation}: malformed simulation ({type(exc).__name__}: {exc}); re-run "
             "thinwire analyze simulate"

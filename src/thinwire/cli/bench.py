@@ -17,7 +17,6 @@ allreduce, in one process (:mod:`thinwire.comm.bench_packing`).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from thinwire.comm import bench, bench_packing
-from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
+from thinwire.comm.launch import init_from_env, launched_by_torchrun, local_cuda_device, spawn
 from thinwire.compress.packing import native_enabled
 from thinwire.errors import ConfigError
 from thinwire.rundir import writable_dir
@@ -91,7 +90,7 @@ def _rank_body(
     pieces: int | None,
 ) -> list[dict[str, Any]]:
     if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_cuda_device())  # LOCAL_RANK: this rank, as spawned
     return bench.run_allreduce_bench(methods, sizes, warmup, iters, pieces=pieces)
 
 
@@ -136,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
         cuda = args.backend == "nccl"
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_cuda_device())
         init_from_env(args.backend)
         rows = bench.run_allreduce_bench(methods, sizes, args.warmup, args.iters, pieces=pieces)
         if dist.get_rank() == 0:

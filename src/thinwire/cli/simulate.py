@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.localsgd import METHODS, AsyncConfig, SimClock
 from thinwire.localsgd.compression import CODECS
 from thinwire.localsgd.inner_state import INNER_MOMENTUM
@@ -44,7 +45,6 @@ from thinwire.rundir import writable_dir
 from thinwire.train.async_task import gpt_task
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import SHARD_LAYOUTS, TextData
-from thinwire.train.metrics import atomic_write_text
 
 __all__ = ["format_tables", "register", "run_async"]
 

@@ -23,6 +23,7 @@ from thinwire.errors import ConfigError
 from thinwire.rundir import writable_dir
 from thinwire.testbed import netns as nx
 from thinwire.testbed.cluster import Cluster
+from thinwire.testbed.rates import format_rate
 from thinwire.testbed.registry import list_clusters, remove_clusters
 
 __all__ = ["register"]
@@ -81,7 +82,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     c = Cluster(args.hosts, args.rate, cluster_id=args.cluster_id, persistent=True).up()
-    print(f"cluster {c.cluster_id}: {c.hosts} hosts at {nx.format_rate(c.rate_bits)}")
+    print(f"cluster {c.cluster_id}: {c.hosts} hosts at {format_rate(c.rate_bits)}")
     for ns, addr in zip(c.namespaces, c.addresses, strict=True):
         print(f"  {ns}  {addr}  ({nx.HOST_IFNAME})")
     print(f"run on it:  thinwire testbed run --id {c.cluster_id} -- COMMAND")
@@ -108,7 +109,7 @@ def _status(args: argparse.Namespace) -> int:
             owner = "leftover of a dead run" if info.owner_pid else "persistent"
         print(
             f"cluster {info.cluster_id}: {info.hosts} hosts at "
-            f"{nx.format_rate(info.rate_bits)}, {owner}"
+            f"{format_rate(info.rate_bits)}, {owner}"
         )
         for i, addr in enumerate(info.addresses):
             ns = nx.host_ns(info.cluster_id, i)

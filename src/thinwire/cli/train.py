@@ -19,22 +19,13 @@ import os
 import sys
 from typing import Any
 
-import torch.distributed as dist
-
-from thinwire.comm.launch import init_from_env, launched_by_torchrun, spawn
+from thinwire.comm.launch import launched_by_torchrun
 from thinwire.errors import ConfigError
-from thinwire.rundir import writable_dir
-from thinwire.train.algorithms import (
-    ALGORITHMS,
-    RUNNERS,
-    algorithm_names,
-    check_algorithm,
-    check_config,
-    default_lr,
-)
+from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names, default_lr
 from thinwire.train.config import TrainConfig
-from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS, load_text
+from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS
 from thinwire.train.model import PRESETS
+from thinwire.train.run import run_training  # the launch policy; importable here as well
 
 __all__ = ["config_from_args", "format_summary", "register", "run_training"]
 
@@ -337,44 +328,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         tensorboard=args.tensorboard,
         device=args.device,
     )
-
-
-def _rank_main(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
-    from thinwire.train.trainer import train
-
-    return train(cfg)
-
-
-def run_training(cfg: TrainConfig, workers: int, timeout_s: float = 1800.0) -> dict[str, Any]:
-    """Validate, then train under torchrun, in-process (1 worker) or on spawned workers."""
-    cfg.validate()
-    check_algorithm(cfg.algo)
-    if launched_by_torchrun():
-        from thinwire.train.trainer import train
-
-        created = not dist.is_initialized()  # a group the caller made is left as it is
-        init_from_env(timeout_s=timeout_s)
-        try:
-            return train(cfg)
-        finally:
-            if created:
-                dist.destroy_process_group()
-    if workers < 1:
-        raise ConfigError(f"workers must be >= 1, got {workers}")
-    check_config(cfg, workers)
-    load_text(cfg.data)  # a bad data file fails here, before any process starts
-    writable_dir(cfg.out_dir)  # so does an output directory that cannot be written
-    if workers == 1:
-        from thinwire.train.trainer import train
-
-        return train(cfg)
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
-    # Asynchronous Local-SGD outlives its workers (rank 0 serves the others): a worker
-    # that dies or is killed must not take the launcher, and with it the run, down.
-    may_fail = range(1, workers) if cfg.algo == "async-diloco" else ()
-    return spawn(
-        _rank_main, workers, (cfg,), backend=backend, timeout_s=timeout_s, may_fail=may_fail
-    )[0]
 
 
 def _mib(n: float) -> str:

@@ -47,6 +47,7 @@ __all__ = [
     "free_port",
     "init_from_env",
     "launched_by_torchrun",
+    "local_cuda_device",
     "rank",
     "spawn",
     "world_size",
@@ -62,6 +63,12 @@ class DistributedError(RuntimeError):
 def launched_by_torchrun() -> bool:
     """True when the environment describes a process group (``RANK`` and ``WORLD_SIZE``)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_cuda_device() -> torch.device:
+    """This process's GPU: ``LOCAL_RANK`` (set by torchrun and by :func:`spawn`) modulo
+    the GPUs present, so the ranks of one host spread over its GPUs, one each."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 def default_backend(device: torch.device | None = None) -> str:

@@ -59,19 +59,29 @@ running beside it made phase 2 2-7% slower on 4 emulated hosts.)
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thinwire.comm.accounting import gather_bytes, record
+from thinwire.comm.onebit_exchange import (
+    SCALE_BYTES,
+    GroupExchange,
+    LengthMismatchError,
+    LoopbackExchange,
+    NonFiniteError,
+    check_metas,
+    onebit_padded_numel,
+    onebit_wire_bytes,
+)
+from thinwire.comm.onebit_math import average_signs_, unpack_rows_
+from thinwire.comm.onebit_pieces import PiecePlan, piece_views
 from thinwire.comm.piece_tuner import PieceTuner
 from thinwire.compress.onebit import DEFAULT_CHUNK, rms_scale, subtract_signs_
-from thinwire.compress.packing import native_enabled, pack_signs, unpack_signs
+from thinwire.compress.packing import pack_signs
+from thinwire.compress.scratch import PackerScratch
 
 __all__ = [
     "LengthMismatchError",
@@ -82,137 +92,6 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# per rank, before phase 1, as fp64: scale, length, length the state was built for,
-# seconds the previous call took, fixed piece count (0: tuned), tuner's call count (-1: none)
-_META_BYTES = 48
-_SCALE_BYTES = 4  # per rank, phase 2: one fp32 scale
-
-
-class NonFiniteError(FloatingPointError):
-    """Some rank's input held NaN or Inf; raised on every rank, error buffers unchanged."""
-
-
-class LengthMismatchError(ValueError):
-    """The ranks called the collective with buffers of different lengths."""
-
-
-def _describe(pieces: int, calls: int) -> str:
-    """One rank's piece plan, from the metadata, for an error message."""
-    if pieces:
-        return f"uses {pieces} pieces"
-    return f"tunes them (call {calls})" if calls >= 0 else "uses 1 piece (CUDA)"
-
-
-def onebit_padded_numel(numel: int, world_size: int) -> int:
-    """``numel`` rounded up to a multiple of ``8 * world_size`` (whole bytes per segment)."""
-    unit = 8 * world_size
-    return (numel + unit - 1) // unit * unit
-
-
-def onebit_wire_bytes(numel: int, world_size: int) -> int:
-    """Analytical bytes one rank sends per call for ``numel`` elements.
-
-    ``2 (W-1)/W * N/8`` for the sign bits of both phases (``N`` padded) plus the scale
-    exchanges ``(W-1) * (48 + 4)``; 0 for a single rank.
-    """
-    if world_size <= 1:
-        return 0
-    nbytes = onebit_padded_numel(numel, world_size) // 8
-    return 2 * gather_bytes(nbytes, world_size) + (world_size - 1) * (_META_BYTES + _SCALE_BYTES)
-
-
-# torch >= 2.11 renamed all_gather_into_tensor; both gather into one flat tensor.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class _Exchange:
-    """The three exchanges of the collective over a process group (recording bytes)."""
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-
-    # Looked up at call time, so an instance made before init_process_group still works.
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.group) if dist.is_initialized() else 1
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group) if dist.is_initialized() else 0
-
-    def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Start gathering every rank's (scale, length, built-for length); returns a wait."""
-        w = self.world_size
-        out = meta.new_empty(w * meta.numel())
-        work = _all_gather_flat(out, meta, group=self.group, async_op=True)
-        record("onebit.meta", _META_BYTES, (w - 1) * _META_BYTES)
-
-        def wait() -> torch.Tensor:
-            work.wait()
-            return out.view(w, -1)
-
-        return wait
-
-    def start_all_to_all(
-        self, recvs: list[torch.Tensor], sends: list[torch.Tensor]
-    ) -> list[Callable[[], None]]:
-        """Start phase 1, one all_to_all per piece, all at once; returns one wait per piece
-        (compute may run while the bits travel)."""
-        works = [
-            dist.all_to_all_single(recv, send, group=self.group, async_op=True)
-            for recv, send in zip(recvs, sends, strict=True)
-        ]
-        total = sum(send.numel() for send in sends)
-        record("onebit.phase1", total, gather_bytes(total, self.world_size))
-        return [work.wait for work in works]
-
-    def start_all_gather(
-        self, outs: list[torch.Tensor], msgs: list[torch.Tensor]
-    ) -> list[Callable[[], None]]:
-        """Start phase 2, one all_gather per piece of every rank's message (its fp32 scale
-        as 4 bytes, then its packed segment), all at once; returns one wait per piece."""
-        works = [
-            _all_gather_flat(out, msg, group=self.group, async_op=True)
-            for out, msg in zip(outs, msgs, strict=True)
-        ]
-        total = sum(out.numel() for out in outs)
-        record("onebit.phase2", total // self.world_size, gather_bytes(total, self.world_size))
-        return [work.wait for work in works]
-
-
-class _Loopback(_Exchange):
-    """Stand-in exchange for timing the compute alone: every 'rank' sent what we send."""
-
-    def __init__(self, world_size: int) -> None:
-        self.group = None
-        self._world_size = world_size
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-    def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
-        return lambda: meta.reshape(1, -1).expand(self.world_size, -1)
-
-    def start_all_to_all(
-        self, recvs: list[torch.Tensor], sends: list[torch.Tensor]
-    ) -> list[Callable[[], None]]:
-        w = self.world_size
-        for recv, send in zip(recvs, sends, strict=True):
-            chunk = send.numel() // w
-            recv.view(w, chunk).copy_(send[:chunk].expand(w, chunk))
-        return [lambda: None for _ in sends]
-
-    def start_all_gather(
-        self, outs: list[torch.Tensor], msgs: list[torch.Tensor]
-    ) -> list[Callable[[], None]]:
-        for out, msg in zip(outs, msgs, strict=True):
-            out.view(self.world_size, -1).copy_(msg.expand(self.world_size, -1))
-        return [lambda: None for _ in msgs]
 
 
 class OneBitAllreduce:
@@ -255,14 +134,12 @@ class OneBitAllreduce:
         chunk: int = DEFAULT_CHUNK,
         pieces: int | None = None,
     ) -> None:
-        if pieces is not None and pieces < 1:
-            raise ValueError(f"1-bit allreduce: pieces must be at least 1, got {pieces}")
-        self._exchange: _Exchange = _Exchange(process_group)
+        self._plan = PiecePlan(pieces)
+        self._exchange: GroupExchange = GroupExchange(process_group)
         self.chunk = max(8, chunk - chunk % 8)
-        self.pieces = pieces
         self.numel: int | None = None
         self._bufs: dict[str, torch.Tensor] = {}
-        self._tuner: PieceTuner | None = None
+        self._scratch: PackerScratch | None = None
         self._last_seconds = 0.0  # this rank's time for its previous successful call
 
     @classmethod
@@ -272,7 +149,7 @@ class OneBitAllreduce:
         """An instance that does all the arithmetic of a ``world_size``-rank call on one
         process and sends nothing: for timing the compression cost without a network."""
         obj = cls(None, chunk, pieces)
-        obj._exchange = _Loopback(world_size)
+        obj._exchange = LoopbackExchange(world_size)
         return obj
 
     @property
@@ -282,6 +159,15 @@ class OneBitAllreduce:
     @property
     def rank(self) -> int:
         return self._exchange.rank
+
+    @property
+    def pieces(self) -> int | None:
+        """The fixed piece count, or None when it is tuned."""
+        return self._plan.pieces
+
+    @property
+    def _tuner(self) -> PieceTuner | None:
+        return self._plan.tuner
 
     # ------------------------------------------------------------------ buffers
 
@@ -303,7 +189,6 @@ class OneBitAllreduce:
             "work": zeros(padded),  # x = input + worker_error; becomes the next error
             "server_error": zeros(seg),
             "server_work": zeros(seg),  # y; becomes the next server error
-            "bools": zeros(padded, torch.uint8),
             "send": zeros(padded // 8, torch.uint8),
             "recv": zeros(padded // 8, torch.uint8),
             # phase 2 message: this rank's scale as 4 bytes, then its packed segment
@@ -311,9 +196,9 @@ class OneBitAllreduce:
             "gathered": zeros(self.world_size * (seg // 8 + 4), torch.uint8),
             # phase 1 pieces, piece-major: piece j holds slice j of every rank's chunk
             "send_pieces": zeros(padded // 8, torch.uint8),
-            "index": zeros(padded // 8, torch.int32),
             "tmp": zeros(min(self.chunk, max(8, seg))),
         }
+        self._scratch = PackerScratch(padded, device)
         self.numel = n
         self._new_tuner(device)
 
@@ -322,8 +207,7 @@ class OneBitAllreduce:
         at the same call (first call, new length, load, device move): their choices stay
         in step."""
         _, seg, _ = self._layout(self.numel or 0)
-        tune = self.pieces is None and device.type == "cpu"
-        self._tuner = PieceTuner(seg // 8) if tune else None
+        self._plan.restart(seg // 8, device)
         self._last_seconds = 0.0
 
     @property
@@ -331,10 +215,7 @@ class OneBitAllreduce:
         """The piece count calls use now (None before the first call, or while tuning)."""
         if self.numel is None:
             return self.pieces
-        seg8 = self._layout(self.numel)[1] // 8
-        if self.pieces is not None:
-            return max(1, min(self.pieces, seg8))  # as _cuts clamps it
-        return self._tuner.choice if self._tuner is not None else 1
+        return self._plan.in_use(self._layout(self.numel)[1] // 8)
 
     @property
     def tuned(self) -> bool:
@@ -347,17 +228,12 @@ class OneBitAllreduce:
             return self._tuner.done
         return self.numel is not None  # allocated without a tuner: CUDA, 1 piece
 
-    def _cuts(self, seg8: int, previous_seconds: float) -> list[int]:
-        """Byte offsets of this call's pieces inside a segment's bits (same on every rank)."""
-        k = self._tuner.next(previous_seconds) if self._tuner is not None else self.pieces or 1
-        k = max(1, min(k, seg8))
-        return [seg8 * j // k for j in range(k + 1)]
-
     def reset(self) -> None:
         """Drop the error buffers; the next call starts from zero error at any length."""
         self.numel = None
         self._bufs = {}
-        self._tuner = None
+        self._scratch = None
+        self._plan.clear()
 
     # ------------------------------------------------------------------ the call
 
@@ -380,8 +256,9 @@ class OneBitAllreduce:
             self._allocate(n, tensor.device)
         elif self._bufs["work"].device != tensor.device:
             self._bufs = {k: v.to(tensor.device) for k, v in self._bufs.items()}
+            self._scratch = self._scratch.to(tensor.device)
             self._new_tuner(tensor.device)
-        b = self._bufs
+        b, scratch = self._bufs, self._scratch
         # Reported to every rank's piece tuner; stays 0 (unknown) if this call raises.
         previous, self._last_seconds = self._last_seconds, 0.0
         ours = self.numel == n
@@ -402,15 +279,20 @@ class OneBitAllreduce:
                 scale.new_tensor(n, dtype=torch.float64),
                 scale.new_tensor(self.numel, dtype=torch.float64),
                 scale.new_tensor(previous, dtype=torch.float64),
-                scale.new_tensor(self.pieces or 0, dtype=torch.float64),
-                scale.new_tensor(self._tuner.calls if self._tuner else -1, dtype=torch.float64),
+                scale.new_tensor(self._plan.meta()[0], dtype=torch.float64),
+                scale.new_tensor(self._plan.meta()[1], dtype=torch.float64),
             ]
         )
         wait_meta = self._exchange.start_meta(meta)
         if ours:  # packing overlaps the tiny gather; the bits are only sent if all is well
-            pack_signs(b["work"], out=b["send"], scratch=b["bools"])
+            pack_signs(b["work"], out=b["send"], scratch=scratch.bools)
         metas = wait_meta().cpu()
-        self._check(metas, n, fresh)
+        try:
+            check_metas(metas, n)
+        except (ValueError, FloatingPointError):
+            if fresh:  # a first call that fails leaves no buffers behind
+                self.reset()
+            raise
 
         # Phase 1: every rank's sign bits for segment r go to rank r, in pieces. While
         # they travel, the next worker error x - s*sign(x) is computed in the work buffer
@@ -418,11 +300,11 @@ class OneBitAllreduce:
         # commit. Then the server averages each piece as it lands, while later pieces
         # are still on the wire.
         # The last rank to arrive waited least: its time is closest to the call's own.
-        cuts = self._cuts(seg // 8, float(metas[:, 3].min()))
-        recvs = self._pieces(b["recv"], cuts)
+        cuts = self._plan.cuts(seg // 8, float(metas[:, 3].min()))
+        recvs = piece_views(b["recv"], cuts, w)
         if len(cuts) > 2:
             by_dest = b["send"].view(w, seg // 8)
-            sends = self._pieces(b["send_pieces"], cuts)
+            sends = piece_views(b["send_pieces"], cuts, w)
             for j, piece in enumerate(sends):
                 piece.copy_(by_dest[:, cuts[j] : cuts[j + 1]])
         else:
@@ -430,7 +312,7 @@ class OneBitAllreduce:
         waits = self._exchange.start_all_to_all(
             [r.view(-1) for r in recvs], [p.view(-1) for p in sends]
         )
-        subtract_signs_(b["work"], b["send"], scale, n, self._index_of(b["send"]), self.chunk)
+        subtract_signs_(b["work"], b["send"], scale, n, scratch.index_of(b["send"]), self.chunk)
 
         # Server: y = mean_i(s_i * sign_i) + server_error over segment r.
         y = b["server_work"]
@@ -438,28 +320,29 @@ class OneBitAllreduce:
         for j, wait in enumerate(waits):
             wait()
             lo, hi = 8 * cuts[j], 8 * cuts[j + 1]
-            self._average_signs(y[lo:hi], recvs[j], scales)
+            average_signs_(y[lo:hi], recvs[j], scales, b["tmp"], scratch)
             if hi > real:  # padding stays exactly zero
                 y[max(lo, real) : hi].zero_()
             y[lo:hi].add_(b["server_error"][lo:hi])
         scale2 = rms_scale(y, real).reshape(1)
         message = b["message"]
-        message[:_SCALE_BYTES].copy_(scale2.view(torch.uint8))
-        seg_bits = message[_SCALE_BYTES:]
-        pack_signs(y, out=seg_bits, scratch=b["bools"])
+        message[:SCALE_BYTES].copy_(scale2.view(torch.uint8))
+        seg_bits = message[SCALE_BYTES:]
+        pack_signs(y, out=seg_bits, scratch=scratch.bools)
 
         # Phase 2: every rank gets every segment and its scale (the scale rides in the
         # first piece, so unpacking can start as soon as that piece lands); meanwhile the
         # next server error is computed, again without touching the committed one.
-        msg_cuts = [0] + [_SCALE_BYTES + c for c in cuts[1:]]
-        gathered = self._pieces(b["gathered"], msg_cuts)
+        msg_cuts = [0] + [SCALE_BYTES + c for c in cuts[1:]]
+        gathered = piece_views(b["gathered"], msg_cuts, w)
         waits = self._exchange.start_all_gather(
             [g.view(-1) for g in gathered],
             [message[msg_cuts[j] : msg_cuts[j + 1]] for j in range(len(gathered))],
         )
-        subtract_signs_(y, seg_bits, scale2.reshape(()), real, self._index_of(seg_bits), self.chunk)
+        index = scratch.index_of(seg_bits)
+        subtract_signs_(y, seg_bits, scale2.reshape(()), real, index, self.chunk)
         waits[0]()
-        scales2 = gathered[0][:, :_SCALE_BYTES].contiguous().view(torch.float32).reshape(w)
+        scales2 = gathered[0][:, :SCALE_BYTES].contiguous().view(torch.float32).reshape(w)
         if not bool(torch.isfinite(scales2).all()):
             for wait in waits[1:]:  # leave no collective of this call in flight
                 wait()
@@ -481,103 +364,16 @@ class OneBitAllreduce:
         dst = out.view(-1) if direct else b["work"][:n]
         for j, wait in enumerate(waits):
             wait()
-            bits = gathered[j][:, _SCALE_BYTES:] if j == 0 else gathered[j]
-            self._unpack_rows(dst, bits, scales2, cuts[j], seg // 8)
+            bits = gathered[j][:, SCALE_BYTES:] if j == 0 else gathered[j]
+            unpack_rows_(dst, bits, scales2, cuts[j], seg // 8, scratch)
         if not direct:
             out.copy_(dst.view(out.shape))
         self._last_seconds = time.perf_counter() - started
         return out
 
-    def _check(self, metas: torch.Tensor, n: int, fresh: bool) -> None:
-        lengths = [int(v) for v in metas[:, 1].tolist()]
-        if len(set(lengths)) > 1:
-            if fresh:
-                self.reset()
-            listing = ", ".join(f"rank {r} has {k}" for r, k in enumerate(lengths))
-            raise LengthMismatchError(f"1-bit allreduce: ranks disagree on the length: {listing}")
-        built = [int(v) for v in metas[:, 2].tolist()]
-        if any(k != n for k in built):
-            if fresh:
-                self.reset()
-            r = next(i for i, k in enumerate(built) if k != n)
-            raise ValueError(
-                f"1-bit allreduce: rank {r} holds error buffers for {built[r]} elements but got {n}; "
-                "use one OneBitAllreduce per buffer, or call reset() on every rank"
-            )
-        plans = [(int(p), int(c)) for p, c in metas[:, 4:6].tolist()]
-        if len(set(plans)) > 1:  # the collectives would not match: fail instead of hanging
-            if fresh:
-                self.reset()
-            listing = ", ".join(f"rank {r} {_describe(*plan)}" for r, plan in enumerate(plans))
-            raise ValueError(
-                f"1-bit allreduce: ranks disagree on the piece count: {listing}; give every "
-                "rank the same pieces= and device, and reset() or load_state_dict() on all of them"
-            )
-        scales = metas[:, 0].tolist()
-        bad = [r for r, v in enumerate(scales) if not math.isfinite(v)]
-        if bad:
-            if fresh:
-                self.reset()
-            raise NonFiniteError(
-                f"1-bit allreduce: non-finite input (NaN/Inf) on rank(s) {bad}; "
-                "error buffers left unchanged"
-            )
-
-    def _average_signs(self, y: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> None:
-        """y = (sum over source ranks of s_i * sign_i) / W, chunk by chunk, in rank order."""
-        w = self.world_size
-        index = self._index_of(bits)
-        tmp = self._bufs["tmp"]
-        rows_per_chunk = tmp.numel() // 8
-        for r0 in range(0, bits.shape[1], rows_per_chunk):
-            r1 = min(bits.shape[1], r0 + rows_per_chunk)
-            acc = y[r0 * 8 : r1 * 8]
-            part = tmp[: (r1 - r0) * 8]
-            for i in range(w):
-                idx = None if index is None else index[i, r0:r1]
-                unpack_signs(bits[i, r0:r1], scales[i], out=part if i else acc, index=idx)
-                if i:
-                    acc.add_(part)
-        y.div_(w)
-
-    def _index_of(self, bits: torch.Tensor) -> torch.Tensor | None:
-        """An int32 copy of ``bits`` (same shape) in the reusable index buffer: the pure-torch
-        table lookup needs int32 indices. None with native kernels, which read the bytes."""
-        if native_enabled(bits.device):
-            return None
-        return self._bufs["index"][: bits.numel()].view(bits.shape).copy_(bits)
-
     def _swap(self, err: str, work: str) -> None:
         """Commit: the work buffer (holding the new error) becomes the error buffer."""
         self._bufs[err], self._bufs[work] = self._bufs[work], self._bufs[err]
-
-    def _pieces(self, buf: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
-        """Views of a piece-major buffer: piece j is a contiguous ``[W, cuts[j+1] - cuts[j]]``
-        block (one row per rank) starting at ``W * cuts[j]``."""
-        w = self.world_size
-        return [buf[w * a : w * b].view(w, b - a) for a, b in itertools.pairwise(cuts)]
-
-    def _unpack_rows(
-        self, dst: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, row0: int, seg8: int
-    ) -> None:
-        """Unpack ``bits[r]`` (bytes ``row0...`` of rank r's segment) as ``s_r * sign`` into
-        ``dst`` (fp32, contiguous), for every rank r, clipped to ``dst``'s length."""
-        n = dst.numel()
-        rows = bits.shape[1]
-        index = self._index_of(bits)
-        for r in range(bits.shape[0]):
-            start = 8 * (r * seg8 + row0)
-            if start >= n:
-                break
-            whole = min(rows, (n - start) // 8)  # bytes entirely inside dst
-            if whole:
-                idx = None if index is None else index[r, :whole]
-                end = start + 8 * whole
-                unpack_signs(bits[r, :whole], scales[r], out=dst[start:end], index=idx)
-            rest = n - start - 8 * whole
-            if whole < rows and 0 < rest < 8:  # the last, partial byte
-                tail = unpack_signs(bits[r, whole : whole + 1], scales[r])
-                dst[n - rest :].copy_(tail[:rest])
 
     # ------------------------------------------------------------------ state
 

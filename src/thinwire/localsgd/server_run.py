@@ -26,7 +26,6 @@ How a run ends, in the summary:
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_save
 from thinwire.localsgd.auth import remove_token_file, write_token_file
 from thinwire.localsgd.compression import PullEncoder
 from thinwire.localsgd.config import AsyncConfig
@@ -77,15 +77,7 @@ class IncompleteRunError(RuntimeError):
 def save_server_state(state: dict[str, Any], path: Path) -> None:
     """``torch.save`` to a temporary file, fsync, then rename over ``path``: a crash
     mid-write leaves the previous checkpoint intact."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_save(state, path)
 
 
 def load_server_state(path: Path) -> dict[str, Any]:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.methods import METHODS, for_method
 from thinwire.localsgd.simulator import SimClock, simulate, time_to_reach
@@ -104,9 +104,7 @@ def run_key(method: str, setting: dict[str, Any], seed: int) -> str:
 
 
 def _write_json(path: Path, blob: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(blob) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(blob) + "\n")
 
 
 def run_sweep(

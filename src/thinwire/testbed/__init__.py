@@ -11,10 +11,9 @@ from thinwire.testbed.netns import (
     NicCounters,
     TestbedError,
     TestbedUnavailable,
-    format_rate,
-    parse_rate,
     unavailable_reason,
 )
+from thinwire.testbed.rates import format_rate, parse_rate
 from thinwire.testbed.registry import ClusterInfo, list_clusters, remove_clusters
 from thinwire.testbed.results import HostResult, RunResult
 

@@ -22,22 +22,21 @@ as about the method.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import shlex
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.localsgd.simulator import time_to_reach
 from thinwire.train.config import TrainConfig
-from thinwire.train.metrics import atomic_write_text, read_metrics
+from thinwire.train.metrics import read_metrics
+from thinwire.train.run import run_training
 
-__all__ = ["METHOD_SETTINGS", "compare_methods", "format_table", "main"]
+__all__ = ["METHOD_SETTINGS", "compare_methods", "format_table", "save_results"]
 
 METHOD_SETTINGS: dict[str, dict[str, Any]] = {
     "sync": {"sync": True},
@@ -65,8 +64,6 @@ def _run_one(
     load = os.getloadavg()[0]
     workers = len(cfg.slowdown) + 1 if cfg.slowdown else 5
     if hosts is None:
-        from thinwire.cli.train import run_training
-
         summary = run_training(replace(cfg, out_dir=str(out)), workers)
     else:
         from thinwire.testbed.experiments import train_on_testbed
@@ -166,72 +163,17 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m thinwire.testbed.async_compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--methods", default="sync,naive,dn,dn-dylu")
-    p.add_argument("--steps", type=int, default=200, help="inner steps per worker")
-    p.add_argument("--local-steps", type=int, default=10)
-    p.add_argument("--slowdown", default="1,1.29,2.6,5.74", help="one factor per worker")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None)
-    p.add_argument("--eval-interval", type=int, default=10, help="steps per worker")
-    p.add_argument("--hosts", type=int, default=None, help="testbed hosts (default: local)")
-    p.add_argument("--rate", default="100mbit", help="testbed link rate")
-    p.add_argument("--out", default="runs/async-compare")
-    args, extra = p.parse_known_args(argv)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    try:
-        slowdown = tuple(float(x) for x in args.slowdown.split(","))
-        base = TrainConfig(
-            algo="async-diloco",
-            model=args.model,
-            batch_size=args.batch_size,
-            steps=args.steps,
-            local_steps=args.local_steps,
-            seed=args.seed,
-            data=args.data,
-            slowdown=slowdown,
-            eval_interval=args.eval_interval,
-            checkpoint_interval=0,
-            progress=False,
-            device="cpu",
-        )
-        if extra:
-            from thinwire.cli.main import build_parser
-            from thinwire.cli.train import config_from_args
-
-            given = build_parser().parse_args(["train", "--algo", "async-diloco", *extra])
-            flags = config_from_args(given)
-            keep_lr = "--lr" in extra
-            base = replace(base, **{k: getattr(flags, k) for k in _changed(flags, keep_lr)})
-        if args.hosts is not None and args.hosts != len(slowdown) + 1:
-            raise ConfigError(f"--hosts must be {len(slowdown) + 1}: 1 server + one per factor")
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        result = compare_methods(base, methods, Path(args.out), args.hosts, args.rate)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    command = "python -m thinwire.testbed.async_compare " + shlex.join(argv or sys.argv[1:])
+def save_results(result: dict[str, Any], out_dir: Path, command: str) -> str:
+    """Write ``results.json`` (``command`` + ``result``) and ``table.md``; the table."""
     table = format_table(result["summary"])
     blob = {"command": command, **result}
-    atomic_write_text(Path(args.out) / "results.json", json.dumps(blob, indent=1) + "\n")
-    atomic_write_text(Path(args.out) / "table.md", f"`{command}`\n\n{table}")
-    print(table)
-    return 0
-
-
-def _changed(cfg: TrainConfig, keep_lr: bool) -> list[str]:
-    default = TrainConfig(algo="async-diloco")
-    skip = {"out_dir"} if keep_lr else {"out_dir", "lr"}
-    return [k for k, v in cfg.to_dict().items() if k not in skip and v != getattr(default, k)]
+    atomic_write_text(Path(out_dir) / "results.json", json.dumps(blob, indent=1) + "\n")
+    atomic_write_text(Path(out_dir) / "table.md", f"`{command}`\n\n{table}")
+    return table
 
 
 if __name__ == "__main__":
+    # ``python -m thinwire.testbed.async_compare`` keeps working; the flags live in the CLI.
+    from thinwire.cli.async_compare import main
+
     raise SystemExit(main())

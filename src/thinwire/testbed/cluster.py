@@ -45,6 +45,7 @@ from pathlib import Path
 from thinwire.errors import ConfigError
 from thinwire.testbed import netns as nx
 from thinwire.testbed.netns import HOST_IFNAME, NicCounters
+from thinwire.testbed.rates import parse_rate
 from thinwire.testbed.registry import (
     add_user,
     forget,
@@ -100,7 +101,7 @@ class Cluster:
         if not 1 <= int(master_port) <= 65535:
             raise ConfigError(f"master_port must be 1-65535, got {master_port}")
         self.hosts = hosts
-        self.rate_bits = nx.parse_rate(rate) if rate is not None else None
+        self.rate_bits = parse_rate(rate) if rate is not None else None
         self.cluster_id = nx.validate_cluster_id(
             cluster_id if cluster_id is not None else secrets.token_hex(4)
         )

@@ -9,7 +9,6 @@ Python::
 
     from thinwire.testbed.experiments import compare_on_testbed, train_on_testbed
     from thinwire.train.config import TrainConfig
-from thinwire.train.metrics import read_metrics
 
     cfg = TrainConfig(algo="onebit-lamb", model="small", steps=80, freeze_step=16,
                       batch_size=8)
@@ -53,14 +52,21 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
-from thinwire.plotting import pyplot, save_figure
 from thinwire.testbed.cluster import Cluster
-from thinwire.testbed.netns import format_rate, parse_rate
+from thinwire.testbed.compare_plot import plot_comparison
+from thinwire.testbed.rates import format_rate, parse_rate
+from thinwire.testbed.stages import (
+    accounted_total,
+    expected_tx_total,
+    final_train_loss,
+    stage_times,
+)
+from thinwire.testbed.train_flags import train_argv
 from thinwire.train.algorithms import check_algorithm, default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics
@@ -75,177 +81,6 @@ __all__ = [
     "train_argv",
     "train_on_testbed",
 ]
-
-# TrainConfig field -> ``thinwire train`` flag (None: a boolean switch handled below).
-_FLAGS: dict[str, str] = {
-    "algo": "--algo",
-    "model": "--model",
-    "seq_len": "--seq-len",
-    "n_layer": "--n-layer",
-    "n_head": "--n-head",
-    "n_embd": "--n-embd",
-    "data": "--data",
-    "seed": "--seed",
-    "steps": "--steps",
-    "stop_after": "--stop-after",
-    "batch_size": "--batch-size",
-    "lr": "--lr",
-    "warmup_steps": "--warmup-steps",
-    "weight_decay": "--weight-decay",
-    "grad_clip": "--grad-clip",
-    "freeze_step": "--freeze-step",
-    "freeze_cap": "--freeze-cap",
-    "freeze_tolerance": "--freeze-tolerance",
-    "grad_dtype": "--grad-dtype",
-    "local_steps": "--local-steps",
-    "outer_lr": "--outer-lr",
-    "outer_momentum": "--outer-momentum",
-    "outer": "--outer",
-    "compress": "--compress",
-    "inner_momentum": "--inner-momentum",
-    "grace_s": "--grace",
-    "shards": "--shards",
-    "staleness": "--staleness",
-    "max_staleness": "--max-staleness",
-    "calibration_steps": "--calibration-steps",
-    "min_local_steps": "--min-local-steps",
-    "shard_sampling": "--shard-sampling",
-    "shard_layout": "--shard-layout",
-    "compress_pull": "--compress-pull",
-    "eval_interval": "--eval-interval",
-    "eval_sequences": "--eval-sequences",
-    "log_interval": "--log-interval",
-    "checkpoint_interval": "--checkpoint-interval",
-    "device": "--device",
-}
-# Fields the command line cannot carry: refused when they differ from the default,
-# rather than silently training something else than the caller asked for.
-# That includes the asynchronous Local-SGD settings without a flag.
-_NO_FLAG = (
-    "min_lr_ratio",
-    "betas",
-    "resume",
-    "tensorboard",
-    "c",
-    "dylu_ema",
-    "dead_after_s",
-    "connect_timeout_s",
-    "link_timeout_s",
-)
-
-
-def train_argv(
-    cfg: TrainConfig, out_dir: Path, extra_args: Sequence[str] | None = None
-) -> list[str]:
-    """The ``python -m thinwire train ...`` command line that runs ``cfg`` into ``out_dir``."""
-    default = TrainConfig()
-    for name in _NO_FLAG:
-        if getattr(cfg, name) != getattr(default, name):
-            raise ConfigError(
-                f"TrainConfig.{name} cannot be passed to 'thinwire train' on the testbed"
-            )
-    argv = [sys.executable, "-m", "thinwire", "train"]
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        # lr always: 'thinwire train' would otherwise pick its per-algorithm default
-        explicit = f.name == "lr" or value != getattr(default, f.name)
-        if f.name in _FLAGS and value is not None and explicit:
-            argv += [_FLAGS[f.name], str(value)]
-    if cfg.extra:
-        raise ConfigError(
-            f"TrainConfig.extra[{sorted(cfg.extra)[0]!r}] cannot be passed to 'thinwire train' "
-            "on the testbed"
-        )
-    if cfg.sync:
-        argv.append("--sync")
-    if cfg.dylu:
-        argv.append("--dylu")
-    if cfg.precondition is not None:
-        argv.append("--precondition" if cfg.precondition else "--no-precondition")
-    if cfg.slowdown is not None:
-        argv += ["--slowdown", ",".join(f"{v:g}" for v in cfg.slowdown)]
-    if cfg.speeds is not None:
-        argv += ["--speeds", ",".join(f"{v:g}" for v in cfg.speeds)]
-    return [*argv, "--out", str(out_dir), "--no-progress", *(extra_args or [])]
-
-
-def _stage(steps: list[int], secs: list[float], comm: list[float], per_step: int) -> dict[str, Any]:
-    if not steps:
-        return {"steps": 0}
-    mean = statistics.fmean(secs)
-    return {
-        "steps": len(steps),
-        "first_step": steps[0],
-        "last_step": steps[-1],
-        "mean_step_s": mean,
-        "median_step_s": statistics.median(secs),
-        "samples_per_s": per_step / mean if mean > 0 else float("nan"),
-        "wire_bytes_per_step": statistics.fmean(comm),
-    }
-
-
-def stage_times(
-    records: Sequence[dict[str, Any]], freeze_step: int, samples_per_step: int
-) -> dict[str, Any]:
-    """Split per-step times of a ``metrics.jsonl`` into the warmup and compression stages.
-
-    Per-step seconds come from differences of the cumulative ``time_s`` (exact when every
-    step is logged; otherwise each step of an interval gets the interval's mean). Step
-    ``s`` (1-based) is in the compression stage when ``s > freeze_step``.
-    """
-    train = sorted((r for r in records if "time_s" in r), key=lambda r: r["step"])
-    if not train:
-        raise ConfigError("metrics.jsonl holds no training records (did the run log any step?)")
-    stages: dict[str, tuple[list[int], list[float], list[float]]] = {
-        "warmup": ([], [], []),
-        "compression": ([], [], []),
-    }
-    prev_step, prev_t, prev_c = 0, 0.0, 0.0
-    for r in train:
-        gap = r["step"] - prev_step
-        if gap <= 0:
-            continue
-        dt = (r["time_s"] - prev_t) / gap
-        dc = (r.get("comm_bytes", 0) - prev_c) / gap
-        for s in range(prev_step + 1, r["step"] + 1):
-            bucket = stages["compression" if s > freeze_step else "warmup"]
-            bucket[0].append(s)
-            bucket[1].append(dt)
-            bucket[2].append(dc)
-        prev_step, prev_t, prev_c = r["step"], r["time_s"], r.get("comm_bytes", 0)
-    out: dict[str, Any] = {"freeze_step": freeze_step}
-    for name, (steps, secs, comm) in stages.items():
-        out[name] = _stage(steps, secs, comm, samples_per_step)
-    # 1-bit optimizers log whether the *next* step compresses; report where that began,
-    # so a reader can check the split against what the optimizer really did.
-    flips = [r["step"] + 1 for r in train if r.get("compressing") == 1]
-    out["first_compressing_step"] = min(flips) if flips else None
-    return out
-
-
-def _final_train_loss(records: Sequence[dict[str, Any]], frac: float = 0.1) -> float:
-    """Mean training loss over the last ``frac`` of the logged steps (one batch is noisy)."""
-    losses = [r["loss"] for r in records if "loss" in r]
-    k = max(1, round(len(losses) * frac))
-    return statistics.fmean(losses[-k:]) if losses else float("nan")
-
-
-def _accounted_total(summary: dict[str, Any]) -> int:
-    return sum(int(op["wire_bytes"]) for op in summary.get("comm_by_op", {}).values())
-
-
-def expected_tx_total(comm_by_op: dict[str, dict[str, int]], world: int) -> float:
-    """Bytes all hosts together should send, from rank 0's per-op accounting.
-
-    Allreduces (plain and 1-bit) are symmetric, so every rank sends what rank 0 recorded.
-    A broadcast records its payload on every rank, but on the wire only W-1 receivers
-    must get it, whatever tree gloo uses: W-1 payloads in all, not W.
-    """
-    total = 0.0
-    for op, stats in comm_by_op.items():
-        wire = int(stats["wire_bytes"])
-        total += wire * (world - 1 if op.endswith(".broadcast") else world)
-    return total
 
 
 def train_on_testbed(
@@ -308,7 +143,7 @@ def train_on_testbed(
     summary = json.loads((out_dir / "summary.json").read_text())
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x]
     world = int(summary["world_size"])
-    accounted = _accounted_total(summary)
+    accounted = accounted_total(summary)
     expected = expected_tx_total(summary.get("comm_by_op", {}), world)
     tx = [h.nic.tx_bytes for h in res.hosts]
     result = {
@@ -331,7 +166,7 @@ def train_on_testbed(
         "accounted_tx_bytes_per_host": expected / world,
         "nic_over_accounted": sum(tx) / expected if expected else None,
         "stages": stage_times(records, _split_step(cfg, summary), cfg.batch_size * world),
-        "final_train_loss": _final_train_loss(records),
+        "final_train_loss": final_train_loss(records),
     }
     (out_dir / "testbed_run.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -487,67 +322,6 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 def _load(row: dict[str, Any]) -> str:
     load = row.get("load_avg_1min")
     return "-" if not load else f"{load[0]:.1f}->{load[1]:.1f}"
-
-
-def _curve(run_dir: str) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
-
-
-def _smooth(ys: list[float], k: int = 5) -> list[float]:
-    return [statistics.fmean(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
-
-
-def plot_comparison(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Three panels: step time per stage (per rate and algorithm), and, at the first
-    rate, training loss (5-step mean, round 0) against samples and against seconds.
-
-    Raises :class:`ConfigError` when matplotlib is missing."""
-    plt = pyplot()
-    if plt is None:
-        raise ConfigError("plots need matplotlib: pip install 'thinwire[plot]'")
-
-    rates = list(dict.fromkeys(r["rate"] for r in rows))
-    algos = list(dict.fromkeys(r["algo"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    ax = axes[0]
-    width = 0.8 / len(algos)
-    for k, algo in enumerate(algos):
-        for stage, hatch in (("warmup_step_s", "//"), ("compression_step_s", "")):
-            ys = [
-                statistics.fmean(
-                    [r[stage] for r in rows if r["rate"] == rate and r["algo"] == algo]
-                )
-                for rate in rates
-            ]
-            xs = [i + k * width + (0 if hatch else width / 2) for i in range(len(rates))]
-            ax.bar(
-                xs,
-                ys,
-                width / 2,
-                color=f"C{k}",
-                hatch=hatch,
-                label=f"{algo} ({'warmup' if hatch else 'compression'})",
-            )
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))], rates)
-    ax.set_ylabel("seconds per step")
-    ax.set_title("step time by stage (hatched: warmup)")
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.45)  # room for the legend above the bars
-    ax.legend(fontsize=6, ncol=2, loc="upper left")
-    first = [r for r in rows if r["rate"] == rates[0] and r["repeat"] == 0]
-    for k, r in enumerate(first):
-        curve = _curve(r["out_dir"])
-        loss = _smooth([c["loss"] for c in curve])
-        axes[1].plot([c["samples"] for c in curve], loss, color=f"C{k}", label=r["algo"])
-        axes[2].plot([c["time_s"] for c in curve], loss, color=f"C{k}", label=r["algo"])
-    axes[1].set_xlabel("samples")
-    axes[2].set_xlabel("training seconds")
-    for a in axes[1:]:
-        a.set_ylabel("training loss (5-step mean)")
-        a.set_title(f"loss at {rates[0]}")
-        a.legend(fontsize=7)
-    fig.tight_layout()
-    return save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,12 +56,10 @@ __all__ = [
     "add_namespace",
     "bridge_ns",
     "delete_namespace",
-    "format_rate",
     "host_ns",
     "ip",
     "list_namespaces",
     "namespace_pids",
-    "parse_rate",
     "read_counters",
     "read_shaping",
     "require_available",
@@ -82,10 +80,6 @@ BRIDGE_IFNAME = "br0"
 # Short lowercase ids keep names readable and far from any option syntax ("-x").
 _ID_RE = re.compile(r"^[a-z0-9]{1,12}$")
 _NS_RE = re.compile(r"^thinwire-([a-z0-9]{1,12})-(br|h[0-9]{1,3})$")
-_RATE_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(bit|kbit|mbit|gbit)$")
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
-MIN_RATE_BITS = 100_000
-MAX_RATE_BITS = 40 * 10**9
 
 BURST_SECONDS = 1e-3
 MIN_BURST_BYTES = 64 * 1024
@@ -158,49 +152,6 @@ def host_ns(cluster_id: str, host: int) -> str:
 def bridge_ns(cluster_id: str) -> str:
     """Namespace name that holds cluster ``cluster_id``'s bridge."""
     return f"{PREFIX}{validate_cluster_id(cluster_id)}-br"
-
-
-def parse_rate(rate: str | int) -> int | None:
-    """Link rate in bits per second from ``"100mbit"``, ``"1gbit"``, ``"2.5gbit"``, ...
-
-    ``"unlimited"`` (or ``"none"``) means no shaping: veth speed, returned as None. A
-    rate of 0 (``"0"``, ``"0mbit"``) is refused: it reads as "no traffic" as much as "no
-    limit". Integers are taken as bits per second. Units are tc's bit units, decimal
-    (``1mbit`` = 10**6 bit/s); tc's ``bps`` (bytes per second) is refused on purpose
-    because it is a classic factor-8 mistake.
-    """
-    if isinstance(rate, int) and not isinstance(rate, bool):
-        bits = rate
-    else:
-        text = str(rate).strip().lower()
-        if text in ("unlimited", "none"):
-            return None
-        m = _RATE_RE.fullmatch("0bit" if re.fullmatch(r"0+(\.0*)?", text) else text)
-        if m is None:
-            raise ConfigError(
-                f"rate {rate!r} is invalid: use a number with bit, kbit, mbit or gbit "
-                "(e.g. 100mbit, 1gbit) or 'unlimited'"
-            )
-        bits = round(float(m.group(1)) * _RATE_UNITS[m.group(2)])
-    if bits == 0:
-        raise ConfigError(f"rate {rate!r} is zero; for a link without a rate limit say 'unlimited'")
-    if not MIN_RATE_BITS <= bits <= MAX_RATE_BITS:
-        raise ConfigError(
-            f"rate {rate!r} is out of range: use between {format_rate(MIN_RATE_BITS)} "
-            f"and {format_rate(MAX_RATE_BITS)}"
-        )
-    return bits
-
-
-def format_rate(bits: int | None) -> str:
-    """``100000000`` -> ``"100mbit"``; None -> ``"unlimited"``."""
-    if bits is None:
-        return "unlimited"
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits >= scale and bits % (scale // 1000 or 1) == 0:
-            value = bits / scale
-            return f"{value:g}{unit}"
-    return f"{bits}bit"
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:

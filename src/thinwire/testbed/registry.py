@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.testbed import netns as nx
 from thinwire.testbed.netns import HOST_IFNAME
 
@@ -130,9 +131,7 @@ def remove_user(cluster_id: str, pid: int) -> None:
 
 def _write(cluster_id: str, state: Mapping[str, Any]) -> None:
     path = _state_path(cluster_id)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(state))
 
 
 def remove_namespaces(names: Sequence[str]) -> None:

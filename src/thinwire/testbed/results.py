@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from thinwire.testbed import netns as nx
 from thinwire.testbed.netns import NicCounters
+from thinwire.testbed.rates import format_rate
 
 __all__ = ["HostResult", "RunResult"]
 
@@ -75,7 +75,7 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ok"] = self.ok
-        d["rate"] = nx.format_rate(self.rate_bits)
+        d["rate"] = format_rate(self.rate_bits)
         for i, h in enumerate(d["hosts"]):
             h["utilization"] = self.utilization(i)
         return d
@@ -83,7 +83,7 @@ class RunResult:
     def summary(self) -> str:
         """A small table: host, exit status, tx/rx MB, utilization, log file."""
         lines = [
-            f"{len(self.hosts)} hosts at {nx.format_rate(self.rate_bits)}, "
+            f"{len(self.hosts)} hosts at {format_rate(self.rate_bits)}, "
             f"{self.seconds:.2f} s{' (timed out)' if self.timed_out else ''}",
             f"{'host':>4} {'address':<12} {'exit':>5} {'tx MB':>9} {'rx MB':>9} {'util':>6}  log",
         ]

@@ -24,7 +24,7 @@ from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.testbed.cluster import Cluster
-from thinwire.testbed.netns import format_rate, parse_rate
+from thinwire.testbed.rates import format_rate, parse_rate
 
 __all__ = ["main", "sweep"]
 

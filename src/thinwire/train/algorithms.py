@@ -200,68 +200,6 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
     )
 
 
-def _diloco(model: nn.Module, cfg: TrainConfig) -> Strategy:
-    """Synchronous DiLoCo: raw model, inner AdamW, outer sync every H steps.
-
-    Each rank trains on Local-SGD shards, on the shard and lr clock a sync-mode server
-    would give it (:class:`thinwire.localsgd.shards.SyncSchedule`), so this run and the
-    simulator's ``sync`` method see the same data in the same order.
-    """
-    from thinwire.comm.launch import rank
-    from thinwire.localsgd import DiLoCo
-    from thinwire.localsgd.inner_state import resolve_inner_momentum
-    from thinwire.localsgd.methods import TUNED
-    from thinwire.localsgd.shards import SyncSchedule, inner_lr
-    from thinwire.train.data import TextData
-
-    inner = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-    )
-    momentum = cfg.outer_momentum
-    diloco = DiLoCo(
-        model,
-        inner,
-        cfg.local_steps,
-        outer_lr=TUNED["sync"].outer_lr if cfg.outer_lr is None else cfg.outer_lr,
-        outer_momentum=TUNED["sync"].outer_momentum if momentum is None else momentum,
-        compress=cfg.compress,
-        sync_initial=False,  # the trainer broadcasts rank 0's weights before this
-        inner_momentum=resolve_inner_momentum(cfg.inner_momentum),
-    )
-    world = world_size()
-    data = TextData(cfg.data, cfg.gpt_config().seq_len, cfg.val_fraction, cfg.seed)
-    sources = data.shard_batches(world, cfg.batch_size, cfg.shard_layout)
-    plan = SyncSchedule(
-        [len(s) for s in sources],
-        world,
-        cfg.local_steps,
-        cfg.steps,
-        cfg.shard_sampling or "least-progress",
-        cfg.seed,
-    )
-    me = rank() + 1
-
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shard, clock = plan.at(me, step)
-        return sources[shard](clock)
-
-    def lr(step: int) -> float:
-        shard, clock = plan.at(me, step)
-        planned = plan.book.planned[shard]
-        return inner_lr(clock, planned, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-
-    return Strategy(
-        model=model,
-        optimizer=inner,
-        after_step=lambda step: diloco.after_inner_step(step),
-        state_dict=diloco.state_dict,
-        load_state_dict=diloco.load_state_dict,
-        metrics=lambda: {"outer_steps": float(diloco.outer_steps)},
-        batch=batch,
-        lr_at=lr,
-    )
-
-
 def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
     """DDP+AdamW with one of PyTorch's own compression hooks: the peers a PyTorch user
     would reach for (fp16 casting, PowerSGD rank ``extra["powersgd_rank"]``, default 4)."""
@@ -349,7 +287,7 @@ ALGORITHMS: dict[str, tuple[str | Callable[[nn.Module, TrainConfig], Strategy], 
         "1-bit LAMB: bf16 warmup until the variance settles, then 1-bit compressed momentum",
     ),
     "diloco": (
-        _diloco,
+        "thinwire.train.diloco_strategy:diloco_strategy",
         "synchronous DiLoCo: H local AdamW steps, then one averaged outer Nesterov step",
     ),
 }

@@ -25,12 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_async, run_async
 from thinwire.localsgd.auth import read_token
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
-from thinwire.train.metrics import MetricsWriter, atomic_write_text
+from thinwire.train.metrics import MetricsWriter
 from thinwire.train.model import GPT
 from thinwire.train.trainer import pick_device
 

@@ -26,21 +26,18 @@ storage, or a local directory of the same path on every node.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_save, atomic_write_text
 from thinwire.safeload import safe_load as _safe_load
-from thinwire.train.metrics import atomic_write_text
 
 __all__ = [
     "KEEP",
-    "atomic_save",
     "check_run_identity",
     "latest_step",
     "load_model_state",
@@ -61,19 +58,6 @@ def _ckpt_root(out_dir: Path) -> Path:
 
 def _step_dir(out_dir: Path, step: int) -> Path:
     return _ckpt_root(out_dir) / f"step-{step:08d}"
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def safe_load(path: Path) -> Any:

@@ -26,12 +26,10 @@ the shared base, prints a table and writes ``comparison.json`` and ``comparison.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
 import re
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,14 +38,16 @@ from thinwire import runlock
 from thinwire.comm.accounting import COUNTER
 from thinwire.comm.launch import launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.plotting import pyplot, save_figure
 from thinwire.rundir import existing_run
 from thinwire.train.algorithms import check_algorithm
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import load_text
-from thinwire.train.metrics import atomic_write_text, read_metrics
+from thinwire.train.metrics import read_metrics
+from thinwire.train.run import run_training
 
-__all__ = ["compare", "format_comparison", "main", "parse_run_spec", "plot_comparison"]
+__all__ = ["compare", "format_comparison", "parse_run_spec", "plot_comparison"]
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # What a run spec may change; identity of the data (corpus, split) and the run's
@@ -233,8 +233,6 @@ def _train_all(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[
     Spawning once for the whole comparison (instead of once per run) saves the start-up
     of W Python processes per run, which on a busy machine costs more than a short run.
     """
-    from thinwire.cli.train import run_training
-
     if launched_by_torchrun() or workers == 1:
         out = []
         for cfg in cfgs:
@@ -326,57 +324,8 @@ def plot_comparison(result: dict[str, Any], path: str | Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from thinwire.cli.train import add_train_arguments
-
-    p = argparse.ArgumentParser(
-        prog="python -m thinwire.train.compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        conflict_handler="resolve",  # --algos replaces train's --algo
-    )
-    add_train_arguments(p)
-    p.add_argument(
-        "--algos",
-        "--algo",
-        nargs="+",
-        required=True,
-        help="run specs: ALGO or ALGO@key=value,... (e.g. lamb@lr=0.01)",
-    )
-    p.add_argument("--reference", default=None, help="run the ratios refer to (default: first)")
-    p.add_argument("--overwrite", action="store_true", help="replace runs already in --out")
-    p.add_argument("--plot", default=None, help="PNG path (default OUT/comparison.png)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    from thinwire.cli.train import config_from_args
-
-    args = build_parser().parse_args(argv)
-    args.algo = parse_run_spec(args.algos[0])[0]  # config_from_args wants one algorithm
-    out_dir = Path(args.out or "runs/compare")
-    args.out = str(out_dir)
-    command = shlex.join(["python", "-m", "thinwire.train.compare", *(argv or sys.argv[1:])])
-    try:
-        base = config_from_args(args)
-        result = compare(
-            args.algos,
-            base,
-            args.workers,
-            out_dir,
-            reference=args.reference,
-            overwrite=args.overwrite,
-            timeout_s=args.timeout,
-            command=command,
-        )
-    except ConfigError as exc:
-        print(f"thinwire: error: {exc}", file=sys.stderr)
-        return 2
-    print(format_comparison(result))
-    png = plot_comparison(result, args.plot or out_dir / "comparison.png")
-    print(f"wrote {out_dir / 'comparison.json'}" + (f" and {png}" if png else ""))
-    return 0
-
-
 if __name__ == "__main__":
+    # ``python -m thinwire.train.compare`` keeps working; the flags live in the CLI.
+    from thinwire.cli.compare import main
+
     sys.exit(main())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,18 +21,9 @@ import numpy as np
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 
-__all__ = ["MetricsWriter", "Progress", "atomic_write_text", "plain", "read_metrics"]
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new file, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+__all__ = ["MetricsWriter", "Progress", "plain", "read_metrics"]
 
 
 def plain(key: str, value: Any) -> bool | int | float | str | None:

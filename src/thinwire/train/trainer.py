@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,9 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.comm.accounting import COUNTER, record
+from thinwire.comm.launch import local_cuda_device
 from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.runlock import RunLock
 from thinwire.train import checkpoint as ckpt
 from thinwire.train import outdir
@@ -33,7 +34,7 @@ from thinwire.train.algorithms import get_runner, make_strategy
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
 from thinwire.train.guard import DivergenceGuard
-from thinwire.train.metrics import MetricsWriter, Progress, atomic_write_text
+from thinwire.train.metrics import MetricsWriter, Progress
 from thinwire.train.model import GPT
 
 __all__ = ["evaluate", "lr_at", "parameter_digest", "pick_device", "train"]
@@ -58,8 +59,7 @@ def pick_device(cfg: TrainConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked for, but CUDA is not available")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local % torch.cuda.device_count())
+        return local_cuda_device()
     return torch.device("cpu")
 
 

@@ -1,0 +1,120 @@
+"""The files the network analysis reads and writes, checked as they are read.
+
+* ``thinwire.link/1``: a fitted link (``thinwire analyze bench``): ``{"format":
+  "thinwire.link/1", "fit": {...}, "rows": [...]}``; :func:`link_document` builds it,
+  :func:`load_link` reads its ``fit`` back.
+* a simulation (``thinwire analyze simulate``, format
+  :data:`~thinwire.analysis.study.SIMULATION_FORMAT`): :func:`load_study`.
+* the cost of adding gradients, from a profile or a vec-add table: :func:`reduction_cost`.
+
+A file that cannot be read, is not UTF-8, is not JSON or lacks a field is one
+:class:`~thinwire.errors.ConfigError` naming the file (and the line, where JSON says).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from thinwire.errors import ConfigError
+
+__all__ = ["LINK_FORMAT", "link_document", "load_link", "load_study", "read_json", "reduction_cost"]
+
+LINK_FORMAT = "thinwire.link/1"
+"""The format tag of a link fit file."""
+
+
+def link_document(fit: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A ``thinwire.link/1`` document: the fit (``LinkFit.to_json()``) and its rows."""
+    return {"format": LINK_FORMAT, "fit": fit, "rows": rows}
+
+
+def read_json(path: str, what: str) -> Any:
+    """A JSON file's content; unreadable, non-UTF-8 or invalid JSON is a one-line error."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a thinwire {what} (not UTF-8 text)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+
+
+def load_link(path: str) -> dict[str, Any]:
+    """The ``fit`` of a ``thinwire.link/1`` file (``thinwire analyze bench``), checked."""
+    data = read_json(path, "link fit")
+    if not isinstance(data, dict) or data.get("format") != LINK_FORMAT:
+        raise ConfigError(f"{path}:1: not a thinwire link fit (run thinwire analyze bench)")
+    fit = data.get("fit")
+    if not isinstance(fit, dict):
+        raise ConfigError(
+            f"{path}: the link fit lacks its 'fit' object; re-run thinwire analyze bench"
+        )
+    for key in ("bandwidth_gbps", "alpha_per_message_s"):
+        value = fit.get(key)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ConfigError(f"{path}: fit.{key} must be a number, got {value!r}")
+    return fit
+
+
+def reduction_cost(choice: str, profile_path: Path, meta: dict[str, Any]) -> Any:
+    """The cost of adding gradients (an :class:`~thinwire.analysis.costs.AddCost`).
+
+    ``choice`` is ``none`` (free), ``cpu`` (measured here), ``auto`` (the paper's
+    ``cuda_vec_add.log`` beside a ``.bk.log`` profile, else the cost saved with the
+    profile, else measured here) or the path of a vec-add table.
+    """
+    from thinwire.analysis.bklog import read_vec_add_table
+    from thinwire.analysis.costs import AddCost
+
+    if choice == "none":
+        return AddCost.zero()
+    if choice == "cpu":
+        return AddCost.measure()
+    if choice == "auto":
+        beside = profile_path.parent / "cuda_vec_add.log"
+        if profile_path.name.endswith(".bk.log") and beside.exists():
+            return read_vec_add_table(beside)
+        if "add_cost" in meta:
+            add = AddCost.from_json(meta["add_cost"])
+            return AddCost(add.sizes, add.seconds, f"{add.source} (at profile time)")
+        return AddCost.measure()
+    return read_vec_add_table(choice)
+
+
+def load_study(path: str) -> dict[str, Any]:
+    """A ``thinwire analyze simulate`` result, with its top-level fields checked."""
+    from thinwire.analysis.study import SIMULATION_FORMAT
+
+    data = read_json(path, "simulation")
+    if not isinstance(data, dict) or data.get("format") != SIMULATION_FORMAT:
+        raise ConfigError(
+            f"{path}:1: not a thinwire simulation (run thinwire analyze simulate first)"
+        )
+    types = {
+        "profile": dict,
+        "result": dict,
+        "needed": dict,
+        "alternatives": list,
+        "sweeps": dict,
+        "buckets": dict,
+        "target": (int, float),
+    }
+    for key, kind in types.items():
+        if key not in data:
+            raise ConfigError(f"{path}: simulation lacks {key!r}; re-run thinwire analyze simulate")
+        if not isinstance(data[key], kind) or isinstance(data[key], bool):
+            raise ConfigError(
+                f"{path}: simulation field {key!r} has the wrong type; re-run thinwire analyze "
+                "simulate"
+            )
+    return data

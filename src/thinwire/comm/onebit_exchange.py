@@ -1,0 +1,201 @@
+"""What the 1-bit allreduce puts on the wire, and the three exchanges that carry it.
+
+Per call each rank takes part in three collectives (see
+:mod:`thinwire.comm.onebit_allreduce` for the algorithm):
+
+1. a small ``all_gather`` of its metadata (``META`` below: scale, lengths, piece plan);
+2. phase 1, ``all_to_all_single`` of its packed sign bits, segment ``r`` to rank ``r``;
+3. phase 2, ``all_gather`` of its server message: the fp32 server scale as 4 bytes,
+   then its packed segment.
+
+:func:`check_metas` reads the gathered metadata and fails the same way on every rank,
+before any large message is sent, when the ranks disagree or some input is not finite.
+:class:`LoopbackExchange` stands in for the network when only the compute is timed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from thinwire.comm.accounting import gather_bytes, record
+
+__all__ = [
+    "META_BYTES",
+    "SCALE_BYTES",
+    "GroupExchange",
+    "LengthMismatchError",
+    "LoopbackExchange",
+    "NonFiniteError",
+    "check_metas",
+    "onebit_padded_numel",
+    "onebit_wire_bytes",
+]
+
+META_BYTES = 48
+"""Per rank, before phase 1, as fp64: scale, length, length the state was built for,
+seconds the previous call took, fixed piece count (0: tuned), tuner's call count (-1:
+none)."""
+SCALE_BYTES = 4
+"""Per rank, phase 2: one fp32 scale, ahead of the packed segment."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Some rank's input held NaN or Inf; raised on every rank, error buffers unchanged."""
+
+
+class LengthMismatchError(ValueError):
+    """The ranks called the collective with buffers of different lengths."""
+
+
+def onebit_padded_numel(numel: int, world_size: int) -> int:
+    """``numel`` rounded up to a multiple of ``8 * world_size`` (whole bytes per segment)."""
+    unit = 8 * world_size
+    return (numel + unit - 1) // unit * unit
+
+
+def onebit_wire_bytes(numel: int, world_size: int) -> int:
+    """Analytical bytes one rank sends per call for ``numel`` elements.
+
+    ``2 (W-1)/W * N/8`` for the sign bits of both phases (``N`` padded) plus the scale
+    exchanges ``(W-1) * (48 + 4)``; 0 for a single rank.
+    """
+    if world_size <= 1:
+        return 0
+    nbytes = onebit_padded_numel(numel, world_size) // 8
+    return 2 * gather_bytes(nbytes, world_size) + (world_size - 1) * (META_BYTES + SCALE_BYTES)
+
+
+def _describe(pieces: int, calls: int) -> str:
+    """One rank's piece plan, from the metadata, for an error message."""
+    if pieces:
+        return f"uses {pieces} pieces"
+    return f"tunes them (call {calls})" if calls >= 0 else "uses 1 piece (CUDA)"
+
+
+def check_metas(metas: torch.Tensor, n: int) -> None:
+    """Raise, on every rank alike, if the gathered metadata (``[W, 6]``) shows ranks that
+    disagree on the length, the buffers' length or the piece plan, or a non-finite scale.
+    """
+    lengths = [int(v) for v in metas[:, 1].tolist()]
+    if len(set(lengths)) > 1:
+        listing = ", ".join(f"rank {r} has {k}" for r, k in enumerate(lengths))
+        raise LengthMismatchError(f"1-bit allreduce: ranks disagree on the length: {listing}")
+    built = [int(v) for v in metas[:, 2].tolist()]
+    if any(k != n for k in built):
+        r = next(i for i, k in enumerate(built) if k != n)
+        raise ValueError(
+            f"1-bit allreduce: rank {r} holds error buffers for {built[r]} elements but got {n}; "
+            "use one OneBitAllreduce per buffer, or call reset() on every rank"
+        )
+    plans = [(int(p), int(c)) for p, c in metas[:, 4:6].tolist()]
+    if len(set(plans)) > 1:  # the collectives would not match: fail instead of hanging
+        listing = ", ".join(f"rank {r} {_describe(*plan)}" for r, plan in enumerate(plans))
+        raise ValueError(
+            f"1-bit allreduce: ranks disagree on the piece count: {listing}; give every "
+            "rank the same pieces= and device, and reset() or load_state_dict() on all of them"
+        )
+    scales = metas[:, 0].tolist()
+    bad = [r for r, v in enumerate(scales) if not math.isfinite(v)]
+    if bad:
+        raise NonFiniteError(
+            f"1-bit allreduce: non-finite input (NaN/Inf) on rank(s) {bad}; "
+            "error buffers left unchanged"
+        )
+
+
+# torch >= 2.11 renamed all_gather_into_tensor; both gather into one flat tensor.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GroupExchange:
+    """The three exchanges of the collective over a process group (recording bytes)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    # Looked up at call time, so an instance made before init_process_group still works.
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start gathering every rank's (scale, length, built-for length); returns a wait."""
+        w = self.world_size
+        out = meta.new_empty(w * meta.numel())
+        work = _all_gather_flat(out, meta, group=self.group, async_op=True)
+        record("onebit.meta", META_BYTES, (w - 1) * META_BYTES)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return out.view(w, -1)
+
+        return wait
+
+    def start_all_to_all(
+        self, recvs: list[torch.Tensor], sends: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        """Start phase 1, one all_to_all per piece, all at once; returns one wait per piece
+        (compute may run while the bits travel)."""
+        works = [
+            dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+            for recv, send in zip(recvs, sends, strict=True)
+        ]
+        total = sum(send.numel() for send in sends)
+        record("onebit.phase1", total, gather_bytes(total, self.world_size))
+        return [work.wait for work in works]
+
+    def start_all_gather(
+        self, outs: list[torch.Tensor], msgs: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        """Start phase 2, one all_gather per piece of every rank's message (its fp32 scale
+        as 4 bytes, then its packed segment), all at once; returns one wait per piece."""
+        works = [
+            _all_gather_flat(out, msg, group=self.group, async_op=True)
+            for out, msg in zip(outs, msgs, strict=True)
+        ]
+        total = sum(out.numel() for out in outs)
+        record("onebit.phase2", total // self.world_size, gather_bytes(total, self.world_size))
+        return [work.wait for work in works]
+
+
+class LoopbackExchange(GroupExchange):
+    """Stand-in exchange for timing the compute alone: every 'rank' sent what we send."""
+
+    def __init__(self, world_size: int) -> None:
+        self.group = None
+        self._world_size = world_size
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return lambda: meta.reshape(1, -1).expand(self.world_size, -1)
+
+    def start_all_to_all(
+        self, recvs: list[torch.Tensor], sends: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        w = self.world_size
+        for recv, send in zip(recvs, sends, strict=True):
+            chunk = send.numel() // w
+            recv.view(w, chunk).copy_(send[:chunk].expand(w, chunk))
+        return [lambda: None for _ in sends]
+
+    def start_all_gather(
+        self, outs: list[torch.Tensor], msgs: list[torch.Tensor]
+    ) -> list[Callable[[], None]]:
+        for out, msg in zip(outs, msgs, strict=True):
+            out.view(self.world_size, -1).copy_(msg.expand(self.world_size, -1))
+        return [lambda: None for _ in msgs]

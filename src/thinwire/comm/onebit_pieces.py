@@ -1,0 +1,67 @@
+"""The piece plan of the 1-bit allreduce: how many collectives each phase travels in.
+
+Each phase may be sent as several collectives, all started at once, so the server
+averages a piece as soon as it lands and the output is unpacked the same way while
+later pieces are still on the wire. The count is either fixed (``pieces=``) or, on CPU,
+tuned by measuring (:class:`~thinwire.comm.piece_tuner.PieceTuner`). Every rank must use
+the same cuts, so the plan travels in the call's metadata and is checked there
+(:func:`~thinwire.comm.onebit_exchange.check_metas`).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from thinwire.comm.piece_tuner import PieceTuner
+
+__all__ = ["PiecePlan", "piece_views"]
+
+
+class PiecePlan:
+    """The piece count of one collective instance: fixed, or tuned on CPU.
+
+    Args:
+        pieces: a fixed count, or None to tune it by measuring on CPU (1 on CUDA, where
+            the host clock would not see the asynchronous kernels).
+    """
+
+    def __init__(self, pieces: int | None) -> None:
+        if pieces is not None and pieces < 1:
+            raise ValueError(f"1-bit allreduce: pieces must be at least 1, got {pieces}")
+        self.pieces = pieces
+        self.tuner: PieceTuner | None = None
+
+    def restart(self, seg8: int, device: torch.device) -> None:
+        """Start tuning afresh for segments of ``seg8`` bytes (CPU, no fixed count). Every
+        rank does this at the same call, so their choices stay in step."""
+        tune = self.pieces is None and device.type == "cpu"
+        self.tuner = PieceTuner(seg8) if tune else None
+
+    def clear(self) -> None:
+        """Forget the tuning (the collective dropped its buffers)."""
+        self.tuner = None
+
+    def in_use(self, seg8: int) -> int | None:
+        """The count calls use now for segments of ``seg8`` bytes (None while tuning)."""
+        if self.pieces is not None:
+            return max(1, min(self.pieces, seg8))  # as cuts() clamps it
+        return self.tuner.choice if self.tuner is not None else 1
+
+    def meta(self) -> tuple[int, int]:
+        """(fixed count or 0, tuner's call count or -1): what the ranks compare."""
+        return self.pieces or 0, self.tuner.calls if self.tuner is not None else -1
+
+    def cuts(self, seg8: int, previous_seconds: float) -> list[int]:
+        """Byte offsets of this call's pieces inside a segment's bits (same on every rank)."""
+        k = self.tuner.next(previous_seconds) if self.tuner is not None else self.pieces or 1
+        k = max(1, min(k, seg8))
+        return [seg8 * j // k for j in range(k + 1)]
+
+
+def piece_views(buf: torch.Tensor, cuts: list[int], world_size: int) -> list[torch.Tensor]:
+    """Views of a piece-major buffer: piece j is a contiguous ``[W, cuts[j+1] - cuts[j]]``
+    block (one row per rank) starting at ``W * cuts[j]``."""
+    w = world_size
+    return [buf[w * a : w * b].view(w, b - a) for a, b in itertools.pairwise(cuts)]

@@ -1,0 +1,293 @@
+"""The imports of thinwire point one way: down the layers, never into the CLI.
+
+The layers, lowest first (an arrow reads "is imported by")::
+
+    compress <- comm <- optim <- (localsgd, train) <- (analysis, testbed) <- cli
+
+The rules this file checks, read from the source with :mod:`ast`:
+
+* A module may import its own package, any package of a lower layer, and the leaves.
+* Two packages share a layer, and between them one direction is allowed. The example
+  trainer runs Local-SGD, so ``train -> localsgd`` is fine, but ``thinwire.localsgd``
+  never imports ``thinwire.train``. Validation runs on the testbed, so
+  ``analysis -> testbed`` is fine, but ``thinwire.testbed`` never imports
+  ``thinwire.analysis``.
+* The leaves are small shared modules that sit below every layer: ``thinwire``'s own
+  ``__init__``, ``errors``, ``io``, ``safeload``, ``rundir``, ``runlock`` and
+  ``plotting``. Every module may import them. They import only each other, besides the
+  standard library and third-party packages. A new top-level module must be listed here
+  as a leaf or a layer, or the test fails.
+* ``thinwire.__main__`` belongs to the CLI. No library module imports ``thinwire.cli``.
+* The packages (layers and leaves) import each other without cycles.
+
+Every import counts: imports at module level and inside functions, relative ones
+(resolved), and those under ``if TYPE_CHECKING:``. An annotation that names a higher
+layer is still a dependency on it, so that block gets no exception either.
+
+One block is exempt: the body of ``if __name__ == "__main__":`` in a library module.
+Importing the module never runs it. It only runs when the file is executed as a script
+(``python -m thinwire.train.compare``), and then it hands over to the CLI that owns
+that script's flags. Once every command lives under ``thinwire ...``, these shims go.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+LAYERS: dict[str, int] = {
+    "compress": 0,
+    "comm": 1,
+    "optim": 2,
+    "localsgd": 3,
+    "train": 3,
+    "analysis": 4,
+    "testbed": 4,
+    "cli": 5,
+}
+"""Each package's layer; a module imports only packages of a lower layer (or its own)."""
+
+SAME_LAYER_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {("train", "localsgd"), ("analysis", "testbed")}
+)
+"""The one allowed direction between packages that share a layer: (importer, imported)."""
+
+LEAVES: frozenset[str] = frozenset(
+    {"__init__", "errors", "io", "safeload", "rundir", "runlock", "plotting"}
+)
+"""Shared modules below every layer: anyone may import them; they import only leaves."""
+
+ALIASES = {"__main__": "cli"}
+"""Top-level modules that belong to a package's layer."""
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``"""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    t = node.test
+    return (
+        isinstance(t.left, ast.Name)
+        and t.left.id == "__name__"
+        and len(t.comparators) == 1
+        and isinstance(t.comparators[0], ast.Constant)
+        and t.comparators[0].value == "__main__"
+    )
+
+
+def imports_of(
+    source: str, module: str, is_package: bool, src: Path = SRC
+) -> Iterator[tuple[str, int]]:
+    """Every ``thinwire`` module ``source`` imports, with its line.
+
+    ``module`` is the importing module's dotted name (to resolve relative imports). An
+    ``if __name__ == "__main__":`` block at module level is skipped (see the docstring).
+    """
+    tree = ast.parse(source)
+    body = [n for n in tree.body if not _is_main_guard(n)]
+    for top in body:
+        for node in ast.walk(top):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "thinwire":
+                        yield alias.name, node.lineno
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".")
+                    if not is_package:
+                        base = base[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] != "thinwire":
+                    continue
+                if target == "thinwire":
+                    # ``from thinwire import x``: x may be a package or a name in __init__
+                    for alias in node.names:
+                        sub = src / "thinwire" / alias.name
+                        known = sub.is_dir() or sub.with_suffix(".py").is_file()
+                        yield (f"thinwire.{alias.name}" if known else "thinwire"), node.lineno
+                else:
+                    yield target, node.lineno
+
+
+def unit_of(module: str) -> str:
+    """The package (``comm``) or leaf (``errors``, ``__init__``) a module belongs to."""
+    parts = module.split(".")
+    if parts == ["thinwire"]:
+        return "__init__"
+    return ALIASES.get(parts[1], parts[1])
+
+
+def allowed(src_unit: str, dst_unit: str) -> bool:
+    if src_unit == dst_unit or dst_unit in LEAVES:
+        return True
+    if src_unit in LEAVES:
+        return False
+    a, b = LAYERS[src_unit], LAYERS[dst_unit]
+    return b < a or (a == b and (src_unit, dst_unit) in SAME_LAYER_ALLOWED)
+
+
+def all_imports(src: Path = SRC) -> list[tuple[str, str, int]]:
+    """(importer, imported, line) for every thinwire import under ``src/thinwire``."""
+    out = []
+    for path in sorted((src / "thinwire").rglob("*.py")):
+        mod = module_name(path, src)
+        for target, line in imports_of(path.read_text(), mod, path.name == "__init__.py", src):
+            out.append((mod, target, line))
+    return out
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph ``edges``, as a list of nodes, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == 1:
+                return [*path[path.index(m) :], m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(edges):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_every_top_level_module_has_a_place() -> None:
+    units = {unit_of(module_name(p)) for p in (SRC / "thinwire").rglob("*.py")}
+    unplaced = sorted(units - set(LAYERS) - LEAVES)
+    assert not unplaced, f"give these a layer in LAYERS or list them in LEAVES: {unplaced}"
+    assert {"compress", "comm", "optim", "localsgd", "train", "cli"} <= units
+
+
+def test_imports_point_down_the_layers() -> None:
+    bad = [
+        f"{src}:{line} imports {dst}"
+        for src, dst, line in all_imports()
+        if not allowed(unit_of(src), unit_of(dst))
+    ]
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_no_library_module_imports_the_cli() -> None:
+    bad = [
+        f"{src}:{line} imports {dst}"
+        for src, dst, line in all_imports()
+        if unit_of(dst) == "cli" and unit_of(src) != "cli"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_localsgd_never_imports_the_example_trainer() -> None:
+    bad = [
+        f"{src}:{line} imports {dst}"
+        for src, dst, line in all_imports()
+        if unit_of(src) == "localsgd" and unit_of(dst) == "train"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_packages_import_each_other_without_cycles() -> None:
+    edges: dict[str, set[str]] = {}
+    for src, dst, _ in all_imports():
+        a, b = unit_of(src), unit_of(dst)
+        if a != b:
+            edges.setdefault(a, set()).add(b)
+    assert find_cycle(edges) is None, f"import cycle between packages: {find_cycle(edges)}"
+
+
+# The checker itself: a rule that cannot fail checks nothing.
+
+
+def _fake_tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / "thinwire" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+def test_checker_sees_function_level_relative_and_type_checking_imports(
+    tmp_path: Path,
+) -> None:
+    src = _fake_tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "comm/__init__.py": "",
+            "comm/x.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from thinwire.optim.base import A\n"
+                "def f():\n"
+                "    import thinwire.train.run\n"
+                "    from ..cli import main\n"
+                "    from . import y\n"
+                "if __name__ == '__main__':\n"
+                "    from thinwire.cli.x import main\n"
+            ),
+        },
+    )
+    found = {(dst, line) for _, dst, line in all_imports(src)}
+    assert found == {
+        ("thinwire.optim.base", 3),
+        ("thinwire.train.run", 5),
+        ("thinwire.cli", 6),
+        ("thinwire.comm", 7),
+    }
+    verdicts = {dst: allowed("comm", unit_of(dst)) for dst, _ in found}
+    assert verdicts == {
+        "thinwire.optim.base": False,
+        "thinwire.train.run": False,
+        "thinwire.cli": False,
+        "thinwire.comm": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "ok"),
+    [
+        ("comm", "compress", True),
+        ("compress", "comm", False),
+        ("train", "localsgd", True),
+        ("localsgd", "train", False),
+        ("analysis", "testbed", True),
+        ("testbed", "analysis", False),
+        ("cli", "analysis", True),
+        ("optim", "errors", True),
+        ("errors", "comm", False),
+        ("rundir", "errors", True),
+    ],
+)
+def test_layer_rule(src: str, dst: str, ok: bool) -> None:
+    assert allowed(src, dst) is ok
+
+
+def test_cycle_finder() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
