@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from thinwire.cli.train import run_training
 from thinwire.train.config import TrainConfig
+from thinwire.train.run import run_training
 
 SIZES: dict[str, dict[str, int]] = {"tiny": {}, "narrow": {"n_embd": 64}}
 LAMB_LR = {"hi": 0.02, "lo": 0.01}
