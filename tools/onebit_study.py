@@ -96,9 +96,10 @@ def run_stage(stage: str, out: Path) -> None:
 def sweep_report(rows: dict[str, dict[str, Any]]) -> str:
     """The lr sweep (Moby-Dick, tiny, seed 0): final loss per optimizer and lr."""
     lines = ["| optimizer | lr | final val loss |", "|---|---:|---:|"]
-    for tag, r in rows.items():
-        if tag.startswith("sweep-"):
-            lines.append(f"| {r['algo']} | {r['lr']:g} | {r['val']:.4f} |")
+    sweep = sorted(
+        (r["algo"], r["lr"], r["val"]) for t, r in rows.items() if t.startswith("sweep-")
+    )
+    lines += [f"| {algo} | {lr:g} | {val:.4f} |" for algo, lr, val in sweep]
     return "\n".join(lines)
 
 
