@@ -54,8 +54,8 @@ class AsyncConfig:
     theta standing still in between."""
     outer_lr: float | None = None
     """Outer learning rate; None: the tuned value of the method this config runs
-    (:data:`thinwire.localsgd.methods.TUNED`: 0.2 for sync, 0.1 for DN+DyLU, 0.3 for
-    ``dn``, ``buffer`` and naive ``nesterov``, the last with momentum 0; the module
+    (:data:`thinwire.localsgd.methods.TUNED`: 0.2 for sync, 0.3 for ``dn``, ``buffer`` and
+    naive ``nesterov``, 0.5 for DN+DyLU; naive and DN+DyLU with momentum 0; the module
     docstring of :mod:`thinwire.localsgd.methods` gives the sweep). Lower it if the loss
     jumps at each outer step."""
     outer_momentum: float | None = None

@@ -29,11 +29,17 @@ seeds 0 and 1; the evidence runs use other seeds). What the sweep showed:
   at lr 1, plain averaging: 2.77). The seed spread (sd 0.02-0.08) is as large as the
   differences between 0.1 and 0.3, so the optimum is broad; DiLoCo's 0.7 is too hot at
   this H and size (it once sat at the byte-frequency loss).
-* ``dn-dylu``: 0.1 (2.685; 0.2: 2.721, 0.3: 2.706 with sd 0.13, 0.05: 2.86). Again a
-  broad optimum; 0.1 has the best mean and by far the smallest spread.
-* ``dn`` (no DyLU): 0.3 (one seed: 3.05; 0.2: 3.32). DN alone barely leaves the
-  byte-frequency plateau in this budget at any lr tried: its slow workers' full-H
-  rounds arrive 11-14 updates stale.
+* ``dn-dylu``: lr 0.5 with momentum 0 (2.603 on two seeds, both better than any
+  setting with momentum). With momentum 0.9 the best was 0.1 (2.685; 0.2: 2.721, 0.3:
+  2.706 with sd 0.13, 0.05: 2.86). With momentum 0 Delayed Nesterov applies each
+  arrival's ``lr * g / N`` at once and nothing else: it is per-arrival SGD at ``lr / N``
+  (0.125 here), like tuned ``naive`` (0.3) but with DyLU. At this scale (short runs from
+  scratch) the outer momentum did not pay for asynchronous arrivals; pass
+  ``outer_momentum=0.9, outer_lr=0.1`` for the paper's Nesterov form.
+* ``dn`` (no DyLU): 0.3 with momentum 0.9 (one seed: 3.05; 0.2: 3.32). DN alone barely
+  leaves the byte-frequency plateau in this budget at the lrs tried: its slow workers'
+  full-H rounds arrive 11-14 updates stale. Its momentum-0 form is ``naive`` at lr/N,
+  which the ``naive`` grid covers.
 * ``naive``: momentum 0, lr 0.3 (2.612 on two seeds; lr 0.1: 2.68, 0.5: 2.76). With
   momentum 0.9 every lr tried stayed near 3.0 (0.02: 2.98, 0.05: 3.09, 0.1: 3.04): on
   every arrival the momentum replays the stale pseudo-gradients of the others, as the
@@ -79,7 +85,7 @@ TUNED: dict[str, Tuned] = {
     "polythres": Tuned(0.05, 0.9),
     "buffer": Tuned(0.3, 0.9),
     "dn": Tuned(0.3, 0.9),
-    "dn-dylu": Tuned(0.1, 0.9),
+    "dn-dylu": Tuned(0.5, 0.0),
 }
 """Each method's outer lr and momentum, the best mean of the sweep (docs/benchmarks.md);
 the module docstring gives the numbers behind each."""
