@@ -52,9 +52,10 @@ DEFAULT_INNER_STATE = "restart"
 """The rule a run uses unless told otherwise. Chosen over ``keep`` (which stalled sync
 DiLoCo and DyLU's short rounds at the former outer lr 0.7 with momentum) and ``round``
 (which damps every round's start). In the ablation at the tuned outer settings
-(docs/benchmarks.md, "Inner-state ablation": tiny GPT, H = 10, two seeds) ``fresh`` was
-1.3-1.8% better than ``restart`` for both sync DiLoCo and DN+DyLU, and ``keep`` was
-level; the default stays until that holds on more seeds and data. Try ``fresh``."""
+(docs/benchmarks.md, "Inner-state ablation": tiny GPT, H = 10, one or two seeds)
+``fresh`` was 1.3-1.8% better than ``restart`` for both sync DiLoCo and DN+DyLU,
+``keep`` level or better, and ``round`` 5.5% worse for DN+DyLU; the default stays until
+``fresh``'s lead holds on more seeds and data. Try ``fresh``."""
 
 
 def check_inner_momentum(mode: str) -> None:
