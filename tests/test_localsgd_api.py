@@ -26,6 +26,12 @@ from thinwire.localsgd.task import evaluate_at, flat_parameters
 _W_TRUE = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
 _SRC = Path(__file__).resolve().parents[1] / "src" / "thinwire"
 
+TOY_OUTER_LR = 0.3
+"""Outer lr for the toy MLP: the short runs here need a larger outer step than the tuned
+defaults (tuned on the tiny GPT at 200 steps per worker) give."""
+TOY_OUTER_MOMENTUM = 0.9
+"""Outer Nesterov momentum for the toy MLP."""
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
@@ -77,10 +83,15 @@ def _rank(rank: int, world: int, cfg: AsyncConfig) -> Any:
 
 @pytest.mark.timeout(150)
 def test_run_async_trains_a_users_mlp_on_three_ranks(tmp_path: Path) -> None:
+    # The tuned outer defaults come from the GPT sweep (methods.TUNED); this 40-step toy
+    # regression wants DN's Nesterov form at a larger step to fall 70% (at the defaults
+    # it falls about 50%). What is tested here is the API, so the settings are explicit.
     cfg = AsyncConfig(
         steps=40,
         local_steps=5,
         dylu=True,
+        outer_lr=TOY_OUTER_LR,
+        outer_momentum=TOY_OUTER_MOMENTUM,
         warmup_steps=2,
         eval_interval=20,
         checkpoint_dir=str(tmp_path),
@@ -108,7 +119,8 @@ def test_run_async_trains_a_users_mlp_on_three_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_simulate_takes_the_same_pieces() -> None:
-    cfg = for_method(AsyncConfig(steps=30, local_steps=5, warmup_steps=2), "dn-dylu")
+    toy = {"outer_lr": TOY_OUTER_LR, "outer_momentum": TOY_OUTER_MOMENTUM}  # as above
+    cfg = for_method(AsyncConfig(steps=30, local_steps=5, warmup_steps=2, **toy), "dn-dylu")
     clock = SimClock(seconds_per_step=(1.0, 3.0), eval_points=3)
     a = simulate(_task(), cfg, clock)
     assert a["inner_steps"] == 60 and a["config"]["inner_momentum"] == "restart"

@@ -48,13 +48,16 @@ class AsyncConfig:
     outer: str = "dn"
     """``dn``: Delayed Nesterov, whose momentum moves once per N arrivals so that W
     arrivals equal one DiLoCo step. ``nesterov``: momentum on every arrival, the paper's
-    naive baseline; it needs an lr about W times smaller and still loses quality.
+    naive baseline; with momentum it needs a far smaller lr and still stalls, so its
+    tuned setting is momentum 0 (per-arrival SGD).
     ``buffer``: the paper's asynchronous buffer, one Nesterov step per N arrivals with
     theta standing still in between."""
     outer_lr: float | None = None
     """Outer learning rate; None: the tuned value of the method this config runs
-    (:data:`thinwire.localsgd.methods.TUNED`: 0.3 for sync, ``dn`` and ``buffer``, far
-    less for per-arrival ``nesterov``). Lower it if the loss jumps at each outer step."""
+    (:data:`thinwire.localsgd.methods.TUNED`: 0.2 for sync, 0.3 for ``dn``, ``buffer`` and
+    naive ``nesterov``, 0.5 for DN+DyLU; naive and DN+DyLU with momentum 0; the module
+    docstring of :mod:`thinwire.localsgd.methods` gives the sweep). Lower it if the loss
+    jumps at each outer step."""
     outer_momentum: float | None = None
     """Outer Nesterov momentum beta, in ``[0, 1)``; None: the method's tuned value. 0 is
     plain SGD on the pseudo-gradients (with sync and ``outer_lr=1``: plain averaging)."""

@@ -42,15 +42,17 @@ from thinwire.comm.accounting import record
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.errors import ConfigError
 from thinwire.localsgd.inner_state import DEFAULT_INNER_STATE, InnerStateRule
+from thinwire.localsgd.methods import TUNED
 from thinwire.localsgd.outer import check_outer_args
 
 __all__ = ["COMPRESS_CHOICES", "DEFAULT_OUTER_LR", "DiLoCo"]
 
 COMPRESS_CHOICES = ("none", "fp16", "bf16", "onebit")
-DEFAULT_OUTER_LR = 0.3
-"""Outer lr of synchronous DiLoCo unless told otherwise: the best of the sweep on the tiny
-and small GPT at H = 10-50 (docs/benchmarks.md). DiLoCo's 0.7 (tuned on 150M-1B models
-at H = 500) stalled sync DiLoCo at the byte-frequency loss at H = 10."""
+DEFAULT_OUTER_LR = TUNED["sync"].outer_lr
+"""Outer lr of synchronous DiLoCo unless told otherwise: sync's tuned value, the best of
+the sweep on the tiny GPT at H = 10 (docs/benchmarks.md, "Tuning"), the same that
+``thinwire train --algo diloco`` and the simulator's ``sync`` use. DiLoCo's 0.7 (tuned on
+150M-1B models at H = 500) stalled sync DiLoCo at the byte-frequency loss at H = 10."""
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -21,7 +21,8 @@ floor lr) while a slow worker's stays short of it. Measured at the paper's toy s
 340 / 267 / 133 / 60 steps, with or without DyLU. Give the run more shards than
 workers (``--shards``) for the least-progress rule to balance them: with 4 per worker
 every shard ended within 47-55 of its 50 planned steps, and Delayed Nesterov without
-DyLU ended at a 7% lower loss (docs/benchmarks.md).
+DyLU ended at a 7% lower loss (one seed, at the former defaults: outer lr 0.7 and
+contiguous shards; not re-measured since).
 
 With ``paper`` sampling the shards stay within a round of their shares whatever the
 speeds. It is meant for shards that are alike (the example trainer's striped shards):

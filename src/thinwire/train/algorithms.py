@@ -349,13 +349,14 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.algo == "diloco":
         from thinwire.localsgd.diloco import COMPRESS_CHOICES
         from thinwire.localsgd.inner_state import resolve_inner_momentum
+        from thinwire.localsgd.methods import TUNED
         from thinwire.localsgd.outer import check_outer_args
         from thinwire.localsgd.shards import SAMPLING_CHOICES
 
         resolve_inner_momentum(cfg.inner_momentum)
         check_outer_args(
-            0.3 if cfg.outer_lr is None else cfg.outer_lr,
-            0.9 if cfg.outer_momentum is None else cfg.outer_momentum,
+            TUNED["sync"].outer_lr if cfg.outer_lr is None else cfg.outer_lr,
+            TUNED["sync"].outer_momentum if cfg.outer_momentum is None else cfg.outer_momentum,
         )
         if cfg.shard_sampling not in (None, *SAMPLING_CHOICES):
             raise ConfigError(

@@ -138,10 +138,11 @@ class TrainConfig:
     ``AsyncConfig.local_steps`` for why 10."""
     outer_lr: float | None = None
     """Outer (Nesterov) learning rate of DiLoCo; None: the method's tuned value
-    (``thinwire.localsgd.methods.TUNED``: 0.3 for DiLoCo and Delayed Nesterov)."""
+    (``thinwire.localsgd.methods.TUNED``: 0.2 for DiLoCo, 0.3 for Delayed Nesterov alone,
+    0.5 without momentum for DN+DyLU)."""
     outer_momentum: float | None = None
-    """Outer Nesterov momentum of DiLoCo; None: the method's tuned value (0.9). 0 is plain
-    SGD on the averaged pseudo-gradient."""
+    """Outer Nesterov momentum of DiLoCo; None: the method's tuned value (0.9; 0 for naive
+    ``--outer nesterov`` and for ``--dylu``). 0 is plain SGD on the averaged pseudo-gradient."""
     outer: str = "dn"
     """Asynchronous outer optimizer: ``dn`` (Delayed Nesterov), ``nesterov`` (naive) or
     ``buffer`` (the paper's asynchronous buffer)."""
