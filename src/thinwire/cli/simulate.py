@@ -289,7 +289,8 @@ def run_async(args: argparse.Namespace) -> int:
         )
 
     out = Path(args.out)
-    runs = run_sweep(task_for_seed, base, clock, grid, seeds, out, on_run=report)
+    context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
+    runs = run_sweep(task_for_seed, base, clock, grid, seeds, out, on_run=report, context=context)
     summary = summarize_sweep(runs, args.target)
     unigram = TextData(args.data, model.gpt_config().seq_len, model.val_fraction).unigram_loss()
     command = "thinwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])

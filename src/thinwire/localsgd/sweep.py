@@ -13,18 +13,22 @@ underscores (``outer-lr``, ``outer-momentum``, ``inner-momentum`` or its alias
 ``inner-state``, ``c``, ``min-local-steps``, ``local-steps``, ...). A key given without a
 method applies to every method that has no grid of its own for that key.
 
-Each run is written to ``<out>/runs/<method>__<setting>__seed<S>.json`` as it ends, and a
-run whose file exists is read back instead of computed, so an interrupted sweep resumes
-where it stopped (delete a file to redo that run).
+Each run is written to ``<out>/runs/<method>__<setting>__seed<S>.json`` as it ends, with a
+fingerprint of everything that decides its result (the whole config, the clock, the seed,
+and what the caller says about the task: model, data, ...). A run whose file exists with
+the same fingerprint is read back instead of computed, so an interrupted sweep resumes
+where it stopped; a file from other settings (other data, speeds, H, defaults) is
+recomputed and replaced, never passed off as this sweep's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,14 @@ from thinwire.localsgd.methods import METHODS, for_method
 from thinwire.localsgd.simulator import SimClock, simulate, time_to_reach
 from thinwire.localsgd.task import Task
 
-__all__ = ["parse_grid", "run_key", "run_sweep", "settings_of", "summarize_sweep"]
+__all__ = [
+    "fingerprint",
+    "parse_grid",
+    "run_key",
+    "run_sweep",
+    "settings_of",
+    "summarize_sweep",
+]
 
 _ALIASES = {"inner_state": "inner_momentum", "grace": "grace_s"}
 
@@ -103,6 +114,20 @@ def run_key(method: str, setting: dict[str, Any], seed: int) -> str:
     return f"{method}__{'_'.join(parts) or 'default'}__seed{seed}"
 
 
+def fingerprint(
+    cfg: AsyncConfig, clock: SimClock, seed: int, context: Mapping[str, Any] | None = None
+) -> str:
+    """A digest of everything that decides a simulated run's result: ``cfg`` and ``clock``
+    (with their seeds) and ``context``, the caller's description of the task."""
+    blob = {
+        "config": asdict(replace(cfg, seed=seed)),
+        "clock": asdict(replace(clock, seed=seed)),
+        "context": dict(context or {}),
+    }
+    text = json.dumps(blob, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _write_json(path: Path, blob: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(blob) + "\n")
 
@@ -115,13 +140,16 @@ def run_sweep(
     seeds: Sequence[int],
     out_dir: Path | None = None,
     on_run: Callable[[dict[str, Any], bool], None] | None = None,
+    context: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Every method x setting x seed, simulated; returns the runs (curves included).
 
     ``task_for_seed(seed)`` builds the task of one seed (its data order and initial
     parameters); the seed also seeds the clock's jitter and the server's shard sampler.
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
-    ``out_dir``. Every configuration is validated before the first run.
+    ``out_dir``. ``context``: what ``task_for_seed`` builds, as plain values (model,
+    data, batch size, ...), so that a run cached from another task is not read back.
+    Every configuration is validated before the first run.
     """
     for method in grid:
         if method not in METHODS:
@@ -139,19 +167,18 @@ def run_sweep(
     tasks: dict[int, Task] = {}
     runs = []
     for method, setting, cfg, seed in plan:
-        key = run_key(method, setting, seed)
+        key, digest = run_key(method, setting, seed), fingerprint(cfg, clock, seed, context)
         path = runs_dir / f"{key}.json" if runs_dir is not None else None
-        if path is not None and path.exists():
-            run = json.loads(path.read_text())
-            cached = True
-        else:
+        run = json.loads(path.read_text()) if path is not None and path.exists() else {}
+        cached = run.get("fingerprint") == digest
+        if not cached:
             if seed not in tasks:
                 tasks[seed] = task_for_seed(seed)
             run = simulate(tasks[seed], replace(cfg, seed=seed), replace(clock, seed=seed))
             run |= {"method": method, "setting": setting, "seed": seed, "key": key}
+            run["fingerprint"] = digest
             if path is not None:
                 _write_json(path, run)
-            cached = False
         runs.append(run)
         if on_run is not None:
             on_run(run, cached)

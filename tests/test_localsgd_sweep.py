@@ -1,0 +1,55 @@
+"""``thinwire.localsgd.sweep``: a grid of simulated runs that resumes from its files and
+never reads back a run made with other settings."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from test_localsgd_api import _task
+from thinwire.localsgd import AsyncConfig, SimClock
+from thinwire.localsgd.sweep import parse_grid, run_sweep, summarize_sweep
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_resumes_from_its_files_but_never_from_other_settings(tmp_path: Path) -> None:
+    base = AsyncConfig(steps=12, local_steps=3, warmup_steps=2)
+    clock = SimClock(seconds_per_step=(1.0, 2.0), eval_points=2)
+    grid = parse_grid(["outer-lr=0.1,0.3"], ["sync", "dn-dylu"])
+    seen: list[tuple[str, bool]] = []
+
+    def sweep(cfg: AsyncConfig, clk: SimClock, context: dict[str, Any]) -> list[dict[str, Any]]:
+        seen.clear()
+        runs = run_sweep(
+            lambda seed: _task(),
+            cfg,
+            clk,
+            grid,
+            (0,),
+            tmp_path,
+            on_run=lambda run, cached: seen.append((run["key"], cached)),
+            context=context,
+        )
+        return runs
+
+    first = sweep(base, clock, {"data": "a"})
+    assert len(first) == 4 and not any(cached for _, cached in seen)
+    again = sweep(base, clock, {"data": "a"})
+    assert all(cached for _, cached in seen)
+    assert [r["final_val_loss"] for r in again] == [r["final_val_loss"] for r in first]
+    # Same method, setting and seed (so the same file names), other settings: recomputed.
+    for cfg, clk, context in (
+        (replace(base, steps=15), clock, {"data": "a"}),
+        (base, SimClock(seconds_per_step=(1.0, 4.0), eval_points=2), {"data": "a"}),
+        (base, clock, {"data": "b"}),
+    ):
+        runs = sweep(cfg, clk, context)
+        assert not any(cached for _, cached in seen), (cfg, clk, context)
+        assert len(runs) == 4
+    assert runs[0]["inner_steps"] == 2 * base.steps
+    best = summarize_sweep(runs)["best"]
+    assert set(best) == {"sync", "dn-dylu"}
+    assert all(b["setting"]["outer_lr"] in (0.1, 0.3) for b in best.values())
