@@ -35,6 +35,31 @@ def tiny_config(tmp_path: Path, **overrides: object) -> TrainConfig:
     return cfg
 
 
+def tiny_async_config(out_dir: Path, **overrides: object) -> TrainConfig:
+    """An ``async-diloco`` run of the same tiny model (rank 0 serves, ranks 1.. train),
+    checkpointed into ``out_dir``; ``overrides`` are TrainConfig fields."""
+    base: dict[str, object] = dict(
+        algo="async-diloco",
+        model="tiny",
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        seq_len=16,
+        steps=12,
+        local_steps=2,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_interval=6,
+        eval_sequences=8,
+        checkpoint_interval=4,
+        out_dir=str(out_dir),
+        progress=False,
+        device="cpu",
+    )
+    return TrainConfig(**(base | overrides))  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def cli_env() -> dict[str, str]:
     """Environment for running the ``thinwire`` command in a subprocess."""

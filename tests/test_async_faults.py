@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port, spawn
 from thinwire.localsgd import AsyncConfig, Task, run_async
@@ -80,28 +81,7 @@ def _eval_records_are_one_run(out: Path) -> list[dict[str, Any]]:
 
 # --- a stranger, a wrong token, a live worker, a forged header (the repro) ---------
 def _cfg(out: Path, **kw: Any) -> TrainConfig:
-    base = dict(
-        algo="async-diloco",
-        model="tiny",
-        n_layer=1,
-        n_embd=32,
-        n_head=2,
-        seq_len=16,
-        steps=8,
-        local_steps=2,
-        batch_size=4,
-        lr=3e-3,
-        warmup_steps=2,
-        eval_interval=4,
-        eval_sequences=8,
-        checkpoint_interval=4,
-        out_dir=str(out),
-        progress=False,
-        device="cpu",
-        dead_after_s=3.0,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_async_config(out, **({"steps": 8, "eval_interval": 4, "dead_after_s": 3.0} | kw))
 
 
 def _rank(rank: int, world: int, port: int, cfg: TrainConfig, events: Any, results: Any) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import tiny_async_config
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
 from thinwire.localsgd.async_runtime import make_worker, open_transport
@@ -31,27 +32,9 @@ from thinwire.train.model import GPT, GPTConfig
 
 
 def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
-    base = dict(
-        algo="async-diloco",
-        model="tiny",
-        n_layer=1,
-        n_embd=32,
-        n_head=2,
-        seq_len=16,
-        steps=6,
-        local_steps=2,
-        batch_size=4,
-        lr=3e-3,
-        warmup_steps=2,
-        eval_interval=3,
-        eval_sequences=8,
-        checkpoint_interval=2,
-        out_dir=str(out_dir),
-        progress=False,
-        device="cpu",
+    return tiny_async_config(
+        out_dir, **({"steps": 6, "eval_interval": 3, "checkpoint_interval": 2} | kw)
     )
-    base.update(kw)
-    return TrainConfig(**base)
 
 
 def _run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:

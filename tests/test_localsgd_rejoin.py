@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port
 from thinwire.errors import ConfigError
@@ -72,28 +73,7 @@ _ARGS = [
 
 
 def _cfg(out_dir: Path, **kw: Any) -> TrainConfig:
-    base = dict(
-        algo="async-diloco",
-        model="tiny",
-        n_layer=1,
-        n_embd=32,
-        n_head=2,
-        seq_len=16,
-        steps=12,
-        local_steps=2,
-        batch_size=4,
-        lr=3e-3,
-        warmup_steps=2,
-        eval_interval=6,
-        eval_sequences=8,
-        checkpoint_interval=4,
-        out_dir=str(out_dir),
-        progress=False,
-        device="cpu",
-        dead_after_s=3.0,
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    return tiny_async_config(out_dir, **({"dead_after_s": 3.0} | kw))
 
 
 def _worker(cfg: TrainConfig, rank: int, workers: int) -> LocalWorker:
