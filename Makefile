@@ -21,14 +21,14 @@ $(STAMP): pyproject.toml
 # The compiled packing kernels, built once here so that no run compiles (about a minute).
 # A failed build is not fatal: packing then runs on pure torch and says so once per run.
 $(NATIVE): $(STAMP) $(NATIVE_SRC)
-	$(PY) -m thinwire.compress.native --build || echo "thinwire: continuing without them"
+	$(PY) -m thinwire native build || echo "thinwire: continuing without them"
 	touch $(NATIVE)
 
 install: $(NATIVE)
 
 # Rebuild the kernels for this machine, showing the compiler command and its errors.
 native: $(STAMP)
-	$(PY) -m thinwire.compress.native --build --force --verbose
+	$(PY) -m thinwire native build --force --verbose
 	touch $(NATIVE)
 
 demo: $(NATIVE)

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.cli.async_compare import main
+from thinwire.cli.main import main as thinwire
+
+
+def main(args: list[str]) -> int:
+    return thinwire(["compare-async", *args])
+
 
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
 

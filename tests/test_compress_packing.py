@@ -281,6 +281,8 @@ def test_failed_build_says_why_and_leaves_nothing(
     monkeypatch.setenv("CXX", cxx)
     with pytest.raises(native.BuildError, match="compiler"):
         native.build()
-    assert native.main(["--build"]) == 1
+    from thinwire.cli.main import main as thinwire
+
+    assert thinwire(["native", "build"]) == 1
     assert native.load() is None and native.unavailable_reason() == "not built for this machine"
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no half-written library

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import tiny_config
 from thinwire.errors import ConfigError
-from thinwire.train.compare import compare, format_comparison, parse_run_spec, plot_comparison
+from thinwire.train.compare import compare, parse_run_spec
+from thinwire.train.compare_report import format_comparison, plot_comparison
 from thinwire.train.config import TrainConfig
 
 STEPS = 80

@@ -1,6 +1,6 @@
 """End-to-end training on the testbed (thinwire.testbed.experiments).
 
-The command-line building and the stage split are checked everywhere; one tiny 2-host
+The config handed to each host and the stage split are checked everywhere; one tiny 2-host
 run at 1 Gbit/s (needs root, about 30 s on 2 cores) checks that the result carries NIC
 bytes agreeing with the collectives' own accounting and a warmup/compression split that
 matches where 1-bit LAMB really started compressing.
@@ -19,7 +19,7 @@ from thinwire.testbed import list_clusters, unavailable_reason
 from thinwire.testbed.experiments import (
     expected_tx_total,
     stage_times,
-    train_argv,
+    train_command,
     train_on_testbed,
 )
 from thinwire.train.algorithms import default_lr
@@ -28,53 +28,38 @@ from thinwire.train.config import TrainConfig
 _REASON = unavailable_reason()
 
 
-def test_train_argv_carries_non_default_fields(tmp_path: Path) -> None:
-    cfg = TrainConfig(algo="onebit-lamb", model="small", steps=80, freeze_step=16, batch_size=8)
-    argv = train_argv(cfg, tmp_path / "out", ["--eval-interval", "40"])
-    assert argv[:4] == [sys.executable, "-m", "thinwire", "train"]
-    flags = dict(zip(argv[4::2], argv[5::2], strict=False))
-    assert flags["--algo"] == "onebit-lamb"
-    assert flags["--model"] == "small"
-    assert flags["--steps"] == "80"
-    assert flags["--freeze-step"] == "16"
-    assert flags["--batch-size"] == "8"
-    assert flags["--lr"] == str(cfg.lr)  # explicit: the CLI would pick a per-algorithm lr
-    assert "--warmup-steps" not in flags  # other defaults stay implicit
-    assert argv[-3:] == ["--no-progress", "--eval-interval", "40"]
-    assert "--out" in argv and argv[argv.index("--out") + 1] == str(tmp_path / "out")
-
-
-def test_train_argv_carries_the_inner_momentum(tmp_path: Path) -> None:
+def test_train_command_carries_every_field_through_the_config_file(tmp_path: Path) -> None:
+    """What a testbed host trains is exactly the config it was handed: every field,
+    including those no flag sets (betas, extra, the asynchronous timeouts)."""
     from thinwire.cli.main import build_parser
     from thinwire.cli.train import config_from_args
 
-    cfg = TrainConfig(algo="async-diloco", dylu=True, inner_momentum="keep")
-    argv = train_argv(cfg, tmp_path / "out")
-    assert argv[argv.index("--inner-momentum") + 1] == "keep"
+    cfg = TrainConfig(
+        algo="async-diloco",
+        model="small",
+        steps=80,
+        lr=0.0123,
+        betas=(0.8, 0.99),
+        extra={"powersgd_rank": 1},
+        dead_after_s=3.0,
+        slowdown=(1.0, 2.5),
+        dylu=True,
+        inner_momentum="keep",
+        out_dir=str(tmp_path / "out"),
+        progress=False,
+    )
+    argv = train_command(cfg, tmp_path / "cfg.json", ["--eval-interval", "40"])
+    assert argv[:6] == [
+        sys.executable,
+        "-m",
+        "thinwire",
+        "train",
+        "--config",
+        str(tmp_path / "cfg.json"),
+    ]
     parsed = config_from_args(build_parser().parse_args(argv[3:]))
-    assert parsed.inner_momentum == "keep" and parsed.dylu
-    assert "--inner-momentum" not in train_argv(TrainConfig(dylu=True), tmp_path)
-
-
-def test_train_argv_carries_the_async_options(tmp_path: Path) -> None:
-    from thinwire.cli.main import build_parser
-    from thinwire.cli.train import config_from_args
-
-    options = {"sync": True, "grace_s": 1.5, "shards": 12}
-    cfg = TrainConfig(algo="async-diloco", **options)
-    parsed = config_from_args(build_parser().parse_args(train_argv(cfg, tmp_path)[3:]))
-    assert {k: getattr(parsed, k) for k in options} == options
-    default = config_from_args(build_parser().parse_args(["train"]))
-    assert (default.sync, default.grace_s, default.shards, default.extra) == (False, None, None, {})
-    with pytest.raises(ConfigError, match="dead_after_s"):
-        train_argv(TrainConfig(algo="async-diloco", dead_after_s=3.0), tmp_path)
-
-
-def test_train_argv_refuses_fields_without_a_flag(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="betas"):
-        train_argv(TrainConfig(betas=(0.8, 0.99)), tmp_path)
-    with pytest.raises(ConfigError, match="extra"):
-        train_argv(TrainConfig(extra={"powersgd_rank": 1}), tmp_path)
+    assert parsed.eval_interval == 40  # a flag after the file wins
+    assert parsed.to_dict() == {**cfg.to_dict(), "eval_interval": 40}
 
 
 def test_stage_times_splits_at_freeze_step() -> None:
@@ -122,29 +107,34 @@ def test_non_empty_out_dir_is_refused(tmp_path: Path) -> None:
 def test_each_algorithm_gets_its_tuned_lr_unless_one_is_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The comparison command gives LAMB-style and Adam-style optimizers their own
-    default peak lr; ``--lr`` sets one for all. (Only the routing is checked here: the
-    cluster and the runs are replaced by recorders.)"""
-    import contextlib
-
-    from thinwire.testbed import experiments
+    """The comparison commands give LAMB-style and Adam-style optimizers their own
+    default peak lr; ``--lr`` (or an lr in ``--config``) sets one for all, and a run
+    spec's own lr wins. (Only the routing is checked here: the runs are replaced by a
+    recorder.)"""
+    from thinwire.cli.main import main
+    from thinwire.train import compare as compare_mod
 
     seen: list[tuple[str, float]] = []
 
-    def fake_train(cfg: TrainConfig, *args: object, **kwargs: object) -> dict:
-        seen.append((cfg.algo, cfg.lr))
-        raise KeyboardInterrupt  # stop after recording: the rest needs a real cluster
+    def recorder(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[dict]:
+        seen.extend((c.algo, c.lr) for c in cfgs)
+        raise KeyboardInterrupt  # stop after recording: the rest needs real runs
 
-    monkeypatch.setattr(experiments, "Cluster", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(experiments, "train_on_testbed", fake_train)
+    monkeypatch.setattr(compare_mod, "local_runner", recorder)
+    (tmp_path / "lr.json").write_text('{"lr": 0.007}')
     for argv, want in [
-        (["--algos", "onebit-lamb"], ("onebit-lamb", default_lr("onebit-lamb"))),
-        (["--algos", "adamw-powersgd"], ("adamw-powersgd", default_lr("adamw-powersgd"))),
-        (["--algos", "onebit-lamb", "--lr", "0.005"], ("onebit-lamb", 0.005)),
+        (
+            ["onebit-lamb", "adamw-powersgd"],
+            [default_lr("onebit-lamb"), default_lr("adamw-powersgd")],
+        ),
+        (["onebit-lamb", "adamw", "--lr", "0.005"], [0.005, 0.005]),
+        (["lamb", "adamw@lr=0.001"], [default_lr("lamb"), 0.001]),
+        (["lamb", "adamw", "--config", str(tmp_path / "lr.json")], [0.007, 0.007]),
     ]:
-        with pytest.raises(KeyboardInterrupt):
-            experiments.main([*argv, "--rates", "1gbit", "--out", str(tmp_path / "o")])
-        assert seen[-1] == want
+        seen.clear()
+        out = ["--out", str(tmp_path / "o"), "--overwrite"]
+        assert main(["compare", "--algos", *argv, *out]) == 130
+        assert [lr for _, lr in seen] == want
     assert default_lr("onebit-lamb") != default_lr("adamw-powersgd")
 
 

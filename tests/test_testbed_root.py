@@ -193,7 +193,9 @@ def test_allreduce_bus_bandwidth_and_nic_bytes(
             [
                 sys.executable,
                 "-m",
-                "thinwire.testbed.probe",
+                "thinwire",
+                "testbed",
+                "probe",
                 "--mib",
                 str(mib),
                 "--iters",

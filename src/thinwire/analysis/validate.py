@@ -23,16 +23,17 @@ it brings up a testbed cluster (:mod:`thinwire.testbed`, needs root) and
 The pieces live beside this module: the co-located profiles in
 :mod:`thinwire.analysis.colocated`, the schemes, the link and the error arithmetic in
 :mod:`thinwire.analysis.validate_compare`, the outputs in
-:mod:`thinwire.analysis.validate_report`. This module runs the experiment and is its CLI.
+:mod:`thinwire.analysis.validate_report`. This module runs the experiment; its command
+line is ``thinwire analyze validate`` (:mod:`thinwire.cli.analyze_validate`).
 
 Run (as root)::
 
-    python -m thinwire.analysis.validate --model small --batch-size 8 --hosts 4 \\
+    thinwire analyze validate --model small --batch-size 8 --hosts 4 \\
         --rates 50mbit,100mbit,1gbit --steps 30 --freeze-step 10 \\
         --out runs/validate --plot runs/validate/validate.png
 
     # the same runs predicted again with the link fitted over 1-16 MiB (nothing re-measured)
-    python -m thinwire.analysis.validate --from-json runs/validate/validation.json \\
+    thinwire analyze validate --from-json runs/validate/validation.json \\
         --refit-min-bytes 1048576 --out runs/validate-refit
 
 Tuning and reading the numbers:
@@ -52,7 +53,6 @@ Tuning and reading the numbers:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -92,7 +92,6 @@ __all__ = [
     "error_pct",
     "format_table",
     "host_threads",
-    "main",
     "measured_step_s",
     "merge_profiles",
     "plot_validation",
@@ -338,69 +337,3 @@ def repredict(
         rows_out = _predict_rows(cfg, float(entry["rate_bits"]), points, records, link)
         new["rates"].append({**entry, "rows": rows_out, "link": asdict(link), "link_fit": fit_info})
     return new
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m thinwire.analysis.validate",
-        description="Predict the training step on testbed links with 'thinwire analyze', "
-        "then measure it (needs root).",
-    )
-    d = ValidationConfig()
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--hosts", type=int, default=d.hosts)
-    p.add_argument("--rates", default=",".join(d.rates), help="comma list of link rates")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--freeze-step", type=int, default=d.freeze_step)
-    p.add_argument("--skip-steps", type=int, default=d.skip_steps)
-    p.add_argument("--onebit-algo", default=d.onebit_algo)
-    p.add_argument("--profile-steps", type=int, default=d.profile_steps)
-    p.add_argument("--no-fit", action="store_true", help="nominal link rate, no latency")
-    p.add_argument("--fit-min-bytes", type=int, default=d.fit_min_bytes)
-    p.add_argument("--fit-max-bytes", type=int, default=d.fit_max_bytes)
-    p.add_argument("--out", default="runs/validate")
-    p.add_argument("--plot", default=None, help="PNG to draw")
-    p.add_argument(
-        "--from-json", default=None, help="re-render table and plot from an earlier validation.json"
-    )
-    p.add_argument(
-        "--refit-min-bytes",
-        type=int,
-        default=None,
-        help="with --from-json: predict again, the link fitted from this size up",
-    )
-    args = p.parse_args(argv)
-    plot = Path(args.plot) if args.plot else None
-    try:
-        if args.from_json and args.refit_min_bytes is not None:
-            result = repredict(Path(args.from_json).parent, args.refit_min_bytes)
-        elif args.from_json:
-            result = read_result(Path(args.from_json))
-        else:
-            cfg = ValidationConfig(
-                model=args.model,
-                batch_size=args.batch_size,
-                hosts=args.hosts,
-                rates=tuple(r.strip() for r in args.rates.split(",") if r.strip()),
-                steps=args.steps,
-                freeze_step=args.freeze_step,
-                skip_steps=args.skip_steps,
-                onebit_algo=args.onebit_algo,
-                profile_steps=args.profile_steps,
-                fit=not args.no_fit,
-                fit_min_bytes=args.fit_min_bytes,
-                fit_max_bytes=args.fit_max_bytes,
-            )
-            result = run_validation(cfg, Path(args.out), plot)
-    except ConfigError as exc:
-        print(f"thinwire: error: {exc}", file=sys.stderr)
-        return 2
-    if args.from_json:
-        write_result(result, Path(args.out), plot)
-    print(format_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,6 +21,7 @@ from typing import Any
 
 from thinwire.analysis.formats import link_document, load_link, load_study, reduction_cost
 from thinwire.analysis.memory import check_bench_memory, check_profile_memory
+from thinwire.cli.analyze_validate import add_validate_verb
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.rundir import writable_dir, writable_file
@@ -274,6 +275,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    add_validate_verb(verbs)
 
     pr = verbs.add_parser("profile", help="time one worker's step and gradient ready times")
     pr.add_argument(

@@ -1,4 +1,4 @@
-"""``python -m thinwire.testbed.async_compare``: the flags of
+"""``thinwire compare-async``: the flags of
 :func:`thinwire.testbed.async_compare.compare_methods`.
 
 Arguments after ``--`` are ``thinwire train`` flags applied to every method.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from thinwire.cli.main import build_parser
 from thinwire.cli.train import config_from_args
@@ -19,12 +19,13 @@ from thinwire.testbed import async_compare as _async_compare
 from thinwire.testbed.async_compare import compare_methods, save_results
 from thinwire.train.config import TrainConfig
 
-__all__ = ["main"]
+__all__ = ["register"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m thinwire.testbed.async_compare",
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "compare-async",
+        help="asynchronous Local-SGD methods for real: local processes or testbed hosts",
         description=_async_compare.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -40,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=None, help="testbed hosts (default: local)")
     p.add_argument("--rate", default="100mbit", help="testbed link rate")
     p.add_argument("--out", default="runs/async-compare")
-    args, extra = p.parse_known_args(argv)
+    p.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- thinwire train flags")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    extra = list(args.train_flags)
     if extra and extra[0] == "--":
         extra = extra[1:]
     try:
@@ -68,10 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--hosts must be {len(slowdown) + 1}: 1 server + one per factor")
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         result = compare_methods(base, methods, Path(args.out), args.hosts, args.rate)
-    except (ConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    command = "python -m thinwire.testbed.async_compare " + shlex.join(argv or sys.argv[1:])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    command = shlex.join(["thinwire", *getattr(args, "argv", ["compare-async"])])
     table = save_results(result, Path(args.out), command)
     print(table)
     return 0
@@ -81,7 +86,3 @@ def _changed(cfg: TrainConfig, keep_lr: bool) -> list[str]:
     default = TrainConfig(algo="async-diloco")
     skip = {"out_dir"} if keep_lr else {"out_dir", "lr"}
     return [k for k, v in cfg.to_dict().items() if k not in skip and v != getattr(default, k)]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

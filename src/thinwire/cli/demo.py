@@ -22,12 +22,13 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from thinwire.cli.demo_report import plot_demo, side_by_side
+from thinwire.cli.demo_report import side_by_side
 from thinwire.cli.train import freeze_step_arg
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.rundir import writable_dir
 from thinwire.train.algorithms import default_lr
+from thinwire.train.compare_report import plot_comparison
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics
 
@@ -203,13 +204,6 @@ def predicted_steps(profile: Profile, workers: int, rate: str) -> dict[str, floa
 # ------------------------------------------------------------------------ 2. train
 
 
-def _stage_speed(run_dir: Path, freeze: int, samples_per_step: int) -> float | None:
-    from thinwire.testbed.experiments import stage_times
-
-    st = stage_times(read_metrics(run_dir / "metrics.jsonl"), freeze, samples_per_step)
-    return st["compression"].get("samples_per_s")
-
-
 def _measured_step(run_dir: Path, first: int, last: int) -> float | None:
     """Mean logged seconds per step of steps ``first..last`` (None: fewer than 2 logged)."""
     from thinwire.analysis.validate_compare import measured_step_s
@@ -220,47 +214,47 @@ def _measured_step(run_dir: Path, first: int, last: int) -> float | None:
         return None
 
 
-def train_both(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool) -> list[dict]:
-    """Train LAMB and 1-bit LAMB; one row per run, same keys either way."""
-    rows = []
-    if testbed:
-        from thinwire.testbed.experiments import compare_on_testbed
-
-        for r in compare_on_testbed(list(ALGOS), cfg, workers, [rate], out / "train"):
-            rows.append(
-                {
-                    "algo": r["algo"],
-                    "final_val_loss": r["final_val_loss"],
-                    "samples_per_s": r["samples_per_s"],
-                    "compression_samples_per_s": r["compression_samples_per_s"],
-                    "train_time_s": json.loads((Path(r["out_dir"]) / "summary.json").read_text())[
-                        "train_time_s"
-                    ],
-                    "comm_bytes": r["accounted_mb_per_host"] * 1e6,
-                    "nic_bytes": r["nic_tx_mb_per_host"] * 1e6,
-                    "run_dir": r["out_dir"],
-                    "freeze_step": r.get("freeze_step"),
-                }
-            )
-        return rows
+def train_both(
+    cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool
+) -> dict[str, Any]:
+    """Train LAMB and 1-bit LAMB with the comparison driver, on the testbed (one cluster at
+    ``rate``) or on local workers; the comparison result, and its rows for the table."""
     from thinwire.train.compare import compare
 
-    result = compare(list(ALGOS), cfg, workers, out / "train", overwrite=True)
-    freeze = freeze_step_of(result["runs"].values())
+    if not testbed:
+        return compare(list(ALGOS), cfg, workers, out / "train", overwrite=True)
+    from thinwire.testbed.cluster import Cluster
+    from thinwire.testbed.experiments import on_cluster
+    from thinwire.testbed.rates import format_rate, parse_rate
+
+    with Cluster(workers, rate) as cluster:
+        return compare(
+            list(ALGOS),
+            cfg,
+            workers,
+            out / "train",
+            overwrite=True,
+            runner=on_cluster(cluster),
+            where={"kind": "testbed", "hosts": workers, "rate": format_rate(parse_rate(rate))},
+        )
+
+
+def rows_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per run for the side-by-side table."""
+    rows = []
     for algo, r in result["runs"].items():
-        run_dir = out / "train" / algo
+        tx = r.get("testbed", {}).get("nic_tx_bytes") or []
         rows.append(
             {
                 "algo": algo,
                 "final_val_loss": r["final_val_loss"],
                 "samples_per_s": r["samples_per_s"],
-                "compression_samples_per_s": _stage_speed(
-                    run_dir, freeze, cfg.batch_size * workers
-                ),
+                "compression_samples_per_s": r["stages"]["compression"].get("samples_per_s"),
                 "train_time_s": r["train_time_s"],
-                "comm_bytes": r["comm_bytes"],
-                "nic_bytes": None,
-                "run_dir": str(run_dir),
+                # the testbed's hosts all count the start-up broadcasts; rank 0 sends them
+                "comm_bytes": r.get("accounted_tx_bytes_per_host", r["comm_bytes"]),
+                "nic_bytes": sum(tx) / len(tx) if tx else None,
+                "run_dir": r["out_dir"],
                 "freeze_step": r.get("freeze_step"),
             }
         )
@@ -298,7 +292,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     )
     profile = analyze(cfg, args.workers, args.rate, out, testbed=reason is None)
     print(f"\n== 2/3  Training with LAMB and with 1-bit LAMB on {where}\n")
-    rows = train_both(cfg, args.workers, args.rate, out, testbed=reason is None)
+    result = train_both(cfg, args.workers, args.rate, out, testbed=reason is None)
+    rows = rows_of(result)
     # Like with like: the steps after the first compressing one (which allocates the
     # error-feedback buffers), for both runs; evaluation is not part of a logged step.
     predicted = predicted_steps(profile, args.workers, args.rate)
@@ -311,7 +306,8 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         f"\n== 3/3  Side by side ({cfg.steps} steps, 1-bit LAMB compressing after step {freeze})\n"
     )
     print(side_by_side(rows))
-    plot = plot_demo(rows, freeze, out / "demo.png", f"{cfg.model} GPT, {where}")
+    title = f"LAMB and 1-bit LAMB: {cfg.model} GPT, {where}"
+    plot = plot_comparison(result, out / "demo.png", title)
     if plot is not None:
         print(f"\nplot: {plot}")
     result = {"where": where, "config": cfg.to_dict(), "runs": rows, "study": "study.json"}

@@ -2,18 +2,15 @@
 
 Each row is one run's summary with the demo's additions (predicted and measured step
 after the freeze, NIC bytes); the table puts LAMB and 1-bit LAMB in two columns with
-their ratio, the figure draws loss against samples and against seconds, and the bytes.
+their ratio; the figure is the comparison's own
+(:func:`thinwire.train.compare_report.plot_comparison`).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from thinwire.plotting import pyplot, save_figure
-from thinwire.train.metrics import read_metrics
-
-__all__ = ["LABELS", "plot_demo", "side_by_side"]
+__all__ = ["LABELS", "side_by_side"]
 
 LABELS = {"lamb": "LAMB", "onebit-lamb": "1-bit LAMB"}
 """How the demo names its two algorithms."""
@@ -88,42 +85,3 @@ def side_by_side(rows: list[dict[str, Any]]) -> str:
         + "  ".join(c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True))
         for row in lines
     )
-
-
-def plot_demo(rows: list[dict[str, Any]], freeze: int, path: Path, title: str) -> Path | None:
-    """Loss vs samples, loss vs training seconds, cumulative MiB vs step."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    for row in rows:
-        recs = read_metrics(Path(row["run_dir"]) / "metrics.jsonl")
-        train = [r for r in recs if "time_s" in r]
-        val = [r for r in recs if "val_loss" in r and r["step"] > 0]
-        times = {r["step"]: r["time_s"] for r in train}
-        label = LABELS[row["algo"]]
-        axes[0].plot(
-            [r["samples"] for r in val], [r["val_loss"] for r in val], marker=".", label=label
-        )
-        axes[1].plot(
-            [times[r["step"]] for r in val if r["step"] in times],
-            [r["val_loss"] for r in val if r["step"] in times],
-            marker=".",
-            label=label,
-        )
-        axes[2].plot(
-            [r["step"] for r in train], [r["comm_bytes"] / 2**20 for r in train], label=label
-        )
-    axes[2].axvline(freeze, color="grey", ls=":", lw=1)
-    for ax, xl, yl in (
-        (axes[0], "training samples", "validation loss (nats/byte)"),
-        (axes[1], "training time (s)", "validation loss (nats/byte)"),
-        (axes[2], "step (dotted: freeze)", "MiB sent per worker, cumulative"),
-    ):
-        ax.set_xlabel(xl)
-        ax.set_ylabel(yl)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return save_figure(fig, path)

@@ -23,11 +23,14 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 SUBCOMMANDS: tuple[str, ...] = (
     "thinwire.cli.train",
+    "thinwire.cli.compare",
+    "thinwire.cli.async_compare",
     "thinwire.cli.demo",
     "thinwire.cli.testbed",
     "thinwire.cli.analyze",
     "thinwire.cli.bench",
     "thinwire.cli.simulate",
+    "thinwire.cli.native",
 )
 
 
@@ -54,7 +57,9 @@ def _one_line(msg: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line, for the records a command writes
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

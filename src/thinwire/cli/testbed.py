@@ -1,8 +1,10 @@
 """``thinwire testbed up|down|status|run``: an emulated slow network on this machine.
 
+(``compare``, ``sweep`` and ``probe`` measure on it: :mod:`thinwire.cli.testbed_tools`.)
+
 Examples::
 
-    thinwire testbed run --hosts 4 --rate 100mbit -- python -m thinwire.testbed.probe
+    thinwire testbed run --hosts 4 --rate 100mbit -- python -m thinwire testbed probe
     thinwire testbed up --hosts 4 --rate 1gbit          # prints the cluster id
     thinwire testbed run --id ID -- thinwire train ...  # reuse it
     thinwire testbed status
@@ -19,6 +21,7 @@ import signal
 import sys
 from types import FrameType
 
+from thinwire.cli.testbed_tools import add_verbs
 from thinwire.errors import ConfigError
 from thinwire.rundir import writable_dir
 from thinwire.testbed import netns as nx
@@ -70,6 +73,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_run)
+    add_verbs(verbs)
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:

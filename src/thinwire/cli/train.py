@@ -15,13 +15,15 @@ server considers dead, unless ``--force-rejoin``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
 
+from thinwire.cli.train_config import config_from_args, track_explicit
 from thinwire.comm.launch import launched_by_torchrun
 from thinwire.errors import ConfigError
-from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names, default_lr
+from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS
 from thinwire.train.model import PRESETS
@@ -70,6 +72,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     algos = "; ".join(f"{n}: {ALGORITHMS.get(n, RUNNERS.get(n))[1]}" for n in algorithm_names())
     g = p.add_argument_group("run")
+    g.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="settings from a .json or .toml file of TrainConfig fields (a run's "
+        "OUT/config.json repeats it); flags given beside it win",
+    )
     g.add_argument("--algo", default=d.algo, help=f"training algorithm ({algos})")
     g.add_argument("--workers", type=int, default=4, help="local worker processes (default 4)")
     g.add_argument(
@@ -246,6 +255,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds before a stuck run is stopped"
     )
+    track_explicit(p)
 
 
 def register(sub: Any) -> None:
@@ -266,68 +276,17 @@ def register(sub: Any) -> None:
         "the run's other options unchanged",
     )
     p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings as JSON (a file for --config) and exit",
+    )
+    p.add_argument(
         "--force-rejoin",
         action="store_true",
         help="with --rejoin: replace worker RANK even if the server considers it alive "
         "(its old process is stalled, not dead)",
     )
     p.set_defaults(func=_main)
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    if args.shards is not None and args.shards < 1:
-        raise ConfigError(f"--shards must be >= 1, got {args.shards}")
-    return TrainConfig(
-        algo=args.algo,
-        model=args.model,
-        seq_len=args.seq_len,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        data=args.data,
-        seed=args.seed,
-        steps=args.steps,
-        stop_after=args.stop_after,
-        batch_size=args.batch_size,
-        lr=args.lr if args.lr is not None else default_lr(args.algo),
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        freeze_step=args.freeze_step,
-        freeze_cap=args.freeze_cap,
-        freeze_tolerance=args.freeze_tolerance,
-        precondition=args.precondition,
-        grad_dtype=args.grad_dtype,
-        local_steps=args.local_steps,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        outer=args.outer,
-        dylu=args.dylu,
-        slowdown=args.slowdown,
-        compress=args.compress,
-        inner_momentum=args.inner_momentum,
-        speeds=args.speeds,
-        calibration_steps=args.calibration_steps,
-        min_local_steps=args.min_local_steps,
-        staleness=args.staleness,
-        max_staleness=args.max_staleness,
-        shard_sampling=args.shard_sampling,
-        shard_layout=args.shard_layout,
-        compress_pull=args.compress_pull,
-        grace_s=args.grace,
-        sync=args.sync,
-        shards=args.shards,
-        dead_after_s=args.dead_after,
-        eval_interval=args.eval_interval,
-        eval_sequences=args.eval_sequences,
-        log_interval=args.log_interval,
-        checkpoint_interval=args.checkpoint_interval,
-        out_dir=args.out or f"runs/{args.algo}",
-        resume=args.resume,
-        progress=not args.no_progress,
-        tensorboard=args.tensorboard,
-        device=args.device,
-    )
 
 
 def _mib(n: float) -> str:
@@ -359,6 +318,10 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def _main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if args.print_config:
+        cfg.validate()
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
     if args.force_rejoin and args.rejoin is None:
         raise ConfigError("--force-rejoin goes with --rejoin RANK")
     if args.rejoin is not None:

@@ -10,8 +10,8 @@ precomputed 8-value row per byte. Output is bit-identical to the pure path
 
 Building is a set-up step, never a side effect of a run::
 
-    python -m thinwire.compress.native --build     # what `make install` runs
-    python -m thinwire.compress.native --status    # built? where? why not?
+    thinwire native build     # what `make install` runs
+    thinwire native status    # built? where? why not?
 
 It calls the C++ compiler (``$CXX``, else ``c++``) directly on torch's and Python's
 headers (no ninja, no setuptools), for the machine it runs on (``-march=native``), in
@@ -29,7 +29,6 @@ announced once when not).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import hashlib
@@ -347,42 +346,3 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         target.parent.rmdir()  # only if empty: leave no trace of a failed build
     status, tail = errors[-1]
     raise BuildError(f"the C++ compiler failed with exit status {status}\n{tail}".rstrip())
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m thinwire.compress.native --build|--status``; exit status 1 if not built."""
-    p = argparse.ArgumentParser(
-        prog="python -m thinwire.compress.native",
-        description="Build or inspect thinwire's compiled packing kernels for this machine.",
-    )
-    p.add_argument("--build", action="store_true", help="compile them (skipped if built)")
-    p.add_argument("--force", action="store_true", help="with --build: compile even if built")
-    p.add_argument("--verbose", action="store_true", help="print the compiler command")
-    p.add_argument("--status", action="store_true", help="say whether they are built (default)")
-    args = p.parse_args(argv)
-    if args.build:
-        if args.force or not library_path().is_file():
-            print("thinwire: compiling the native packing kernels (about a minute)", flush=True)
-        try:
-            path = build(force=args.force, verbose=args.verbose)
-        except BuildError as exc:
-            first, _, rest = str(exc).partition("\n")
-            print(
-                f"thinwire: native packing kernels not built ({first}); packing uses pure torch",
-                file=sys.stderr,
-            )
-            if args.verbose and rest:
-                print(rest, file=sys.stderr)
-            return 1
-        print(f"thinwire: native packing kernels built: {path}")
-        return 0
-    reason = unavailable_reason()
-    if reason is None:
-        print(f"thinwire: native packing kernels loaded from {library_path()}")
-        return 0
-    print(f"thinwire: native packing kernels unavailable: {reason} (looked for {library_path()})")
-    return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

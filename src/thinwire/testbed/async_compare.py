@@ -8,9 +8,9 @@ for the same inner-step budget, and the time it took to reach synchronous DiLoCo
 loss (sync DiLoCo runs through the server's sync barrier, ``--sync``, since it needs the
 same slowdowns)::
 
-    python -m thinwire.testbed.async_compare --methods sync,naive,dn,dn-dylu \\
+    thinwire compare-async --methods sync,naive,dn,dn-dylu \\
         --steps 200 --local-steps 10 --slowdown 1,1.29,2.6,5.74 --out runs/async-real
-    python -m thinwire.testbed.async_compare ... --hosts 5 --rate 100mbit   # testbed (root)
+    thinwire compare-async ... --hosts 5 --rate 100mbit   # testbed (root)
 
 Each method runs at its tuned outer lr and momentum unless ``--`` passes other
 ``thinwire train`` flags to all of them. Without ``--hosts`` the processes run on this
@@ -170,10 +170,3 @@ def save_results(result: dict[str, Any], out_dir: Path, command: str) -> str:
     atomic_write_text(Path(out_dir) / "results.json", json.dumps(blob, indent=1) + "\n")
     atomic_write_text(Path(out_dir) / "table.md", f"`{command}`\n\n{table}")
     return table
-
-
-if __name__ == "__main__":
-    # ``python -m thinwire.testbed.async_compare`` keeps working; the flags live in the CLI.
-    from thinwire.cli.async_compare import main
-
-    raise SystemExit(main())

@@ -18,17 +18,22 @@ Python::
     rows = compare_on_testbed(["lamb", "onebit-lamb", "adamw-powersgd"], cfg, hosts=4,
                               rates=["100mbit", "1gbit", "unlimited"], out_dir=Path("runs/cmp"))
 
-Shell (the evidence in ``docs/benchmarks.md`` was made this way)::
+Shell::
 
-    python -m thinwire.testbed.experiments --algos lamb,onebit-lamb,adamw-powersgd \\
-        --hosts 4 --rates 100mbit,1gbit,unlimited --model small --batch-size 8 \\
-        --steps 80 --freeze-step 16 --out runs/e2e --plot docs/testbed-e2e.png
+    thinwire testbed compare --algos lamb onebit-lamb adamw-powersgd --hosts 4 \\
+        --rates 100mbit,1gbit,unlimited --model small --batch-size 8 --steps 80 \\
+        --freeze-step 16 --out runs/e2e
+
+Each run reaches its hosts as a settings file (``thinwire train --config``), so every
+field of the config travels, with nothing lost on the way. A comparison is
+:func:`thinwire.train.compare.compare` with :func:`on_cluster` as its runner, once per
+rate and round.
 
 Tuning and reading the numbers:
 
-* Stages. Steps ``1..freeze_step`` are the *warmup* stage, the rest the *compression*
-  stage, for every algorithm, so LAMB and PowerSGD are measured over the same step range
-  as 1-bit LAMB. (PowerSGD has a warmup of its own, ``powersgd_start`` = 10 DDP
+* Stages. Steps ``1..freeze_step`` of the round's first 1-bit run are the *warmup*
+  stage, the rest the *compression* stage, for every algorithm, so LAMB and PowerSGD are
+  measured over the same step range as 1-bit LAMB. (PowerSGD has a warmup of its own, ``powersgd_start`` = 10 DDP
   iterations of plain allreduce.) ``--log-interval 1`` is forced so each step's time is
   known; the per-step loss allreduce it adds (4 bytes) runs outside the timed region.
 * Speedups are ratios to the first algorithm of the list, within the same rate and the
@@ -45,42 +50,47 @@ Tuning and reading the numbers:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.testbed.cluster import Cluster
-from thinwire.testbed.compare_plot import plot_comparison
 from thinwire.testbed.rates import format_rate, parse_rate
-from thinwire.testbed.stages import (
+from thinwire.train.algorithms import check_algorithm
+from thinwire.train.compare import Runner, compare
+from thinwire.train.compare_report import plot_comparison
+from thinwire.train.config import TrainConfig
+from thinwire.train.config_file import write_config_file
+from thinwire.train.stages import (
     accounted_total,
     expected_tx_total,
     final_train_loss,
     stage_times,
 )
-from thinwire.testbed.train_flags import train_argv
-from thinwire.train.algorithms import check_algorithm, default_lr
-from thinwire.train.config import TrainConfig
-from thinwire.train.metrics import read_metrics
 
 __all__ = [
     "compare_on_testbed",
     "expected_tx_total",
     "format_table",
-    "main",
-    "plot_comparison",
+    "on_cluster",
     "stage_times",
-    "train_argv",
+    "train_command",
     "train_on_testbed",
 ]
+
+
+def train_command(cfg: TrainConfig, config_path: Path, extra_args: Sequence[str] = ()) -> list[str]:
+    """Write ``cfg`` to ``config_path``; the ``thinwire train`` command line that runs it
+    on a host (``extra_args``: more flags, which win over the file)."""
+    write_config_file(cfg, config_path)
+    return [sys.executable, "-m", "thinwire", "train", "--config", str(config_path), *extra_args]
 
 
 def train_on_testbed(
@@ -122,8 +132,9 @@ def train_on_testbed(
         raise ConfigError(f"out_dir {out_dir} is not empty; each run needs a fresh directory")
     cfg = replace(cfg, log_interval=1, progress=False, out_dir=str(out_dir))
     cfg.validate()
-    argv = train_argv(cfg, out_dir, extra_args)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # The settings file sits with the hosts' logs: the run directory itself must hold
+    # no run files when the trainer claims it.
+    argv = train_command(cfg, out_dir / "hosts" / "train_config.json", extra_args or [])
     if cluster is not None and cluster.hosts != hosts:
         raise ConfigError(f"hosts={hosts} but the given cluster has {cluster.hosts} hosts")
     own = cluster is None
@@ -168,7 +179,7 @@ def train_on_testbed(
         "stages": stage_times(records, _split_step(cfg, summary), cfg.batch_size * world),
         "final_train_loss": final_train_loss(records),
     }
-    (out_dir / "testbed_run.json").write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out_dir / "testbed_run.json", json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -181,27 +192,50 @@ def _split_step(cfg: TrainConfig, summary: dict[str, Any]) -> int:
     return cfg.freeze_step if isinstance(cfg.freeze_step, int) else 0
 
 
-def _row(res: dict[str, Any], repeat: int) -> dict[str, Any]:
-    st = res["stages"]
+def on_cluster(cluster: Cluster, extra_args: Sequence[str] = ()) -> Runner:
+    """A :data:`~thinwire.train.compare.Runner` that trains each config on ``cluster``
+    (one process per host; ``workers`` must equal the cluster's hosts)."""
+
+    def run(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[dict[str, Any]]:
+        return [
+            train_on_testbed(
+                cfg,
+                workers,
+                None,
+                Path(cfg.out_dir),
+                list(extra_args),
+                cluster=cluster,
+                timeout_s=timeout_s,
+            )
+            for cfg in cfgs
+        ]
+
+    return run
+
+
+def _row(label: str, run: dict[str, Any], repeat: int) -> dict[str, Any]:
+    """One table row of a testbed comparison run (see :func:`format_table`)."""
+    st, tb = run["stages"], run["testbed"]
     return {
-        "rate": res["testbed"]["rate"],
-        "algo": res["algo"],
+        "rate": tb["rate"],
+        "algo": label,
         "repeat": repeat,
-        "steps": res["steps"],
-        "samples_per_s": res["samples_per_s"],
+        "steps": run["config"]["steps"],
+        "samples_per_s": run["samples_per_s"],
+        "speedup": run["speedup"],
         "warmup_step_s": st["warmup"].get("mean_step_s"),
         "compression_step_s": st["compression"].get("mean_step_s"),
         "compression_samples_per_s": st["compression"].get("samples_per_s"),
-        "nic_tx_mb_per_host": statistics.fmean(res["testbed"]["nic_tx_bytes"]) / 1e6,
-        "accounted_mb": res["accounted_wire_bytes"] / 1e6,
-        "accounted_mb_per_host": res["accounted_tx_bytes_per_host"] / 1e6,
-        "nic_over_accounted": res["nic_over_accounted"],
-        "final_val_loss": res["final_val_loss"],
-        "final_train_loss": res["final_train_loss"],
-        "freeze_step": res.get("freeze_step"),
-        "wall_s": res["testbed"]["wall_s"],
-        "load_avg_1min": res["testbed"]["load_avg_1min"],
-        "out_dir": res["out_dir"],
+        "compression_speedup": run["compression_speedup"],
+        "nic_tx_mb_per_host": statistics.fmean(tb["nic_tx_bytes"]) / 1e6,
+        "accounted_mb_per_host": run["accounted_tx_bytes_per_host"] / 1e6,
+        "nic_over_accounted": run["nic_over_accounted"],
+        "final_val_loss": run["final_val_loss"],
+        "final_train_loss": run["final_train_loss"],
+        "freeze_step": run.get("freeze_step"),
+        "wall_s": tb["wall_s"],
+        "load_avg_1min": tb["load_avg_1min"],
+        "out_dir": run["out_dir"],
     }
 
 
@@ -217,26 +251,29 @@ def compare_on_testbed(
     plot: Path | None = None,
     timeout_s: float = 1800.0,
     lrs: Mapping[str, float] | None = None,
+    overwrite: bool = False,
+    command: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Train each of ``algos`` with ``cfg`` at each rate; one row per run, ratios included.
+    """Compare ``algos`` (run specs) with ``cfg`` at each rate; one row per run.
 
-    ``lrs`` overrides ``cfg.lr`` per algorithm (e.g. each one's tuned default from
-    :func:`thinwire.train.algorithms.default_lr`, which is what the command line uses
-    unless ``--lr`` is given): LAMB-style and Adam-style optimizers want peak learning
-    rates an order of magnitude apart, so one shared lr handicaps one side.
+    ``lrs`` sets the peak lr per algorithm (e.g. each one's tuned default,
+    :func:`thinwire.train.compare.tuned_lrs`, which is what the command line uses unless
+    ``--lr`` is given); a spec's own ``lr=`` wins over it.
 
     Per rate one cluster is brought up and the algorithms run back to back on it,
-    ``repeats`` rounds in turn. Each row carries ``speedup`` (whole-run samples/s) and
+    ``repeats`` rounds in turn; each round is one :func:`~thinwire.train.compare.compare`
+    into ``out_dir/RATE-rROUND`` (its ``comparison.json`` and, with ``plot``, its
+    ``comparison.png``). Each row carries ``speedup`` (whole-run samples/s) and
     ``compression_speedup`` (compression-stage samples/s) over ``algos[0]`` of the same
-    rate and round. Writes ``out_dir/compare.json`` (rows and the command lines) and,
-    with ``plot``, a figure (see :func:`plot_comparison`).
+    rate and round. Writes ``out_dir/compare.json`` (the rows) and returns the rows;
+    ``plot`` also gets the first round's figure.
     """
     if not algos:
         raise ConfigError("no algorithms to compare")
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
-    for algo in algos:
-        check_algorithm(algo)
+    for spec in algos:
+        check_algorithm(spec.partition("@")[0])
     for rate in rates:
         parse_rate(rate)  # a typo fails before the first cluster comes up
     out_dir = Path(out_dir)
@@ -245,54 +282,34 @@ def compare_on_testbed(
         label = format_rate(parse_rate(rate))
         with Cluster(hosts, rate) as c:
             for rep in range(repeats):
-                round_rows = []
-                for algo in algos:
-                    run_dir = out_dir / f"{label}-r{rep}-{algo}"
-                    t0 = time.strftime("%H:%M:%S")
-                    res = train_on_testbed(
-                        replace(cfg, algo=algo, lr=(lrs or {}).get(algo, cfg.lr)),
-                        hosts,
-                        rate,
-                        run_dir,
-                        extra_args,
-                        cluster=c,
-                        timeout_s=timeout_s,
-                    )
-                    row = _row(res, rep)
+                round_dir = out_dir / f"{label}-r{rep}"
+                result = compare(
+                    list(algos),
+                    cfg,
+                    hosts,
+                    round_dir,
+                    overwrite=overwrite,
+                    timeout_s=timeout_s,
+                    command=command,
+                    lrs=lrs,
+                    runner=on_cluster(c, extra_args or []),
+                    where={"kind": "testbed", "hosts": hosts, "rate": label, "round": rep},
+                )
+                for name, run in result["runs"].items():
+                    row = _row(name, run, rep)
                     print(
-                        f"[{t0}] {label} round {rep} {algo}: {row['samples_per_s']:.2f} "
-                        f"samples/s, {row['wall_s']:.0f} s wall, load "
+                        f"{label} round {rep} {name}: {row['samples_per_s']:.2f} samples/s, "
+                        f"{row['wall_s']:.0f} s wall, load "
                         f"{row['load_avg_1min'][0]:.1f}->{row['load_avg_1min'][1]:.1f}",
                         flush=True,
                     )
-                    round_rows.append(row)
-                _common_split(round_rows, cfg.batch_size * hosts)
-                base = round_rows[0]
-                for row in round_rows:
-                    row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
-                    a, b = row["compression_samples_per_s"], base["compression_samples_per_s"]
-                    row["compression_speedup"] = a / b if a and b else None
-                rows.extend(round_rows)
-                (out_dir / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
-    if plot is not None:
-        plot_comparison(rows, plot)
+                    rows.append(row)
+                if plot is not None:
+                    plot_comparison(result, round_dir / "comparison.png")
+                    if (rate, rep) == (rates[0], 0):
+                        plot_comparison(result, plot)
+                atomic_write_text(out_dir / "compare.json", json.dumps(rows, indent=2) + "\n")
     return rows
-
-
-def _common_split(rows: list[dict[str, Any]], samples_per_step: int) -> None:
-    """Runs without a freeze of their own (LAMB, PowerSGD) get their stage times over the
-    steps of the round's first 1-bit run, like for like."""
-    split = next((r["freeze_step"] for r in rows if r.get("freeze_step")), None)
-    if split is None:
-        return
-    for r in rows:
-        if r.get("freeze_step") == split:
-            continue
-        records = read_metrics(Path(r["out_dir"]) / "metrics.jsonl")
-        st = stage_times(records, split, samples_per_step)
-        r["warmup_step_s"] = st["warmup"].get("mean_step_s")
-        r["compression_step_s"] = st["compression"].get("mean_step_s")
-        r["compression_samples_per_s"] = st["compression"].get("samples_per_s")
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -322,66 +339,3 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 def _load(row: dict[str, Any]) -> str:
     load = row.get("load_avg_1min")
     return "-" if not load else f"{load[0]:.1f}->{load[1]:.1f}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m thinwire.testbed.experiments",
-        description="Compare training algorithms end to end on testbed clusters.",
-        epilog="Flags after '--' go to 'thinwire train' unchanged.",
-    )
-    p.add_argument(
-        "--algos",
-        default="lamb,onebit-lamb,adamw-powersgd",
-        help="comma list; speedups are over the first",
-    )
-    p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--rates", default="100mbit,1gbit,unlimited", help="comma list of rates")
-    p.add_argument("--model", default="small")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--freeze-step", type=int, default=None)
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=None,
-        help="peak lr for every algorithm (default: each one's tuned default)",
-    )
-    p.add_argument("--repeats", type=int, default=1, help="rounds of all algorithms per rate")
-    p.add_argument("--out", default="runs/testbed-e2e")
-    p.add_argument("--plot", default=None, help="PNG to draw (needs matplotlib)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
-    args, extra = p.parse_known_args(argv)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    elif extra:
-        p.error(f"unrecognized arguments: {' '.join(extra)} (train flags go after '--')")
-    cfg = TrainConfig(
-        model=args.model, batch_size=args.batch_size, steps=args.steps, freeze_step=args.freeze_step
-    )
-    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
-    if args.lr is not None:
-        cfg = replace(cfg, lr=args.lr)
-    try:
-        lrs = None if args.lr is not None else {a: default_lr(a) for a in algos}
-        rows = compare_on_testbed(
-            algos,
-            cfg,
-            args.hosts,
-            [r.strip() for r in args.rates.split(",") if r.strip()],
-            Path(args.out),
-            repeats=args.repeats,
-            extra_args=extra,
-            timeout_s=args.timeout,
-            plot=Path(args.plot) if args.plot else None,
-            lrs=lrs,
-        )
-    except ConfigError as exc:
-        print(f"thinwire: error: {exc}", file=sys.stderr)
-        return 2
-    print(format_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

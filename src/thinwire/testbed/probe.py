@@ -1,7 +1,7 @@
 """Time a plain fp32 allreduce on whatever group the environment describes.
 
 Run once per host (``thinwire testbed run --hosts 4 --rate 100mbit -- python -m
-thinwire.testbed.probe --mib 8``); each rank prints one JSON line starting with
+thinwire testbed probe --mib 8``); each rank prints one JSON line starting with
 ``PROBE`` per size (``--mib 1,8,32`` measures three sizes in one process)::
 
     PROBE {"rank": 0, "world": 4, "bytes": 8388608, "iters": 3,
@@ -21,9 +21,6 @@ is not timed.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 
 import torch
@@ -31,37 +28,12 @@ import torch.distributed as dist
 
 from thinwire.comm.accounting import COUNTER
 from thinwire.comm.allreduce import all_reduce_mean_
-from thinwire.comm.launch import init_from_env, world_size
+from thinwire.comm.launch import world_size
 
-__all__ = ["main"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--mib", default="8", help="MiB per allreduce call; a comma list measures each"
-    )
-    parser.add_argument("--iters", type=int, default=3, help="timed calls per size")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first, per size")
-    args = parser.parse_args(argv)
-    try:
-        sizes = [float(tok) for tok in str(args.mib).split(",")]
-    except ValueError:
-        parser.error(f"--mib {args.mib!r}: expected numbers separated by commas")
-    if any(m <= 0 for m in sizes) or args.iters < 1 or args.warmup < 0:
-        parser.error("--mib must be > 0, --iters >= 1, --warmup >= 0")
-    if not init_from_env():
-        print("probe: RANK/WORLD_SIZE not set; run it under the testbed", file=sys.stderr)
-        return 2
-    try:
-        for mib in sizes:
-            print("PROBE " + json.dumps(_measure(mib, args.iters, args.warmup)), flush=True)
-    finally:
-        dist.destroy_process_group()
-    return 0
+__all__ = ["measure"]
 
 
-def _measure(mib: float, iters: int, warmup: int) -> dict[str, float | int]:
+def measure(mib: float, iters: int, warmup: int) -> dict[str, float | int]:
     w = world_size()
     numel = max(1, int(mib * 2**20) // 4)
     x = torch.ones(numel, dtype=torch.float32)
@@ -85,7 +57,3 @@ def _measure(mib: float, iters: int, warmup: int) -> dict[str, float | int]:
         "wire_bytes": COUNTER.wire_bytes,
         "payload_bytes": COUNTER.payload_bytes,
     }
-
-
-if __name__ == "__main__":
-    sys.exit(main())

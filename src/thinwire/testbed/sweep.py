@@ -1,9 +1,10 @@
 """Measure the fp32 ring allreduce on testbed clusters and print a markdown table.
 
-    python -m thinwire.testbed.sweep --hosts 4 --rates 100mbit,1gbit,unlimited \\
+    thinwire testbed sweep --hosts 4 --rates 100mbit,1gbit,unlimited \\
         --mib 1,8,32 --out runs/testbed-sweep
 
-For each rate one cluster is brought up and :mod:`thinwire.testbed.probe` runs on it
+For each rate one cluster is brought up and the probe (``thinwire testbed probe``,
+:mod:`thinwire.testbed.probe`) runs on it
 once, measuring every size. Per row: the bus bandwidth (slowest rank), its ratio to the
 link rate, and, per run, the bytes each NIC sent against the bytes the collective
 accounted for (:data:`thinwire.comm.accounting.COUNTER`). ``--plot`` draws bus
@@ -16,17 +17,15 @@ Tuning: the 100 Mbit/s row of a 32 MiB buffer takes ~4 s per call on 4 hosts; ke
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from thinwire.errors import ConfigError
 from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.rates import format_rate, parse_rate
 
-__all__ = ["main", "sweep"]
+__all__ = ["format_table", "plot_sweep", "sweep"]
 
 
 def _probe_lines(log: str) -> list[dict[str, Any]]:
@@ -50,7 +49,9 @@ def sweep(
             argv = [
                 sys.executable,
                 "-m",
-                "thinwire.testbed.probe",
+                "thinwire",
+                "testbed",
+                "probe",
                 "--mib",
                 mib_arg,
                 "--iters",
@@ -81,7 +82,7 @@ def sweep(
     return rows
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| hosts | link rate | MiB per call | s per call | bus bandwidth | of link rate "
         "| NIC tx / accounted bytes |",
@@ -96,7 +97,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,34 +117,3 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.legend(title="link rate")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hosts", type=int, default=4)
-    parser.add_argument("--rates", default="100mbit,1gbit", help="comma list of link rates")
-    parser.add_argument("--mib", default="1,8,32", help="comma list of MiB per call")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--out", default="runs/testbed-sweep", help="logs and rows.json")
-    parser.add_argument("--plot", default=None, help="write a PNG of busbw vs size here")
-    args = parser.parse_args(argv)
-    try:
-        sizes = [float(t) for t in args.mib.split(",")]
-    except ValueError:
-        parser.error(f"--mib {args.mib!r}: expected numbers separated by commas")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        rows = sweep(args.hosts, args.rates.split(","), sizes, args.iters, out)
-    except ConfigError as exc:
-        print(f"thinwire: error: {exc}", file=sys.stderr)
-        return 2
-    (out / "rows.json").write_text(json.dumps(rows, indent=2))
-    print(_table(rows))
-    if args.plot:
-        _plot(rows, Path(args.plot))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,6 +30,7 @@ from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_asyn
 from thinwire.localsgd.auth import read_token
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
+from thinwire.train.config_file import CONFIG_NAME, write_config_file
 from thinwire.train.data import TextData
 from thinwire.train.metrics import MetricsWriter
 from thinwire.train.model import GPT
@@ -185,6 +186,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     def on_start(resumed: int | None) -> None:
         if resumed is None:
             write_run_identity(out_dir, identity)
+            write_config_file(replace(cfg, resume=False), out_dir / CONFIG_NAME)
         else:
             check_run_identity(out_dir, identity)
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")

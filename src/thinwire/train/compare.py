@@ -1,27 +1,41 @@
-"""Run several algorithms on the same settings and compare them: loss vs samples, bytes.
+"""Run several algorithms on the same settings and compare them: loss, bytes, time.
+
+This is the one comparison driver: ``thinwire compare`` (local workers over loopback),
+``thinwire testbed compare`` (emulated hosts on slow links, one
+:func:`~thinwire.testbed.experiments.on_cluster` runner per rate) and ``thinwire demo``
+all call :func:`compare`; only the *runner* that trains the configs differs.
 
 Every run uses the same :class:`~thinwire.train.config.TrainConfig` (model, data, seed,
 batch, steps), so the runs see the same batches in the same order and differ only in
 what a run spec changes. A run spec is an algorithm name, optionally followed by
 ``@key=value,...`` overrides of config fields, e.g. ``lamb@lr=0.01`` or
 ``onebit-lamb@lr=0.01,freeze_step=30``; the spec is also the run's label and (made
-path-safe) its sub-directory of ``out_dir``.
+path-safe) its sub-directory of ``out_dir``. Unless the base config's lr is meant for
+all (``lrs``), each algorithm trains at its own tuned peak lr: LAMB-style and Adam-style
+optimizers want learning rates an order of magnitude apart, and a baseline at the other
+family's lr makes every ratio against it meaningless.
 
 The result (``out_dir/comparison.json``) holds, per run, its full config, the validation
-curve (``[samples, val_loss]``), the cumulative bytes curve (``[samples, comm_bytes]``,
-bytes one worker put on the wire, see :mod:`thinwire.comm.accounting`), the summary, and
-ratios against the reference run (the first one unless ``reference`` says otherwise):
-``loss_ratio`` = final validation loss / the reference's, ``bytes_reduction`` = the
-reference's bytes / this run's. The ratios are measured in the same invocation on the
-same machine, which is what makes them comparable on a shared, noisy host.
+curve (``val``: ``[samples, val_loss]``, and ``val_time``: ``[seconds, val_loss]``), the
+cumulative bytes curve (``[samples, comm_bytes]``, bytes one worker put on the wire, see
+:mod:`thinwire.comm.accounting`), the summary, the step times of the warmup and
+compression stages (:func:`~thinwire.train.stages.stage_times`, split for every run at
+the first 1-bit run's freeze step so all are timed over the same steps), whatever the
+runner measured besides (``testbed``: NIC bytes, link rate), and ratios against the
+reference run (the first one unless ``reference`` says otherwise): ``loss_ratio`` = final
+validation loss / the reference's, ``bytes_reduction`` = the reference's bytes / this
+run's, ``speedup`` and ``compression_speedup`` = samples/s over the reference's, whole run
+and compression stage. The ratios are measured in the same invocation on the same
+machine, which is what makes them comparable on a shared, noisy host.
 
-As a script::
+Python::
 
-    python -m thinwire.train.compare --algos lamb onebit-lamb@freeze_step=20 \\
-        --workers 4 --steps 100 --batch-size 32 --out runs/compare
+    from thinwire.train.compare import compare
+    from thinwire.train.compare_report import format_comparison, plot_comparison
 
-takes every ``thinwire train`` option (``--lr``, ``--model``, ``--freeze-step``, ...) as
-the shared base, prints a table and writes ``comparison.json`` and ``comparison.png``.
+    result = compare(["lamb", "onebit-lamb"], TrainConfig(steps=300), 4, Path("runs/cmp"))
+    print(format_comparison(result))
+    plot_comparison(result, "runs/cmp/comparison.png")
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ import dataclasses
 import datetime
 import json
 import re
-import sys
+import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +54,21 @@ from thinwire.comm.accounting import COUNTER
 from thinwire.comm.launch import launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
-from thinwire.plotting import pyplot, save_figure
 from thinwire.rundir import existing_run
-from thinwire.train.algorithms import check_algorithm
+from thinwire.train.algorithms import check_algorithm, default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import load_text
 from thinwire.train.metrics import read_metrics
 from thinwire.train.run import run_training
+from thinwire.train.stages import final_train_loss, stage_times
 
-__all__ = ["compare", "format_comparison", "parse_run_spec", "plot_comparison"]
+__all__ = ["Runner", "compare", "local_runner", "parse_run_spec", "tuned_lrs"]
+
+Runner = Callable[[list[TrainConfig], int, float], list[dict[str, Any]]]
+"""Trains configs one after another: ``(configs, workers, timeout_s) -> summaries``.
+
+Each summary is the run's ``summary.json`` (rank 0), optionally with more measurements
+under ``testbed``; each config's ``out_dir`` is where its run goes."""
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # What a run spec may change; identity of the data (corpus, split) and the run's
@@ -103,15 +124,44 @@ def _run_dir(out_dir: Path, label: str) -> Path:
     return out_dir / re.sub(r"[^A-Za-z0-9._=-]+", "_", label)
 
 
-def _curves(metrics_path: Path) -> tuple[list[list[float]], list[list[float]]]:
-    """(validation ``[samples, val_loss]``, cumulative ``[samples, comm_bytes]``)."""
-    val, comm = [], []
-    for r in read_metrics(metrics_path):
+def _curves(metrics_path: Path) -> dict[str, list[list[float]]]:
+    """``val`` ``[samples, val_loss]``, ``val_time`` ``[seconds, val_loss]`` and ``comm``
+    (cumulative ``[samples, comm_bytes]``) from a run's ``metrics.jsonl``."""
+    records = read_metrics(metrics_path)
+    times = {r["step"]: r["time_s"] for r in records if "time_s" in r}
+    out: dict[str, list[list[float]]] = {"val": [], "val_time": [], "comm": []}
+    for r in records:
         if "val_loss" in r:
-            val.append([r["samples"], r["val_loss"]])
+            out["val"].append([r["samples"], r["val_loss"]])
+            # the untrained model's evaluation (step 0) comes before the clock starts
+            out["val_time"].append([times.get(r["step"], 0.0), r["val_loss"]])
         if "comm_bytes" in r:
-            comm.append([r["samples"], r["comm_bytes"]])
-    return val, comm
+            out["comm"].append([r["samples"], r["comm_bytes"]])
+    return out
+
+
+def tuned_lrs(specs: list[str]) -> dict[str, float]:
+    """Each algorithm of ``specs`` with its tuned default peak lr (for ``lrs``)."""
+    return {algo: default_lr(algo) for algo in (parse_run_spec(s)[0] for s in specs)}
+
+
+def local_runner(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[dict[str, Any]]:
+    """All runs on one set of local workers: under torchrun, in this process, or spawned
+    once (the default :data:`Runner`).
+
+    Spawning once for the whole comparison (instead of once per run) saves the start-up
+    of W Python processes per run, which on a busy machine costs more than a short run.
+    """
+    if launched_by_torchrun() or workers == 1:
+        out = []
+        for cfg in cfgs:
+            COUNTER.reset()
+            out.append(run_training(cfg, workers, timeout_s))
+        return out
+    for cfg in cfgs:
+        load_text(cfg.data)  # a bad data file fails here, before any process starts
+    backend = "nccl" if cfgs[0].device == "cuda" else "gloo"
+    return spawn(_rank_main, workers, (cfgs,), backend=backend, timeout_s=timeout_s * len(cfgs))[0]
 
 
 def compare(
@@ -124,13 +174,17 @@ def compare(
     overwrite: bool = False,
     timeout_s: float = 1800.0,
     command: str | None = None,
+    *,
+    lrs: Mapping[str, float] | None = None,
+    runner: Runner | None = None,
+    where: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train every run spec in ``algos`` on ``base``'s settings; write and return the result.
 
     Args:
         algos: run specs (``ALGO`` or ``ALGO@key=value,...``); each is also a label.
         base: the shared settings; its ``algo`` and ``out_dir`` are ignored.
-        workers: worker processes per run (ignored under ``torchrun``, as in training).
+        workers: worker processes (or hosts) per run (ignored under ``torchrun``).
         out_dir: each run goes to a sub-directory; ``comparison.json`` to ``out_dir``.
         overrides: extra config overrides per label, applied after the spec's own.
         reference: the label the ratios are taken against (default: the first).
@@ -138,6 +192,11 @@ def compare(
         timeout_s: seconds before a stuck run is stopped (the runs share one set of
             workers, so the comparison as a whole gets ``timeout_s`` per run).
         command: the command line to store with the result, for the record.
+        lrs: peak lr per algorithm (e.g. :func:`tuned_lrs`), applied before a spec's own
+            ``lr=``; None: every run at ``base.lr`` unless its spec says otherwise.
+        runner: what trains the runs (default :func:`local_runner`; the testbed's is
+            :func:`thinwire.testbed.experiments.on_cluster`).
+        where: a description of where the runs trained, stored with the result.
     """
     if not algos:
         raise ConfigError("compare: give at least one algorithm")
@@ -157,6 +216,8 @@ def compare(
     for label in algos:
         algo, spec = parse_run_spec(label)
         cfg = dataclasses.replace(base, algo=algo, resume=False, stop_after=None, progress=False)
+        if lrs is not None and algo in lrs:
+            cfg.lr = lrs[algo]
         for key, value in {**spec, **overrides.get(label, {})}.items():
             if key not in _FIELDS or key in _FIXED:
                 raise ConfigError(f"compare: {key!r} cannot be overridden per run")
@@ -177,31 +238,25 @@ def compare(
     for cfg in configs.values():
         if overwrite:
             _clear_run(Path(cfg.out_dir))
-    summaries = _train_all(list(configs.values()), workers, timeout_s)
-    runs: dict[str, dict[str, Any]] = {}
-    for (label, cfg), summary in zip(configs.items(), summaries, strict=True):
-        val, comm = _curves(Path(cfg.out_dir) / "metrics.jsonl")
-        runs[label] = {
-            "algo": cfg.algo,
-            "config": cfg.to_dict(),
-            "freeze_step": summary.get("freeze_step"),
-            "final_val_loss": summary["final_val_loss"],
-            "comm_bytes": summary["comm_bytes"],
-            "samples": summary["samples"],
-            "train_time_s": summary["train_time_s"],
-            "samples_per_s": summary["samples_per_s"],
-            "val": val,
-            "comm": comm,
-        }
+    summaries = (runner or local_runner)(list(configs.values()), workers, timeout_s)
+    runs = {
+        label: _run_record(cfg, summary)
+        for (label, cfg), summary in zip(configs.items(), summaries, strict=True)
+    }
+    _stages(runs)
     ref = runs[reference]
     for r in runs.values():
         r["loss_ratio"] = r["final_val_loss"] / ref["final_val_loss"]
         # None when this run sent nothing (one worker): no ratio to speak of
         r["bytes_reduction"] = ref["comm_bytes"] / r["comm_bytes"] if r["comm_bytes"] else None
+        r["speedup"] = r["samples_per_s"] / ref["samples_per_s"]
+        a, b = (x["stages"]["compression"].get("samples_per_s") for x in (r, ref))
+        r["compression_speedup"] = a / b if a and b else None
     result = {
         "date": datetime.date.today().isoformat(),
         "command": command,
         "workers": workers,
+        "where": dict(where) if where else {"kind": "local"},
         "reference": reference,
         "base": base.to_dict(),
         "runs": runs,
@@ -209,6 +264,41 @@ def compare(
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "comparison.json", json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _run_record(cfg: TrainConfig, summary: dict[str, Any]) -> dict[str, Any]:
+    metrics = Path(cfg.out_dir) / "metrics.jsonl"
+    record = {
+        "algo": cfg.algo,
+        "config": cfg.to_dict(),
+        "out_dir": cfg.out_dir,
+        "freeze_step": summary.get("freeze_step"),
+        "final_val_loss": summary["final_val_loss"],
+        "final_train_loss": final_train_loss(read_metrics(metrics)),
+        "comm_bytes": summary["comm_bytes"],
+        "samples": summary["samples"],
+        "train_time_s": summary["train_time_s"],
+        "samples_per_s": summary["samples_per_s"],
+        "samples_per_step": summary["samples"] / max(1, summary["steps"]),
+        **_curves(metrics),
+    }
+    for key in ("testbed", "nic_over_accounted", "accounted_tx_bytes_per_host"):
+        if key in summary:  # what a testbed runner measured besides
+            record[key] = summary[key]
+    return record
+
+
+def _stages(runs: dict[str, dict[str, Any]]) -> None:
+    """Step times of the warmup and compression stages, for every run split at the first
+    1-bit run's freeze step: LAMB and PowerSGD are timed over the same steps as the
+    1-bit run's compression (with no 1-bit run, everything is one stage)."""
+    split = next((r["freeze_step"] for r in runs.values() if r.get("freeze_step")), 0)
+    for r in runs.values():
+        records = read_metrics(Path(r["out_dir"]) / "metrics.jsonl")
+        try:
+            r["stages"] = stage_times(records, int(split), round(r["samples_per_step"]))
+        except ConfigError:  # no step logged (e.g. --log-interval past --steps)
+            r["stages"] = {"freeze_step": split, "warmup": {"steps": 0}, "compression": {}}
 
 
 def _train_each(cfgs: list[TrainConfig]) -> list[dict[str, Any]]:
@@ -227,105 +317,23 @@ def _rank_main(rank: int, world: int, cfgs: list[TrainConfig]) -> list[dict[str,
     return _train_each(cfgs)
 
 
-def _train_all(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[dict[str, Any]]:
-    """All runs on one set of workers: under torchrun, in this process, or spawned once.
-
-    Spawning once for the whole comparison (instead of once per run) saves the start-up
-    of W Python processes per run, which on a busy machine costs more than a short run.
-    """
-    if launched_by_torchrun() or workers == 1:
-        out = []
-        for cfg in cfgs:
-            COUNTER.reset()
-            out.append(run_training(cfg, workers, timeout_s))
-        return out
-    for cfg in cfgs:
-        load_text(cfg.data)  # a bad data file fails here, before any process starts
-    backend = "nccl" if cfgs[0].device == "cuda" else "gloo"
-    return spawn(_rank_main, workers, (cfgs,), backend=backend, timeout_s=timeout_s * len(cfgs))[0]
-
-
 def _clear_run(run_dir: Path) -> None:
     """Remove what a previous run left in ``run_dir``: only the trainer's own files
-    (checkpoints, ``run.json``, metrics, summary, an asynchronous server's state);
-    anything else there stays."""
-    import shutil
-
+    (checkpoints, ``run.json``, ``config.json``, metrics, summary, an asynchronous
+    server's state, a testbed run's record and host logs); anything else there stays."""
     if not run_dir.is_dir():
         return
-    for name in ("metrics.jsonl", "summary.json", "run.json", "localsgd_server.pt"):
+    for name in _RUN_OUTPUTS:
         (run_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    for name in ("checkpoints", "hosts"):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
 
 
-def format_comparison(result: dict[str, Any]) -> str:
-    """One line per run: final validation loss, bytes per worker, ratios to the reference."""
-    rows = [("run", "final val loss", "loss / ref", "MiB per worker", "bytes reduction")]
-    for label, r in result["runs"].items():
-        rows.append(
-            (
-                label + (" (ref)" if label == result["reference"] else ""),
-                f"{r['final_val_loss']:.4f}",
-                f"{r['loss_ratio']:.4f}",
-                f"{r['comm_bytes'] / 2**20:,.2f}",
-                "-" if r["bytes_reduction"] is None else f"{r['bytes_reduction']:.2f}x",
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for row in rows:
-        cells = [c.rjust(w) for c, w in zip(row, widths, strict=True)]
-        cells[0] = row[0].ljust(widths[0])  # labels left, numbers right
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
-
-
-def plot_comparison(result: dict[str, Any], path: str | Path) -> Path | None:
-    """Validation loss vs samples (left) and cumulative MiB per worker vs samples (right).
-
-    Returns the path, or None when matplotlib is not installed (``pip install
-    'thinwire[plot]'``).
-    """
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, r in result["runs"].items():
-        style = "--" if "onebit" in r["algo"] else "-"
-        if r["val"]:
-            xs, ys = zip(*r["val"], strict=True)
-            (line,) = ax_loss.plot(xs, ys, style, marker=".", label=label)
-        else:
-            (line,) = ax_loss.plot([], [], style, label=label)
-        if r["comm"]:
-            xs, bs = zip(*r["comm"], strict=True)
-            ax_bytes.plot(xs, [b / 2**20 for b in bs], style, color=line.get_color(), label=label)
-        if r.get("freeze_step"):
-            samples = r["freeze_step"] * r["config"]["batch_size"] * result["workers"]
-            ax_bytes.axvline(samples, color=line.get_color(), lw=0.6, ls=":")
-    ax_loss.set_xlabel("training samples (sequences)")
-    ax_loss.set_ylabel("validation loss (nats/byte)")
-    ax_loss.set_title("validation loss")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend(fontsize=8)
-    # Zoom on the part of the curves where the methods differ: the first evaluation
-    # (untrained model) would flatten everything else.
-    finals = [y for r in result["runs"].values() for _, y in r["val"][1:]]
-    if finals:
-        lo, hi = min(finals), max(finals)
-        ax_loss.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
-    ax_bytes.set_xlabel("training samples (sequences)")
-    ax_bytes.set_ylabel("MiB sent per worker (cumulative)")
-    ax_bytes.set_title("communication volume (dotted: freeze step)")
-    ax_bytes.grid(alpha=0.3)
-    w = result["workers"]
-    fig.suptitle(f"{w} workers, {result['base']['model']} model, {result['date']}", fontsize=10)
-    fig.tight_layout()
-    return save_figure(fig, path)
-
-
-if __name__ == "__main__":
-    # ``python -m thinwire.train.compare`` keeps working; the flags live in the CLI.
-    from thinwire.cli.compare import main
-
-    sys.exit(main())
+_RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "summary.json",
+    "run.json",
+    "config.json",
+    "localsgd_server.pt",
+    "testbed_run.json",
+)

@@ -5,7 +5,8 @@ Rank 0 calls these; the trainer broadcasts the outcome, so every rank agrees.
 * :func:`claim` locks the directory for the whole run (:mod:`thinwire.runlock`) and,
   for a new run, refuses a directory that holds any earlier run (:mod:`thinwire.rundir`).
 * :func:`decide_start` picks the step to start from: 0 with a fresh run id written to
-  ``run.json``, or the latest checkpoint of the run being resumed, after checking that
+  ``run.json`` (and the resolved settings to ``config.json``, which ``thinwire train
+  --config`` reads back), or the latest checkpoint of the run being resumed, after checking that
   the settings match. A resumed run that has nothing left to do returns its saved
   summary instead, so resuming a finished run changes nothing.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from thinwire.errors import ConfigError
 from thinwire.runlock import RunLock
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import TrainConfig
+from thinwire.train.config_file import CONFIG_NAME, write_config_file
 
 __all__ = ["claim", "decide_start", "finished_summary"]
 
@@ -58,6 +61,7 @@ def decide_start(
     if not cfg.resume:
         run_id = uuid.uuid4().hex[:16]
         ckpt.write_run_identity(out_dir, identity | {"run_id": run_id})
+        write_config_file(replace(cfg, resume=False), out_dir / CONFIG_NAME)
         return 0, run_id, None
     step = ckpt.latest_step(out_dir)
     if step is None:

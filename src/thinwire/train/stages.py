@@ -1,4 +1,4 @@
-"""What an end-to-end testbed run measured, read back from its ``metrics.jsonl`` and summary.
+"""What a training run measured, read back from its ``metrics.jsonl`` and summary.
 
 The step times of the two stages of a 1-bit optimizer (warmup, compression), the final
 training loss, and the bytes the collectives recorded against what the hosts' NICs

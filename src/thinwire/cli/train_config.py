@@ -1,0 +1,134 @@
+"""The ``thinwire train`` options as a :class:`~thinwire.train.config.TrainConfig`.
+
+Flags and a settings file (``--config FILE``, see :mod:`thinwire.train.config_file`)
+meet here. The order of precedence is: a flag typed on the command line, then the file,
+then the defaults ``thinwire train`` picks (the tuned ``lr`` of the algorithm, the
+``runs/ALGO`` output directory). To know which flags were typed rather than defaulted,
+:func:`track_explicit` makes each option record its own use: comparing against default
+values would miss ``--steps 300`` typed on purpose over a file that says 600.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+from thinwire.errors import ConfigError
+from thinwire.train.algorithms import default_lr
+from thinwire.train.config import TrainConfig
+from thinwire.train.config_file import read_config_file
+
+__all__ = ["EXPLICIT", "config_from_args", "track_explicit"]
+
+EXPLICIT = "explicit_flags"
+"""The namespace attribute that holds the destinations of the options typed."""
+
+# Option destinations whose TrainConfig field has another name.
+_FIELD_OF = {
+    "out": "out_dir",
+    "grace": "grace_s",
+    "dead_after": "dead_after_s",
+    "no_progress": "progress",
+}
+
+
+@functools.cache
+def _tracking(cls: type[argparse.Action]) -> type[argparse.Action]:
+    def __call__(
+        self: argparse.Action,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        seen = getattr(namespace, EXPLICIT, None)
+        if seen is None:
+            seen = set()
+            setattr(namespace, EXPLICIT, seen)
+        seen.add(self.dest)
+        cls.__call__(self, parser, namespace, values, option_string)
+
+    return type(f"Explicit{cls.__name__}", (cls,), {"__call__": __call__})
+
+
+def track_explicit(parser: argparse.ArgumentParser) -> None:
+    """Make every option of ``parser`` add its destination to ``args.explicit_flags``
+    when it appears on the command line."""
+    for action in parser._actions:
+        if action.dest != "help" and not type(action).__name__.startswith("Explicit"):
+            action.__class__ = _tracking(type(action))
+
+
+def _from_flags(args: argparse.Namespace) -> TrainConfig:
+    if args.shards is not None and args.shards < 1:
+        raise ConfigError(f"--shards must be >= 1, got {args.shards}")
+    return TrainConfig(
+        algo=args.algo,
+        model=args.model,
+        seq_len=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        data=args.data,
+        seed=args.seed,
+        steps=args.steps,
+        stop_after=args.stop_after,
+        batch_size=args.batch_size,
+        lr=args.lr if args.lr is not None else default_lr(args.algo),
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        freeze_step=args.freeze_step,
+        freeze_cap=args.freeze_cap,
+        freeze_tolerance=args.freeze_tolerance,
+        precondition=args.precondition,
+        grad_dtype=args.grad_dtype,
+        local_steps=args.local_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        outer=args.outer,
+        dylu=args.dylu,
+        slowdown=args.slowdown,
+        compress=args.compress,
+        inner_momentum=args.inner_momentum,
+        speeds=args.speeds,
+        calibration_steps=args.calibration_steps,
+        min_local_steps=args.min_local_steps,
+        staleness=args.staleness,
+        max_staleness=args.max_staleness,
+        shard_sampling=args.shard_sampling,
+        shard_layout=args.shard_layout,
+        compress_pull=args.compress_pull,
+        grace_s=args.grace,
+        sync=args.sync,
+        shards=args.shards,
+        dead_after_s=args.dead_after,
+        eval_interval=args.eval_interval,
+        eval_sequences=args.eval_sequences,
+        log_interval=args.log_interval,
+        checkpoint_interval=args.checkpoint_interval,
+        out_dir=args.out or f"runs/{args.algo}",
+        resume=args.resume,
+        progress=not args.no_progress,
+        tensorboard=args.tensorboard,
+        device=args.device,
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run the options describe: flags typed, over ``--config FILE``, over defaults."""
+    flags = _from_flags(args)
+    path = getattr(args, "config", None)
+    if path is None:
+        return flags
+    from_file = read_config_file(path)
+    typed = {_FIELD_OF.get(d, d) for d in getattr(args, EXPLICIT, ())}
+    merged = flags.to_dict()
+    merged.update({k: v for k, v in from_file.items() if k not in typed})
+    # Defaults that depend on the algorithm follow the algorithm the file chose.
+    if "lr" not in typed and "lr" not in from_file:
+        merged["lr"] = default_lr(merged["algo"])
+    if "out_dir" not in typed and "out_dir" not in from_file:
+        merged["out_dir"] = f"runs/{merged['algo']}"
+    return TrainConfig.from_dict(merged)

@@ -1,0 +1,106 @@
+"""``thinwire train --config FILE``: settings from a file, flags over the file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from thinwire.cli.main import build_parser
+from thinwire.cli.train import config_from_args
+from thinwire.errors import ConfigError
+from thinwire.train.algorithms import default_lr
+from thinwire.train.config import TrainConfig
+from thinwire.train.config_file import read_config_file, write_config_file
+
+
+def _config(*argv: str) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_file_sets_fields_and_typed_flags_win(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('algo = "onebit-lamb"\nsteps = 600\nbetas = [0.8, 0.99]\nseed = 4\n')
+    cfg = _config("--config", str(path))
+    assert (cfg.algo, cfg.steps, cfg.betas, cfg.seed) == ("onebit-lamb", 600, (0.8, 0.99), 4)
+    # Defaults that follow the algorithm follow the file's algorithm.
+    assert cfg.lr == default_lr("onebit-lamb") and cfg.out_dir == "runs/onebit-lamb"
+    # A flag typed beside the file wins, even when it equals the flag's own default.
+    assert TrainConfig.steps == 300
+    over = _config("--config", str(path), "--steps", "300", "--algo", "lamb")
+    assert (over.steps, over.algo, over.seed) == (300, "lamb", 4)
+    assert over.lr == default_lr("lamb")
+    # Order does not matter: flags before --config win as well.
+    assert _config("--steps", "300", "--config", str(path)).steps == 300
+
+
+def test_written_config_reads_back_identical(tmp_path: Path) -> None:
+    cfg = TrainConfig(algo="async-diloco", slowdown=(1.0, 2.0), extra={"k": 1}, freeze_step=7)
+    path = write_config_file(cfg, tmp_path / "c.json")
+    assert TrainConfig.from_dict(read_config_file(path)) == cfg
+    assert _config("--config", str(path)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("a.json", '{"stesp": 3}', "unknown setting 'stesp'"),
+        ("a.json", '{"steps": "3"}', "steps must be int"),
+        ("a.json", '{"steps": true}', "steps must be int"),
+        ("a.json", '{"lr": [1]}', "lr must be float"),
+        ("a.json", "[1, 2]", "expected a table of settings"),
+        ("a.json", "{", "not valid JSON"),
+        ("a.toml", "x =", "not valid TOML"),
+        ("a.yaml", "steps: 3", "expected a .json or .toml file"),
+    ],
+)
+def test_bad_files_are_one_line_errors(tmp_path: Path, name: str, text: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as err:
+        _config("--config", str(path))
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "thinwire", "train", "--config", str(tmp_path / "no.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "cannot read it" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_run_repeats_from_its_config_json(tmp_path: Path) -> None:
+    """Every run keeps its resolved settings; handing them back trains the same run."""
+    from thinwire.cli.main import main
+
+    tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+    common = ["--workers", "1", "--steps", "4", "--batch-size", "2", "--eval-interval", "4"]
+    common += ["--eval-sequences", "4", "--checkpoint-interval", "0", "--no-progress"]
+    assert main(["train", "--algo", "lamb", *tiny, *common, "--out", str(tmp_path / "a")]) == 0
+    saved = tmp_path / "a" / "config.json"
+    first = json.loads(saved.read_text())
+    assert first["algo"] == "lamb" and first["n_embd"] == 32 and first["resume"] is False
+    # --workers is how the run is launched, not a setting of the run: it is given again.
+    again = ["train", "--config", str(saved), "--workers", "1", "--out", str(tmp_path / "b")]
+    assert main(again) == 0
+    second = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert {**second, "out_dir": None} == {**first, "out_dir": None}
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
+    assert a["final_val_loss"] == b["final_val_loss"]
+
+
+def test_print_config_is_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from thinwire.cli.main import main
+
+    assert main(["train", "--algo", "onebit-adam", "--steps", "50", "--print-config"]) == 0
+    path = tmp_path / "p.json"
+    path.write_text(capsys.readouterr().out)
+    assert _config("--config", str(path)) == _config("--algo", "onebit-adam", "--steps", "50")
