@@ -15,7 +15,6 @@ from thinwire.analysis.validate import (
     ValidationConfig,
     error_pct,
     format_table,
-    main,
     measured_step_s,
     merge_profiles,
     plot_validation,
@@ -26,6 +25,12 @@ from thinwire.comm.onebit_allreduce import onebit_wire_bytes
 from thinwire.errors import ConfigError
 
 MIB = 2**20
+
+
+def validate(args: list[str]) -> int:
+    from thinwire.cli.main import main
+
+    return main(["analyze", "validate", *args])
 
 
 def _profile(scale: float = 1.0, observed: list[list[int]] | None = None) -> Profile:
@@ -165,12 +170,12 @@ def test_cli_rerenders_and_rejects_bad_input(tmp_path: Path, capsys: pytest.Capt
     src = tmp_path / "validation.json"
     src.write_text(json.dumps(_result()))
     out = tmp_path / "again"
-    assert main(["--from-json", str(src), "--out", str(out), "--plot", str(out / "p.png")]) == 0
+    assert validate(["--from-json", str(src), "--out", str(out), "--plot", str(out / "p.png")]) == 0
     assert "fp32 DDP" in (out / "validation.md").read_text() and (out / "p.png").exists()
     save_profile(_profile(), tmp_path / "notvalidation.json")
-    assert main(["--from-json", str(tmp_path / "notvalidation.json")]) == 2
+    assert validate(["--from-json", str(tmp_path / "notvalidation.json")]) == 2
     assert "not a thinwire validation" in capsys.readouterr().err
-    assert main(["--rates", "100mbit", "--hosts", "1", "--out", str(tmp_path / "x")]) == 2
+    assert validate(["--rates", "100mbit", "--hosts", "1", "--out", str(tmp_path / "x")]) == 2
     assert "hosts must be >= 2" in capsys.readouterr().err
 
 

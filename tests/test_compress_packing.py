@@ -240,7 +240,7 @@ def test_default_path_is_native_where_built_else_pure_announced_once(tmp_path: P
     # Not built (an empty kernel folder): pure torch, one line saying how to build.
     path, err = _probe(tmp_path, THINWIRE_NATIVE_DIR=str(tmp_path / "empty"))
     assert path == "pure"
-    assert len(err) == 1 and "pure torch" in err[0] and "--build" in err[0], err
+    assert len(err) == 1 and "pure torch" in err[0] and "native build" in err[0], err
     # Pure torch by choice: silent.
     assert _probe(tmp_path, THINWIRE_NATIVE_PACKING="0") == ("pure", [])
     if not _built_kernels():
@@ -258,7 +258,7 @@ def test_native_required_or_misspelt_fails_with_one_line(
     monkeypatch.setenv("THINWIRE_NATIVE_DIR", str(tmp_path / "empty"))
     try:
         monkeypatch.setenv(NATIVE_ENV, "1")
-        with pytest.raises(ConfigError, match=r"THINWIRE_NATIVE_PACKING=1 .* --build"):
+        with pytest.raises(ConfigError, match=r"THINWIRE_NATIVE_PACKING=1 .* native build"):
             packing.use_native(None)
         monkeypatch.setenv(NATIVE_ENV, "yes")
         with pytest.raises(ConfigError, match="must be 0, 1 or auto, got 'yes'"):

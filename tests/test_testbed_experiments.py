@@ -178,3 +178,32 @@ def test_onebit_lamb_on_two_hosts(tmp_path: Path) -> None:
     assert saved["nic_over_accounted"] == res["nic_over_accounted"]
     # The cluster this call brought up is gone again.
     assert {c.cluster_id for c in list_clusters()} <= before
+
+
+@pytest.mark.root
+@pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+@pytest.mark.timeout(180)
+def test_testbed_compare_is_the_comparison_driver_on_hosts(tmp_path: Path) -> None:
+    """``thinwire testbed compare``: the one driver, its runs on 2 hosts, ratios against
+    the first, the stages split at the 1-bit run's freeze, NIC bytes, one figure."""
+    from thinwire.cli.main import main
+
+    tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+    out = tmp_path / "cmp"
+    argv = ["testbed", "compare", "--algos", "lamb", "onebit-lamb@freeze_step=3", "--hosts", "2"]
+    argv += ["--rates", "1gbit", "--steps", "8", "--batch-size", "2", "--warmup-steps", "2"]
+    argv += ["--eval-interval", "4", "--eval-sequences", "4", "--checkpoint-interval", "0"]
+    assert main([*argv, *tiny, "--out", str(out)]) == 0
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["algo"] for r in rows] == ["lamb", "onebit-lamb@freeze_step=3"]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
+    assert all(r["rate"] == "1gbit" and r["nic_tx_mb_per_host"] > 0 for r in rows)
+    result = json.loads((out / "1gbit-r0" / "comparison.json").read_text())
+    assert result["where"] == {"kind": "testbed", "hosts": 2, "rate": "1gbit", "round": 0}
+    lamb, onebit = result["runs"].values()
+    assert lamb["config"]["lr"] == default_lr("lamb")  # each at its tuned lr
+    for r in (lamb, onebit):  # both timed over the same steps: the 1-bit run's split
+        assert r["stages"]["freeze_step"] == 3 and r["stages"]["compression"]["steps"] == 5
+    assert onebit["bytes_reduction"] > 1 and lamb["bytes_reduction"] == 1.0
+    assert (out / "1gbit-r0" / "comparison.png").stat().st_size > 0
+    assert (out / "comparison.png").stat().st_size > 0
