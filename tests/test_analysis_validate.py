@@ -188,6 +188,8 @@ def test_cli_rerenders_and_rejects_bad_input(tmp_path: Path, capsys: pytest.Capt
         ({"onebit_algo": "adamw"}, "onebit algo"),
         ({"rates": ()}, "no link rates"),
         ({"fit_min_bytes": 2**20, "fit_max_bytes": 2**20}, "two sizes"),
+        ({"local_steps": 40}, "local-steps"),
+        ({"local_steps": -1}, "local-steps"),
     ],
 )
 def test_config_check(kwargs: dict[str, object], message: str) -> None:
@@ -215,12 +217,15 @@ def test_smoke_on_the_testbed(tmp_path: Path) -> None:
         profile_warmup=1,
         profile_steps=2,
         fit=False,
+        local_steps=3,
     )
     before = {c.cluster_id for c in list_clusters()}
     res = run_validation(cfg, tmp_path / "v")
     rows = res["rates"][0]["rows"]
-    # Steps 2..2 leave no pair for the fused warmup: only DDP and the 1-bit stage.
-    assert [r["scheme"] for r in rows] == ["ddp", "onebit"]
+    # Steps 2..2 leave no pair for the fused warmup: DDP, the 1-bit stage and DiLoCo's
+    # one whole round after the skipped step (steps 4..6).
+    assert [r["scheme"] for r in rows] == ["ddp", "onebit", "diloco"]
+    assert (rows[2]["measured"]["first_step"], rows[2]["measured"]["last_step"]) == (4, 6)
     for r in rows:
         assert r["measured"]["steps"] >= 2 and r["measured"]["mean_s"] > 0
         assert r["predicted"]["step_s"] >= r["predicted"]["compute_s"] > 0

@@ -185,9 +185,10 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
         eval_sequences=8,
         checkpoint_interval=0,
         grad_dtype="fp32",
+        local_steps=cfg.local_steps or 10,
     )
     runs: dict[str, Any] = {}
-    algos = ("adamw", cfg.onebit_algo)
+    algos = cfg.algos
     with Cluster(cfg.hosts, rate) as cluster:
         link = Link.nominal(float(rate_bits))  # type: ignore[arg-type]
         fit_info: dict[str, Any] | None = None
@@ -245,7 +246,7 @@ def _predict_rows(
     profiles taken just before and just after it."""
     observed = points[0]["alone"].observed_buckets
     around: dict[str, dict[str, Profile]] = {}
-    algos = ("adamw", cfg.onebit_algo)
+    algos = [a for a in cfg.algos if a in records]  # a result from before DiLoCo has none
     for k, algo in enumerate(algos):
         around[algo] = {
             kind: merge_profiles([points[k][kind], points[k + 1][kind]])
@@ -262,7 +263,9 @@ def _predict_rows(
         "ddp@warmup": (cfg.onebit_algo, 2, f),
         "onebit": (cfg.onebit_algo, f + 2, n),
     }
-    return compare_rows(around, records, spans, link, cfg.hosts, rate_bits)
+    if "diloco" in algos:
+        spans["diloco"] = ("diloco", *cfg.diloco_span())
+    return compare_rows(around, records, spans, link, cfg.hosts, rate_bits, cfg.local_steps)
 
 
 def run_validation(

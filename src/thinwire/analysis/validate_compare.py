@@ -8,7 +8,9 @@ thinwire's trainer communicates:
 * ``fp32-fused``: the fp32 warmup of a 1-bit optimizer, one fused allreduce after
   backward;
 * ``onebit``: its compression stage, one 1-bit allreduce after backward plus the
-  measured compute of :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`.
+  measured compute of :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`;
+* ``diloco``: DiLoCo, H steps alone and one fp32 allreduce of the model's
+  pseudo-gradient per round (the model's ``localsgd`` scheme), per step amortized.
 
 :func:`measured_step_s` reads the trainer's per-step seconds over a range of steps,
 :func:`error_pct` scores one prediction, :func:`compare_rows` puts every scheme's
@@ -42,9 +44,9 @@ __all__ = [
     "summarize",
 ]
 
-SCHEMES = ("ddp", "fp32-fused", "onebit")
+SCHEMES = ("ddp", "fp32-fused", "onebit", "diloco")
 """``ddp``: fp32 DDP (``adamw``); ``fp32-fused``: a 1-bit optimizer's warmup stage;
-``onebit``: its compression stage."""
+``onebit``: its compression stage; ``diloco``: DiLoCo with H local steps."""
 
 TCP_PAYLOAD_SHARE = 1448 / 1514
 """TCP payload per Ethernet frame: the most of a tbf link's rate a TCP stream can use."""
@@ -80,12 +82,15 @@ def predict_step(
     hosts: int,
     codec_s_per_byte: float = 0.0,
     add: AddCost | None = None,
+    local_steps: int = 1,
 ) -> SimResult:
     """Predicted step of ``scheme`` (one of :data:`SCHEMES`) on ``hosts`` workers.
 
     ``add`` prices reductions; leave it None with a fitted link, whose effective
-    bandwidth already contains them. ``codec_s_per_byte`` is charged only by ``onebit``.
+    bandwidth already contains them. ``codec_s_per_byte`` is charged only by ``onebit``,
+    ``local_steps`` (H) only by ``diloco``.
     """
+    h = 1
     if scheme == "ddp":
         kind = "observed" if profile.observed_buckets else "ddp"
         buckets, overlap, sim_scheme, codec = make_buckets(profile, kind), True, "ring", 0.0
@@ -94,6 +99,10 @@ def predict_step(
     elif scheme == "onebit":
         buckets, overlap, sim_scheme = _one_bucket(profile), False, "onebit"
         codec = codec_s_per_byte
+    elif scheme == "diloco":
+        # the whole model averaged once per round, after the round's last step
+        buckets, overlap, sim_scheme, codec = _one_bucket(profile), False, "localsgd", 0.0
+        h = local_steps
     else:
         raise ConfigError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     cfg = NetworkConfig(
@@ -103,6 +112,7 @@ def predict_step(
         codec_s_per_byte=codec,
         overlap=overlap,
         scheme=sim_scheme,
+        local_steps=h,
     )
     return simulate(profile, buckets, cfg, add)
 
@@ -156,6 +166,7 @@ def compare_rows(
     link: Link,
     hosts: int,
     rate_bits: float,
+    local_steps: int = 1,
 ) -> list[dict[str, Any]]:
     """One row per scheme: the measured step next to three predictions of it.
 
@@ -168,6 +179,7 @@ def compare_rows(
         link: the link of the main prediction (fitted, or nominal).
         hosts: workers of the job.
         rate_bits: the link's set rate, for the nominal-link prediction and the label.
+        local_steps: DiLoCo's H, for the ``diloco`` scheme.
 
     Each row has ``predicted`` (co-located profile, ``link``), ``predicted_alone``
     (the alone profile: the paper's method) and ``predicted_nominal`` (co-located
@@ -184,7 +196,7 @@ def compare_rows(
 
         def pred(p: Profile, lk: Link, s: str = scheme.split("@")[0]) -> SimResult:
             codec = float(p.meta.get("onebit_codec_s_per_byte", 0.0))
-            return predict_step(p, s, lk, hosts, codec)
+            return predict_step(p, s, lk, hosts, codec, local_steps=local_steps)
 
         coloc, alone = profiles[algo]["colocated"], profiles[algo]["alone"]
         row = {

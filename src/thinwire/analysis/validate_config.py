@@ -32,6 +32,10 @@ class ValidationConfig:
     """Steps of fp32 warmup of the 1-bit optimizer; the rest compress."""
     skip_steps: int = 5
     """First DDP steps left out of its mean (bucket rebuild, allocator warm-up)."""
+    local_steps: int = 10
+    """DiLoCo's H (steps between model averages) for its run; 0 leaves DiLoCo out. The
+    measured step is the mean over whole rounds after ``skip_steps``, so ``steps`` should
+    be a multiple of it."""
     onebit_algo: str = "onebit-adam"
     """``onebit-adam`` (optimizer cost close to the profile's AdamW) or ``onebit-lamb``."""
     profile_warmup: int = 2
@@ -71,6 +75,13 @@ class ValidationConfig:
                 f"freeze-step must be in [1, steps - 3] to leave compressing steps, "
                 f"got {self.freeze_step} of {self.steps}"
             )
+        if self.local_steps < 0 or (
+            self.local_steps and self.diloco_span()[1] - self.diloco_span()[0] < 1
+        ):
+            raise ConfigError(
+                f"local-steps must be 0 (no DiLoCo run) or leave a whole round after "
+                f"skip-steps {self.skip_steps} within {self.steps} steps, got {self.local_steps}"
+            )
         if not 0 <= self.skip_steps <= self.steps - 3:
             raise ConfigError(f"skip-steps must be in [0, steps - 3], got {self.skip_steps}")
         if self.fit and not 4 <= 2 * self.fit_min_bytes <= self.fit_max_bytes:
@@ -80,3 +91,13 @@ class ValidationConfig:
             )
         if self.profile_steps < 1 or self.profile_warmup < 0:
             raise ConfigError("profile steps must be >= 1 and profile warmup >= 0")
+
+    def diloco_span(self) -> tuple[int, int]:
+        """First and last step of the whole DiLoCo rounds after ``skip_steps``."""
+        h = self.local_steps
+        return h * -(-self.skip_steps // h) + 1, h * (self.steps // h)
+
+    @property
+    def algos(self) -> tuple[str, ...]:
+        """The runs trained per rate, in order."""
+        return ("adamw", self.onebit_algo) + (("diloco",) if self.local_steps else ())

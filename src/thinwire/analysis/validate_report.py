@@ -57,6 +57,7 @@ _NAMES = {
     "ddp@warmup": "1-bit warmup (fp32 DDP)",
     "fp32-fused": "1-bit warmup (fp32 fused)",
     "onebit": "1-bit (compression stage)",
+    "diloco": "DiLoCo (per step, whole rounds)",
 }
 
 
