@@ -45,7 +45,7 @@
 #endif
 
 #define MAX_LINKS 64
-#define MAX_FRAME (256 * 1024) /* vnet header + the largest GSO super-packet */
+#define MAX_FRAME (65536 + 4096) /* vnet header + the largest GSO super-packet */
 #define BATCH 64               /* frames read from one fd per wake-up (fairness) */
 #define RETRY_NS 100000ull     /* resend after EAGAIN this much later */
 #define MAX_SLACK_NS 200000    /* never send a frame more than this early */
@@ -111,32 +111,41 @@ static void q_pop(struct queue *q, struct rec *r) {
   if (q->used == 0) q->head = q->tail = 0;
 }
 
-static int q_push(struct queue *q, const uint8_t *data, uint32_t len, uint64_t due) {
+/* Room for a frame of up to len bytes at the tail (wrapping if need be), or NULL. The
+ * frame is read straight into it (one copy fewer) and kept by q_commit. */
+static struct rec *q_reserve(struct queue *q, uint32_t len) {
   size_t need = (sizeof(struct rec) + len + 7) & ~(size_t)7;
   if (q->used == 0) q->head = q->tail = 0;
-  if (q->used + need > q->cap) return -1;
+  if (q->used + need > q->cap) return NULL;
   if (q->tail >= q->head) {
     if (q->cap - q->tail < need) { /* wrap: pad to the end, write at 0 */
-      if (q->head < need) return -1;
+      if (q->head < need) return NULL;
       if (q->cap - q->tail >= sizeof(struct rec)) ((struct rec *)(q->buf + q->tail))->skip = 1;
       q->used += q->cap - q->tail;
       q->tail = 0;
     }
   } else if (q->head - q->tail < need) {
-    return -1;
+    return NULL;
   }
-  struct rec *r = (struct rec *)(q->buf + q->tail);
+  return (struct rec *)(q->buf + q->tail);
+}
+
+static void q_commit(struct queue *q, struct rec *r, uint32_t len, uint64_t due) {
+  size_t need = (sizeof(struct rec) + len + 7) & ~(size_t)7;
   r->due = due;
   r->len = len;
   r->skip = 0;
-  memcpy(r + 1, data, len);
   q->tail += need;
   q->used += need;
-  return 0;
 }
 
-static void enqueue(struct queue *q, const uint8_t *data, uint32_t len, uint64_t t) {
+/* Keep a frame just read into r (NULL: it went to scratch, the ring being full). */
+static void enqueue(struct queue *q, struct rec *r, uint32_t len, uint64_t t) {
   q->in++;
+  if (r == NULL) {
+    q->overflow++;
+    return;
+  }
   if (q->loss > 0 && uniform01() < q->loss) {
     q->lost++;
     return;
@@ -148,10 +157,7 @@ static void enqueue(struct queue *q, const uint8_t *data, uint32_t len, uint64_t
   }
   uint64_t due = t + d;
   if (due < q->last_due) due = q->last_due; /* never overtake the frame before */
-  if (q_push(q, data, len, due) != 0) {
-    q->overflow++;
-    return;
-  }
+  q_commit(q, r, len, due);
   q->last_due = due;
 }
 
@@ -174,8 +180,10 @@ static uint64_t flush(struct queue *q, uint64_t t) {
 
 static void drain(struct queue *q, int is_packet) {
   for (int i = 0; i < BATCH; i++) {
-    ssize_t n = is_packet ? recv(q->in_fd, scratch, sizeof scratch, MSG_TRUNC)
-                          : read(q->in_fd, scratch, sizeof scratch);
+    struct rec *r = q_reserve(q, MAX_FRAME);
+    uint8_t *dst = r ? (uint8_t *)(r + 1) : scratch;
+    ssize_t n = is_packet ? recv(q->in_fd, dst, MAX_FRAME, MSG_TRUNC)
+                          : read(q->in_fd, dst, MAX_FRAME);
     if (n < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
       if (errno == ENETDOWN || errno == ENXIO || errno == EBADFD) {
@@ -185,12 +193,12 @@ static void drain(struct queue *q, int is_packet) {
       q->errors++;
       return;
     }
-    if ((size_t)n > sizeof scratch) { /* larger than any GSO packet we expect */
+    if ((size_t)n > MAX_FRAME) { /* larger than any GSO packet we expect */
       q->in++;
       q->overflow++;
       continue;
     }
-    enqueue(q, scratch, (uint32_t)n, now_ns());
+    enqueue(q, r, (uint32_t)n, now_ns());
   }
 }
 
