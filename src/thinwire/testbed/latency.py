@@ -1,7 +1,7 @@
 """Latency probes run on the hosts of a testbed cluster: ping, TCP round trip, UDP, bulk.
 
 Run under :meth:`thinwire.testbed.cluster.Cluster.run` (or ``thinwire testbed run``)
-as one two-host job: host 1 serves, host 0 measures (ranks beyond 1 exit at once). The
+as one job: host 1 (or ``--server-rank``) serves, host 0 measures, the others exit. The
 measuring host prints one line ``LATENCY {json}``, the serving host ``LATENCY-SERVER
 {json}`` (:func:`read_result` parses either from a log)::
 
@@ -10,9 +10,10 @@ measuring host prints one line ``LATENCY {json}``, the serving host ``LATENCY-SE
     python -m thinwire.testbed.latency bulk --seconds 8     # TCP goodput and its window
 
 No ``ping`` or ``iperf`` is needed: ICMP echo uses a raw socket (root, as the testbed
-is), the rest plain sockets. ``udp`` compares send and receive times of
-``CLOCK_MONOTONIC``, which every namespace of one machine shares, so one-way delays are
-exact, not halved round trips.
+is), the rest plain sockets. ``udp`` compares the send time with the kernel's
+receive time stamp (``SO_TIMESTAMPNS``, the real-time clock every namespace of one
+machine shares), so one-way delays are exact, not halved round trips, and do not count
+the receiving process's own wake-up.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = ["PORT", "icmp_rtts", "main", "read_result", "tcp_rtts", "tcp_window"]
 PORT = 29600
 """TCP/UDP port of the serving host (a cluster has its own network stack)."""
 CONNECT_TIMEOUT_S = 20.0
+SO_TIMESTAMPNS = 35  # linux/asm-generic/socket.h; not exported by the socket module
 
 
 def _checksum(data: bytes) -> int:
@@ -137,7 +139,7 @@ def _udp_send(address: str, count: int, rate_pps: float) -> dict[str, Any]:
         target = t_start + seq / rate_pps
         while (now := time.monotonic()) < target:
             time.sleep(min(target - now, 0.001))
-        sock.sendto(struct.pack("!Qd", seq, time.monotonic()) + bytes(100), (address, PORT))
+        sock.sendto(struct.pack("!QQ", seq, time.time_ns()) + bytes(100), (address, PORT))
     ctl.sendall(b"done")
     ctl.recv(16)  # the receiver closes when it has finished counting
     return {"sent": count}
@@ -145,6 +147,7 @@ def _udp_send(address: str, count: int, rate_pps: float) -> dict[str, Any]:
 
 def _udp_receive(drain_s: float) -> dict[str, Any]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     sock.bind(("", PORT))
     seqs: list[int] = []
     delays: list[float] = []
@@ -155,12 +158,19 @@ def _udp_receive(drain_s: float) -> dict[str, Any]:
         while done_at is None or time.monotonic() < done_at + drain_s:
             sock.settimeout(0.05)
             try:
-                data = sock.recv(2048)
-                seq, sent = struct.unpack("!Qd", data[:16])
-                delays.append(time.monotonic() - sent)
-                seqs.append(seq)
+                data, anc, _, _ = sock.recvmsg(2048, 64)
             except TimeoutError:
-                pass
+                data = b""
+            if data:
+                seq, sent_ns = struct.unpack("!QQ", data[:16])
+                stamp = [
+                    d for lvl, kind, d in anc if lvl == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS
+                ]
+                sec, nsec = (
+                    struct.unpack("qq", stamp[0]) if stamp else divmod(time.time_ns(), 10**9)
+                )
+                delays.append((sec * 10**9 + nsec - sent_ns) * 1e-9)
+                seqs.append(seq)
             if done_at is None:
                 try:
                     if ctl.recv(16):
@@ -226,21 +236,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--drain", type=float, default=1.0, help="udp: seconds to wait for stragglers")
     p.add_argument("--seconds", type=float, default=8.0, help="bulk: how long to send")
     p.add_argument("--skip", type=float, default=3.0, help="bulk: seconds of ramp-up not counted")
+    p.add_argument("--server-rank", type=int, default=1, help="the host that serves (not 0)")
     args = p.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    peer = os.environ.get("LATENCY_PEER", "")
-    if rank > 1:
+    if rank not in (0, args.server_rank):
         return 0
-    if rank == 1:
+    if rank == args.server_rank:
         if args.mode == "rtt":
             _serve_echo()
             return 0
         res = _udp_receive(args.drain) if args.mode == "udp" else _bulk_receive(args.skip)
         print("LATENCY-SERVER " + json.dumps(res), flush=True)
         return 0
-    if not peer:
-        addr = os.environ["MASTER_ADDR"].rsplit(".", 1)
-        peer = f"{addr[0]}.{int(addr[1]) + 1}"  # host 1 is the address after host 0
+    net, last = os.environ["MASTER_ADDR"].rsplit(".", 1)
+    peer = f"{net}.{int(last) + args.server_rank}"  # host i is host 0's address + i
     if args.mode == "rtt":
         res = {
             "icmp_s": icmp_rtts(peer, args.count, args.interval),

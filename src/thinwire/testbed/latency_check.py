@@ -28,7 +28,15 @@ from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.latency import read_result
 from thinwire.testbed.wan import parse_duration
 
-__all__ = ["BulkResult", "RttRow", "measure_bulk", "measure_rtt", "sweep_rtt"]
+__all__ = [
+    "BulkResult",
+    "RttRow",
+    "measure_bulk",
+    "measure_rtt",
+    "rtt_row",
+    "run_probe",
+    "sweep_rtt",
+]
 
 TCP_PAYLOAD_SHARE = 1448 / 1514
 """TCP payload per Ethernet frame (tbf counts frames): the most goodput a rate allows."""
@@ -95,16 +103,19 @@ def _probe_cmd(mode: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "thinwire.testbed.latency", mode, *args]
 
 
-def _run_probe(
-    cluster: Cluster, mode: str, args: Sequence[str], timeout_s: float
+def run_probe(
+    cluster: Cluster, mode: str, args: Sequence[str], timeout_s: float, server_rank: int = 1
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Run one :mod:`~thinwire.testbed.latency` probe on ``cluster``: host 0 measures,
+    ``server_rank`` serves; return their records (the server's is None for ``rtt``)."""
     with tempfile.TemporaryDirectory(prefix="thinwire-latency-") as tmp:
-        res = cluster.run(_probe_cmd(mode, *args), log_dir=tmp, timeout_s=timeout_s)
+        argv = _probe_cmd(mode, *args, "--server-rank", str(server_rank))
+        res = cluster.run(argv, log_dir=tmp, timeout_s=timeout_s)
         if not res.ok:
             tail = Path(res.hosts[0].log).read_text()[-500:]
             raise RuntimeError(f"latency probe '{mode}' failed: {tail}")
         client = read_result(res.hosts[0].log)
-        server = read_result(res.hosts[1].log, server=True) if mode != "rtt" else None
+        server = read_result(res.hosts[server_rank].log, server=True) if mode != "rtt" else None
     return client, server
 
 
@@ -122,14 +133,19 @@ def measure_rtt(
     d = parse_duration(delay) if delay is not None else 0.0
     with Cluster(2, rate, delay=delay, jitter=jitter) as c:
         args = ["--count", str(count), "--interval", str(interval_s)]
-        out, _ = _run_probe(c, "rtt", args, timeout_s=60 + 4 * count * (2 * d + interval_s))
+        out, _ = run_probe(c, "rtt", args, timeout_s=60 + 4 * count * (2 * d + interval_s))
+    return rtt_row(d, out)
+
+
+def rtt_row(delay_s: float, out: dict[str, Any]) -> RttRow:
+    """Medians of an ``rtt`` probe's record, its first exchange left out (it also
+    resolves the peer's MAC address: one more round trip)."""
     icmp = [x for x in out["icmp_s"] if x is not None]
     if not icmp:
         raise RuntimeError("no ping was answered")
-    # The first exchange also resolves the peer's MAC (ARP), one more round trip.
     icmp_rest = icmp[1:] or icmp
     return RttRow(
-        delay_s=d,
+        delay_s=delay_s,
         icmp_s=statistics.median(icmp_rest),
         tcp_s=statistics.median(out["tcp_s"][1:] or out["tcp_s"]),
         icmp_min_s=min(icmp_rest),
@@ -169,7 +185,7 @@ def measure_bulk(
         pid = c.delay_line.pid if c.delay_line is not None else None
         cpu0 = _cpu_seconds(pid) if pid else 0.0
         args = ["--seconds", str(seconds), "--skip", str(skip_s)]
-        client, server = _run_probe(c, "bulk", args, timeout_s=seconds + 60)
+        client, server = run_probe(c, "bulk", args, timeout_s=seconds + 60)
         cpu = (_cpu_seconds(pid) - cpu0) if pid else 0.0
         rate_bits = c.rate_bits
     assert server is not None

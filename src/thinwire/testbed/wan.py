@@ -50,7 +50,12 @@ MAX_DELAY_S = 10.0
 
 DEFAULT_BUFFER_BYTES = 16 * 2**20
 """Per direction and host when the rate is unlimited (a 16 MiB ring holds 5 Gbit/s for
-25 ms); with a rate the default is twice what ``rate x (D + J) / 2`` needs, >= 1 MiB."""
+25 ms); with a rate the default is twice what ``rate x (D + J) / 2`` needs, >= 1 MiB
+and <= :data:`MAX_DEFAULT_BUFFER_BYTES`."""
+
+MAX_DEFAULT_BUFFER_BYTES = 256 * 2**20
+"""The largest buffer chosen without ``buffer=`` (1 Gbit/s holds 2 s); a setting that
+needs more must name its buffer, since each host and direction may fill it."""
 
 MIN_BUFFER_BYTES = 2**20
 MAX_BUFFER_BYTES = 2**31
@@ -75,6 +80,8 @@ def parse_duration(value: float | str, what: str = "delay") -> float:
         seconds = float(value)
     else:
         text = str(value).strip().lower()
+        if text.startswith("-"):
+            raise ConfigError(f"{what} {value!r} is negative: it must be >= 0")
         m = _DURATION_RE.fullmatch(text)
         if re.fullmatch(r"0+(\.0*)?", text):
             seconds = 0.0
@@ -197,6 +204,7 @@ class WanConfig:
         need = math.ceil(rate_bits / 8 * held) if rate_bits is not None else 0
         if buffer is None:
             size = max(2 * need, MIN_BUFFER_BYTES) if rate_bits else DEFAULT_BUFFER_BYTES
+            size = min(size, MAX_DEFAULT_BUFFER_BYTES)
         else:
             size = parse_size(buffer)
             if not MIN_BUFFER_BYTES <= size <= MAX_BUFFER_BYTES:
