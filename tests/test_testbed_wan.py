@@ -3,7 +3,9 @@ line's arguments, and the CLI's one-line errors for bad values."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +121,34 @@ def test_cli_refuses_bad_wan_settings_in_one_line(
     assert main(["testbed", "run", *flags, "--", "true"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.timeout(60)
+def test_analyze_simulate_takes_a_measured_latency(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "m.bk.log"
+    log.write_text("c\n1\n2\n100,4000\n200,8000\n")
+    base = ["analyze", "simulate", str(log), "--iteration-ms", "10", "--reduction", "none"]
+    base += ["--workers", "4", "--bandwidth-gbps", "1"]
+    sims = {}
+    for name, extra in (
+        ("none", []),
+        ("latency", ["--latency", "50ms"]),
+        ("alpha", ["--alpha-us", "50000"]),
+    ):
+        out = tmp_path / f"{name}.json"
+        assert main([*base, *extra, "-o", str(out)]) == 0
+        sims[name] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert sims["latency"]["result"]["config"]["alpha_s"] == pytest.approx(0.05)
+    assert sims["latency"]["result"] == sims["alpha"]["result"]
+    assert sims["latency"]["result"]["step_s"] > sims["none"]["result"]["step_s"] + 0.05
+    for extra, message in (
+        (["--latency=-1ms"], "negative"),
+        (["--latency", "50"], "invalid"),
+        (["--latency", "5ms", "--alpha-us", "3"], "not both"),
+    ):
+        assert main([*base, *extra, "-o", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err

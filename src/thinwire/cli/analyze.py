@@ -168,6 +168,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--iteration-ms must be > 0, got {args.iteration_ms}")
             prof.iteration_s = args.iteration_ms / 1e3
     bandwidth, alpha = args.bandwidth_gbps, args.alpha_us
+    if args.latency is not None:
+        if alpha is not None:
+            raise ConfigError("give --latency or --alpha-us, not both (they are the same term)")
+        from thinwire.testbed.wan import parse_duration
+
+        # One ring message pays one one-way latency (half a ping round trip).
+        alpha = parse_duration(args.latency, "--latency") * 1e6
     if args.link:
         fit = load_link(args.link)
         bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
@@ -326,6 +333,13 @@ def register(subparsers: Any) -> None:
         type=_number,
         default=None,
         help="latency per message, microseconds (default 0, or the --link fit)",
+    )
+    si.add_argument(
+        "--latency",
+        default=None,
+        metavar="DURATION",
+        help="measured one-way latency, e.g. 50ms: half the ping round trip, or the testbed's "
+        "--delay (sets alpha; overrides the --link fit's)",
     )
     si.add_argument(
         "--workers-per-node",
