@@ -179,12 +179,41 @@ static uint64_t flush(struct queue *q, uint64_t t) {
   return 0;
 }
 
+/* When the kernel received a frame from the host (SO_TIMESTAMPNS, real-time clock) on
+ * our monotonic clock: the delay counts from the frame's arrival, not from our wake-up
+ * (tens of microseconds later when we were idle). 0 when there is no stamp. */
+static uint64_t arrival_ns(struct msghdr *msg) {
+  for (struct cmsghdr *c = CMSG_FIRSTHDR(msg); c; c = CMSG_NXTHDR(msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS) {
+      struct timespec stamp, rt, mono;
+      memcpy(&stamp, CMSG_DATA(c), sizeof stamp);
+      clock_gettime(CLOCK_REALTIME, &rt);
+      clock_gettime(CLOCK_MONOTONIC, &mono);
+      int64_t age = ((int64_t)rt.tv_sec - stamp.tv_sec) * 1000000000ll + (rt.tv_nsec - stamp.tv_nsec);
+      uint64_t m = (uint64_t)mono.tv_sec * 1000000000ull + (uint64_t)mono.tv_nsec;
+      /* Trust only a plausible age: a clock step must not shift delays. */
+      return age >= 0 && age < 10000000 ? m - (uint64_t)age : m;
+    }
+  }
+  return 0;
+}
+
 static void drain(struct queue *q, int is_packet) {
   for (int i = 0; i < BATCH; i++) {
     struct rec *r = q_reserve(q, MAX_FRAME);
     uint8_t *dst = r ? (uint8_t *)(r + 1) : scratch;
-    ssize_t n = is_packet ? recv(q->in_fd, dst, MAX_FRAME, MSG_TRUNC)
-                          : read(q->in_fd, dst, MAX_FRAME);
+    uint64_t t = 0;
+    ssize_t n;
+    if (is_packet) {
+      char control[128];
+      struct iovec iov = {.iov_base = dst, .iov_len = MAX_FRAME};
+      struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
+                           .msg_controllen = sizeof control};
+      n = recvmsg(q->in_fd, &msg, MSG_TRUNC);
+      if (n >= 0) t = arrival_ns(&msg);
+    } else {
+      n = read(q->in_fd, dst, MAX_FRAME);
+    }
     if (n < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
       if (errno == ENETDOWN || errno == ENXIO || errno == EBADFD) {
@@ -199,7 +228,7 @@ static void drain(struct queue *q, int is_packet) {
       q->overflow++;
       continue;
     }
-    enqueue(q, r, (uint32_t)n, now_ns());
+    enqueue(q, r, (uint32_t)n, t ? t : now_ns());
   }
 }
 
@@ -227,6 +256,7 @@ static int open_packet(const char *dev) {
   /* Our own sends to the host must not come back to us as "outgoing" frames. */
   if (setsockopt(fd, SOL_PACKET, PACKET_IGNORE_OUTGOING, &one, sizeof one) < 0)
     die("PACKET_IGNORE_OUTGOING on", dev);
+  setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof one);
   setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof big);
   setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big);
   struct sockaddr_ll sll = {0};

@@ -10,10 +10,10 @@ measuring host prints one line ``LATENCY {json}``, the serving host ``LATENCY-SE
     python -m thinwire.testbed.latency bulk --seconds 8     # TCP goodput and its window
 
 No ``ping`` or ``iperf`` is needed: ICMP echo uses a raw socket (root, as the testbed
-is), the rest plain sockets. ``udp`` compares the send time with the kernel's
-receive time stamp (``SO_TIMESTAMPNS``, the real-time clock every namespace of one
-machine shares), so one-way delays are exact, not halved round trips, and do not count
-the receiving process's own wake-up.
+is), the rest plain sockets. Receive times are the kernel's time stamps
+(``SO_TIMESTAMPNS``, the real-time clock every namespace of one machine shares), so a
+measuring process that slept through a long delay and woke late does not count its own
+wake-up; ``udp`` gets exact one-way delays, not halved round trips.
 """
 
 from __future__ import annotations
@@ -46,27 +46,43 @@ def _checksum(data: bytes) -> int:
     return ~total & 0xFFFF
 
 
+def _kernel_stamp_ns(ancillary: list[tuple[int, int, bytes]]) -> int:
+    """The kernel's receive time (``SO_TIMESTAMPNS``), else now: a process that slept
+    through a long delay wakes up tens of microseconds late, which is not the network's."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+            sec, nsec = struct.unpack("qq", data[:16])
+            return sec * 10**9 + nsec
+    return time.time_ns()
+
+
+def _stamped(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    return sock
+
+
 def icmp_rtts(address: str, count: int, interval_s: float = 0.05, timeout_s: float = 5.0) -> list:
     """ICMP echo round trips to ``address`` in seconds (None for a lost one)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    sock = _stamped(socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))
     ident = os.getpid() & 0xFFFF
     out: list[float | None] = []
     for seq in range(count):
         body = struct.pack("!BBHHH", 8, 0, 0, ident, seq) + bytes(56)
         packet = body[:2] + struct.pack("!H", _checksum(body)) + body[4:]
         t0 = time.monotonic()
+        sent_ns = time.time_ns()
         sock.sendto(packet, (address, 0))
         rtt = None
         while (left := timeout_s - (time.monotonic() - t0)) > 0:
             sock.settimeout(left)
             try:
-                data, _ = sock.recvfrom(4096)
+                data, anc, _, _ = sock.recvmsg(4096, 64)
             except TimeoutError:
                 break
             ihl = (data[0] & 0x0F) * 4
             kind, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl : ihl + 8])
             if kind == 0 and rid == ident and rseq == seq:
-                rtt = time.monotonic() - t0
+                rtt = (_kernel_stamp_ns(anc) - sent_ns) * 1e-9
                 break
         out.append(rtt)
         time.sleep(interval_s)
@@ -85,27 +101,28 @@ def _connect(address: str, port: int) -> socket.socket:
             time.sleep(0.1)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+def _recv_exact(sock: socket.socket, n: int) -> int:
+    """Read ``n`` bytes; return the kernel's receive time of the last of them (ns)."""
+    got, stamp = 0, 0
+    while got < n:
+        chunk, anc, _, _ = sock.recvmsg(n - got, 64)
         if not chunk:
             raise ConnectionError("peer closed the connection")
-        buf += chunk
-    return buf
+        got += len(chunk)
+        stamp = _kernel_stamp_ns(anc)
+    return stamp
 
 
 def tcp_rtts(address: str, count: int, size: int = 64, interval_s: float = 0.05) -> list:
     """Round trips of ``size``-byte messages echoed over one TCP connection (no Nagle)."""
-    sock = _connect(address, PORT)
+    sock = _stamped(_connect(address, PORT))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     msg = bytes(size)
     out = []
     for _ in range(count):
-        t0 = time.monotonic()
+        sent_ns = time.time_ns()
         sock.sendall(msg)
-        _recv_exact(sock, size)
-        out.append(time.monotonic() - t0)
+        out.append((_recv_exact(sock, size) - sent_ns) * 1e-9)
         time.sleep(interval_s)
     sock.close()
     return out
@@ -146,8 +163,7 @@ def _udp_send(address: str, count: int, rate_pps: float) -> dict[str, Any]:
 
 
 def _udp_receive(drain_s: float) -> dict[str, Any]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    sock = _stamped(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
     sock.bind(("", PORT))
     seqs: list[int] = []
     delays: list[float] = []
@@ -163,13 +179,7 @@ def _udp_receive(drain_s: float) -> dict[str, Any]:
                 data = b""
             if data:
                 seq, sent_ns = struct.unpack("!QQ", data[:16])
-                stamp = [
-                    d for lvl, kind, d in anc if lvl == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS
-                ]
-                sec, nsec = (
-                    struct.unpack("qq", stamp[0]) if stamp else divmod(time.time_ns(), 10**9)
-                )
-                delays.append((sec * 10**9 + nsec - sent_ns) * 1e-9)
+                delays.append((_kernel_stamp_ns(anc) - sent_ns) * 1e-9)
                 seqs.append(seq)
             if done_at is None:
                 try:
