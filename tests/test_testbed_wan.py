@@ -124,7 +124,7 @@ def test_cli_refuses_bad_wan_settings_in_one_line(
 
 
 @pytest.mark.timeout(60)
-def test_analyze_simulate_takes_a_measured_latency(
+def test_analyze_simulate_takes_a_measured_round_trip(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     log = tmp_path / "m.bk.log"
@@ -134,7 +134,7 @@ def test_analyze_simulate_takes_a_measured_latency(
     sims = {}
     for name, extra in (
         ("none", []),
-        ("latency", ["--latency", "50ms"]),
+        ("latency", ["--rtt", "50ms"]),
         ("alpha", ["--alpha-us", "50000"]),
     ):
         out = tmp_path / f"{name}.json"
@@ -145,9 +145,9 @@ def test_analyze_simulate_takes_a_measured_latency(
     assert sims["latency"]["result"] == sims["alpha"]["result"]
     assert sims["latency"]["result"]["step_s"] > sims["none"]["result"]["step_s"] + 0.05
     for extra, message in (
-        (["--latency=-1ms"], "negative"),
-        (["--latency", "50"], "invalid"),
-        (["--latency", "5ms", "--alpha-us", "3"], "not both"),
+        (["--rtt=-1ms"], "negative"),
+        (["--rtt", "50"], "invalid"),
+        (["--rtt", "5ms", "--alpha-us", "3"], "not both"),
     ):
         assert main([*base, *extra, "-o", str(tmp_path / "x.json")]) == 2
         err = capsys.readouterr().err.strip()
