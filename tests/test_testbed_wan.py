@@ -152,3 +152,21 @@ def test_analyze_simulate_takes_a_measured_round_trip(
         assert main([*base, *extra, "-o", str(tmp_path / "x.json")]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--no-testbed", "--delay", "50ms"], "--delay needs the emulated network"),
+        (["--delay", "50"], "invalid"),
+    ],
+)
+def test_demo_refuses_a_delay_it_cannot_emulate(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+    assert not out.exists()  # refused before anything was written

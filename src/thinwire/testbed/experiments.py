@@ -217,8 +217,12 @@ def compare_on_testbed(
     plot: Path | None = None,
     timeout_s: float = 1800.0,
     lrs: Mapping[str, float] | None = None,
+    delay: str | None = None,
 ) -> list[dict[str, Any]]:
     """Train each of ``algos`` with ``cfg`` at each rate; one row per run, ratios included.
+
+    ``delay`` (``"50ms"``) puts that one-way delay between the hosts
+    (:mod:`thinwire.testbed.wan`).
 
     ``lrs`` overrides ``cfg.lr`` per algorithm (e.g. each one's tuned default from
     :func:`thinwire.train.algorithms.default_lr`, which is what the command line uses
@@ -243,7 +247,7 @@ def compare_on_testbed(
     rows: list[dict[str, Any]] = []
     for rate in rates:
         label = format_rate(parse_rate(rate))
-        with Cluster(hosts, rate) as c:
+        with Cluster(hosts, rate, delay=delay) as c:
             for rep in range(repeats):
                 round_rows = []
                 for algo in algos:
