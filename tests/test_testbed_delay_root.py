@@ -84,7 +84,7 @@ def test_frames_keep_order_and_get_delay_jitter_and_loss() -> None:
     # Frames 0.33 ms apart bunch behind slower ones (no overtaking): the median rises
     # above D, but stays well inside the range.
     assert delay <= q[0.5] <= delay + jitter * 0.75, q
-    assert q[0.9] - q[0.0] > jitter, q  # the jitter is there
+    assert q[0.9] - q[0.0] > jitter / 2, q  # the jitter is there (without: ~0.1 ms)
 
 
 @pytest.mark.timeout(90)
@@ -177,3 +177,22 @@ def test_cli_up_status_down_with_delay(capsys: pytest.CaptureFixture[str]) -> No
     finally:
         if cid in nx.list_namespaces():
             remove_clusters([cid], force=True)
+
+
+@pytest.mark.timeout(60)
+def test_tcp_over_a_lossy_link_keeps_going_and_loses_single_frames() -> None:
+    with Cluster(2, "100mbit", delay="5ms", loss="0.5%", wan_seed=3) as c:
+        assert c.delay_line is not None
+        _, server = run_probe(c, "bulk", ["--seconds", "4", "--skip", "1"], timeout_s=40)
+        c.delay_line.send_signal(signal.SIGUSR1)
+        time.sleep(0.3)
+        stats = [
+            json.loads(line)
+            for line in delay_log_path(c.cluster_id).read_text().splitlines()
+            if line.startswith("{")
+        ]
+    assert server is not None and server["goodput_bits"] > 20e6, server
+    data = [s for s in stats if s["in"] > 1000]  # the directions that carried the stream
+    assert data and all(s["lost"] > 0 and s["overflow"] == 0 for s in data), stats
+    # Single frames: the bytes per frame that passed stay near one 1514-byte frame.
+    assert all(s["bytes"] / s["out"] < 1600 for s in data), stats

@@ -122,7 +122,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--buffer",
         default=None,
-        help="delay line buffer per host and direction, e.g. 64MiB (default: 2 x rate x delay)",
+        help="delay line buffer per host and direction, e.g. 64MiB (default: 4 x rate x delay / 2, >= 8MiB)",
     )
 
 

@@ -99,7 +99,7 @@ class Cluster:
         jitter: per frame, one-way delay within ``delay +- jitter``; never reorders.
         loss: ``"0.1%"`` or a fraction: chance a frame between two hosts is lost.
         buffer: bytes the delay line holds per host and direction (``"64MiB"``);
-            default twice ``rate x (delay + jitter) / 2``. Too small is a ConfigError.
+            default four times ``rate x (delay + jitter) / 2``. Too small is a ConfigError.
         wan_seed: seed of the delay line's loss and jitter draws (reproducible runs).
     """
 

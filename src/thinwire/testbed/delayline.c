@@ -63,7 +63,7 @@ struct queue {
   uint64_t last_due, delay_ns, jitter_ns;
   double loss;
   int in_fd, out_fd;
-  unsigned long long in, out, lost, overflow, errors, bytes;
+  unsigned long long in, out, lost, overflow, errors, bytes, retries;
 };
 
 struct link {
@@ -168,7 +168,10 @@ static uint64_t flush(struct queue *q, uint64_t t) {
   while ((r = q_front(q)) != NULL) {
     if (r->due > t) return r->due;
     ssize_t n = write(q->out_fd, r + 1, r->len);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return t + RETRY_NS;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      q->retries++;
+      return t + RETRY_NS;
+    }
     if (n < 0) q->errors++; /* e.g. ENOBUFS: the qdisc behind dropped it, as a link would */
     else {
       q->out++;
@@ -239,9 +242,9 @@ static void print_stats(void) {
       struct queue *q = qs[k];
       fprintf(stderr,
               "{\"dev\": \"%s\", \"dir\": \"%s\", \"in\": %llu, \"out\": %llu, \"lost\": %llu, "
-              "\"overflow\": %llu, \"errors\": %llu, \"bytes\": %llu}\n",
+              "\"overflow\": %llu, \"errors\": %llu, \"bytes\": %llu, \"retries\": %llu}\n",
               links[i].dev, k ? "down" : "up", q->in, q->out, q->lost, q->overflow, q->errors,
-              q->bytes);
+              q->bytes, q->retries);
     }
   }
   fflush(stderr);

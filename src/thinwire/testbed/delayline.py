@@ -14,8 +14,8 @@ and a frame leaves within a few microseconds of its time. Semantics of the setti
 :mod:`thinwire.testbed.wan`.
 
 Offloads. veth hands a packet socket whole GSO super-packets (up to 64 KiB) with
-checksums not yet computed. Rather than switching offloads off (iproute2 cannot, and
-every 1500-byte frame would then cost two system calls per hop), both ends carry a
+checksums not yet computed. Rather than switching offloads off (there is no ethtool
+here, and every 1500-byte frame would then cost two system calls per hop), both ends carry a
 ``virtio_net_hdr`` (``PACKET_VNET_HDR`` on the socket, ``IFF_VNET_HDR`` and
 ``TUNSETOFFLOAD`` on the TAP), so super-packets pass through whole and are segmented
 only where the kernel would anyway. That keeps the CPU cost per byte low (numbers in
