@@ -9,6 +9,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.thinwire-installed
 NATIVE := $(VENV)/.thinwire-native
 NATIVE_SRC := src/thinwire/compress/native.py
+DELAYLINE := $(VENV)/.thinwire-delayline
+DELAYLINE_SRC := src/thinwire/testbed/delayline.c
 
 .PHONY: demo test lint install native clean
 
@@ -24,19 +26,25 @@ $(NATIVE): $(STAMP) $(NATIVE_SRC)
 	$(PY) -m thinwire native build || echo "thinwire: continuing without them"
 	touch $(NATIVE)
 
-install: $(NATIVE)
+# The testbed's delay line (delay, jitter and loss), a small C program: about a second.
+# Without it the testbed still runs, only without --delay/--jitter/--loss.
+$(DELAYLINE): $(STAMP) $(DELAYLINE_SRC)
+	$(PY) -m thinwire.testbed.delayline --build || echo "thinwire: testbed without delay, jitter, loss"
+	touch $(DELAYLINE)
+
+install: $(NATIVE) $(DELAYLINE)
 
 # Rebuild the kernels for this machine, showing the compiler command and its errors.
 native: $(STAMP)
 	$(PY) -m thinwire native build --force --verbose
 	touch $(NATIVE)
 
-demo: $(NATIVE)
+demo: $(NATIVE) $(DELAYLINE)
 	$(VENV)/bin/thinwire demo
 
 # pytest exits 5 when it collects no test; that is reported, not hidden, and not a failure
 # of the command itself.
-test: $(NATIVE)
+test: $(NATIVE) $(DELAYLINE)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
@@ -44,4 +52,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests tools examples
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache src/thinwire/compress/_native
+	rm -rf $(VENV) runs .pytest_cache src/thinwire/compress/_native src/thinwire/testbed/_native

@@ -169,6 +169,14 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--iteration-ms must be > 0, got {args.iteration_ms}")
             prof.iteration_s = args.iteration_ms / 1e3
     bandwidth, alpha = args.bandwidth_gbps, args.alpha_us
+    if args.rtt is not None:
+        if alpha is not None:
+            raise ConfigError("give --rtt or --alpha-us, not both (they set the same term)")
+        from thinwire.testbed.wan import parse_duration
+
+        # gloo sends a message only once its receiver has announced the buffer, so each
+        # ring message costs a round trip, not a one-way latency (docs/testbed.md).
+        alpha = parse_duration(args.rtt, "--rtt") * 1e6
     if args.link:
         fit = load_link(args.link)
         bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
@@ -328,6 +336,13 @@ def register(subparsers: Any) -> None:
         type=_number,
         default=None,
         help="latency per message, microseconds (default 0, or the --link fit)",
+    )
+    si.add_argument(
+        "--rtt",
+        default=None,
+        metavar="DURATION",
+        help="measured round trip between workers, e.g. 100ms (what ping shows; twice the "
+        "testbed's --delay): the latency of each ring message with gloo (sets alpha)",
     )
     si.add_argument(
         "--workers-per-node",

@@ -40,6 +40,12 @@ def register(sub: Any) -> None:
     p.add_argument("--eval-interval", type=int, default=10, help="steps per worker")
     p.add_argument("--hosts", type=int, default=None, help="testbed hosts (default: local)")
     p.add_argument("--rate", default="100mbit", help="testbed link rate")
+    p.add_argument(
+        "--delay",
+        default=None,
+        help="testbed one-way delay: one value, or one per host (server first), e.g. "
+        "10ms,10ms,10ms,10ms,150ms",
+    )
     p.add_argument("--out", default="runs/async-compare")
     p.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- thinwire train flags")
     p.set_defaults(func=_main)
@@ -73,7 +79,10 @@ def _main(args: argparse.Namespace) -> int:
         if args.hosts is not None and args.hosts != len(slowdown) + 1:
             raise ConfigError(f"--hosts must be {len(slowdown) + 1}: 1 server + one per factor")
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        result = compare_methods(base, methods, Path(args.out), args.hosts, args.rate)
+        if args.delay is not None and args.hosts is None:
+            raise ConfigError("--delay needs the testbed: give --hosts")
+        delay = args.delay.split(",") if args.delay and "," in args.delay else args.delay
+        result = compare_methods(base, methods, Path(args.out), args.hosts, args.rate, delay)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     command = shlex.join(["thinwire", *getattr(args, "argv", ["compare-async"])])

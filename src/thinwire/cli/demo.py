@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from thinwire.cli.train import freeze_step_arg
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.rundir import writable_dir
+from thinwire.testbed.wan import parse_duration
 from thinwire.train.algorithms import default_lr
 from thinwire.train.compare_report import plot_comparison
 from thinwire.train.config import TrainConfig
@@ -62,6 +64,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--workers", type=int, default=4, help="workers / emulated hosts (default 4)")
     p.add_argument("--rate", default="100mbit", help="emulated link rate (default 100mbit)")
+    p.add_argument(
+        "--delay",
+        default=None,
+        help="one-way delay between the emulated hosts, e.g. 50ms (needs the testbed); the "
+        "analysis prices each message with the round trip, twice it",
+    )
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument(
         "--steps", type=int, default=DEMO_STEPS, help=f"steps per run (default {DEMO_STEPS})"
@@ -125,7 +133,9 @@ def _prepare_out(out: Path) -> None:
 # ------------------------------------------------------------------------ 1. analyze
 
 
-def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool) -> Profile:
+def analyze(
+    cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool, rtt_s: float = 0.0
+) -> Profile:
     """Profile the workers as they will train, then predict the job on ``workers`` hosts.
 
     The demo's workers share this machine's cores (``cores // workers`` threads each,
@@ -164,7 +174,7 @@ def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool)
     study = run_study(
         profile,
         make_buckets(profile, "ddp"),
-        NetworkConfig(workers=workers, bandwidth_gbps=gbps),
+        NetworkConfig(workers=workers, bandwidth_gbps=gbps, alpha_s=rtt_s),
         onebit_codec_s_per_byte=float(profile.meta["onebit_codec_s_per_byte"]),
     )
     atomic_write_text(out / "study.json", json.dumps(study, indent=2) + "\n")
@@ -174,18 +184,22 @@ def analyze(cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool)
     return profile
 
 
-def _link(rate: str) -> Link:
+def _link(rate: str, rtt_s: float = 0.0) -> Link:
     """The link of the predicted steps: the set rate as a TCP stream can use it (the
-    analysis report uses the set rate itself, so its wire times are ~4% shorter)."""
+    analysis report uses the set rate itself, so its wire times are ~4% shorter), and
+    one round trip per message (gloo waits for its receiver's go-ahead)."""
     from thinwire.analysis.validate_compare import Link
     from thinwire.testbed.rates import parse_rate
 
     bits = parse_rate(rate)
     # "unlimited" (or loopback): veth and loopback run at tens of Gbit/s.
-    return Link.nominal(bits) if bits else Link(100.0, 0.0, "nominal")
+    link = Link.nominal(bits) if bits else Link(100.0, 0.0, "nominal")
+    return replace(link, alpha_per_message_s=rtt_s)
 
 
-def predicted_steps(profile: Profile, workers: int, rate: str) -> dict[str, float]:
+def predicted_steps(
+    profile: Profile, workers: int, rate: str, rtt_s: float = 0.0
+) -> dict[str, float]:
     """Predicted seconds per step after the freeze, per algorithm, the way each trains.
 
     LAMB's fp32 gradients are averaged by DDP bucket by bucket during the backward pass
@@ -194,7 +208,7 @@ def predicted_steps(profile: Profile, workers: int, rate: str) -> dict[str, floa
     """
     from thinwire.analysis.validate_compare import predict_step
 
-    link, codec = _link(rate), float(profile.meta.get("onebit_codec_s_per_byte", 0.0))
+    link, codec = _link(rate, rtt_s), float(profile.meta.get("onebit_codec_s_per_byte", 0.0))
     schemes = {"lamb": "ddp", "onebit-lamb": "onebit"}
     return {
         algo: predict_step(profile, schemes[algo], link, workers, codec).step_s for algo in ALGOS
@@ -215,10 +229,15 @@ def _measured_step(run_dir: Path, first: int, last: int) -> float | None:
 
 
 def train_both(
-    cfg: TrainConfig, workers: int, rate: str, out: Path, testbed: bool
+    cfg: TrainConfig,
+    workers: int,
+    rate: str,
+    out: Path,
+    testbed: bool,
+    delay: str | None = None,
 ) -> dict[str, Any]:
     """Train LAMB and 1-bit LAMB with the comparison driver, on the testbed (one cluster at
-    ``rate``) or on local workers; the comparison result, and its rows for the table."""
+    ``rate``, hosts ``delay`` apart) or on local workers; the comparison result."""
     from thinwire.train.compare import compare
 
     if not testbed:
@@ -227,7 +246,7 @@ def train_both(
     from thinwire.testbed.experiments import on_cluster
     from thinwire.testbed.rates import format_rate, parse_rate
 
-    with Cluster(workers, rate) as cluster:
+    with Cluster(workers, rate, delay=delay) as cluster:
         return compare(
             list(ALGOS),
             cfg,
@@ -235,7 +254,12 @@ def train_both(
             out / "train",
             overwrite=True,
             runner=on_cluster(cluster),
-            where={"kind": "testbed", "hosts": workers, "rate": format_rate(parse_rate(rate))},
+            where={
+                "kind": "testbed",
+                "hosts": workers,
+                "rate": format_rate(parse_rate(rate)),
+                "delay": delay,
+            },
         )
 
 
@@ -278,11 +302,16 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(
             f"the demo compares distributed runs: --workers must be >= 2, got {args.workers}"
         )
+    reason = "--no-testbed was given" if args.no_testbed else unavailable_reason()
+    delay = getattr(args, "delay", None)
+    rtt_s = 2 * parse_duration(delay) if delay else 0.0
+    if rtt_s and reason is not None:
+        raise ConfigError(f"--delay needs the emulated network, which cannot run: {reason}")
     out = Path(args.out)
     _prepare_out(out)
-    reason = "--no-testbed was given" if args.no_testbed else unavailable_reason()
+    link = f"{args.rate} links" + (f", {delay} apart" if rtt_s else "")
     where = (
-        f"{args.workers} emulated hosts on {args.rate} links"
+        f"{args.workers} emulated hosts on {link}"
         if reason is None
         else f"{args.workers} local workers over loopback (network not slowed: {reason})"
     )
@@ -290,13 +319,13 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"== 1/3  Is the network the bottleneck? {cfg.model} GPT, {args.workers} workers, {args.rate}\n"
     )
-    profile = analyze(cfg, args.workers, args.rate, out, testbed=reason is None)
+    profile = analyze(cfg, args.workers, args.rate, out, testbed=reason is None, rtt_s=rtt_s)
     print(f"\n== 2/3  Training with LAMB and with 1-bit LAMB on {where}\n")
-    result = train_both(cfg, args.workers, args.rate, out, testbed=reason is None)
+    result = train_both(cfg, args.workers, args.rate, out, reason is None, delay)
     rows = rows_of(result)
     # Like with like: the steps after the first compressing one (which allocates the
     # error-feedback buffers), for both runs; evaluation is not part of a logged step.
-    predicted = predicted_steps(profile, args.workers, args.rate)
+    predicted = predicted_steps(profile, args.workers, args.rate, rtt_s)
     freeze = freeze_step_of(rows)
     first = freeze + 2
     for row in rows:

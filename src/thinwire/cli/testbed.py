@@ -9,6 +9,8 @@ Examples::
     thinwire testbed run --id ID -- thinwire train ...  # reuse it
     thinwire testbed status
     thinwire testbed down [ID ...]                      # no id: every leftover
+    thinwire testbed up --hosts 5 --rate 100mbit --delay 10ms --host-delay 4=150ms
+    thinwire testbed check-latency                      # measured RTT vs the setting
 
 Needs root; without it every verb says so in one line and exits with status 2.
 """
@@ -16,6 +18,7 @@ Needs root; without it every verb says so in one line and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import signal
 import sys
@@ -28,8 +31,13 @@ from thinwire.testbed import netns as nx
 from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.rates import format_rate
 from thinwire.testbed.registry import list_clusters, remove_clusters
+from thinwire.testbed.wan import HostLink, WanConfig, format_duration, parse_duration
 
 __all__ = ["register"]
+
+BULK_CHECKS = (("100mbit", None), ("100mbit", "50ms"), ("1gbit", None), ("1gbit", "5ms"))
+BULK_CHECKS += (("1gbit", "50ms"),)
+"""(rate, delay) of ``check-latency --bulk``: goodput against rate and window, CPU."""
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,6 +61,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     status = verbs.add_parser("status", help="list clusters, addresses, rates, NIC counters")
     status.set_defaults(func=_status)
+
+    check = verbs.add_parser(
+        "check-latency",
+        help="measure ping and TCP round trips against --delay settings (and bulk goodput)",
+    )
+    check.add_argument("--rate", default="1gbit", help="link rate (default 1gbit)")
+    check.add_argument(
+        "--delays",
+        default="0.5ms,1ms,2ms,5ms,10ms,20ms,50ms,100ms,200ms",
+        help="comma-separated --delay settings to measure",
+    )
+    check.add_argument("--count", type=int, default=20, help="round trips per setting")
+    check.add_argument(
+        "--bulk",
+        action="store_true",
+        help="also bulk TCP at 100mbit and 1gbit: goodput vs rate and window, delay line CPU",
+    )
+    check.set_defaults(func=_check_latency)
 
     run = verbs.add_parser(
         "run",
@@ -82,11 +108,63 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         "--rate", default="1gbit", help="link rate, both directions: 100mbit, 1gbit, unlimited"
     )
     p.add_argument("--cluster-id", default=None, help="1-12 lowercase letters/digits")
+    p.add_argument(
+        "--delay",
+        default=None,
+        help="one-way delay between hosts, e.g. 50ms (ping shows twice it); default none",
+    )
+    p.add_argument("--jitter", default=None, help="one-way delay varies by +- this; no reorder")
+    p.add_argument("--loss", default=None, help="chance a frame is lost, e.g. 0.1%%")
+    for what, example in (("delay", "4=150ms"), ("jitter", "4=10ms"), ("loss", "4=1%%")):
+        p.add_argument(
+            f"--host-{what}",
+            action="append",
+            default=[],
+            metavar="HOST=VALUE",
+            help=f"{what} of one host instead of --{what} (repeatable), e.g. {example}",
+        )
+    p.add_argument(
+        "--buffer",
+        default=None,
+        help="delay line buffer per host and direction, e.g. 64MiB (default: 4 x rate x delay / 2, >= 8MiB)",
+    )
+
+
+def _per_host(base: str | None, overrides: list[str], hosts: int, what: str) -> list | None:
+    """``--delay`` for every host, then ``--host-delay H=V`` for some."""
+    if base is None and not overrides:
+        return None
+    values: list[str | None] = [base] * max(hosts, 0)
+    for item in overrides:
+        host, sep, value = item.partition("=")
+        if not sep or not host.strip().isdigit():
+            raise ConfigError(f"--host-{what} {item!r} is invalid: use HOST=VALUE, e.g. 4=150ms")
+        if not 0 <= int(host) < hosts:
+            raise ConfigError(f"--host-{what} {item!r}: host {host} does not exist (0-{hosts - 1})")
+        values[int(host)] = value
+    return values
+
+
+def _cluster(args: argparse.Namespace, persistent: bool = False) -> Cluster:
+    hosts = args.hosts
+    if isinstance(hosts, int) and not 1 <= hosts <= 64:
+        raise ConfigError(f"--hosts must be from 1 to 64, got {hosts}")
+    return Cluster(
+        hosts,
+        args.rate,
+        cluster_id=args.cluster_id,
+        persistent=persistent,
+        delay=_per_host(args.delay, args.host_delay, hosts, "delay"),
+        jitter=_per_host(args.jitter, args.host_jitter, hosts, "jitter"),
+        loss=_per_host(args.loss, args.host_loss, hosts, "loss"),
+        buffer=args.buffer,
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
-    c = Cluster(args.hosts, args.rate, cluster_id=args.cluster_id, persistent=True).up()
-    print(f"cluster {c.cluster_id}: {c.hosts} hosts at {format_rate(c.rate_bits)}")
+    c = _cluster(args, persistent=True).up()
+    wan = f", {c.wan.describe()}" if c.wan else ""
+    print(f"cluster {c.cluster_id}: {c.hosts} hosts at {format_rate(c.rate_bits)}{wan}")
     for ns, addr in zip(c.namespaces, c.addresses, strict=True):
         print(f"  {ns}  {addr}  ({nx.HOST_IFNAME})")
     print(f"run on it:  thinwire testbed run --id {c.cluster_id} -- COMMAND")
@@ -111,9 +189,14 @@ def _status(args: argparse.Namespace) -> int:
             owner = "in use by pid " + ", ".join(str(p) for p in info.users)
         else:
             owner = "leftover of a dead run" if info.owner_pid else "persistent"
+        wan = ""
+        if info.wan:
+            with contextlib.suppress(ConfigError, KeyError, TypeError, ValueError):
+                hosts = [HostLink(**h) for h in info.wan["hosts"]]
+                wan = ", " + WanConfig(tuple(hosts), int(info.wan["buffer_bytes"])).describe()
         print(
             f"cluster {info.cluster_id}: {info.hosts} hosts at "
-            f"{format_rate(info.rate_bits)}, {owner}"
+            f"{format_rate(info.rate_bits)}{wan}, {owner}"
         )
         for i, addr in enumerate(info.addresses):
             ns = nx.host_ns(info.cluster_id, i)
@@ -139,15 +222,17 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("no command given: thinwire testbed run [options] -- COMMAND ...")
     if args.logs is not None:
         writable_dir(args.logs, "--logs")
+    wan_flags = (args.delay, args.jitter, args.loss, args.buffer)
+    wan_flags += (*args.host_delay, *args.host_jitter, *args.host_loss)
+    if args.use_id is not None and any(v is not None for v in wan_flags):
+        raise ConfigError("--delay/--jitter/--loss/--buffer set up a new cluster; not with --id")
+    new = _cluster(args) if args.use_id is None else None  # bad options fail before root
     nx.require_available()
     if shutil.which(command[0]) is None:
         raise ConfigError(f"command {command[0]!r} not found")
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        if args.use_id is not None:
-            cluster = Cluster.attach(args.use_id)
-        else:
-            cluster = Cluster(args.hosts, args.rate, cluster_id=args.cluster_id).up()
+        cluster = Cluster.attach(args.use_id) if new is None else new.up()
         try:
             result = cluster.run(
                 command, timeout_s=args.timeout, log_dir=args.logs, grace_s=args.grace
@@ -163,3 +248,42 @@ def _run(args: argparse.Namespace) -> int:
         failed = [h.host for h in result.hosts if h.returncode != 0]
         print(f"thinwire: hosts {failed} failed; see their logs", file=sys.stderr)
     return result.returncode
+
+
+def _check_latency(args: argparse.Namespace) -> int:
+    from thinwire.testbed.latency_check import measure_bulk, sweep_rtt
+
+    delays = [parse_duration(d.strip()) for d in args.delays.split(",") if d.strip()]
+    if not delays or any(d <= 0 for d in delays):
+        raise ConfigError("--delays needs one or more delays > 0, e.g. 1ms,10ms,50ms")
+    if args.count < 3:
+        raise ConfigError(f"--count must be >= 3, got {args.count}")
+    nx.require_available()
+    base, rows = sweep_rtt(delays, args.rate, args.count)
+    print(
+        f"2 hosts at {args.rate}; medians of {args.count} round trips; LAN round trip "
+        f"(no delay line) {base.icmp_s * 1e3:.3f} ms ping, {base.tcp_s * 1e3:.3f} ms TCP"
+    )
+    print(f"{'delay':>8s} {'set RTT':>9s} {'ping':>10s} {'err':>7s} {'TCP':>10s} {'err':>7s}")
+    for r in rows:
+        print(
+            f"{format_duration(r.delay_s):>8s} {2 * r.delay_s * 1e3:8.3f}m "
+            f"{r.icmp_s * 1e3:9.3f}m {r.error(base.icmp_s):+7.1%} "
+            f"{r.tcp_s * 1e3:9.3f}m {r.error(base.tcp_s, tcp=True):+7.1%}"
+        )
+    print("err: (measured - LAN round trip - 2 x delay) / (2 x delay)")
+    if args.bulk:
+        print(
+            f"{'rate':>8s} {'delay':>6s} {'goodput':>10s} {'expected':>10s} {'srtt':>8s} {'CPU':>6s}"
+        )
+        for rate, delay in BULK_CHECKS:
+            b = measure_bulk(rate, delay, base_rtt_s=base.icmp_s)
+            print(
+                f"{rate:>8s} {delay or '0':>6s} {b.goodput_bits / 1e6:8.1f}Mb "
+                f"{b.expected_bits / 1e6:8.1f}Mb {b.srtt_s * 1e3:6.1f}ms {b.cpu_share:6.1%}"
+            )
+        print(
+            f"expected: min(rate x 1448/1514, window / RTT), window = tcp_wmem max "
+            f"{b.window_bytes / 2**20:.0f} MiB; CPU: the delay line's share of one core"
+        )
+    return 0

@@ -11,6 +11,8 @@ same slowdowns)::
     thinwire compare-async --methods sync,naive,dn,dn-dylu \\
         --steps 200 --local-steps 10 --slowdown 1,1.29,2.6,5.74 --out runs/async-real
     thinwire compare-async ... --hosts 5 --rate 100mbit   # testbed (root)
+    thinwire compare-async ... --hosts 5 --rate 100mbit \\
+        --delay 10ms,10ms,10ms,10ms,150ms      # host 4 (the slowest worker) far away
 
 Each method runs at its tuned outer lr and momentum unless ``--`` passes other
 ``thinwire train`` flags to all of them. Without ``--hosts`` the processes run on this
@@ -78,8 +80,12 @@ def compare_methods(
     out_dir: Path,
     hosts: int | None = None,
     rate: str | None = None,
+    delay: list[str] | str | None = None,
 ) -> dict[str, Any]:
     """Run ``base`` as each of ``methods``; the runs and their comparison with ``sync``.
+
+    ``delay`` (testbed only): one-way delay between hosts, one value or one per host
+    (host 0 is the server), as :class:`~thinwire.testbed.cluster.Cluster` takes it.
 
     ``base`` is an ``async-diloco`` config (its ``out_dir`` is replaced per method). A
     method whose ``out_dir/METHOD/summary.json`` exists is read back, not run again.
@@ -93,7 +99,7 @@ def compare_methods(
     if hosts is not None:
         from thinwire.testbed.cluster import Cluster
 
-        cluster = Cluster(hosts, rate)
+        cluster = Cluster(hosts, rate, delay=delay)
         cluster.up()
     runs: dict[str, Any] = {}
     try:

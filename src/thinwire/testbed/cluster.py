@@ -6,9 +6,14 @@ Usage::
         res = c.run([sys.executable, "train.py"])
         print(res.summary())          # exit codes, bytes on the wire, link utilization
 
+    # a wide-area network: 50 ms one way (100 ms ping), host 3 far away (200 ms ping)
+    Cluster(hosts=4, rate="100mbit", delay=["50ms", "50ms", "50ms", "350ms"], loss="0.1%")
+
 Each host is a network namespace with one veth (``tw0``) into a bridge that lives in a
 namespace of its own, so the root namespace is never touched. Every host link is rate
-limited in both directions (see :mod:`thinwire.testbed.netns` for the tbf parameters).
+limited in both directions (see :mod:`thinwire.testbed.netns` for the tbf parameters);
+with delay, jitter or loss a delay line sits in each host's path after the rate limit
+(:mod:`thinwire.testbed.delayline`; semantics in :mod:`thinwire.testbed.wan`).
 :meth:`Cluster.run` starts the command once per host with the variables
 ``torch.distributed``'s ``env://`` rendezvous reads (``MASTER_ADDR`` is host 0,
 ``RANK`` is the host index) plus ``GLOO_SOCKET_IFNAME=tw0``, so a script that calls
@@ -48,13 +53,16 @@ from thinwire.testbed.netns import HOST_IFNAME, NicCounters
 from thinwire.testbed.rates import parse_rate
 from thinwire.testbed.registry import (
     add_user,
+    delay_log_path,
     forget,
     list_clusters,
+    record_delay_line,
     remove_namespaces,
     remove_user,
     write_state,
 )
 from thinwire.testbed.results import HostResult, RunResult
+from thinwire.testbed.wan import PerHost, WanConfig
 
 __all__ = ["DEFAULT_GRACE_S", "MAX_HOSTS", "SUBNET_PREFIX", "Cluster"]
 
@@ -85,6 +93,14 @@ class Cluster:
             up``); remove it later with ``registry.remove_clusters``.
         master_port: port of the rendezvous on host 0 (each cluster has its own
             network stack, so the default never clashes with other runs).
+        delay: one-way delay between hosts, ``"50ms"`` or seconds (ping shows twice
+            it); a list (one per host) or a dict ``{host: delay}`` (others 0) makes
+            some sites far: hosts A and B are ``(D_A + D_B) / 2`` apart each way.
+        jitter: per frame, one-way delay within ``delay +- jitter``; never reorders.
+        loss: ``"0.1%"`` or a fraction: chance a frame between two hosts is lost.
+        buffer: bytes the delay line holds per host and direction (``"64MiB"``);
+            default four times ``rate x (delay + jitter) / 2``. Too small is a ConfigError.
+        wan_seed: seed of the delay line's loss and jitter draws (reproducible runs).
     """
 
     def __init__(
@@ -95,6 +111,11 @@ class Cluster:
         cluster_id: str | None = None,
         persistent: bool = False,
         master_port: int = DEFAULT_MASTER_PORT,
+        delay: PerHost = None,
+        jitter: PerHost = None,
+        loss: PerHost = None,
+        buffer: int | str | None = None,
+        wan_seed: int | None = None,
     ) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ConfigError(f"hosts must be an integer from 1 to {MAX_HOSTS}, got {hosts!r}")
@@ -107,6 +128,10 @@ class Cluster:
         )
         self.persistent = persistent
         self.master_port = int(master_port)
+        self.wan = WanConfig.resolve(hosts, self.rate_bits, delay, jitter, loss, buffer)
+        """Per-host delay, jitter and loss; None for a plain (LAN) cluster."""
+        self.wan_seed = wan_seed
+        self.delay_line: subprocess.Popen[bytes] | None = None
         self._created: list[str] = []
         self._is_up = False
         self._attached = False
@@ -155,13 +180,14 @@ class Cluster:
             return self
         if self.cluster_id in nx.list_namespaces():
             raise ConfigError(f"a testbed cluster with id {self.cluster_id!r} already exists")
-        _check_root_namespace_clear()
+        nx.check_range_unused(SUBNET_PREFIX)
         try:
             write_state(
                 self.cluster_id,
                 self.hosts,
                 self.rate_bits,
                 None if self.persistent else os.getpid(),
+                self.wan.to_json() if self.wan else None,
             )
             br = self.bridge_namespace
             nx.add_namespace(br)
@@ -171,10 +197,19 @@ class Cluster:
                 nx.add_namespace(ns)
                 self._created.append(ns)
                 port = f"h{i}"
-                nx.add_host_link(ns, br, port, f"{self.addresses[i]}/24")
+                nx.add_host_link(ns, br, port, f"{self.addresses[i]}/24", bridged=not self.wan)
                 if self.rate_bits is not None:
                     nx.shape(ns, HOST_IFNAME, self.rate_bits)  # host -> bridge
-                    nx.shape(br, port, self.rate_bits)  # bridge -> host
+                    if not self.wan:
+                        nx.shape(br, port, self.rate_bits)  # bridge -> host
+            if self.wan:
+                from thinwire.testbed import delayline  # not on import: -m delayline
+
+                log = delay_log_path(self.cluster_id)
+                self.delay_line = delayline.wire(
+                    br, self.namespaces, self.wan, self.rate_bits, log, self.wan_seed
+                )
+                record_delay_line(self.cluster_id, self.delay_line.pid)
         except BaseException:
             self.down()
             raise
@@ -185,6 +220,11 @@ class Cluster:
         """Stop every process left in the cluster and delete its namespaces."""
         names = set(self._created) | set(nx.list_namespaces().get(self.cluster_id, []))
         remove_namespaces(sorted(names))
+        if self.delay_line is not None:
+            from thinwire.testbed.delayline import reap
+
+            reap(self.delay_line)
+            self.delay_line = None
         self._created.clear()
         forget(self.cluster_id)
         self._is_up = False
@@ -362,16 +402,3 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-
-
-def _check_root_namespace_clear() -> None:
-    # The range must stay private to the namespaces; refuse to run on a machine that
-    # already uses it, so no address of ours can ever shadow a real one.
-    out = nx.ip("-j", "-4", "addr", "show")
-    for link in json.loads(out or "[]"):
-        for a in link.get("addr_info", []):
-            if str(a.get("local", "")).startswith(SUBNET_PREFIX + "."):
-                raise nx.TestbedUnavailable(
-                    f"this machine already uses {SUBNET_PREFIX}.0/24 on {link.get('ifname')}; "
-                    "the testbed needs that range for itself"
-                )

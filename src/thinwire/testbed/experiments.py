@@ -253,8 +253,12 @@ def compare_on_testbed(
     lrs: Mapping[str, float] | None = None,
     overwrite: bool = False,
     command: str | None = None,
+    delay: str | None = None,
 ) -> list[dict[str, Any]]:
     """Compare ``algos`` (run specs) with ``cfg`` at each rate; one row per run.
+
+    ``delay`` (``"50ms"``) puts that one-way delay between the hosts
+    (:mod:`thinwire.testbed.wan`).
 
     ``lrs`` sets the peak lr per algorithm (e.g. each one's tuned default,
     :func:`thinwire.train.compare.tuned_lrs`, which is what the command line uses unless
@@ -280,7 +284,7 @@ def compare_on_testbed(
     rows: list[dict[str, Any]] = []
     for rate in rates:
         label = format_rate(parse_rate(rate))
-        with Cluster(hosts, rate) as c:
+        with Cluster(hosts, rate, delay=delay) as c:
             for rep in range(repeats):
                 round_dir = out_dir / f"{label}-r{rep}"
                 result = compare(
@@ -293,7 +297,13 @@ def compare_on_testbed(
                     command=command,
                     lrs=lrs,
                     runner=on_cluster(c, extra_args or []),
-                    where={"kind": "testbed", "hosts": hosts, "rate": label, "round": rep},
+                    where={
+                        "kind": "testbed",
+                        "hosts": hosts,
+                        "rate": label,
+                        "round": rep,
+                        **({"delay": delay} if delay else {}),
+                    },
                 )
                 for name, run in result["runs"].items():
                     row = _row(name, run, rep)

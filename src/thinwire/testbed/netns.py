@@ -29,7 +29,8 @@ project's machines with bulk TCP between two namespaces (see ``docs/testbed.md``
   all-to-all has W-1), where a short queue drops packets and TCP backs off. Keep it
   well below a step time so queueing delay does not dominate small messages.
 
-No ``netem`` is used (the kernels this runs on lack it), so links have no added delay.
+No ``netem`` is used (the kernels this runs on lack it): delay, jitter and loss come
+from a user-space delay line in the bridge namespace (:mod:`thinwire.testbed.delayline`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ __all__ = [
     "add_host_link",
     "add_namespace",
     "bridge_ns",
+    "check_range_unused",
     "delete_namespace",
     "host_ns",
     "ip",
@@ -225,12 +227,15 @@ def add_bridge(ns: str) -> None:
     ip("link", "set", BRIDGE_IFNAME, "up", netns=ns)
 
 
-def add_host_link(host_ns_name: str, br_ns: str, port: str, address_cidr: str) -> None:
+def add_host_link(
+    host_ns_name: str, br_ns: str, port: str, address_cidr: str, *, bridged: bool = True
+) -> None:
     """Join a host namespace to the bridge: veth ``tw0`` (host) <-> ``port`` (bridge).
 
     The host end gets ``address_cidr``; the kernel adds only the connected route for
     that /24, and no default route is ever added, so the host can reach its cluster
-    peers and nothing else.
+    peers and nothing else. With ``bridged=False`` the bridge end is left out of the
+    bridge, for the delay line to serve (:mod:`thinwire.testbed.delayline`).
     """
     _checked_ns(br_ns)
     ip(
@@ -246,7 +251,8 @@ def add_host_link(host_ns_name: str, br_ns: str, port: str, address_cidr: str) -
         br_ns,
         netns=host_ns_name,
     )
-    ip("link", "set", port, "master", BRIDGE_IFNAME, netns=br_ns)
+    if bridged:
+        ip("link", "set", port, "master", BRIDGE_IFNAME, netns=br_ns)
     ip("link", "set", port, "up", netns=br_ns)
     ip("addr", "add", address_cidr, "dev", HOST_IFNAME, netns=host_ns_name)
     ip("link", "set", HOST_IFNAME, "up", netns=host_ns_name)
@@ -297,3 +303,19 @@ def read_counters(ns: str, dev: str = HOST_IFNAME) -> NicCounters:
         tx_packets=int(stats["tx"]["packets"]),
         rx_packets=int(stats["rx"]["packets"]),
     )
+
+
+def check_range_unused(prefix: str) -> None:
+    """Refuse to run on a machine whose root namespace already uses ``prefix.0/24``.
+
+    The range must stay private to the namespaces, so no address of ours can ever
+    shadow a real one.
+    """
+    out = ip("-j", "-4", "addr", "show")
+    for link in json.loads(out or "[]"):
+        for a in link.get("addr_info", []):
+            if str(a.get("local", "")).startswith(prefix + "."):
+                raise TestbedUnavailable(
+                    f"this machine already uses {prefix}.0/24 on {link.get('ifname')}; "
+                    "the testbed needs that range for itself"
+                )

@@ -30,9 +30,11 @@ __all__ = [
     "STATE_DIR",
     "ClusterInfo",
     "add_user",
+    "delay_log_path",
     "forget",
     "list_clusters",
     "read_state",
+    "record_delay_line",
     "remove_clusters",
     "remove_namespaces",
     "remove_user",
@@ -55,6 +57,8 @@ class ClusterInfo:
     addresses: list[str] = field(default_factory=list)
     users: list[int] = field(default_factory=list)
     """Pids of the live processes using the cluster (its owner, attached runs)."""
+    wan: dict[str, Any] | None = None
+    """Delay, jitter, loss per host and the buffer (``WanConfig.to_json``), if any."""
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -170,6 +174,7 @@ def list_clusters() -> list[ClusterInfo]:
                 owner_alive=_owner_alive(state),
                 addresses=addresses,
                 users=_live_users(state),
+                wan=state.get("wan") if isinstance(state.get("wan"), dict) else None,
             )
         )
     return infos
@@ -203,19 +208,25 @@ def remove_clusters(cluster_ids: Sequence[str] | None = None, *, force: bool = F
                 )
             continue
         remove_namespaces(present.get(cid, []))
-        with contextlib.suppress(OSError):
-            _state_path(cid).unlink()
+        _kill_delay_line(read_state(cid))
+        forget(cid)
         removed.append(cid)
     if cluster_ids is None and STATE_DIR.is_dir():
         # State records whose namespaces are already gone (e.g. removed by hand).
         for path in STATE_DIR.glob("*.json"):
             with contextlib.suppress(ConfigError):
                 if path.stem not in present and not _owner_alive(read_state(path.stem)):
-                    path.unlink(missing_ok=True)
+                    forget(path.stem)
     return removed
 
 
-def write_state(cluster_id: str, hosts: int, rate_bits: int | None, owner: int | None) -> None:
+def write_state(
+    cluster_id: str,
+    hosts: int,
+    rate_bits: int | None,
+    owner: int | None,
+    wan: Mapping[str, Any] | None = None,
+) -> None:
     """Record a new cluster and its owning process (None: owned by nobody, persistent)."""
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     state = {
@@ -225,12 +236,37 @@ def write_state(cluster_id: str, hosts: int, rate_bits: int | None, owner: int |
         "owner_pid": owner,
         "owner_start": _proc_start_time(owner) if owner else None,
         "users": [],
+        "wan": dict(wan) if wan is not None else None,
     }
     with _locked():
         _write(cluster_id, state)
 
 
+def delay_log_path(cluster_id: str) -> Path:
+    """Where the cluster's delay line writes its counters and errors."""
+    return STATE_DIR / f"{nx.validate_cluster_id(cluster_id)}.delay.log"
+
+
+def record_delay_line(cluster_id: str, pid: int) -> None:
+    """Record the cluster's delay line process, so that cleanup kills it."""
+    with _locked():
+        state = read_state(cluster_id) or {"cluster_id": cluster_id, "owner_pid": None}
+        state["delay_pid"] = pid
+        state["delay_start"] = _proc_start_time(pid)
+        _write(cluster_id, state)
+
+
+def _kill_delay_line(state: Mapping[str, Any]) -> None:
+    # It lives in the bridge namespace and dies with it; this covers a bridge namespace
+    # whose name was removed by hand while the process still held it.
+    pid = state.get("delay_pid")
+    if _alive(pid, state.get("delay_start")):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def forget(cluster_id: str) -> None:
-    """Drop the owner record of a cluster that was removed."""
-    with contextlib.suppress(OSError):
-        _state_path(cluster_id).unlink()
+    """Drop the owner record (and delay line log) of a cluster that was removed."""
+    for path in (_state_path(cluster_id), delay_log_path(cluster_id)):
+        with contextlib.suppress(OSError):
+            path.unlink()
