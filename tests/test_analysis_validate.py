@@ -110,6 +110,21 @@ def test_predict_step_ignores_codec_for_fp32_and_rejects_unknown_scheme() -> Non
         predict_step(_profile(), "powersgd", link, 4)
 
 
+def test_diloco_amortizes_one_exchange_and_a_round_trip_per_message() -> None:
+    """DiLoCo pays one fp32 exchange per H steps; a delayed link adds a round trip per
+    ring message, 2 (n - 1) of them per exchange."""
+    n, rtt = 4, 0.1
+    lan, wan = Link.nominal(100e6), Link.nominal(100e6, rtt)
+    assert wan.alpha_per_message_s == rtt and wan.bandwidth_gbps == lan.bandwidth_gbps
+    fused = predict_step(_profile(), "fp32-fused", lan, n)
+    one = predict_step(_profile(), "diloco", lan, n, local_steps=1)
+    ten = predict_step(_profile(), "diloco", lan, n, local_steps=10)
+    assert one.step_s == pytest.approx(fused.step_s)  # H = 1: every step exchanges
+    assert ten.exposed_s == pytest.approx(one.exposed_s / 10)
+    delayed = predict_step(_profile(), "diloco", wan, n, local_steps=10)
+    assert delayed.exposed_s - ten.exposed_s == pytest.approx(2 * (n - 1) * rtt / 10)
+
+
 def _records(times: list[float]) -> list[dict[str, float]]:
     return [{"step": i + 1, "step_s": t} for i, t in enumerate(times)] + [
         {"step": len(times), "val_loss": 3.0}  # evaluation record: no step time
@@ -190,6 +205,8 @@ def test_cli_rerenders_and_rejects_bad_input(tmp_path: Path, capsys: pytest.Capt
         ({"fit_min_bytes": 2**20, "fit_max_bytes": 2**20}, "two sizes"),
         ({"local_steps": 40}, "local-steps"),
         ({"local_steps": -1}, "local-steps"),
+        ({"delay": "0"}, "positive duration"),
+        ({"delay": "-5ms"}, "negative"),
     ],
 )
 def test_config_check(kwargs: dict[str, object], message: str) -> None:

@@ -15,15 +15,14 @@ need a quiet machine (root, the delay line built: ``make install``)::
 Asynchronous Local-SGD (DN + DyLU) against synchronous DiLoCo, 5 hosts, the slowest
 worker's host far away, uses the comparison that already exists::
 
-    python -m thinwire.testbed.async_compare --methods sync,dn-dylu --hosts 5 \\
+    thinwire compare-async --methods sync,dn-dylu --hosts 5 \\
         --rate 100mbit --delay 10ms,10ms,10ms,10ms,150ms --out runs/wan/async
 
 What it needs and costs (estimates on the 2-core machine): ``pieces`` ~2 min per delay
 (5 piece counts x (2 warm-up + 5 timed calls) of 16 MiB at 100 Mbit/s, 4 hosts);
 ``steps`` one ``thinwire train`` per algorithm and delay, ~2-5 min each at 40 steps of
 the tiny model; ``async_compare`` ~10 min per method. The analyzer's prediction against
-these runs (``python -m thinwire.analysis.validate``) does not take a delay yet: the
-predicted rows here use ``thinwire analyze simulate --rtt`` by hand.
+these runs is ``thinwire analyze validate --delay``.
 
 Not covered: the phase-2 scheme of the 1-bit allreduce (ring all_gather vs fan-out) has
 no switch to measure the fan-out with; ``pieces`` measures the ring's piece count.
@@ -107,7 +106,15 @@ def steps(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for delay in _delays(args.delays):
         out = args.out / f"steps-{delay or '0'}"
-        got = compare_on_testbed(algos, cfg, args.hosts, [args.rate], out, lrs=lrs, delay=delay)
+        got = compare_on_testbed(
+            algos,
+            cfg,
+            args.hosts,
+            [args.rate],
+            out,
+            lrs=lrs,
+            cluster_options={"delay": delay} if delay else None,
+        )
         for r in got:
             r.update(study="steps", delay=delay or "0")
         print(f"\ndelay {delay or '0'}:\n{format_table(got)}")

@@ -189,8 +189,8 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
     )
     runs: dict[str, Any] = {}
     algos = cfg.algos
-    with Cluster(cfg.hosts, rate) as cluster:
-        link = Link.nominal(float(rate_bits))  # type: ignore[arg-type]
+    with Cluster(cfg.hosts, rate, delay=cfg.delay) as cluster:
+        link = Link.nominal(float(rate_bits), cfg.rtt_s)  # type: ignore[arg-type]
         fit_info: dict[str, Any] | None = None
         if cfg.fit:
             load["fit"] = os.getloadavg()[0]
@@ -265,7 +265,8 @@ def _predict_rows(
     }
     if "diloco" in algos:
         spans["diloco"] = ("diloco", *cfg.diloco_span())
-    return compare_rows(around, records, spans, link, cfg.hosts, rate_bits, cfg.local_steps)
+    h, rtt = cfg.local_steps, cfg.rtt_s
+    return compare_rows(around, records, spans, link, cfg.hosts, rate_bits, h, rtt)
 
 
 def run_validation(
@@ -329,7 +330,7 @@ def repredict(
         points[0]["alone"].observed_buckets = load_profile(
             rdir / "profile-0-alone" / "profile-0.json"
         ).observed_buckets
-        link = Link.nominal(float(entry["rate_bits"]))
+        link = Link.nominal(float(entry["rate_bits"]), cfg.rtt_s)
         fit_info = None
         if cfg.fit:
             rows = json.loads((rdir / "bench" / "allreduce.json").read_text())["rows"]

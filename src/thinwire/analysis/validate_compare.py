@@ -59,11 +59,15 @@ class Link:
     bandwidth_gbps: float
     alpha_per_message_s: float = 0.0
     source: str = "nominal"
-    """``nominal`` (the set rate times :data:`TCP_PAYLOAD_SHARE`, no latency) or ``fitted``."""
+    """``nominal`` (the set rate times :data:`TCP_PAYLOAD_SHARE`, the set round trip as
+    latency) or ``fitted``."""
 
     @classmethod
-    def nominal(cls, rate_bits: float) -> Link:
-        return cls(rate_bits * TCP_PAYLOAD_SHARE / 1e9, 0.0, "nominal")
+    def nominal(cls, rate_bits: float, rtt_s: float = 0.0) -> Link:
+        """The set rate's TCP payload, and with hosts ``rtt_s`` apart that round trip per
+        message: with gloo each message of a ring costs a whole round trip (measured on
+        the delayed testbed, docs/testbed.md)."""
+        return cls(rate_bits * TCP_PAYLOAD_SHARE / 1e9, rtt_s, "nominal")
 
 
 def _one_bucket(profile: Profile) -> list[Bucket]:
@@ -167,6 +171,7 @@ def compare_rows(
     hosts: int,
     rate_bits: float,
     local_steps: int = 1,
+    rtt_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """One row per scheme: the measured step next to three predictions of it.
 
@@ -180,6 +185,7 @@ def compare_rows(
         hosts: workers of the job.
         rate_bits: the link's set rate, for the nominal-link prediction and the label.
         local_steps: DiLoCo's H, for the ``diloco`` scheme.
+        rtt_s: the hosts' set round trip, the nominal link's latency per message.
 
     Each row has ``predicted`` (co-located profile, ``link``), ``predicted_alone``
     (the alone profile: the paper's method) and ``predicted_nominal`` (co-located
@@ -187,7 +193,7 @@ def compare_rows(
     """
     from thinwire.testbed.rates import format_rate
 
-    nominal = Link.nominal(rate_bits)
+    nominal = Link.nominal(rate_bits, rtt_s)
     rows = []
     for scheme, (algo, first, last) in spans.items():
         if last - first < 1:

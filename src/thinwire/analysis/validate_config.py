@@ -36,6 +36,10 @@ class ValidationConfig:
     """DiLoCo's H (steps between model averages) for its run; 0 leaves DiLoCo out. The
     measured step is the mean over whole rounds after ``skip_steps``, so ``steps`` should
     be a multiple of it."""
+    delay: str | None = None
+    """One-way delay between the testbed hosts (``"50ms"``; round trips are twice it), or
+    None for a LAN. The fitted link measures the latency it adds; the nominal link takes
+    the round trip as each message's latency (:meth:`Link.nominal`)."""
     onebit_algo: str = "onebit-adam"
     """``onebit-adam`` (optimizer cost close to the profile's AdamW) or ``onebit-lamb``."""
     profile_warmup: int = 2
@@ -75,6 +79,8 @@ class ValidationConfig:
                 f"freeze-step must be in [1, steps - 3] to leave compressing steps, "
                 f"got {self.freeze_step} of {self.steps}"
             )
+        if self.delay is not None and not self.rtt_s > 0:
+            raise ConfigError(f"delay must be a positive duration like 50ms, got {self.delay!r}")
         if self.local_steps < 0 or (
             self.local_steps and self.diloco_span()[1] - self.diloco_span()[0] < 1
         ):
@@ -91,6 +97,13 @@ class ValidationConfig:
             )
         if self.profile_steps < 1 or self.profile_warmup < 0:
             raise ConfigError("profile steps must be >= 1 and profile warmup >= 0")
+
+    @property
+    def rtt_s(self) -> float:
+        """The round trip :attr:`delay` sets, in seconds (0 without one)."""
+        from thinwire.testbed.wan import parse_duration
+
+        return 2 * parse_duration(self.delay) if self.delay else 0.0
 
     def diloco_span(self) -> tuple[int, int]:
         """First and last step of the whole DiLoCo rounds after ``skip_steps``."""

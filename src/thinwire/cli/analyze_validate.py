@@ -37,6 +37,10 @@ def add_validate_verb(verbs: Any) -> None:
     p.add_argument("--no-fit", action="store_true", help="nominal link rate, no latency")
     p.add_argument("--fit-min-bytes", type=int, default=d.fit_min_bytes)
     p.add_argument("--fit-max-bytes", type=int, default=d.fit_max_bytes)
+    p.add_argument(
+        "--delay", default=None, help="one-way delay between the hosts, e.g. 50ms (default none)"
+    )
+    p.add_argument("--local-steps", type=int, default=d.local_steps, help="DiLoCo's H; 0: none")
     p.add_argument("--out", default="runs/validate")
     p.add_argument("--plot", default=None, help="PNG to draw")
     p.add_argument(
@@ -75,6 +79,8 @@ def _validate(args: argparse.Namespace) -> int:
             fit=not args.no_fit,
             fit_min_bytes=args.fit_min_bytes,
             fit_max_bytes=args.fit_max_bytes,
+            delay=args.delay,
+            local_steps=args.local_steps,
         )
         result = run_validation(cfg, Path(args.out), plot)
     if args.from_json:

@@ -1,59 +1,114 @@
-"""``thinwire native build|status``: the compiled packing kernels of the 1-bit collective.
+"""``thinwire native build|status``: what thinwire compiles for this machine.
 
-``make install`` runs ``thinwire native build`` once per machine (about a minute); where
-they do not build, packing falls back to pure torch and says so once per run.
+Two pieces, each optional, each built once at set-up (``make install`` builds both):
+
+* ``packing``: the C++ kernels that pack and unpack sign bits for the 1-bit collective
+  (about a minute; without them packing runs on pure torch and says so once per run);
+* ``delayline``: the testbed's delay line, a small C program for ``--delay``,
+  ``--jitter`` and ``--loss`` (about a second; without it the testbed runs without them).
+
+``thinwire native build`` builds both, ``thinwire native build packing`` one of them;
+the exit status is 1 when one failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from thinwire.compress import native
+from thinwire.errors import ConfigError
 
 __all__ = ["register"]
+
+TARGETS = ("packing", "delayline")
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "native",
-        help="build or inspect the compiled packing kernels for this machine",
+        help="build or inspect what thinwire compiles for this machine",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-    b = verbs.add_parser("build", help="compile them (skipped if built); exit 1 if it fails")
+    b = verbs.add_parser("build", help="compile them (skipped if built); exit 1 if one fails")
+    b.add_argument(
+        "targets", nargs="*", metavar="TARGET", help="packing, delayline (default: both)"
+    )
     b.add_argument("--force", action="store_true", help="compile even if built")
     b.add_argument("--verbose", action="store_true", help="print the compiler's command")
     b.set_defaults(func=_build)
-    s = verbs.add_parser("status", help="say whether they are built and load; exit 1 if not")
+    s = verbs.add_parser("status", help="say whether they are built; exit 1 if one is not")
     s.set_defaults(func=_status)
 
 
+def _builders() -> dict[str, tuple[str, Callable[..., Path], type[Exception], Path]]:
+    from thinwire.compress import native
+    from thinwire.testbed import delayline
+
+    return {
+        "packing": (
+            "native packing kernels",
+            native.build,
+            native.BuildError,
+            native.library_path(),
+        ),
+        "delayline": (
+            "testbed delay line",
+            delayline.build,
+            delayline.BuildError,
+            delayline.binary_path(),
+        ),
+    }
+
+
 def _build(args: argparse.Namespace) -> int:
-    if args.force or not native.library_path().is_file():
-        print("thinwire: compiling the native packing kernels (about a minute)", flush=True)
-    try:
-        path = native.build(force=args.force, verbose=args.verbose)
-    except native.BuildError as exc:
-        first, _, rest = str(exc).partition("\n")
-        print(
-            f"thinwire: native packing kernels not built ({first}); packing uses pure torch",
-            file=sys.stderr,
-        )
-        if args.verbose and rest:
-            print(rest, file=sys.stderr)
-        return 1
-    print(f"thinwire: native packing kernels built: {path}")
-    return 0
+    unknown = sorted(set(args.targets) - set(TARGETS))
+    if unknown:
+        raise ConfigError(f"no native target {unknown[0]!r}; the targets are {', '.join(TARGETS)}")
+    failed = 0
+    for target, (what, build, error, path) in _builders().items():
+        if args.targets and target not in args.targets:
+            continue
+        if target == "packing" and (args.force or not path.is_file()):
+            print(f"thinwire: compiling the {what} (about a minute)", flush=True)
+        try:
+            built = build(force=args.force, verbose=args.verbose)
+        except error as exc:
+            first, _, rest = str(exc).partition("\n")
+            print(f"thinwire: {what} not built ({first})", file=sys.stderr)
+            if args.verbose and rest:
+                print(rest, file=sys.stderr)
+            failed = 1
+            continue
+        print(f"thinwire: {what} built: {built}")
+    return failed
 
 
 def _status(args: argparse.Namespace) -> int:
+    from thinwire.compress import native
+
+    missing = 0
     reason = native.unavailable_reason()
     if reason is None:
         print(f"thinwire: native packing kernels loaded from {native.library_path()}")
-        return 0
-    where = native.library_path()
-    print(f"thinwire: native packing kernels unavailable: {reason} (looked for {where})")
-    return 1
+    else:
+        print(
+            f"thinwire: native packing kernels unavailable: {reason} "
+            f"(looked for {native.library_path()}); packing uses pure torch"
+        )
+        missing = 1
+    delay = _builders()["delayline"][3]
+    if os.access(delay, os.X_OK):
+        print(f"thinwire: testbed delay line built: {delay}")
+    else:
+        print(
+            f"thinwire: testbed delay line not built (looked for {delay}); "
+            "the testbed runs without --delay, --jitter, --loss"
+        )
+        missing = 1
+    return missing

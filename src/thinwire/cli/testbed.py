@@ -25,6 +25,7 @@ import sys
 from types import FrameType
 
 from thinwire.cli.testbed_tools import add_verbs
+from thinwire.cli.wan_args import add_wan_arguments, wan_options
 from thinwire.errors import ConfigError
 from thinwire.rundir import writable_dir
 from thinwire.testbed import netns as nx
@@ -108,41 +109,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         "--rate", default="1gbit", help="link rate, both directions: 100mbit, 1gbit, unlimited"
     )
     p.add_argument("--cluster-id", default=None, help="1-12 lowercase letters/digits")
-    p.add_argument(
-        "--delay",
-        default=None,
-        help="one-way delay between hosts, e.g. 50ms (ping shows twice it); default none",
-    )
-    p.add_argument("--jitter", default=None, help="one-way delay varies by +- this; no reorder")
-    p.add_argument("--loss", default=None, help="chance a frame is lost, e.g. 0.1%%")
-    for what, example in (("delay", "4=150ms"), ("jitter", "4=10ms"), ("loss", "4=1%%")):
-        p.add_argument(
-            f"--host-{what}",
-            action="append",
-            default=[],
-            metavar="HOST=VALUE",
-            help=f"{what} of one host instead of --{what} (repeatable), e.g. {example}",
-        )
-    p.add_argument(
-        "--buffer",
-        default=None,
-        help="delay line buffer per host and direction, e.g. 64MiB (default: 4 x rate x delay / 2, >= 8MiB)",
-    )
-
-
-def _per_host(base: str | None, overrides: list[str], hosts: int, what: str) -> list | None:
-    """``--delay`` for every host, then ``--host-delay H=V`` for some."""
-    if base is None and not overrides:
-        return None
-    values: list[str | None] = [base] * max(hosts, 0)
-    for item in overrides:
-        host, sep, value = item.partition("=")
-        if not sep or not host.strip().isdigit():
-            raise ConfigError(f"--host-{what} {item!r} is invalid: use HOST=VALUE, e.g. 4=150ms")
-        if not 0 <= int(host) < hosts:
-            raise ConfigError(f"--host-{what} {item!r}: host {host} does not exist (0-{hosts - 1})")
-        values[int(host)] = value
-    return values
+    add_wan_arguments(p)
 
 
 def _cluster(args: argparse.Namespace, persistent: bool = False) -> Cluster:
@@ -154,10 +121,7 @@ def _cluster(args: argparse.Namespace, persistent: bool = False) -> Cluster:
         args.rate,
         cluster_id=args.cluster_id,
         persistent=persistent,
-        delay=_per_host(args.delay, args.host_delay, hosts, "delay"),
-        jitter=_per_host(args.jitter, args.host_jitter, hosts, "jitter"),
-        loss=_per_host(args.loss, args.host_loss, hosts, "loss"),
-        buffer=args.buffer,
+        **wan_options(args, hosts),
     )
 
 

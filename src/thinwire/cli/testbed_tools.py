@@ -9,11 +9,15 @@
   (:func:`thinwire.testbed.sweep.sweep`).
 * ``probe``: what ``sweep`` runs on every host; run it yourself under ``thinwire testbed
   run -- python -m thinwire testbed probe --mib 8``.
+* ``latency-probe rtt|udp|bulk``: what ``check-latency`` runs on the hosts (host 0
+  measures, host 1 serves; :mod:`thinwire.testbed.latency`).
 
 Examples::
 
     thinwire testbed compare --algos lamb onebit-lamb adamw-powersgd --hosts 4 \\
         --rates 100mbit,1gbit --model small --batch-size 8 --steps 80 --out runs/e2e
+    thinwire testbed compare --algos adamw adamw-powersgd onebit-lamb --rates 100mbit \\
+        --delay 50ms --out runs/wan        # hosts 50 ms apart (100 ms round trips)
     thinwire testbed sweep --hosts 4 --rates 100mbit,1gbit --mib 1,8,32 --plot sweep.png
 """
 
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.cli.compare import add_compare_arguments, base_and_lrs
+from thinwire.cli.wan_args import add_wan_arguments, wan_options
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 
@@ -61,6 +66,7 @@ def add_verbs(verbs: Any) -> None:
     )
     cmp.add_argument("--rates", type=_comma_list, default=["100mbit"], help="comma list")
     cmp.add_argument("--repeats", type=int, default=1, help="rounds of all runs per rate")
+    add_wan_arguments(cmp)
     cmp.set_defaults(func=_compare)
 
     sw = verbs.add_parser("sweep", help="fp32 allreduce bus bandwidth per rate and size")
@@ -77,6 +83,17 @@ def add_verbs(verbs: Any) -> None:
     pr.add_argument("--iters", type=int, default=3, help="timed calls per size")
     pr.add_argument("--warmup", type=int, default=1, help="untimed calls first, per size")
     pr.set_defaults(func=_probe)
+
+    lp = verbs.add_parser("latency-probe", help="round trips, one-way delays or goodput")
+    lp.add_argument("mode", choices=("rtt", "udp", "bulk"))
+    lp.add_argument("--count", type=int, default=20, help="pings / round trips / datagrams")
+    lp.add_argument("--interval", type=float, default=0.05, help="seconds between round trips")
+    lp.add_argument("--rate-pps", type=float, default=2000.0, help="udp: datagrams per second")
+    lp.add_argument("--drain", type=float, default=1.0, help="udp: seconds to wait for stragglers")
+    lp.add_argument("--seconds", type=float, default=8.0, help="bulk: how long to send")
+    lp.add_argument("--skip", type=float, default=3.0, help="bulk: ramp-up seconds not counted")
+    lp.add_argument("--server-rank", type=int, default=1, help="the host that serves (not 0)")
+    lp.set_defaults(func=_latency_probe)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -97,6 +114,7 @@ def _compare(args: argparse.Namespace) -> int:
         lrs=lrs,
         overwrite=args.overwrite,
         command=shlex.join(["thinwire", *getattr(args, "argv", ["testbed", "compare"])]),
+        cluster_options=wan_options(args, args.workers),
     )
     print(format_table(rows))
     return 0
@@ -132,4 +150,22 @@ def _probe(args: argparse.Namespace) -> int:
             print("PROBE " + json.dumps(measure(mib, args.iters, args.warmup)), flush=True)
     finally:
         dist.destroy_process_group()
+    return 0
+
+
+def _latency_probe(args: argparse.Namespace) -> int:
+    from thinwire.testbed.latency import run_probe
+
+    if args.count < 1 or args.server_rank < 1:
+        raise ConfigError("--count must be >= 1 and --server-rank >= 1 (host 0 measures)")
+    run_probe(
+        args.mode,
+        count=args.count,
+        interval_s=args.interval,
+        rate_pps=args.rate_pps,
+        drain_s=args.drain,
+        seconds=args.seconds,
+        skip_s=args.skip,
+        server_rank=args.server_rank,
+    )
     return 0

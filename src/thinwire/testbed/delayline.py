@@ -35,13 +35,12 @@ counters (JSON lines on exit and on SIGUSR1) go to ``/run/thinwire-testbed/ID.de
 
 Building is a set-up step (``make install`` runs it), never a side effect of a run::
 
-    python -m thinwire.testbed.delayline --build     # about a second with cc
-    python -m thinwire.testbed.delayline --status
+    thinwire native build delayline     # about a second with cc
+    thinwire native status
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import platform
@@ -63,7 +62,6 @@ __all__ = [
     "binary_path",
     "build",
     "link_args",
-    "main",
     "reap",
     "start",
     "tap_name",
@@ -100,7 +98,7 @@ def require_built() -> Path:
     if not os.access(path, os.X_OK):
         raise ConfigError(
             "the testbed's delay line is not built (needed for delay, jitter and loss): run "
-            "'python -m thinwire.testbed.delayline --build' or 'make install'"
+            "'thinwire native build delayline' or 'make install'"
         )
     return path
 
@@ -247,37 +245,3 @@ def reap(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m thinwire.testbed.delayline --build|--status``; 1 if not built."""
-    p = argparse.ArgumentParser(
-        prog="python -m thinwire.testbed.delayline",
-        description="Build or inspect the testbed's delay line (delay, jitter, loss).",
-    )
-    p.add_argument("--build", action="store_true", help="compile it (skipped if built)")
-    p.add_argument("--force", action="store_true", help="with --build: compile even if built")
-    p.add_argument("--verbose", action="store_true", help="print the compiler command")
-    p.add_argument("--status", action="store_true", help="say whether it is built (default)")
-    args = p.parse_args(argv)
-    if args.build:
-        try:
-            path = build(force=args.force, verbose=args.verbose)
-        except BuildError as exc:
-            first, _, rest = str(exc).partition("\n")
-            print(f"thinwire: testbed delay line not built ({first})", file=sys.stderr)
-            if rest:
-                print(rest, file=sys.stderr)
-            return 1
-        print(f"thinwire: testbed delay line built: {path}")
-        return 0
-    path = binary_path()
-    if os.access(path, os.X_OK):
-        print(f"thinwire: testbed delay line built: {path}")
-        return 0
-    print(f"thinwire: testbed delay line not built (looked for {path})")
-    return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

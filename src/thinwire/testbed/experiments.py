@@ -253,11 +253,12 @@ def compare_on_testbed(
     lrs: Mapping[str, float] | None = None,
     overwrite: bool = False,
     command: str | None = None,
-    delay: str | None = None,
+    cluster_options: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Compare ``algos`` (run specs) with ``cfg`` at each rate; one row per run.
 
-    ``delay`` (``"50ms"``) puts that one-way delay between the hosts
+    ``cluster_options`` go to every :class:`~thinwire.testbed.cluster.Cluster`, e.g.
+    ``{"delay": "50ms"}`` puts that one-way delay between the hosts
     (:mod:`thinwire.testbed.wan`).
 
     ``lrs`` sets the peak lr per algorithm (e.g. each one's tuned default,
@@ -284,7 +285,7 @@ def compare_on_testbed(
     rows: list[dict[str, Any]] = []
     for rate in rates:
         label = format_rate(parse_rate(rate))
-        with Cluster(hosts, rate, delay=delay) as c:
+        with Cluster(hosts, rate, **(cluster_options or {})) as c:
             for rep in range(repeats):
                 round_dir = out_dir / f"{label}-r{rep}"
                 result = compare(
@@ -302,7 +303,7 @@ def compare_on_testbed(
                         "hosts": hosts,
                         "rate": label,
                         "round": rep,
-                        **({"delay": delay} if delay else {}),
+                        **(cluster_options or {}),
                     },
                 )
                 for name, run in result["runs"].items():

@@ -5,9 +5,9 @@ as one job: host 1 (or ``--server-rank``) serves, host 0 measures, the others ex
 measuring host prints one line ``LATENCY {json}``, the serving host ``LATENCY-SERVER
 {json}`` (:func:`read_result` parses either from a log)::
 
-    python -m thinwire.testbed.latency rtt --count 20       # ICMP echo and TCP ping-pong
-    python -m thinwire.testbed.latency udp --count 2000     # one-way delays, order, loss
-    python -m thinwire.testbed.latency bulk --seconds 8     # TCP goodput and its window
+    thinwire testbed latency-probe rtt --count 20     # ICMP echo and TCP ping-pong
+    thinwire testbed latency-probe udp --count 2000   # one-way delays, order, loss
+    thinwire testbed latency-probe bulk --seconds 8   # TCP goodput and its window
 
 No ``ping`` or ``iperf`` is needed: ICMP echo uses a raw socket (root, as the testbed
 is), the rest plain sockets. Receive times are the kernel's time stamps
@@ -18,18 +18,15 @@ wake-up; ``udp`` gets exact one-way delays, not halved round trips.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
 import struct
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PORT", "icmp_rtts", "main", "read_result", "tcp_rtts", "tcp_window"]
+__all__ = ["PORT", "icmp_rtts", "read_result", "run_probe", "tcp_rtts", "tcp_window"]
 
 PORT = 29600
 """TCP/UDP port of the serving host (a cluster has its own network stack)."""
@@ -237,41 +234,42 @@ def read_result(log: str | os.PathLike[str], server: bool = False) -> dict[str, 
     return dict(json.loads(lines[-1][len(tag) :]))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m thinwire.testbed.latency", description=__doc__)
-    p.add_argument("mode", choices=("rtt", "udp", "bulk"))
-    p.add_argument("--count", type=int, default=20, help="pings / round trips / datagrams")
-    p.add_argument("--interval", type=float, default=0.05, help="seconds between round trips")
-    p.add_argument("--rate-pps", type=float, default=2000.0, help="udp: datagrams per second")
-    p.add_argument("--drain", type=float, default=1.0, help="udp: seconds to wait for stragglers")
-    p.add_argument("--seconds", type=float, default=8.0, help="bulk: how long to send")
-    p.add_argument("--skip", type=float, default=3.0, help="bulk: seconds of ramp-up not counted")
-    p.add_argument("--server-rank", type=int, default=1, help="the host that serves (not 0)")
-    args = p.parse_args(argv)
+def run_probe(
+    mode: str,
+    *,
+    count: int = 20,
+    interval_s: float = 0.05,
+    rate_pps: float = 2000.0,
+    drain_s: float = 1.0,
+    seconds: float = 8.0,
+    skip_s: float = 3.0,
+    server_rank: int = 1,
+) -> dict[str, Any] | None:
+    """Run probe ``mode`` (``rtt``, ``udp`` or ``bulk``) as this host's part of the job
+    (``RANK`` picks it: host 0 measures, ``server_rank`` serves, the others do nothing);
+    the result this host prints, or None."""
+    if mode not in ("rtt", "udp", "bulk"):
+        raise ValueError(f"probe mode must be rtt, udp or bulk, got {mode!r}")
     rank = int(os.environ.get("RANK", "0"))
-    if rank not in (0, args.server_rank):
-        return 0
-    if rank == args.server_rank:
-        if args.mode == "rtt":
+    if rank not in (0, server_rank):
+        return None
+    if rank == server_rank:
+        if mode == "rtt":
             _serve_echo()
-            return 0
-        res = _udp_receive(args.drain) if args.mode == "udp" else _bulk_receive(args.skip)
+            return None
+        res = _udp_receive(drain_s) if mode == "udp" else _bulk_receive(skip_s)
         print("LATENCY-SERVER " + json.dumps(res), flush=True)
-        return 0
+        return res
     net, last = os.environ["MASTER_ADDR"].rsplit(".", 1)
-    peer = f"{net}.{int(last) + args.server_rank}"  # host i is host 0's address + i
-    if args.mode == "rtt":
+    peer = f"{net}.{int(last) + server_rank}"  # host i is host 0's address + i
+    if mode == "rtt":
         res = {
-            "icmp_s": icmp_rtts(peer, args.count, args.interval),
-            "tcp_s": tcp_rtts(peer, args.count, interval_s=args.interval),
+            "icmp_s": icmp_rtts(peer, count, interval_s),
+            "tcp_s": tcp_rtts(peer, count, interval_s=interval_s),
         }
-    elif args.mode == "udp":
-        res = _udp_send(peer, args.count, args.rate_pps)
+    elif mode == "udp":
+        res = _udp_send(peer, count, rate_pps)
     else:
-        res = _bulk_send(peer, args.seconds)
+        res = _bulk_send(peer, seconds)
     print("LATENCY " + json.dumps(res), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return res

@@ -100,7 +100,7 @@ class BulkResult:
 
 
 def _probe_cmd(mode: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "thinwire.testbed.latency", mode, *args]
+    return [sys.executable, "-m", "thinwire", "testbed", "latency-probe", mode, *args]
 
 
 def run_probe(
