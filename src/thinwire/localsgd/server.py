@@ -3,7 +3,7 @@
 :class:`ServerCore` holds the global parameters theta (one flat fp32 vector), the outer
 optimizer, the DyLU speed table and the shard book, and decides *what* happens; the
 multi-process runtime (:mod:`thinwire.localsgd.server_loop`) and the virtual-clock
-simulator (:mod:`thinwire.localsgd.simulator`) only decide *when*: they call
+simulator (:mod:`thinwire.localsgd.virtual_clock`) only decide *when*: they call
 :meth:`~ServerCore.join`, :meth:`~ServerCore.submit`, :meth:`~ServerCore.due` and
 :meth:`~ServerCore.work_for` with the current time (wall or virtual), so a simulation
 runs exactly the code a real run does.
