@@ -20,7 +20,9 @@
 * The algorithm, free of transport: :class:`DelayedNesterov`, :class:`Nesterov`,
   :class:`AsyncBuffer` (``outer.py``), :class:`SpeedTracker`, :func:`dylu_steps`
   (``dylu.py``, Dynamic Local Updates), :class:`ServerCore` (``server.py``, the parameter
-  server's logic: staleness rules, the sync barrier), :class:`PushGuard`
+  server's logic: the sync barrier, the budget, who gets which round; theta, the outer
+  step and the staleness rules in ``global_model.py``, the workers' liveness in
+  ``roster.py``), :class:`PushGuard`
   (``push_guard.py``, the checks every push passes), :class:`LocalWorker`
   (``worker.py``), shards (``shards.py``: least-progress or the paper's sampling), the
   inner-state rule (:class:`InnerStateRule`, ``inner_state.py``), compressed pushes and
