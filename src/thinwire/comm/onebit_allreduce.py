@@ -48,7 +48,9 @@ Choices this implementation makes (and tests):
 
 State (per rank): ``worker_error`` (n) and ``server_error`` (this rank's segment). Save
 it with :meth:`OneBitAllreduce.state_dict` on every rank and restore it with
-:meth:`OneBitAllreduce.load_state_dict`; the continuation is bit-identical.
+:meth:`OneBitAllreduce.load_state_dict`; the continuation is bit-identical. Its tests
+hold output and both errors bit-identical, call after call, to the reference written
+with :mod:`thinwire.compress`: ``ErrorFeedback(OneBitCompressor())`` per rank and per segment.
 
 Tuning: one instance per buffer. Fuse everything that is exchanged in a step into one
 flat buffer and call once: every call costs at least 3 collective latencies (the scale
