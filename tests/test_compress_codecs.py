@@ -1,22 +1,31 @@
-"""Compressor interface: fp16/bf16 casting, the 1-bit quantiser, and error feedback."""
+"""The codecs: the 16-bit cast codec, the 1-bit quantiser, and error feedback."""
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from thinwire.compress import (
     BF16,
+    CAST_DTYPES,
     FP16,
+    WIRE_DTYPES,
     CastCompressor,
     ErrorFeedback,
     OneBitCompressor,
+    cast_decode,
+    cast_encode,
+    cast_name,
+    parse_cast,
     rms_scale,
     subtract_signs_,
 )
 from thinwire.compress.packing import pack_signs
+from thinwire.errors import ConfigError
 
 
 @pytest.mark.parametrize("comp", [FP16, BF16])
@@ -102,3 +111,71 @@ def test_error_feedback_state_round_trip_and_shape_check() -> None:
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="shape"):
         ef.compress(torch.randn(11))
+
+
+# --- the one 16-bit cast codec ---------------------------------------------------------
+
+
+def test_parse_cast_names_and_one_line_error() -> None:
+    assert parse_cast("fp16") == torch.float16
+    assert parse_cast("bf16") == torch.bfloat16
+    assert parse_cast("none", plain="none") == torch.float32
+    with pytest.raises(ConfigError, match=r"^cast must be one of fp16, bf16, got 'fp32'$"):
+        parse_cast("fp32")  # fp32 only where the caller allows the uncompressed choice
+    with pytest.raises(ConfigError) as err:
+        parse_cast("int8", "grad-dtype", plain="fp32")
+    assert str(err.value) == "grad-dtype must be one of fp32, fp16, bf16, got 'int8'"
+    assert "\n" not in str(err.value)
+
+
+def test_cast_name_inverts_the_table() -> None:
+    for name, dtype in WIRE_DTYPES.items():
+        assert cast_name(dtype) == name
+    assert set(CAST_DTYPES) == {"fp16", "bf16"} and WIRE_DTYPES["fp32"] == torch.float32
+    with pytest.raises(ValueError, match="not a wire dtype"):
+        cast_name(torch.int8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cast_encode_decode(dtype: torch.dtype) -> None:
+    x = torch.randn(4, 3)
+    wire = cast_encode(x, dtype)
+    assert wire.dtype == dtype and wire.shape == (12,)
+    assert torch.equal(wire, x.reshape(-1).to(dtype))  # round to nearest, nothing else
+    back = cast_decode(wire)
+    assert back.dtype == torch.float32 and torch.equal(back, wire.float())
+    out = torch.empty(4, 3)
+    assert cast_decode(wire, out=out) is out and torch.equal(out, back.view(4, 3))
+    # Already in the wire dtype: still a copy, so an in-place collective leaves x alone.
+    same = x.to(dtype)
+    assert cast_encode(same, dtype).data_ptr() != same.data_ptr()
+
+
+def test_every_16_bit_exchange_reads_the_one_table() -> None:
+    from thinwire.comm import allreduce
+    from thinwire.localsgd import compression, diloco, messages
+
+    assert allreduce.WIRE_DTYPES is WIRE_DTYPES
+    assert diloco.COMPRESS_CHOICES == ("none", "fp16", "bf16", "onebit")
+    assert {k: compression.CODECS[k] for k in CAST_DTYPES} == CAST_DTYPES
+    assert set(CAST_DTYPES.values()) <= set(messages.DTYPES.values())
+
+
+def test_no_other_name_table_of_16_bit_dtypes() -> None:
+    """Only compress/cast.py maps names to torch.float16/bfloat16 (a dict display with
+    such a value): a second table would let the exchanges drift apart."""
+    src = Path(__file__).resolve().parents[1] / "src" / "thinwire"
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Dict):
+                continue
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (
+                    isinstance(key, ast.Constant)
+                    and isinstance(key.value, str)
+                    and isinstance(value, ast.Attribute)
+                    and value.attr in ("float16", "bfloat16")
+                ):
+                    found.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert {f.split(":")[0] for f in found} == {"compress/cast.py"}, found

@@ -16,6 +16,7 @@ from thinwire.comm.onebit_allreduce import (
     onebit_padded_numel,
     onebit_wire_bytes,
 )
+from thinwire.compress import ErrorFeedback, OneBitCompressor
 
 
 def _inputs(n: int, world: int, seed: int = 0) -> list[torch.Tensor]:
@@ -87,6 +88,73 @@ def test_bit_exact_against_reference_on_every_rank(world: int, pieces: int | Non
     for results in per_rank[1:]:
         for (_, _, a, _, _), (_, _, b, _, _) in zip(per_rank[0], results, strict=True):
             assert torch.equal(a, b)
+
+
+class CompressorReference:
+    """The 1-bit allreduce of W ranks on one process, written with the compressor
+    interface only: each rank's input through its own ``ErrorFeedback(OneBitCompressor())``
+    (the worker error), then, per segment, the rank-order mean of what the W ranks sent
+    through that segment's own ``ErrorFeedback(OneBitCompressor())`` (the server error).
+    It is what the collective computes, with none of its buffers, pieces or exchange."""
+
+    def __init__(self, world: int, n: int) -> None:
+        self.world, self.n = world, n
+        self.seg = onebit_padded_numel(n, world) // world
+        self.workers = [ErrorFeedback(OneBitCompressor()) for _ in range(world)]
+        self.servers = [ErrorFeedback(OneBitCompressor()) for _ in range(world)]
+
+    def segment(self, rank: int) -> slice:
+        """The real elements of ``rank``'s segment (empty where it is all padding)."""
+        lo = min(self.n, rank * self.seg)
+        return slice(lo, min(self.n, lo + self.seg))
+
+    def __call__(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        sent = [
+            ef.decompress(ef.compress(x.reshape(-1)))
+            for ef, x in zip(self.workers, xs, strict=True)
+        ]
+        out = torch.zeros(self.n)
+        for r, server in enumerate(self.servers):
+            part = self.segment(r)
+            if part.start == part.stop:
+                continue
+            mean = sent[0][part].clone()
+            for i in range(1, self.world):
+                mean.add_(sent[i][part])
+            out[part] = server.decompress(server.compress(mean.div_(self.world)))
+        return out
+
+
+def _steps_body(rank: int, world: int, n: int, steps: int) -> list[tuple]:
+    allreduce = OneBitAllreduce(pieces=2)
+    results = []
+    for step in range(steps):
+        out = allreduce(_inputs(n, world, seed=100 * n + step)[rank])
+        state = allreduce.state_dict()
+        results.append((out, state["worker_error"], state["server_error"]))
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("world", "n"), [(2, 1000), (3, 8 * 3 * 5 + 3), (4, 7)])
+def test_collective_is_the_compressor_reference_step_after_step(world: int, n: int) -> None:
+    """Same signs, same scales, same residuals on every rank for several calls: the
+    distributed collective is ErrorFeedback(OneBitCompressor()) applied per rank and per
+    segment. (4, 7): three of the four segments are all padding."""
+    steps = 6
+    per_rank = spawn(_steps_body, world, (n, steps), timeout_s=170)
+    ref = CompressorReference(world, n)
+    for step in range(steps):
+        expected = ref(_inputs(n, world, seed=100 * n + step))
+        for rank, results in enumerate(per_rank):
+            out, worker_error, server_error = results[step]
+            assert torch.equal(out, expected), (step, rank)
+            assert torch.equal(worker_error, ref.workers[rank].residual), (step, rank)
+            server = ref.servers[rank].residual
+            if server is None:  # an all-padding segment has no error to keep
+                assert server_error.numel() == 0
+            else:
+                assert torch.equal(server_error, server), (step, rank)
 
 
 def _converge_body(rank: int, world: int) -> tuple[float, float, bool]:

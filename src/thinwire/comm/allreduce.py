@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record, ring_allreduce_bytes
+from thinwire.compress.cast import WIRE_DTYPES, cast_decode, cast_encode
 
 __all__ = ["WIRE_DTYPES", "all_reduce_mean_", "allreduce_hook", "average_bucket"]
 
@@ -41,14 +42,6 @@ def all_reduce_mean_(
     return tensor
 
 
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
-"""Names of the dtypes a full-precision or 16-bit gradient exchange can travel in."""
-
-
 def average_bucket(
     buf: torch.Tensor,
     group: dist.ProcessGroup | None = None,
@@ -58,14 +51,14 @@ def average_bucket(
     """Start averaging ``buf`` across ``group``, sent as ``wire_dtype``; the future yields
     ``buf`` (in its own dtype) holding the average once the collective is done.
 
-    A 16-bit wire halves the bytes. The division by W happens before the cast, so the
+    A 16-bit wire (the cast codec, :mod:`thinwire.compress.cast`) halves the bytes. The division by W happens before the cast, so the
     sum of W values cannot overflow fp16 where their average does not. Rounding to fp16
     keeps 11 significant bits (relative error 5e-4 per element, unbiased); bf16 keeps 8
     but never overflows.
     """
     group = group if group is not None else dist.group.WORLD
     w = dist.get_world_size(group)
-    wire = buf.div_(w) if wire_dtype == buf.dtype else buf.div(w).to(wire_dtype)
+    wire = buf.div_(w) if wire_dtype == buf.dtype else cast_encode(buf.div(w), wire_dtype)
     nbytes = wire.numel() * wire.element_size()
     record(op_name, nbytes, ring_allreduce_bytes(nbytes, w))
     fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
@@ -73,7 +66,7 @@ def average_bucket(
     def done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         out = f.value()[0]
         if out.data_ptr() != buf.data_ptr():
-            buf.copy_(out)
+            cast_decode(out, out=buf)
         return buf
 
     return fut.then(done)

@@ -46,9 +46,10 @@ Choices this implementation makes (and tests):
   while later pieces are still on the wire. On CPU the count is tuned by measuring
   (:mod:`thinwire.comm.piece_tuner`); the result is bit-identical for any count.
 
-State (per rank): ``worker_error`` (n) and ``server_error`` (this rank's segment). Save
-it with :meth:`OneBitAllreduce.state_dict` on every rank and restore it with
-:meth:`OneBitAllreduce.load_state_dict`; the continuation is bit-identical.
+State (per rank): ``worker_error`` (n) and ``server_error`` (this rank's segment), saved
+and restored by :meth:`~OneBitAllreduce.state_dict` / ``load_state_dict`` on every rank
+(bit-identical continuation). Tests hold output and both errors bit-identical, call after
+call, to ``ErrorFeedback(OneBitCompressor())`` per rank and per segment on one process.
 
 Tuning: one instance per buffer. Fuse everything that is exchanged in a step into one
 flat buffer and call once: every call costs at least 3 collective latencies (the scale

@@ -1,7 +1,18 @@
-"""What goes on the wire: compressors (fp16/bf16 casting, 1-bit sign+scale) and error feedback."""
+"""What goes on the wire: the 16-bit cast codec, the 1-bit sign+scale compressor, error
+feedback, and bit packing."""
 
 from thinwire.compress.base import Compressed, Compressor
-from thinwire.compress.cast import BF16, FP16, CastCompressor
+from thinwire.compress.cast import (
+    BF16,
+    CAST_DTYPES,
+    FP16,
+    WIRE_DTYPES,
+    CastCompressor,
+    cast_decode,
+    cast_encode,
+    cast_name,
+    parse_cast,
+)
 from thinwire.compress.error_feedback import ErrorFeedback
 from thinwire.compress.onebit import OneBitCompressor, rms_scale, subtract_signs_
 from thinwire.compress.packing import (
@@ -16,15 +27,21 @@ from thinwire.compress.packing import (
 __all__ = [
     "BF16",
     "BIT_ORDER",
+    "CAST_DTYPES",
     "FP16",
+    "WIRE_DTYPES",
     "CastCompressor",
     "Compressed",
     "Compressor",
     "ErrorFeedback",
     "OneBitCompressor",
+    "cast_decode",
+    "cast_encode",
+    "cast_name",
     "pack_bits",
     "pack_signs",
     "packed_numel",
+    "parse_cast",
     "rms_scale",
     "subtract_signs_",
     "unpack_bits",

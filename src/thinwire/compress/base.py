@@ -9,6 +9,14 @@ error feedback (:mod:`thinwire.compress.error_feedback`) wraps any of them.
 
 Compressors are stateless: state that must survive a step (a residual) belongs to a
 wrapper that owns it and exposes ``state_dict()``.
+
+Where this interface is used: the asynchronous 1-bit pushes of Local-SGD
+(:mod:`thinwire.localsgd.compression`) send ``ErrorFeedback(OneBitCompressor())``
+messages as they are; the 16-bit cast codec is :class:`~thinwire.compress.CastCompressor`
+behind it. And it is the single-process reference of the 1-bit allreduce
+(:class:`thinwire.comm.OneBitAllreduce`), which keeps its own buffers for speed: its tests
+check, call after call, that the collective's output and both residuals are bit-identical
+to ``ErrorFeedback(OneBitCompressor())`` applied per rank and per segment on one process.
 """
 
 from __future__ import annotations

@@ -1,9 +1,25 @@
-"""Compression by casting to a 16-bit float: fp16 or bf16, 2x fewer bytes than fp32.
+"""The one 16-bit cast codec: fp16 or bf16 on the wire, 2x fewer bytes than fp32.
 
-fp16 keeps 10 mantissa bits but overflows above 65504 (large gradients become inf);
-bf16 keeps fp32's range with 7 mantissa bits. For gradient averaging bf16 is the safer
-default; fp16 is more precise when values are known to be moderate. Neither needs error
-feedback in practice (the rounding error is unbiased and tiny compared to 1-bit).
+Every 16-bit exchange in thinwire goes through this module: DiLoCo's outer allreduce
+(``DiLoCo(compress="fp16"|"bf16")``), the asynchronous pushes and pulls
+(:mod:`thinwire.localsgd.compression`) and the DDP gradient hooks (``grad_dtype``,
+:func:`thinwire.comm.allreduce.average_bucket`). It holds
+
+* the one table of names, :data:`CAST_DTYPES` (and :data:`WIRE_DTYPES`, the same plus
+  ``fp32`` for exchanges that may also go uncompressed);
+* :func:`parse_cast`, a name to its dtype, or a one-line :class:`ConfigError`;
+* :func:`cast_name`, a dtype back to its name (for byte-accounting labels);
+* :func:`cast_encode` and :func:`cast_decode`, what a tensor becomes on the wire and back.
+
+:class:`CastCompressor` is the same codec behind the
+:class:`~thinwire.compress.Compressor` interface.
+
+Tuning: fp16 keeps 10 mantissa bits but overflows above 65504 (large gradients become
+inf); bf16 keeps fp32's range with 7 mantissa bits. For gradient averaging bf16 is the
+safer default; fp16 is more precise when values are known to be moderate. Neither needs
+error feedback in practice (the rounding error is unbiased and tiny compared to 1-bit).
+When averaging in 16 bits, divide by the world size before the sum (as every caller
+here does), so the sum of W values cannot overflow fp16 where their mean does not.
 """
 
 from __future__ import annotations
@@ -11,37 +27,98 @@ from __future__ import annotations
 import torch
 
 from thinwire.compress.base import Compressed, Compressor
+from thinwire.errors import ConfigError
 
-__all__ = ["BF16", "FP16", "CastCompressor"]
+__all__ = [
+    "BF16",
+    "CAST_DTYPES",
+    "FP16",
+    "WIRE_DTYPES",
+    "CastCompressor",
+    "cast_decode",
+    "cast_encode",
+    "cast_name",
+    "parse_cast",
+]
 
-_ALLOWED = (torch.float16, torch.bfloat16)
+CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The 16-bit wire dtypes by name: the one table every 16-bit exchange reads."""
+
+WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, **CAST_DTYPES}
+"""The dtypes a full-precision or 16-bit exchange can travel in, by name."""
+
+
+def parse_cast(name: str, what: str = "cast", *, plain: str | None = None) -> torch.dtype:
+    """The wire dtype called ``name``: fp16 or bf16, or float32 when ``name == plain``.
+
+    Args:
+        name: the user's choice.
+        what: the setting's name, for the error message (e.g. ``"grad-dtype"``).
+        plain: the caller's name for "uncompressed" (``"fp32"``, ``"none"``), if allowed.
+
+    Raises:
+        ConfigError: ``name`` is none of these (one line, listing the choices).
+    """
+    if plain is not None and name == plain:
+        return torch.float32
+    if name in CAST_DTYPES:
+        return CAST_DTYPES[name]
+    choices = ([plain] if plain is not None else []) + list(CAST_DTYPES)
+    raise ConfigError(f"{what} must be one of {', '.join(choices)}, got {name!r}")
+
+
+def cast_name(dtype: torch.dtype) -> str:
+    """The name of a wire dtype in :data:`WIRE_DTYPES` (``torch.bfloat16`` -> ``"bf16"``)."""
+    for name, d in WIRE_DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"{dtype} is not a wire dtype; choose one of {list(WIRE_DTYPES.values())}")
+
+
+def cast_encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` flattened and rounded to ``dtype`` (round to nearest even): what is sent.
+
+    The result is a new tensor, never a view of ``x``, so an in-place collective on it
+    leaves ``x`` alone even when ``x`` already has that dtype.
+    """
+    wire = x.detach().reshape(-1).to(dtype)
+    if wire.data_ptr() == x.data_ptr():
+        wire = wire.clone()
+    return wire
+
+
+def cast_decode(
+    wire: torch.Tensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What arrived, back in ``dtype`` (flat), or copied into ``out`` (any shape of the
+    same number of elements, in ``out``'s dtype)."""
+    if out is None:
+        return wire.reshape(-1).to(dtype)
+    out.copy_(wire.view(out.shape))
+    return out
 
 
 class CastCompressor(Compressor):
-    """Send a tensor as ``dtype`` (``torch.float16`` or ``torch.bfloat16``).
+    """The cast codec as a :class:`Compressor`: a tensor sent as ``dtype``.
 
     Args:
-        dtype: the 16-bit wire dtype.
+        dtype: the 16-bit wire dtype, ``torch.float16`` or ``torch.bfloat16``.
     """
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
-        if dtype not in _ALLOWED:
+        if dtype not in CAST_DTYPES.values():
             raise ValueError(f"CastCompressor dtype must be float16 or bfloat16, got {dtype}")
         self.dtype = dtype
-        self.name = "fp16" if dtype == torch.float16 else "bf16"
+        self.name = cast_name(dtype)
 
     def compress(self, x: torch.Tensor) -> Compressed:
-        wire = x.detach().reshape(-1).to(self.dtype)
-        if wire.data_ptr() == x.data_ptr():  # already that dtype: do not alias the input
-            wire = wire.clone()
-        return Compressed((wire,), x.shape, x.dtype)
+        return Compressed((cast_encode(x, self.dtype),), x.shape, x.dtype)
 
     def decompress(self, message: Compressed, out: torch.Tensor | None = None) -> torch.Tensor:
         (wire,) = message.tensors
         if out is None:
-            return wire.to(message.dtype).reshape(message.shape)
-        out.copy_(wire.view(message.shape))
-        return out
+            return cast_decode(wire, message.dtype).reshape(message.shape)
+        return cast_decode(wire, out=out)
 
     def wire_bytes(self, numel: int) -> int:
         return 2 * numel

@@ -8,7 +8,8 @@ arXiv 2102.02888, section 4; 1-bit LAMB, arXiv 2104.06069).
 
 On its own this quantiser is heavily biased; always use it through error feedback
 (:class:`thinwire.compress.error_feedback.ErrorFeedback`, or the compressed allreduce
-:class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`, which keeps both residuals).
+:class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`, which keeps both residuals and
+is tested bit for bit against this compressor wrapped in error feedback).
 
 The helpers :func:`rms_scale` and :func:`subtract_signs_` are the lean building blocks
 the compressed allreduce uses: they work in place on caller-owned buffers.

@@ -9,7 +9,7 @@
   - :func:`run_async` (``async_runtime.py``): call it on every rank, under torchrun or
     :func:`thinwire.comm.launch.spawn`; rank 0 serves, ranks 1.. train.
   - :func:`rejoin_async` (``rejoin.py``): a killed worker process comes back.
-  - :func:`simulate` (``simulator.py``): the same server on a virtual clock, with a
+  - :func:`simulate` (``virtual_clock.py``): the same server on a virtual clock, with a
     :class:`SimClock` (:data:`HETEROGENEITY` holds the paper's four speed levels).
   - :func:`for_method` (``methods.py``) sets a config up as one of the paper's
     :data:`METHODS` (sync, naive, poly, polythres, buffer, dn, dn-dylu), each with its
@@ -20,7 +20,9 @@
 * The algorithm, free of transport: :class:`DelayedNesterov`, :class:`Nesterov`,
   :class:`AsyncBuffer` (``outer.py``), :class:`SpeedTracker`, :func:`dylu_steps`
   (``dylu.py``, Dynamic Local Updates), :class:`ServerCore` (``server.py``, the parameter
-  server's logic: staleness rules, the sync barrier), :class:`PushGuard`
+  server's logic: the sync barrier, the budget, who gets which round; theta, the outer
+  step and the staleness rules in ``global_model.py``, the workers' liveness in
+  ``roster.py``), :class:`PushGuard`
   (``push_guard.py``, the checks every push passes), :class:`LocalWorker`
   (``worker.py``), shards (``shards.py``: least-progress or the paper's sampling), the
   inner-state rule (:class:`InnerStateRule`, ``inner_state.py``), compressed pushes and
@@ -44,9 +46,9 @@ from thinwire.localsgd.push_guard import PushGuard
 from thinwire.localsgd.rejoin import rejoin_async
 from thinwire.localsgd.server import ServerCore, Work
 from thinwire.localsgd.server_run import IncompleteRunError
-from thinwire.localsgd.simulator import HETEROGENEITY, SimClock, simulate
 from thinwire.localsgd.sweep import run_sweep, summarize_sweep
 from thinwire.localsgd.task import BatchSource, Task
+from thinwire.localsgd.virtual_clock import HETEROGENEITY, SimClock, simulate
 from thinwire.localsgd.worker import LocalWorker
 
 __all__ = [

@@ -3,7 +3,8 @@
 Two streams cross the wire every round, each a full parameter vector in fp32 by default:
 
 * **Push** (worker to server): the pseudo-gradient ``theta_pulled - theta_w``.
-  ``fp16``/``bf16`` cast it (2x fewer bytes). ``onebit`` sends its signs, packed 8 per
+  ``fp16``/``bf16`` cast it (2x fewer bytes; the cast codec of
+  :mod:`thinwire.compress.cast`, the same DiLoCo and the DDP hooks use). ``onebit`` sends its signs, packed 8 per
   byte, and one fp32 RMS scale (32x fewer), through thinwire's own 1-bit compressor
   (:class:`thinwire.compress.OneBitCompressor`) wrapped in error feedback
   (:class:`thinwire.compress.ErrorFeedback`): each worker keeps the residual of what its
@@ -34,6 +35,7 @@ import torch
 
 from thinwire.compress import ErrorFeedback, OneBitCompressor, packed_numel
 from thinwire.compress.base import Compressed
+from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.errors import ConfigError
 from thinwire.localsgd.messages import payload_numel
 
@@ -47,13 +49,9 @@ __all__ = [
     "payload_numel",
 ]
 
-CODECS: dict[str, torch.dtype] = {
-    "none": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "onebit": torch.uint8,
-}
-"""Each codec and the dtype of its payload (uint8: packed 1-bit signs and a scale)."""
+CODECS: dict[str, torch.dtype] = {"none": torch.float32, **CAST_DTYPES, "onebit": torch.uint8}
+"""Each codec and the dtype of its payload: fp32 whole, the 16-bit casts of
+:mod:`thinwire.compress.cast`, and uint8 (packed 1-bit signs and a scale)."""
 
 
 def check_codec(name: str, what: str) -> None:
@@ -73,8 +71,10 @@ _ONEBIT = OneBitCompressor()
 
 def _encode(x: torch.Tensor, dtype: torch.dtype, feedback: ErrorFeedback | None) -> torch.Tensor:
     flat = x.detach().reshape(-1).float()
+    if dtype == torch.float32:
+        return flat
     if dtype != torch.uint8:
-        return flat.to(dtype)
+        return cast_encode(flat, dtype)
     msg = feedback.compress(flat) if feedback is not None else _ONEBIT.compress(flat)
     packed, scale = msg.tensors
     return torch.cat([packed.reshape(-1), scale.reshape(1).float().view(torch.uint8)])
@@ -83,7 +83,7 @@ def _encode(x: torch.Tensor, dtype: torch.dtype, feedback: ErrorFeedback | None)
 def decode(payload: torch.Tensor, numel: int) -> torch.Tensor:
     """The fp32 vector a payload (any codec, told by its dtype) carries."""
     if payload.dtype != torch.uint8:
-        return payload.reshape(-1).float()
+        return cast_decode(payload)
     nbytes = packed_numel(numel)
     if payload.numel() != nbytes + 4:
         raise ValueError(f"a 1-bit payload of {numel} values is {nbytes + 4} bytes")

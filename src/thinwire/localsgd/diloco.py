@@ -23,10 +23,11 @@ Usage, like torchft's DiLoCo (hooks on the inner optimizer, nothing else changes
 The context manager registers a ``register_step_post_hook`` on the inner optimizer and
 removes it on exit. Without ``with``, call :meth:`DiLoCo.after_inner_step` yourself.
 
-Pseudo-gradient compression (``compress``): ``fp16``/``bf16`` halve the bytes (the
-average is computed in that dtype, divided by W before the sum so it cannot overflow);
-``onebit`` uses thinwire's error-compensated 1-bit allreduce (32x fewer bytes, its error
-buffers are part of :meth:`DiLoCo.state_dict`).
+Pseudo-gradient compression (``compress``): ``fp16``/``bf16`` halve the bytes (thinwire's
+cast codec, :mod:`thinwire.compress.cast`; the average is computed in that dtype,
+divided by W before the sum so it cannot overflow); ``onebit`` uses thinwire's
+error-compensated 1-bit allreduce (32x fewer bytes, its error buffers are part of
+:meth:`DiLoCo.state_dict`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import nn
 
 from thinwire.comm.accounting import record
 from thinwire.comm.allreduce import all_reduce_mean_
+from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.errors import ConfigError
 from thinwire.localsgd.inner_state import DEFAULT_INNER_STATE, InnerStateRule
 from thinwire.localsgd.methods import TUNED
@@ -47,13 +49,13 @@ from thinwire.localsgd.outer import check_outer_args
 
 __all__ = ["COMPRESS_CHOICES", "DEFAULT_OUTER_LR", "DiLoCo"]
 
-COMPRESS_CHOICES = ("none", "fp16", "bf16", "onebit")
+COMPRESS_CHOICES = ("none", *CAST_DTYPES, "onebit")
+"""``none`` (fp32), the 16-bit casts (:mod:`thinwire.compress.cast`) and ``onebit``."""
 DEFAULT_OUTER_LR = TUNED["sync"].outer_lr
 """Outer lr of synchronous DiLoCo unless told otherwise: sync's tuned value, the best of
 the sweep on the tiny GPT at H = 10 (docs/benchmarks.md, "Tuning"), the same that
 ``thinwire train --algo diloco`` and the simulator's ``sync`` use. DiLoCo's 0.7 (tuned on
 150M-1B models at H = 500) stalled sync DiLoCo at the byte-frequency loss at H = 10."""
-_CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DiLoCo:
@@ -178,10 +180,10 @@ class DiLoCo:
             return flat
         if self._onebit is not None:
             return self._onebit(flat)
-        if self.compress in _CAST:
-            wire = flat.to(_CAST[self.compress])
+        if self.compress in CAST_DTYPES:
+            wire = cast_encode(flat, CAST_DTYPES[self.compress])
             all_reduce_mean_(wire, self.group, op_name=f"diloco.allreduce.{self.compress}")
-            return wire.to(flat.dtype)
+            return cast_decode(wire, flat.dtype)
         return all_reduce_mean_(flat, self.group, op_name="diloco.allreduce")
 
     @torch.no_grad()

@@ -53,6 +53,8 @@ from typing import ClassVar
 
 import torch
 
+from thinwire.compress.cast import CAST_DTYPES
+
 __all__ = [
     "DTYPES",
     "HEADER_LEN",
@@ -81,11 +83,13 @@ _QUEUED = f"<qq{HEADER_LEN}d"  # sender rank, sender incarnation, header
 
 DTYPES: dict[int, torch.dtype] = {
     0: torch.float32,
-    1: torch.float16,
-    2: torch.bfloat16,
+    1: CAST_DTYPES["fp16"],
+    2: CAST_DTYPES["bf16"],
     3: torch.uint8,
 }
-"""Payload dtype codes in a header; uint8 is a 1-bit payload (signs, then an fp32 scale)."""
+"""Payload dtype codes in a header (part of the wire format: a code never changes
+meaning); 1 and 2 are the 16-bit casts of :mod:`thinwire.compress.cast`, uint8 is a
+1-bit payload (signs, then an fp32 scale)."""
 
 
 def payload_numel(numel: int, dtype: torch.dtype) -> int:

@@ -1,9 +1,11 @@
 """The parameter server of asynchronous Local-SGD, free of any transport or clock.
 
-:class:`ServerCore` holds the global parameters theta (one flat fp32 vector), the outer
-optimizer, the DyLU speed table and the shard book, and decides *what* happens; the
+:class:`ServerCore` holds the global model (theta and the outer optimizer,
+:class:`~thinwire.localsgd.global_model.GlobalModel`), the workers' roster
+(:class:`~thinwire.localsgd.roster.Roster`), the DyLU speed table, the shard book and the
+budget of inner steps, and decides *what* happens; the
 multi-process runtime (:mod:`thinwire.localsgd.server_loop`) and the virtual-clock
-simulator (:mod:`thinwire.localsgd.simulator`) only decide *when*: they call
+simulator (:mod:`thinwire.localsgd.virtual_clock`) only decide *when*: they call
 :meth:`~ServerCore.join`, :meth:`~ServerCore.submit`, :meth:`~ServerCore.due` and
 :meth:`~ServerCore.work_for` with the current time (wall or virtual), so a simulation
 runs exactly the code a real run does.
@@ -12,10 +14,7 @@ Mechanics (Liu et al., 2024, https://arxiv.org/abs/2401.09135):
 
 * Each pseudo-gradient is applied on arrival, one at a time, by the outer optimizer
   (Delayed Nesterov with ``N`` = live workers, naive Nesterov, or the asynchronous
-  buffer), optionally discounted by its staleness.
-* **Staleness** ``tau``: outer updates applied between the version a worker pulled and
-  its arrival. ``staleness="poly"`` scales a pseudo-gradient by ``(1 + tau)^-1/2`` (the
-  paper's "Poly" baseline); ``max_staleness`` drops anything staler ("PolyThres").
+  buffer), optionally discounted or dropped by its staleness.
 * **Grace period** ``grace_s``: a worker that arrives waits up to ``grace_s`` after the
   first waiting arrival; everyone who arrived by then is applied in turn and restarts
   from the same theta. 0 answers at once. ``sync=True`` waits for *all* live workers
@@ -42,16 +41,16 @@ Mechanics (Liu et al., 2024, https://arxiv.org/abs/2401.09135):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd.dylu import SpeedTracker
+from thinwire.localsgd.global_model import OUTER_CHOICES, STALENESS_CHOICES, GlobalModel
 from thinwire.localsgd.messages import Work
-from thinwire.localsgd.outer import AsyncBuffer, DelayedNesterov, Nesterov
 from thinwire.localsgd.push_guard import PushGuard
+from thinwire.localsgd.roster import Roster
 from thinwire.localsgd.shards import ShardBook
 
 if TYPE_CHECKING:
@@ -59,21 +58,9 @@ if TYPE_CHECKING:
 
 __all__ = ["OUTER_CHOICES", "STALENESS_CHOICES", "ServerCore", "Work"]
 
-OUTER_CHOICES = ("dn", "nesterov", "buffer")
-STALENESS_CHOICES = ("none", "poly")
-
-
-@dataclass
-class _Worker:
-    busy: bool = False
-    steps: int = 0
-    since: float = 0.0
-    clock: int = 0  # where the round started on its shard's lr schedule
-    planned: int = 1
-
 
 class ServerCore:
-    """Global parameters, outer optimizer and bookkeeping of one asynchronous run.
+    """Global model (``model``), roster (``roster``) and budget of one asynchronous run.
 
     Args:
         theta: initial global parameters, flattened (copied).
@@ -81,15 +68,13 @@ class ServerCore:
         local_steps: H, inner steps per round (of the fastest worker under DyLU).
         total_steps: inner-step budget of the whole run, summed over workers.
         shard_sizes: tokens per data shard (see :class:`ShardBook`).
-        outer: ``"dn"`` (Delayed Nesterov) or ``"nesterov"`` (naive, per arrival).
-        outer_lr, outer_momentum: outer optimizer lr and beta.
-        buffer_size: DN's N; default W. c: DN's c in ``[0, 1/N]``.
+        outer, outer_lr, outer_momentum, c, staleness, max_staleness: the outer optimizer
+            and the staleness rules (see :class:`GlobalModel`).
+        buffer_size: DN's N; default W.
         dylu: size rounds by measured speed (DyLU) instead of H for everyone.
         grace_s: grace period in seconds (wall or virtual).
         sync: wait for every live worker before answering (synchronous DiLoCo).
         dylu_ema: weight of the old speed in DyLU's average.
-        staleness: ``"none"`` or ``"poly"`` (scale by ``(1 + tau)^-1/2``).
-        max_staleness: drop pseudo-gradients staler than this (None: never).
         speeds: declared seconds per inner step of each worker (DyLU from the first
             round); None: measured.
         calibration_steps: under DyLU, the first round of a worker whose speed is neither
@@ -134,57 +119,37 @@ class ServerCore:
             raise ConfigError(f"total inner steps must be >= 1, got {total_steps}")
         if grace_s < 0 or not math.isfinite(grace_s):
             raise ConfigError(f"grace period must be a finite number >= 0, got {grace_s}")
-        if outer not in OUTER_CHOICES:
-            raise ConfigError(f"unknown outer optimizer {outer!r}; choose one of {OUTER_CHOICES}")
-        if staleness not in STALENESS_CHOICES:
-            raise ConfigError(
-                f"unknown staleness rule {staleness!r}; choose one of {STALENESS_CHOICES}"
-            )
-        self.theta = torch.nn.Parameter(theta.detach().reshape(-1).float().clone())
-        self.n_buffer = workers if buffer_size is None else buffer_size
-        self.opt: torch.optim.Optimizer
-        if outer == "dn":
-            self.opt = DelayedNesterov(
-                [self.theta], lr=outer_lr, momentum=outer_momentum, buffer_size=self.n_buffer, c=c
-            )
-        elif outer == "buffer":
-            self.opt = AsyncBuffer(
-                [self.theta], lr=outer_lr, momentum=outer_momentum, buffer_size=self.n_buffer
-            )
-        else:
-            self.opt = Nesterov([self.theta], lr=outer_lr, momentum=outer_momentum)
+        self.model = GlobalModel(
+            theta,
+            buffer_size=workers if buffer_size is None else buffer_size,
+            outer=outer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            c=c,
+            staleness=staleness,
+            max_staleness=max_staleness,
+        )
+        self.theta, self.opt = self.model.theta, self.model.opt  # the model's, for reading
         self.workers = workers
         self.local_steps = local_steps
         self.total_steps = total_steps
         self.use_dylu = dylu
-        self.grace_s = grace_s
         self.sync = sync
-        self.staleness = staleness
-        self.max_staleness = max_staleness
         self.calibration_steps = min(calibration_steps, local_steps)
         self.speeds = SpeedTracker(local_steps, ema=dylu_ema, min_steps=min_local_steps)
         if speeds:
             self.speeds.declare(speeds)
         self.shards = ShardBook(shard_sizes, total_steps, sampling=shard_sampling, seed=seed)
-        self.updates_dropped = 0
-        self.staleness_seen: dict[int, int] = {}  # tau -> arrivals with it
-        # sync mode: a round's arrivals, applied in worker order once all are in
-        self._held: dict[int, tuple[torch.Tensor, int, int]] = {}
         self.epoch = 0
-        self.version = 0
-        self.steps_applied = 0
         self.steps_assigned = 0
-        self.updates_applied = 0
         self.updates_rejected = 0
-        self.live: dict[int, _Worker] = {}
-        self.dead: set[int] = set()
-        self.retired: set[int] = set()
-        self.waiting: list[int] = []
-        self.deadline: float | None = None
+        self.roster = Roster(grace_s)
+        # The roster's own containers, which it only ever changes in place: live workers
+        # and their rounds, and those dead, sent home, or evicted for their pushes.
+        self.live, self.dead = self.roster.live, self.roster.dead
+        self.retired, self.evicted = self.roster.retired, self.roster.evicted
         self.planned_steps = total_steps  # the whole run's budget; total_steps: this launch's
         self.guard = guard or PushGuard()
-        self.strikes: dict[int, int] = {}  # refused pushes in a row, per worker
-        self.evicted: set[int] = set()
 
     @classmethod
     def from_config(
@@ -225,45 +190,51 @@ class ServerCore:
             guard=cfg.push_guard(),
         )
 
+    # --- the global model's counters --------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.model.version
+
+    @property
+    def steps_applied(self) -> int:
+        return self.model.steps_applied
+
+    @property
+    def updates_applied(self) -> int:
+        return self.model.updates_applied
+
+    @property
+    def updates_dropped(self) -> int:
+        return self.model.updates_dropped
+
+    @property
+    def staleness_seen(self) -> dict[int, int]:
+        return self.model.staleness_seen
+
     # --- membership --------------------------------------------------------------------
     def join(self, worker: int, now: float) -> None:
         """``worker`` (new or restarted) wants parameters."""
         self._admit(worker)
-        self._wait(worker, now)
+        self.roster.wait(worker, now)
 
     def drop(self, worker: int) -> None:
         """``worker`` is dead: forget its round, its speed and its place in DN's buffer."""
-        info = self.live.pop(worker, None)
+        info = self.roster.remove(worker)
         if info is None:
             return
         if info.busy:
-            self.steps_assigned -= info.steps
-            self.shards.release(worker, completed=False)
+            self._rewind(worker, info.steps)
         self.speeds.remove(worker)
-        if worker in self.waiting:
-            self.waiting.remove(worker)
-        self.dead.add(worker)
-        self._resize_buffer()
+        self.model.resize(len(self.dead))
 
     def _admit(self, worker: int) -> None:
-        if worker not in self.live:
-            self.live[worker] = _Worker()
-            self.retired.discard(worker)
-            self.evicted.discard(worker)
-            self.strikes.pop(worker, None)
-            if worker in self.dead:
-                self.dead.discard(worker)
-                self._resize_buffer()
+        if self.roster.admit(worker):  # back from the dead: DN's N grows back
+            self.model.resize(len(self.dead))
 
-    def _resize_buffer(self) -> None:
-        if isinstance(self.opt, (DelayedNesterov, AsyncBuffer)):
-            self.opt.set_buffer_size(max(1, self.n_buffer - len(self.dead)))
-
-    def _wait(self, worker: int, now: float) -> None:
-        if worker not in self.waiting:
-            self.waiting.append(worker)
-        if self.deadline is None:
-            self.deadline = now + self.grace_s
+    def _rewind(self, worker: int, steps: int) -> None:
+        """``worker``'s round is lost: its steps and its place on the shard go back."""
+        self.steps_assigned -= steps
+        self.shards.release(worker, completed=False)
 
     # --- updates -----------------------------------------------------------------------
     @torch.no_grad()
@@ -292,9 +263,8 @@ class ServerCore:
             # Computed from a theta of another server epoch (before a restored checkpoint).
             self.updates_rejected += 1
             if was_busy:
-                self.steps_assigned -= info.steps
-                self.shards.release(worker, completed=False)
-            self._wait(worker, now)
+                self._rewind(worker, info.steps)
+            self.roster.wait(worker, now)
             return False
         why, per_step = self.guard.check(
             pseudo_grad,
@@ -309,50 +279,32 @@ class ServerCore:
         if why is not None:
             self._refuse(worker, was_busy, now)
             return False
-        self.strikes.pop(worker, None)
+        self.roster.forgive(worker)
         self.guard.accepted(per_step)
         if not (known and was_busy):
             self.steps_assigned += steps  # a worker presumed dead came back with its round
         self.shards.release(worker, completed=True)
         self.speeds.report(worker, seconds_per_step)
         grad = pseudo_grad.reshape(-1).to(self.theta.dtype)
-        tau = 0 if version is None else max(0, self.version - int(version))
+        tau = self.model.staleness_of(version)
         applied = True
         if self.sync:
-            self._held[worker] = (grad, steps, tau)
+            self.model.hold(worker, grad, steps, tau)
             if not any(w.busy for w in self.live.values()):
-                self._flush()
+                self.model.flush()
         else:
-            applied = self._apply(grad, steps, tau)
-        self._wait(worker, now)
+            applied = self.model.apply(grad, steps, tau)
+        self.roster.wait(worker, now)
         return applied
 
-    def _apply(self, grad: torch.Tensor, steps: int, tau: int) -> bool:
-        self.steps_applied += steps
-        self.staleness_seen[tau] = self.staleness_seen.get(tau, 0) + 1
-        if self.max_staleness is not None and tau > self.max_staleness:
-            self.updates_dropped += 1
-            return False
-        if self.staleness == "poly" and tau > 0:
-            grad = grad * (1.0 + tau) ** -0.5
-        self.theta.grad = grad
-        self.opt.step()
-        self.theta.grad = None
-        self.version += 1
-        self.updates_applied += 1
-        return True
-
     def _refuse(self, worker: int, was_busy: bool, now: float) -> None:
-        info = self.live[worker]
         if was_busy:
-            self.steps_assigned -= info.steps
-            self.shards.release(worker, completed=False)
-        self.strikes[worker] = self.strikes.get(worker, 0) + 1
-        if self.strikes[worker] >= self.guard.max_strikes:
+            self._rewind(worker, self.live[worker].steps)
+        if self.roster.strike(worker, self.guard.max_strikes):
             self.drop(worker)
             self.evicted.add(worker)
         else:
-            self._wait(worker, now)
+            self.roster.wait(worker, now)
 
     @property
     def pushes_refused(self) -> int:
@@ -364,18 +316,12 @@ class ServerCore:
         the shard schedules keep the whole budget, so a resume continues them."""
         self.total_steps = max(1, min(steps, self.planned_steps))
 
-    def _flush(self) -> None:
-        """Sync mode: apply the round's arrivals, in worker order."""
-        held, self._held = self._held, {}
-        for w in sorted(held):
-            self._apply(*held[w])
-
     # --- scheduling --------------------------------------------------------------------
     def due(self, now: float) -> list[int]:
         """Workers to answer now (their grace period is over, or the sync barrier is met)."""
-        if self._held and not self.busy:
-            self._flush()  # a worker died while the others' round was held
-        if not self.waiting:
+        if self.model.holding and not self.busy:
+            self.model.flush()  # a worker died while the others' round was held
+        if not self.roster.waiting:
             return []
         if self.steps_assigned >= self.total_steps:
             # Nothing left to hand out. Stop orders wait until no round is in flight, since
@@ -387,19 +333,18 @@ class ServerCore:
                 return []
             if len(self.live) + len(self.dead) < self.workers:
                 return []  # the first round starts when every worker has said hello
-        elif self.deadline is None or now < self.deadline:
+        elif self.roster.deadline is None or now < self.roster.deadline:
             return []
-        out, self.waiting, self.deadline = self.waiting, [], None
-        return sorted(out) if self.sync else out
+        return self.roster.take_waiting(ordered=self.sync)
 
     def wake_at(self) -> float | None:
         """When :meth:`due` can next answer without another arrival (a grace period ends);
         None when only an arrival can change anything. For event-driven clocks."""
-        if not self.waiting or self.sync:
+        if not self.roster.waiting or self.sync:
             return None
         if self.steps_assigned >= self.total_steps and self.busy:
             return None
-        return self.deadline
+        return self.roster.deadline
 
     def work_for(self, worker: int, now: float) -> Work | None:
         """The next round for ``worker``, a stop order once the budget is done, or None.
@@ -409,11 +354,10 @@ class ServerCore:
         """
         remaining = self.total_steps - self.steps_assigned
         if remaining <= 0 and self.busy and worker in self.live:
-            self._wait(worker, now)
+            self.roster.wait(worker, now)
             return None
         if remaining <= 0 or worker not in self.live:
-            self.live.pop(worker, None)
-            self.retired.add(worker)
+            self.roster.retire(worker)
             return Work(self.epoch, self.version, stop=True)
         steps = self.local_steps
         if self.use_dylu:
@@ -429,19 +373,12 @@ class ServerCore:
 
     def overdue(self, now: float, factor: float, floor_s: float) -> list[int]:
         """Busy workers silent for ``max(floor_s, factor * expected round time)``."""
-        out = []
-        for w, info in self.live.items():
-            if not info.busy:
-                continue
-            expected = self.speeds.expected_round_s(w, info.steps)
-            limit = floor_s if expected is None else max(floor_s, factor * expected)
-            if now - info.since > limit:
-                out.append(w)
-        return out
+        return self.roster.overdue(now, factor, floor_s, self.speeds.expected_round_s)
 
     @property
     def busy(self) -> int:
-        return sum(1 for w in self.live.values() if w.busy)
+        """Rounds in flight."""
+        return self.roster.busy
 
     @property
     def finished(self) -> bool:
@@ -452,15 +389,9 @@ class ServerCore:
     def state_dict(self) -> dict[str, Any]:
         """theta, outer state (m, Delta, t), versions, shard progress and lr clocks, speeds."""
         return {
-            "theta": self.theta.detach().clone(),
-            "outer": self.opt.state_dict(),
-            "outer_kind": type(self.opt).__name__,
+            **self.model.state_dict(),
             "epoch": self.epoch,
-            "version": self.version,
-            "steps_applied": self.steps_applied,
-            "updates_applied": self.updates_applied,
             "updates_rejected": self.updates_rejected,
-            "updates_dropped": self.updates_dropped,
             "shards": self.shards.state_dict(),
             "speeds": self.speeds.state_dict(),
             "guard": self.guard.state_dict(),
@@ -468,26 +399,11 @@ class ServerCore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; starts a new epoch so older updates are rejected."""
-        theta = state["theta"]
-        if theta.numel() != self.theta.numel():
-            raise ConfigError(
-                f"checkpoint holds {theta.numel()} parameters, the model has {self.theta.numel()}"
-            )
-        if state["outer_kind"] != type(self.opt).__name__:
-            raise ConfigError(
-                f"checkpoint was written with outer optimizer {state['outer_kind']}, "
-                f"this run uses {type(self.opt).__name__}"
-            )
-        with torch.no_grad():
-            self.theta.copy_(theta)
-        self.opt.load_state_dict(state["outer"])
-        self._resize_buffer()
+        self.model.load_state_dict(state)
+        self.model.resize(len(self.dead))
         self.epoch = int(state["epoch"]) + 1
-        self.version = int(state["version"])
-        self.steps_applied = self.steps_assigned = int(state["steps_applied"])
-        self.updates_applied = int(state["updates_applied"])
+        self.steps_assigned = self.model.steps_applied
         self.updates_rejected = int(state["updates_rejected"])
-        self.updates_dropped = int(state.get("updates_dropped", 0))
         self.shards.load_state_dict(state["shards"])
         self.speeds.load_state_dict(state["speeds"])
         self.guard.load_state_dict(state.get("guard", {}))

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record, ring_allreduce_bytes
+from thinwire.compress.cast import WIRE_DTYPES
 
 __all__ = [
     "CommOptimizer",
@@ -311,7 +312,7 @@ class CommOptimizer(torch.optim.Optimizer):
         """
         from thinwire.optim.ddp_hook import OptimizerAwareHookState, optimizer_aware_hook
 
-        if wire_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if wire_dtype not in WIRE_DTYPES.values():
             raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {wire_dtype}")
         state = OptimizerAwareHookState(self, wire_dtype)
         ddp_model.register_comm_hook(state, optimizer_aware_hook)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.allreduce import average_bucket
+from thinwire.compress.cast import cast_name
 
 __all__ = ["OptimizerAwareHookState", "optimizer_aware_hook"]
 
@@ -48,9 +49,8 @@ def optimizer_aware_hook(
     state: OptimizerAwareHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     if state.optimizer is None or state.optimizer.needs_averaged_grads():
-        name = {torch.float16: "ddp.fp16", torch.bfloat16: "ddp.bf16"}.get(
-            state.wire_dtype, "ddp.allreduce"
-        )
+        wire = cast_name(state.wire_dtype)
+        name = "ddp.allreduce" if wire == "fp32" else f"ddp.{wire}"
         return average_bucket(bucket.buffer(), state.process_group, state.wire_dtype, name)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())

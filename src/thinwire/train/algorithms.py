@@ -128,7 +128,7 @@ def _under_ddp(model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str)
     or the model itself in one process."""
     if world_size() == 1:
         return model
-    from thinwire.comm.allreduce import WIRE_DTYPES
+    from thinwire.compress.cast import WIRE_DTYPES
 
     # The trainer and the optimizer have broadcast rank 0's weights already (accounted);
     # DDP's own start-up broadcast would send them a third time, off the ledger. (torch

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from thinwire.compress.cast import parse_cast
 from thinwire.errors import ConfigError
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.train.model import PRESETS, GPTConfig
@@ -270,8 +271,8 @@ class TrainConfig:
         if self.stop_after is not None and self.stop_after < 1:
             raise ConfigError(f"stop-after must be >= 1, got {self.stop_after}")
         self._check_freeze_step()
-        if self.grad_dtype not in (None, "fp32", "fp16", "bf16"):
-            raise ConfigError(f"grad-dtype must be fp32, fp16 or bf16, got {self.grad_dtype!r}")
+        if self.grad_dtype is not None:
+            parse_cast(self.grad_dtype, "grad-dtype", plain="fp32")
         _check_range("freeze-tolerance", self.freeze_tolerance, 0.0, math.inf, lo_open=True)
         _check_range("freeze-cap", self.freeze_cap, 0.0, 1.0, lo_open=True)
         if self.local_steps < 1:

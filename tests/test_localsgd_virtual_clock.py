@@ -16,7 +16,7 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, SimClock, for_method, simulate
 from thinwire.localsgd.inner_state import restart_first_moment_
 from thinwire.localsgd.server import Work
-from thinwire.localsgd.simulator import time_to_reach
+from thinwire.localsgd.virtual_clock import time_to_reach
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.train.async_task import gpt_loss, gpt_task
 from thinwire.train.config import TrainConfig
