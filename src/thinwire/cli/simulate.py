@@ -39,8 +39,8 @@ from thinwire.localsgd import METHODS, AsyncConfig, SimClock
 from thinwire.localsgd.compression import CODECS
 from thinwire.localsgd.inner_state import INNER_MOMENTUM
 from thinwire.localsgd.shards import SAMPLING_CHOICES
-from thinwire.localsgd.simulator import HETEROGENEITY
 from thinwire.localsgd.sweep import parse_grid, run_sweep, summarize_sweep
+from thinwire.localsgd.virtual_clock import HETEROGENEITY
 from thinwire.rundir import writable_dir
 from thinwire.train.async_task import gpt_task
 from thinwire.train.config import TrainConfig
