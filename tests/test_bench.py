@@ -44,14 +44,16 @@ def test_run_allreduce_bench_rows_are_complete_and_agree_across_ranks() -> None:
         assert r["world_size"] == 2 and r["time_s"] > 0
         assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"])  # 2(W-1)/W = 1 at W=2
-        assert (r["compute_s"] is not None) == (r["method"] == "onebit")
+        onebit = r["method"] in ("onebit", "onebit-fanout")
+        assert (r["compute_s"] is not None) == onebit
         # Small messages go whole: nothing to tune.
-        assert r["pieces"] == (1 if r["method"] == "onebit" else None)
+        assert r["pieces"] == (1 if onebit else None)
     by = {(r["size_bytes"], r["method"]): r for r in rows}
     n = 65536
     assert by[n, "fp32"]["wire_bytes"] == ring_allreduce_bytes(n, 2)
     assert by[n, "bf16"]["wire_bytes"] == ring_allreduce_bytes(n // 2, 2)
     assert by[n, "onebit"]["wire_bytes"] == onebit_wire_bytes(n // 4, 2)
+    assert by[n, "onebit-fanout"]["wire_bytes"] == by[n, "onebit"]["wire_bytes"]
     # 16384 elements as a 128 x 128 matrix: rank-r factors P and Q of 128 x r each.
     assert by[n, "powersgd-r4"]["wire_bytes"] == 2 * ring_allreduce_bytes(4 * 4 * 128, 2)
     assert by[n, "onebit"]["wire_bytes"] < by[n, "powersgd-r4"]["wire_bytes"]

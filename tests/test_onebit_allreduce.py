@@ -49,12 +49,12 @@ def reference(xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(out)[:n]
 
 
-def _reference_body(rank: int, world: int, pieces: int | None) -> list[tuple]:
+def _reference_body(rank: int, world: int, pieces: int | None, phase2: str = "ring") -> list[tuple]:
     results = []
     for n in [1, 7, 8 * world + 3, 1000, 4096]:
         COUNTER.reset()
         xs = _inputs(n, world, seed=n)
-        out = OneBitAllreduce(pieces=pieces)(xs[rank])
+        out = OneBitAllreduce(pieces=pieces, phase2=phase2)(xs[rank])
         snap = COUNTER.snapshot()
         wire = sum(v["wire_bytes"] for k, v in snap.items() if k.startswith("onebit."))
         results.append(("fp32", n, out, reference(xs), wire))
@@ -73,11 +73,17 @@ def _reference_body(rank: int, world: int, pieces: int | None) -> list[tuple]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("world", "pieces"), [(2, None), (4, None), (4, 3)])
-def test_bit_exact_against_reference_on_every_rank(world: int, pieces: int | None) -> None:
+@pytest.mark.parametrize(
+    ("world", "pieces", "phase2"),
+    [(2, None, "ring"), (4, None, "ring"), (4, 3, "ring"), (3, 3, "fanout")],
+)
+def test_bit_exact_against_reference_on_every_rank(
+    world: int, pieces: int | None, phase2: str
+) -> None:
     # pieces=3 splits both phases into 3 collectives (2 where a segment has 2 bytes),
-    # with the partial last byte of an odd length falling inside a piece.
-    per_rank = spawn(_reference_body, world, (pieces,), timeout_s=170)
+    # with the partial last byte of an odd length falling inside a piece. The fan-out
+    # phase 2 carries the same bytes to the same places: the same result and accounting.
+    per_rank = spawn(_reference_body, world, (pieces, phase2), timeout_s=170)
     for rank_results in per_rank:
         for kind, n, out, ref, wire in rank_results:
             assert out.dtype == ref.dtype and out.shape == ref.shape, kind
@@ -307,6 +313,8 @@ def test_single_process_is_a_no_op() -> None:
 def test_pieces_must_be_positive() -> None:
     with pytest.raises(ValueError, match="pieces must be at least 1, got 0"):
         OneBitAllreduce(pieces=0)
+    with pytest.raises(ValueError, match="phase2 must be ring or fanout, got 'tree'"):
+        OneBitAllreduce(phase2="tree")
 
 
 def test_state_dict_rejects_another_rank_or_world() -> None:

@@ -5,7 +5,8 @@ times the 1-bit allreduce at each piece count, appends its rows to
 ``OUT/wan_study.jsonl`` and prints a markdown table. They take minutes to hours and
 need a quiet machine (root, the delay line built: ``make install``)::
 
-    # the 1-bit allreduce's piece count at 0, 10 and 50 ms (fp32 beside it), 16 MiB
+    # the 1-bit allreduce's piece count and phase-2 scheme (ring all_gather or fan-out)
+    # at 0, 10 and 50 ms, fp32 beside them, 16 MiB
     python tools/wan_study.py pieces --delays 0,10ms,50ms --pieces 1,2,4,8,auto --out runs/wan
 
 The other questions are answered by thinwire's own commands on a delayed testbed::
@@ -65,7 +66,7 @@ def pieces(args: argparse.Namespace) -> list[dict[str, Any]]:
             for p in args.pieces.split(","):
                 with tempfile.TemporaryDirectory(prefix="wan-pieces-") as tmp:
                     argv = [sys.executable, "-m", "thinwire", "bench", "allreduce"]
-                    argv += ["--methods", "onebit,fp32", "--pieces", p, "--iters", "5"]
+                    argv += ["--methods", args.methods, "--pieces", p, "--iters", "5"]
                     argv += ["--min-size", args.size, "--max-size", args.size, "--out", tmp]
                     res = c.run(argv, timeout_s=1800, log_dir=Path(tmp) / "logs")
                     if not res.ok:
@@ -77,6 +78,7 @@ def pieces(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "study": "pieces",
                             "delay": delay or "0",
                             "pieces": p,
+                            "chosen": r.get("pieces"),
                             "method": r["method"],
                             "size_bytes": r["size_bytes"],
                             "time_s": r["time_s"],
@@ -85,11 +87,12 @@ def pieces(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "date": time.strftime("%Y-%m-%d %H:%M"),
                         }
                     )
-    print("| delay | pieces | method | MiB | median s |")
+    print("| delay | pieces (chosen) | method | MiB | median s |")
     print("|---:|---:|---|---:|---:|")
     for r in rows:
+        chosen = f" ({r['chosen']})" if r["pieces"] == "auto" and r["chosen"] else ""
         print(
-            f"| {r['delay']} | {r['pieces']} | {r['method']} | "
+            f"| {r['delay']} | {r['pieces']}{chosen} | {r['method']} | "
             f"{r['size_bytes'] / 2**20:g} | {r['time_s']:.3f} |"
         )
     return rows
@@ -104,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/wan"))
     p.add_argument("--pieces", default="1,2,4,8,auto", help="pieces: counts to measure")
     p.add_argument("--size", default="16MiB", help="pieces: message size")
+    p.add_argument(
+        "--methods",
+        default="onebit,onebit-fanout,fp32",
+        help="bench methods per count (onebit-fanout: phase 2 to every peer at once)",
+    )
     args = p.parse_args(argv)
     rows = pieces(args)
     _append(args.out, rows)

@@ -13,7 +13,8 @@ buffer of that size across the group:
   the shape PowerSGD sees for a large layer. Its compression always runs
   (``min_compression_rate=1``; PowerSGD falls back to plain allreduce only where the
   factors would not be smaller than the matrix);
-* ``onebit``: :class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`.
+* ``onebit``: :class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`; ``onebit-fanout``
+  the same with its phase 2 sent to every peer at once (``phase2="fanout"``).
 
 Timing: ``warmup`` untimed calls per method, then ``iters`` rounds in which the methods
 take turns, each call timed from a barrier to its end (CUDA synchronised); taking turns
@@ -66,7 +67,15 @@ __all__ = [
     "write_json",
 ]
 
-METHODS: tuple[str, ...] = ("fp32", "fp16", "bf16", "powersgd-r1", "powersgd-r4", "onebit")
+METHODS: tuple[str, ...] = (
+    "fp32",
+    "fp16",
+    "bf16",
+    "powersgd-r1",
+    "powersgd-r4",
+    "onebit",
+    "onebit-fanout",
+)
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -163,8 +172,9 @@ def _make_op(
 
         inner, wire = _powersgd_op(buf, int(method.removeprefix("powersgd-r")), group)
         return reset_then(inner), wire, None
-    if method == "onebit":
-        allreduce = OneBitAllreduce(group, pieces=pieces)
+    if method in ("onebit", "onebit-fanout"):
+        phase2 = "fanout" if method == "onebit-fanout" else "ring"
+        allreduce = OneBitAllreduce(group, pieces=pieces, phase2=phase2)
 
         def op() -> None:
             allreduce(x, out=buf)
@@ -260,15 +270,17 @@ def run_allreduce_bench(
         x = torch.randn(n, generator=gen).to(device)
         ops: dict[str, Callable[[], None]] = {}
         wires: dict[str, int] = {}
-        onebit: OneBitAllreduce | None = None
+        onebits: dict[str, OneBitAllreduce] = {}
         for method in methods:
             ops[method], wires[method], made = _make_op(method, x, group, pieces)
             if made is not None:
-                onebit = made
-        if onebit is not None:
+                onebits[method] = made
+        for method, made in onebits.items():
             # Untimed: the calls that tune the piece count (the same choice on every rank).
-            while not onebit.tuned:
-                ops["onebit"]()
+            while not made.tuned:
+                ops[method]()
+        onebit = next(iter(onebits.values()), None)
+        if onebit is not None:
             # The compute-only twin runs at the collective's count, so that time - compute
             # splits the very call that was timed.
             local = OneBitAllreduce.compute_only(w, pieces=onebit.pieces_in_use)
@@ -277,7 +289,7 @@ def run_allreduce_bench(
         times = _time_interleaved(ops, warmup, iters, group, device)
         for method in methods:
             t = statistics.median(times[method])
-            compute = statistics.median(times["onebit-compute"]) if method == "onebit" else None
+            compute = statistics.median(times["onebit-compute"]) if method in onebits else None
             algbw = size / t / 1e9
             rows.append(
                 {
@@ -291,7 +303,7 @@ def run_allreduce_bench(
                     "world_size": w,
                     "backend": backend,
                     "compute_s": compute,
-                    "pieces": onebit.pieces_in_use if method == "onebit" and onebit else None,
+                    "pieces": onebits[method].pieces_in_use if method in onebits else None,
                     "warmup": warmup,
                     "iters": iters,
                 }

@@ -120,6 +120,10 @@ class OneBitAllreduce:
             the host clock would not see the asynchronous kernels. Set it to skip
             tuning, e.g. 1 on a high-latency link where every extra collective costs
             round trips. The result does not depend on it.
+        phase2: ``"ring"`` (default: gloo's all_gather, W - 1 steps one after the
+            other) or ``"fanout"`` (every rank's message to every peer at once, one
+            step). Same bytes, same result; which is faster depends on the round trip
+            (docs/benchmarks.md, "What latency changes"). Every rank must pass the same.
 
     Raises (on every rank alike, nothing changed):
         NonFiniteError: some rank's input (plus its error) holds NaN/Inf or overflows
@@ -134,9 +138,10 @@ class OneBitAllreduce:
         process_group: dist.ProcessGroup | None = None,
         chunk: int = DEFAULT_CHUNK,
         pieces: int | None = None,
+        phase2: str = "ring",
     ) -> None:
         self._plan = PiecePlan(pieces)
-        self._exchange: GroupExchange = GroupExchange(process_group)
+        self._exchange: GroupExchange = GroupExchange(process_group, phase2)
         self.chunk = max(8, chunk - chunk % 8)
         self.numel: int | None = None
         self._bufs: dict[str, torch.Tensor] = {}

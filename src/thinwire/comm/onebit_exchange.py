@@ -6,7 +6,9 @@ Per call each rank takes part in three collectives (see
 1. a small ``all_gather`` of its metadata (``META`` below: scale, lengths, piece plan);
 2. phase 1, ``all_to_all_single`` of its packed sign bits, segment ``r`` to rank ``r``;
 3. phase 2, ``all_gather`` of its server message: the fp32 server scale as 4 bytes,
-   then its packed segment.
+   then its packed segment. gloo's all_gather walks a ring of W - 1 steps, one after
+   the other; ``phase2="fanout"`` sends the message to every peer at once instead (one
+   ``all_to_all_single`` of W copies: the same bytes, one step).
 
 :func:`check_metas` reads the gathered metadata and fails the same way on every rank,
 before any large message is sent, when the ranks disagree or some input is not finite.
@@ -25,6 +27,7 @@ from thinwire.comm.accounting import gather_bytes, record
 
 __all__ = [
     "META_BYTES",
+    "PHASE2_SCHEMES",
     "SCALE_BYTES",
     "GroupExchange",
     "LengthMismatchError",
@@ -41,6 +44,9 @@ seconds the previous call took, fixed piece count (0: tuned), tuner's call count
 none)."""
 SCALE_BYTES = 4
 """Per rank, phase 2: one fp32 scale, ahead of the packed segment."""
+PHASE2_SCHEMES = ("ring", "fanout")
+"""How phase 2 travels: gloo's ring ``all_gather`` (W - 1 steps in sequence) or a
+fan-out (one ``all_to_all`` carrying W copies, every peer at once)."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -114,8 +120,11 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 class GroupExchange:
     """The three exchanges of the collective over a process group (recording bytes)."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, phase2: str = "ring") -> None:
+        if phase2 not in PHASE2_SCHEMES:
+            raise ValueError(f"1-bit allreduce: phase2 must be ring or fanout, got {phase2!r}")
         self.group = group
+        self.phase2 = phase2
 
     # Looked up at call time, so an instance made before init_process_group still works.
     @property
@@ -157,10 +166,17 @@ class GroupExchange:
     ) -> list[Callable[[], None]]:
         """Start phase 2, one all_gather per piece of every rank's message (its fp32 scale
         as 4 bytes, then its packed segment), all at once; returns one wait per piece."""
-        works = [
-            _all_gather_flat(out, msg, group=self.group, async_op=True)
-            for out, msg in zip(outs, msgs, strict=True)
-        ]
+        if self.phase2 == "fanout":
+            w = self.world_size
+            works = [
+                dist.all_to_all_single(out, msg.repeat(w), group=self.group, async_op=True)
+                for out, msg in zip(outs, msgs, strict=True)
+            ]
+        else:
+            works = [
+                _all_gather_flat(out, msg, group=self.group, async_op=True)
+                for out, msg in zip(outs, msgs, strict=True)
+            ]
         total = sum(out.numel() for out in outs)
         record("onebit.phase2", total // self.world_size, gather_bytes(total, self.world_size))
         return [work.wait for work in works]
@@ -171,6 +187,7 @@ class LoopbackExchange(GroupExchange):
 
     def __init__(self, world_size: int) -> None:
         self.group = None
+        self.phase2 = "ring"
         self._world_size = world_size
 
     @property
