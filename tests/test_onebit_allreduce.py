@@ -313,7 +313,7 @@ def test_single_process_is_a_no_op() -> None:
 def test_pieces_must_be_positive() -> None:
     with pytest.raises(ValueError, match="pieces must be at least 1, got 0"):
         OneBitAllreduce(pieces=0)
-    with pytest.raises(ValueError, match="phase2 must be ring or fanout, got 'tree'"):
+    with pytest.raises(ValueError, match="phase2 must be ring, fanout or auto, got 'tree'"):
         OneBitAllreduce(phase2="tree")
 
 

@@ -73,24 +73,68 @@ def test_small_segments_are_sent_whole_without_tuning() -> None:
     assert {tuner.next(0.1) for _ in range(3)} == {1}
 
 
+def _drive_schemes(tuner: PieceTuner, seconds: dict[tuple[str, int], float], calls: int = 30):
+    used, previous = [], 0.0
+    for _ in range(calls):
+        k = tuner.next(previous)
+        used.append((tuner.current_scheme, k))
+        previous = seconds[tuner.current_scheme, k]
+    return used
+
+
+def test_fanout_is_tried_at_the_chosen_count_and_kept_when_clearly_faster() -> None:
+    # What 16 MiB on 4 hosts 10 ms apart measured (docs/benchmarks.md): the ring pays a
+    # round trip per step, the fan-out one for all.
+    ring = {1: 0.199, 2: 0.193, 4: 0.265, 8: 0.427, 16: 0.819}
+    times = {("ring", k): t for k, t in ring.items()} | {("fanout", 1): 0.170}
+    tuner = PieceTuner(16 * MIN_PIECE_BYTES, schemes=("ring", "fanout"))
+    used = _drive_schemes(tuner, times)
+    # 2 pieces are within 5% of 1 on the ring: the fewer stay; then the fan-out wins.
+    assert tuner.done and (tuner.choice, tuner.scheme) == (1, "fanout")
+    first = used.index(("fanout", 1))
+    assert used[first : first + 3] == [("fanout", 1)] * 3  # three trials, after the count
+    assert all(s == "ring" for s, _ in used[:first]) and set(used[first:]) == {("fanout", 1)}
+    assert tuner.scheme_scores == {"ring": 0.199, "fanout": 0.170}
+
+
+def test_ring_stays_when_the_fanout_is_not_clearly_faster() -> None:
+    # On a LAN the two were within noise: the default keeps its place.
+    times = {("ring", 4): 0.089, ("fanout", 4): 0.087}
+    tuner = PieceTuner(1 << 20, schemes=("ring", "fanout"), counts=(4,))
+    used = _drive_schemes(tuner, times, calls=12)
+    assert (tuner.choice, tuner.scheme) == (4, "ring")
+    assert ("fanout", 4) in used and used[-1] == ("ring", 4)
+
+
+def test_one_scheme_and_one_count_need_no_tuning() -> None:
+    tuner = PieceTuner(1 << 20, schemes=("fanout",), counts=(2,))
+    assert tuner.done and tuner.next(0.0) == 2 and tuner.current_scheme == "fanout"
+
+
 def _tuned_body(rank: int, world: int) -> tuple[int | None, bool, list[int]]:
     gen = torch.Generator().manual_seed(rank)
     n = 8 * world * 4 * MIN_PIECE_BYTES  # 4 * 16 KiB of bits per segment: 1, 2, 4 tried
-    tuned, whole = OneBitAllreduce(), OneBitAllreduce(pieces=1)
+    tuned, whole = OneBitAllreduce(), OneBitAllreduce(pieces=1, phase2="ring")
     same = True
     counts = []
-    for _ in range(12):  # 1 warm-up + 3 counts x 3 calls, then the choice
+    # 1 warm-up + 3 counts x 3 calls, the choice, 3 fan-out trials, then the scheme
+    for _ in range(16):
         x = torch.randn(n, generator=gen)
         same &= torch.equal(tuned(x), whole(x))
-        counts.append(tuned._tuner.current if tuned._tuner else -1)
-    return tuned.pieces_in_use, same, counts
+        tuner = tuned._tuner
+        counts.append((tuner.current, tuner.current_scheme) if tuner else (-1, ""))
+    assert tuned.tuned
+    return (tuned.pieces_in_use, tuned.phase2_in_use), same, counts
 
 
 @pytest.mark.timeout(180)
 def test_ranks_agree_on_the_tuned_count_and_results_do_not_change() -> None:
     results = spawn(_tuned_body, 2, timeout_s=170)
     choices = {choice for choice, _, _ in results}
-    assert len(choices) == 1 and choices <= {1, 2, 4}  # same choice on every rank, tuned
+    assert len(choices) == 1  # the same count and phase-2 scheme on every rank
+    ((count, scheme),) = choices
+    assert count in {1, 2, 4} and scheme in {"ring", "fanout"}
     assert all(same for _, same, _ in results)  # bit-identical to the one-piece call
-    assert results[0][2] == results[1][2]  # every call used the same count on both ranks
-    assert len(set(results[0][2])) > 1  # and more than one count was tried
+    assert results[0][2] == results[1][2]  # every call used the same count and scheme
+    assert len({k for k, _ in results[0][2]}) > 1  # more than one count was tried
+    assert {s for _, s in results[0][2]} == {"ring", "fanout"}  # and both schemes

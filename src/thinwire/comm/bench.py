@@ -13,8 +13,9 @@ buffer of that size across the group:
   the shape PowerSGD sees for a large layer. Its compression always runs
   (``min_compression_rate=1``; PowerSGD falls back to plain allreduce only where the
   factors would not be smaller than the matrix);
-* ``onebit``: :class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`; ``onebit-fanout``
-  the same with its phase 2 sent to every peer at once (``phase2="fanout"``).
+* ``onebit``: :class:`thinwire.comm.onebit_allreduce.OneBitAllreduce` at its defaults
+  (``phase2="auto"``); ``onebit-ring`` and ``onebit-fanout`` with phase 2 fixed to
+  gloo's ring all_gather or to a fan-out to every peer at once.
 
 Timing: ``warmup`` untimed calls per method, then ``iters`` rounds in which the methods
 take turns, each call timed from a barrier to its end (CUDA synchronised); taking turns
@@ -74,6 +75,7 @@ METHODS: tuple[str, ...] = (
     "powersgd-r1",
     "powersgd-r4",
     "onebit",
+    "onebit-ring",
     "onebit-fanout",
 )
 
@@ -172,8 +174,8 @@ def _make_op(
 
         inner, wire = _powersgd_op(buf, int(method.removeprefix("powersgd-r")), group)
         return reset_then(inner), wire, None
-    if method in ("onebit", "onebit-fanout"):
-        phase2 = "fanout" if method == "onebit-fanout" else "ring"
+    if method.startswith("onebit"):
+        phase2 = method.removeprefix("onebit-") if method != "onebit" else "auto"
         allreduce = OneBitAllreduce(group, pieces=pieces, phase2=phase2)
 
         def op() -> None:
@@ -304,6 +306,7 @@ def run_allreduce_bench(
                     "backend": backend,
                     "compute_s": compute,
                     "pieces": onebits[method].pieces_in_use if method in onebits else None,
+                    "phase2": onebits[method].phase2_in_use if method in onebits else None,
                     "warmup": warmup,
                     "iters": iters,
                 }
@@ -325,9 +328,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     time at the same size, from the same run (>1: faster than fp32)."""
     fp32 = {r["size_bytes"]: r["time_s"] for r in rows if r["method"] == "fp32"}
     head = (
-        f"{'size':>10} {'method':>12} {'time(ms)':>10} {'algbw(GB/s)':>12} "
+        f"{'size':>10} {'method':>13} {'time(ms)':>10} {'algbw(GB/s)':>12} "
         f"{'busbw(GB/s)':>12} {'wire bytes':>12} {'vs fp32':>8} {'compute(ms)':>12} "
-        f"{'pieces':>6}"
+        f"{'pieces':>6} {'phase 2':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -335,10 +338,11 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         ratio_s = f"{ratio / r['time_s']:.2f}x" if ratio else "-"
         comp = f"{r['compute_s'] * 1e3:.2f}" if r.get("compute_s") is not None else "-"
         pieces = r.get("pieces") or "-"
+        phase2 = r.get("phase2") or "-"
         lines.append(
-            f"{_human_bytes(r['size_bytes']):>10} {r['method']:>12} {r['time_s'] * 1e3:>10.3f} "
+            f"{_human_bytes(r['size_bytes']):>10} {r['method']:>13} {r['time_s'] * 1e3:>10.3f} "
             f"{r['algbw_gbps']:>12.4f} {r['busbw_gbps']:>12.4f} {r['wire_bytes']:>12} "
-            f"{ratio_s:>8} {comp:>12} {pieces:>6}"
+            f"{ratio_s:>8} {comp:>12} {pieces:>6} {phase2:>7}"
         )
     return "\n".join(lines)
 

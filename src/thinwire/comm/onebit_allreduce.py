@@ -120,10 +120,13 @@ class OneBitAllreduce:
             the host clock would not see the asynchronous kernels. Set it to skip
             tuning, e.g. 1 on a high-latency link where every extra collective costs
             round trips. The result does not depend on it.
-        phase2: ``"ring"`` (default: gloo's all_gather, W - 1 steps one after the
-            other) or ``"fanout"`` (every rank's message to every peer at once, one
-            step). Same bytes, same result; which is faster depends on the round trip
-            (docs/benchmarks.md, "What latency changes"). Every rank must pass the same.
+        phase2: how phase 2 travels: ``"ring"`` (gloo's all_gather, W - 1 steps one
+            after the other), ``"fanout"`` (every rank's message to every peer at once,
+            one step) or ``"auto"`` (default: on CPU, after the piece count, a few calls
+            try the fan-out and keep it if it is more than 5% faster; the ring on
+            CUDA). Same bytes, same result. With hosts 10-50 ms apart the fan-out was
+            11-26% faster, on a LAN within noise (docs/benchmarks.md, "What latency
+            changes"). Every rank must pass the same.
 
     Raises (on every rank alike, nothing changed):
         NonFiniteError: some rank's input (plus its error) holds NaN/Inf or overflows
@@ -138,10 +141,10 @@ class OneBitAllreduce:
         process_group: dist.ProcessGroup | None = None,
         chunk: int = DEFAULT_CHUNK,
         pieces: int | None = None,
-        phase2: str = "ring",
+        phase2: str = "auto",
     ) -> None:
-        self._plan = PiecePlan(pieces)
-        self._exchange: GroupExchange = GroupExchange(process_group, phase2)
+        self._plan = PiecePlan(pieces, phase2)
+        self._exchange: GroupExchange = GroupExchange(process_group, self._plan.fixed_scheme)
         self.chunk = max(8, chunk - chunk % 8)
         self.numel: int | None = None
         self._bufs: dict[str, torch.Tensor] = {}
@@ -170,6 +173,14 @@ class OneBitAllreduce:
     def pieces(self) -> int | None:
         """The fixed piece count, or None when it is tuned."""
         return self._plan.pieces
+
+    @property
+    def phase2_in_use(self) -> str:
+        """The phase-2 scheme calls use now (the ring while ``auto`` has not chosen)."""
+        tuner = self._plan.tuner
+        if tuner is not None and tuner.scheme is not None:
+            return tuner.scheme
+        return self._plan.fixed_scheme
 
     @property
     def _tuner(self) -> PieceTuner | None:
@@ -226,13 +237,15 @@ class OneBitAllreduce:
     @property
     def tuned(self) -> bool:
         """True once calls run at their final piece count (always, with ``pieces`` set or
-        one rank). Tuning takes at most 17 calls on the same buffer length (the last of
+        one rank). Tuning takes at most 20 calls on the same buffer length (16 for the count,
+        3 for the phase-2 scheme with ``phase2="auto"``; the last of
         them already at the chosen count)."""
-        if self.pieces is not None or self.world_size == 1:
+        if self.world_size == 1:
             return True
         if self._tuner is not None:
             return self._tuner.done
-        return self.numel is not None  # allocated without a tuner: CUDA, 1 piece
+        # no tuner: a fixed count and scheme, or allocated on CUDA (1 piece, the ring)
+        return self.pieces is not None or self.numel is not None
 
     def reset(self) -> None:
         """Drop the error buffers; the next call starts from zero error at any length."""
@@ -307,6 +320,7 @@ class OneBitAllreduce:
         # are still on the wire.
         # The last rank to arrive waited least: its time is closest to the call's own.
         cuts = self._plan.cuts(seg // 8, float(metas[:, 3].min()))
+        self._exchange.phase2 = self._plan.scheme
         recvs = piece_views(b["recv"], cuts, w)
         if len(cuts) > 2:
             by_dest = b["send"].view(w, seg // 8)

@@ -25,19 +25,40 @@ class PiecePlan:
     Args:
         pieces: a fixed count, or None to tune it by measuring on CPU (1 on CUDA, where
             the host clock would not see the asynchronous kernels).
+        phase2: ``ring``, ``fanout``, or ``auto`` (measured on CPU after the count;
+            the ring on CUDA).
     """
 
-    def __init__(self, pieces: int | None) -> None:
+    def __init__(self, pieces: int | None, phase2: str = "auto") -> None:
         if pieces is not None and pieces < 1:
             raise ValueError(f"1-bit allreduce: pieces must be at least 1, got {pieces}")
+        if phase2 not in ("ring", "fanout", "auto"):
+            raise ValueError(
+                f"1-bit allreduce: phase2 must be ring, fanout or auto, got {phase2!r}"
+            )
         self.pieces = pieces
+        self.phase2 = phase2
         self.tuner: PieceTuner | None = None
 
     def restart(self, seg8: int, device: torch.device) -> None:
         """Start tuning afresh for segments of ``seg8`` bytes (CPU, no fixed count). Every
         rank does this at the same call, so their choices stay in step."""
-        tune = self.pieces is None and device.type == "cpu"
-        self.tuner = PieceTuner(seg8) if tune else None
+        cpu = device.type == "cpu"
+        auto = self.phase2 == "auto" and cpu
+        schemes = ("ring", "fanout") if auto else (self.fixed_scheme,)
+        counts = (max(1, min(self.pieces, seg8)),) if self.pieces is not None else None
+        tune = cpu and (self.pieces is None or auto)
+        self.tuner = PieceTuner(seg8, schemes=schemes, counts=counts) if tune else None
+
+    @property
+    def fixed_scheme(self) -> str:
+        """The phase-2 scheme without tuning: the one set, the ring for ``auto``."""
+        return "ring" if self.phase2 == "auto" else self.phase2
+
+    @property
+    def scheme(self) -> str:
+        """The phase-2 scheme of the latest call (see :meth:`cuts`)."""
+        return self.tuner.current_scheme if self.tuner is not None else self.fixed_scheme
 
     def clear(self) -> None:
         """Forget the tuning (the collective dropped its buffers)."""

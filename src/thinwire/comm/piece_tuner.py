@@ -17,6 +17,14 @@ dominates and every extra collective costs its overhead (and, on a link with rea
 latency, a round trip per step of gloo's ring). No size rule gets both right, so
 :class:`PieceTuner` tries the counts and keeps the fastest.
 
+With ``schemes=("ring", "fanout")`` (the collective's ``phase2="auto"``) the tuner then
+tries phase 2 as a fan-out at the chosen count for ``trials`` calls and keeps it if it is
+clearly faster (by :data:`PREFER_FEWER`). On a LAN the two are within noise and the ring
+stays; with 10-50 ms between hosts the ring's W - 1 sequential steps, each a round trip
+with gloo, lose 11-26% (docs/benchmarks.md, "What latency changes"). The same runs show
+why the count is measured rather than set: with latency every extra piece costs round
+trips (16 pieces took 4x as long as 2 at 50 ms), without it 8 pieces were the fastest.
+
 Every rank must choose the same count, or the collectives would not match. The tuner
 therefore only sees data that every rank holds: the shortest of the ranks' durations
 of the previous call, which travel in the call's small metadata gather. (The rank that
@@ -65,18 +73,38 @@ class PieceTuner:
         segment_bytes: bytes of sign bits in one rank's segment (``N / W / 8``).
         trials: calls per candidate; the median of their times is its score (robust to
             one call slowed by something else on the machine or the link).
+        schemes: phase-2 schemes to choose from, the default first: ``("ring",)`` tunes
+            the count alone, ``("ring", "fanout")`` then tries the fan-out too.
+        counts: the counts to try (default: :data:`CANDIDATES` the segment can hold);
+            one count, e.g. a fixed ``pieces``, leaves only the scheme to tune.
     """
 
-    def __init__(self, segment_bytes: int, trials: int = 3) -> None:
+    def __init__(
+        self,
+        segment_bytes: int,
+        trials: int = 3,
+        schemes: tuple[str, ...] = ("ring",),
+        counts: tuple[int, ...] | None = None,
+    ) -> None:
         limit = max(1, segment_bytes // MIN_PIECE_BYTES)
-        self.candidates = [k for k in CANDIDATES if k <= limit]
+        self.candidates = list(counts) if counts else [k for k in CANDIDATES if k <= limit]
         self.trials = max(1, trials)
         self.scores: dict[int, float] = {}
         self._times: dict[int, list[float]] = {}
-        self.choice: int | None = self.candidates[0] if len(self.candidates) == 1 else None
+        # One count and one scheme: nothing to measure. (One count and two schemes: the
+        # count is still timed, as the baseline the other scheme is held against.)
+        single = len(self.candidates) == 1 and len(schemes) == 1
+        self.choice: int | None = self.candidates[0] if single else None
         self._plan = [self.candidates[0]] + [k for k in self.candidates for _ in range(self.trials)]
         self._calls = 0
         self.current = self.candidates[0]  # the count of the latest call
+        self.schemes = schemes
+        self.scheme: str | None = schemes[0] if len(schemes) == 1 else None
+        """The phase-2 scheme chosen (None while it is being tried)."""
+        self.current_scheme = schemes[0]  # the scheme of the latest call
+        self.scheme_scores: dict[str, float] = {}
+        self._alt_times: list[float] = []
+        self._alt_calls = 0
 
     @property
     def calls(self) -> int:
@@ -85,8 +113,8 @@ class PieceTuner:
 
     @property
     def done(self) -> bool:
-        """True once the count is fixed."""
-        return self.choice is not None
+        """True once the count (and the phase-2 scheme) are fixed."""
+        return self.choice is not None and self.scheme is not None
 
     def next(self, previous_seconds: float) -> int:
         """The piece count for this call.
@@ -105,10 +133,26 @@ class PieceTuner:
                 self.current = self._plan[self._calls]
             else:
                 self.choice = self._pick()
+        elif self.scheme is None:
+            self._try_scheme(previous_seconds if measured else 0.0)
         if self.choice is not None:
             self.current = self.choice
         self._calls += 1
         return self.current
+
+    def _try_scheme(self, previous_seconds: float) -> None:
+        """After the count: ``trials`` calls of the other scheme at it, then the choice."""
+        if self.current_scheme != self.schemes[0] and previous_seconds > 0:
+            self._alt_times.append(previous_seconds)
+        if self._alt_calls < self.trials:
+            self._alt_calls += 1
+            self.current_scheme = self.schemes[1]
+            return
+        base = self.scores.get(self.choice, math.inf) if self.choice is not None else math.inf
+        alt = statistics.median(self._alt_times) if self._alt_times else math.inf
+        self.scheme_scores = {self.schemes[0]: base, self.schemes[1]: alt}
+        self.scheme = self.schemes[1] if alt * PREFER_FEWER < base else self.schemes[0]
+        self.current_scheme = self.scheme
 
     def _pick(self) -> int:
         """The smallest count whose score is within :data:`PREFER_FEWER` of the best."""
