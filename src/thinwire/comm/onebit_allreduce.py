@@ -302,6 +302,9 @@ class OneBitAllreduce:
                 scale.new_tensor(self._plan.meta()[1], dtype=torch.float64),
             ]
         )
+        # The metadata travels like the previous call's phase 2 (every rank knows that
+        # scheme; this call's is picked once the metadata is in).
+        self._exchange.phase2 = self._plan.scheme
         wait_meta = self._exchange.start_meta(meta)
         if ours:  # packing overlaps the tiny gather; the bits are only sent if all is well
             pack_signs(b["work"], out=b["send"], scratch=scratch.bools)

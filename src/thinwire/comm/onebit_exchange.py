@@ -8,7 +8,8 @@ Per call each rank takes part in three collectives (see
 3. phase 2, ``all_gather`` of its server message: the fp32 server scale as 4 bytes,
    then its packed segment. gloo's all_gather walks a ring of W - 1 steps, one after
    the other; ``phase2="fanout"`` sends the message to every peer at once instead (one
-   ``all_to_all_single`` of W copies: the same bytes, one step).
+   ``all_to_all_single`` of W copies: the same bytes, one step), and the metadata of
+   the next call the same way.
 
 :func:`check_metas` reads the gathered metadata and fails the same way on every rank,
 before any large message is sent, when the ranks disagree or some input is not finite.
@@ -139,7 +140,10 @@ class GroupExchange:
         """Start gathering every rank's (scale, length, built-for length); returns a wait."""
         w = self.world_size
         out = meta.new_empty(w * meta.numel())
-        work = _all_gather_flat(out, meta, group=self.group, async_op=True)
+        if self.phase2 == "fanout":  # one round trip instead of the ring's W - 1
+            work = dist.all_to_all_single(out, meta.repeat(w), group=self.group, async_op=True)
+        else:
+            work = _all_gather_flat(out, meta, group=self.group, async_op=True)
         record("onebit.meta", META_BYTES, (w - 1) * META_BYTES)
 
         def wait() -> torch.Tensor:
