@@ -124,6 +124,17 @@ def _tuned_body(rank: int, world: int) -> tuple[int | None, bool, list[int]]:
         tuner = tuned._tuner
         counts.append((tuner.current, tuner.current_scheme) if tuner else (-1, ""))
     assert tuned.tuned
+    # A fixed count still has its phase-2 scheme measured: not tuned before it is.
+    fixed, pinned = OneBitAllreduce(pieces=2), OneBitAllreduce(pieces=2, phase2="fanout")
+    assert not fixed.tuned and pinned.tuned
+    plain, calls = OneBitAllreduce(pieces=1, phase2="ring"), 0
+    while not fixed.tuned and calls < 20:
+        x = torch.randn(n, generator=gen)
+        same &= torch.equal(fixed(x), plain(x))
+        calls += 1
+    # 1 warm-up and 3 timed calls at the count, the count's choice, 3 fan-out trials,
+    # then the scheme is chosen
+    assert calls == 9 and fixed.pieces_in_use == 2
     return (tuned.pieces_in_use, tuned.phase2_in_use), same, counts
 
 

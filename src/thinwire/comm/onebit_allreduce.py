@@ -236,16 +236,16 @@ class OneBitAllreduce:
 
     @property
     def tuned(self) -> bool:
-        """True once calls run at their final piece count (always, with ``pieces`` set or
-        one rank). Tuning takes at most 20 calls on the same buffer length (16 for the count,
-        3 for the phase-2 scheme with ``phase2="auto"``; the last of
-        them already at the chosen count)."""
+        """True once calls run at their final piece count and phase-2 scheme (always
+        with both fixed, or one rank). Tuning takes at most 20 calls on the same buffer
+        length: 16 for the count, 3 more for the scheme with ``phase2="auto"``."""
         if self.world_size == 1:
             return True
         if self._tuner is not None:
             return self._tuner.done
-        # no tuner: a fixed count and scheme, or allocated on CUDA (1 piece, the ring)
-        return self.pieces is not None or self.numel is not None
+        if self.numel is None:  # not called yet: on CPU the first call starts any tuning
+            return self.pieces is not None and self._plan.phase2 != "auto"
+        return True  # allocated without a tuner: a fixed count and scheme, or CUDA
 
     def reset(self) -> None:
         """Drop the error buffers; the next call starts from zero error at any length."""
