@@ -25,8 +25,11 @@ codec. The cost of a bucket of ``S`` bytes over ``n`` workers on links of ``B`` 
 * ``onebit`` (:class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`: an all-to-all of
   sign bits, the chunk owner averages and re-compresses, an all-gather of the result):
   about ``2 (n-1)/n * S/32`` bytes per worker (the implementation's exact count, with
-  padding, scales and metadata), the same reductions, ``3 (n-1)`` messages (three
-  collectives), plus ``codec * S`` (measure it with ``--measure-codec``). Gradients are
+  padding, scales and metadata), the same reductions, 3 messages (three collectives of
+  one step each: across a WAN the collective's tuner sends the metadata and phase 2 as
+  a fan-out, and its all-to-all is one step already; on a LAN, where the ring's
+  ``2 (n-1) + 1`` steps may stay, alpha is too small for the count to matter), plus
+  ``codec * S`` (measure it with ``--measure-codec``). Gradients are
   assumed fp32; ``compression`` must stay 1. Overlapped, this is the 1-bit comm hook
   (:mod:`thinwire.comm.onebit_hook`: one thread reduces the buckets in order while
   backward goes on); with ``overlap=False``, 1-bit Adam/LAMB's one exchange after
@@ -221,7 +224,7 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
     if cfg.scheme == "onebit":
         # The implementation's own count: padded sign bits of both phases + scales/meta.
         wire = float(onebit_wire_bytes(math.ceil(nbytes / 4), n))
-        messages = 3 * (n - 1)  # scale gather, all-to-all, final gather
+        messages = 3  # metadata, all-to-all, final gather: one step each (see above)
     else:
         wire = 0.0 if math.isinf(cfg.compression) else 2 * share * nbytes / cfg.compression
     return {
