@@ -20,31 +20,15 @@ Per call, with ``x`` the rank's input (flat, fp32, padded with zeros to a multip
    its packed segment, in the same pieces; every rank unpacks ``s2_r * sign`` into
    segment ``r`` of the output.
 
-Choices this implementation makes (and tests):
-
-* **Padding is inert.** Scales are RMS over real elements only, and padded positions
-  carry no error, so a short buffer (even 1 element) is compressed as well as a long
-  one. For ``n`` a multiple of ``8W`` this is exactly the spec's formula.
-* **Non-finite input raises, consistently, before anything is changed.** The scales are
-  exchanged first (step 2); a NaN or Inf anywhere makes some rank's scale non-finite,
-  every rank sees that in the gathered scales and raises :class:`NonFiniteError`
-  naming the ranks. No large message is sent and both error buffers are left as they
-  were, so the caller can skip the step (e.g. under a loss scaler) and retry.
-* **Ranks that disagree on the length fail fast.** The same tiny gather carries each
-  rank's length; a mismatch raises :class:`LengthMismatchError` naming every rank's
-  length on every rank, before the all_to_all could hang.
-* **Lean.** All buffers are allocated once per length and reused; the error updates
-  are in place (the new residual is written into the work buffer, then the two swap
-  roles); the server average is accumulated rank by rank from a 256-entry table of
-  ``+-s_i`` into one buffer, in cache-sized chunks, never W full float copies.
-* **Compute hides behind the wire.** Both phases are started asynchronously and the
-  error updates, which need only local data, are computed while the bits travel: the
-  worker error (a full pass over ``N``) during phase 1, the server error during
-  phase 2. On a slow link that removes most of the compression cost from the call.
-* **Pieces.** Each phase may travel as several collectives, all started at once: the
-  server averages a piece as soon as it lands and the output is unpacked the same way,
-  while later pieces are still on the wire. On CPU the count is tuned by measuring
-  (:mod:`thinwire.comm.piece_tuner`); the result is bit-identical for any count.
+Choices this implementation makes (each tested; the reasons in docs/compression.md):
+padding is inert (scales are RMS over real elements, padded positions carry no error);
+non-finite input raises :class:`NonFiniteError` on every rank before anything changes
+(the scales travel first), and ranks that disagree on the length raise
+:class:`LengthMismatchError` before the all_to_all could hang; buffers are allocated once
+per length and the error updates are in place; both phases start asynchronously and the
+error updates run while the bits travel; each phase may travel in pieces, tuned on CPU
+(:mod:`thinwire.comm.piece_tuner`), and phase 2 as a ring or a fan-out
+(:mod:`thinwire.comm.onebit_exchange`); the result is bit-identical either way.
 
 State (per rank): ``worker_error`` (n) and ``server_error`` (this rank's segment), saved
 and restored by :meth:`~OneBitAllreduce.state_dict` / ``load_state_dict`` on every rank
