@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import tiny_async_config
 from thinwire.comm.launch import spawn
 from thinwire.compress import OneBitCompressor, packed_numel
 from thinwire.localsgd.compression import PullDecoder, PullEncoder, PushEncoder, decode
@@ -74,26 +75,8 @@ def _rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
 
 @pytest.mark.timeout(150)
 def test_real_run_with_onebit_pushes_and_compressed_pulls(tmp_path: Path) -> None:
-    cfg = TrainConfig(
-        algo="async-diloco",
-        model="tiny",
-        n_layer=1,
-        n_embd=32,
-        n_head=2,
-        seq_len=16,
-        steps=12,
-        local_steps=3,
-        batch_size=4,
-        lr=3e-3,
-        warmup_steps=2,
-        eval_interval=6,
-        eval_sequences=8,
-        checkpoint_interval=0,
-        out_dir=str(tmp_path),
-        progress=False,
-        device="cpu",
-        compress="onebit",
-        compress_pull="bf16",
+    cfg = tiny_async_config(
+        tmp_path, local_steps=3, checkpoint_interval=0, compress="onebit", compress_pull="bf16"
     )
     summary = spawn(_rank, 3, (cfg,), timeout_s=120)[0]
     assert summary["inner_steps"] == 24 and summary["updates_applied"] == 8
