@@ -11,6 +11,9 @@ from thinwire.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
+TINY_FLAGS = ["--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32"]
+"""``thinwire train`` flags of the tiny model every CLI test trains (about 21K parameters)."""
+
 
 def tiny_config(tmp_path: Path, **overrides: object) -> TrainConfig:
     """A model and run small enough that a few ranks train tens of steps in seconds."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_FLAGS
 from thinwire.cli.main import main as thinwire
 
 
@@ -14,7 +15,7 @@ def main(args: list[str]) -> int:
     return thinwire(["compare-async", *args])
 
 
-SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+SMALL = TINY_FLAGS
 
 
 @pytest.mark.timeout(300)

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import tiny_async_config
+from conftest import TINY_FLAGS, tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port, spawn
 from thinwire.localsgd import AsyncConfig, Task, run_async
@@ -49,14 +49,7 @@ from thinwire.train.metrics import read_metrics
 _MODEL = [
     "--model",
     "tiny",
-    "--n-layer",
-    "1",
-    "--n-embd",
-    "32",
-    "--n-head",
-    "2",
-    "--seq-len",
-    "16",
+    *TINY_FLAGS,
     "--batch-size",
     "4",
     "--warmup-steps",

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_FLAGS
 from thinwire.cli.main import main
 
-TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+TINY = TINY_FLAGS
 
 
 @pytest.mark.timeout(180)

@@ -15,18 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TINY_FLAGS
 from thinwire.analysis import ParamTiming, Profile, save_profile
 from thinwire.cli.main import main
 
 SMALL = [
-    "--seq-len",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
+    *TINY_FLAGS,
     "--batch-size",
     "4",
     "--eval-sequences",

@@ -12,20 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import interruptible
+from conftest import TINY_FLAGS, interruptible
 from thinwire.cli.main import main
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.metrics import read_metrics
 
 SMALL = [
-    "--seq-len",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
+    *TINY_FLAGS,
     "--batch-size",
     "4",
     "--eval-sequences",

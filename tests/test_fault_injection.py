@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_FLAGS
 from thinwire import runlock
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.metrics import read_metrics
@@ -29,14 +30,7 @@ RUN = [
     "-m",
     "thinwire",
     "train",
-    "--seq-len",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
+    *TINY_FLAGS,
     "--batch-size",
     "4",
     "--eval-sequences",

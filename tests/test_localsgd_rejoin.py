@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import tiny_async_config
+from conftest import TINY_FLAGS, tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port
 from thinwire.errors import ConfigError
@@ -42,14 +42,7 @@ _ARGS = [
     "async-diloco",
     "--model",
     "tiny",
-    "--n-layer",
-    "1",
-    "--n-embd",
-    "32",
-    "--n-head",
-    "2",
-    "--seq-len",
-    "16",
+    *TINY_FLAGS,
     "--steps",
     "12",
     "--local-steps",

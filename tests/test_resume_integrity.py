@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import TINY_FLAGS, tiny_config
 from thinwire.cli.main import main
 from thinwire.comm.launch import spawn
 from thinwire.errors import DivergedError
@@ -27,14 +27,7 @@ from thinwire.train.metrics import read_metrics
 from thinwire.train.trainer import train
 
 SMALL = [
-    "--seq-len",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
+    *TINY_FLAGS,
     "--batch-size",
     "4",
     "--eval-sequences",

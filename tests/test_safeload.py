@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import TINY_FLAGS, tiny_config
 from thinwire.cli.main import main
 from thinwire.comm.launch import DistributedError, _decode, _encode
 from thinwire.errors import ConfigError
@@ -17,14 +17,7 @@ from thinwire.safeload import UnsafeContentError, safe_load, safe_loads
 from thinwire.train.trainer import train
 
 SMALL = [
-    "--seq-len",
-    "16",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
+    *TINY_FLAGS,
     "--batch-size",
     "4",
     "--eval-sequences",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_FLAGS
 from thinwire.errors import ConfigError
 from thinwire.testbed import list_clusters, unavailable_reason
 from thinwire.testbed.experiments import (
@@ -188,7 +189,7 @@ def test_testbed_compare_is_the_comparison_driver_on_hosts(tmp_path: Path) -> No
     the first, the stages split at the 1-bit run's freeze, NIC bytes, one figure."""
     from thinwire.cli.main import main
 
-    tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+    tiny = TINY_FLAGS
     out = tmp_path / "cmp"
     argv = ["testbed", "compare", "--algos", "lamb", "onebit-lamb@freeze_step=3", "--hosts", "2"]
     argv += ["--rates", "1gbit", "--steps", "8", "--batch-size", "2", "--warmup-steps", "2"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TINY_FLAGS
 from thinwire.cli.main import build_parser
 from thinwire.cli.train import config_from_args
 from thinwire.errors import ConfigError
@@ -81,7 +82,7 @@ def test_a_run_repeats_from_its_config_json(tmp_path: Path) -> None:
     """Every run keeps its resolved settings; handing them back trains the same run."""
     from thinwire.cli.main import main
 
-    tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "16"]
+    tiny = TINY_FLAGS
     common = ["--workers", "1", "--steps", "4", "--batch-size", "2", "--eval-interval", "4"]
     common += ["--eval-sequences", "4", "--checkpoint-interval", "0", "--no-progress"]
     assert main(["train", "--algo", "lamb", *tiny, *common, "--out", str(tmp_path / "a")]) == 0
