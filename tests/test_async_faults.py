@@ -61,6 +61,9 @@ _MODEL = [
     "--no-progress",
 ]
 _TW = ["train", "--algo", "async-diloco", *_MODEL]
+# Two workers slowed 8x, 60 steps: long enough to kill something mid-run.
+_SLOW_RUN = [*_TW, "--workers", "3", "--steps", "60", "--local-steps", "2", "--slowdown", "8,8"]
+_SLOW_RUN += ["--eval-interval", "6"]
 
 
 def _eval_records_are_one_run(out: Path) -> list[dict[str, Any]]:
@@ -310,17 +313,7 @@ def _summary(out: Path) -> dict[str, Any]:
 def test_a_killed_worker_loses_no_accepted_update(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [
-        *_TW,
-        "--workers",
-        "3",
-        "--steps",
-        "60",
-        "--local-steps",
-        "2",
-        "--slowdown",
-        "8,8",
-        "--eval-interval",
-        "6",
+        *_SLOW_RUN,
         "--dead-after",
         "2",
         "--out",
@@ -389,17 +382,7 @@ def test_the_only_worker_killed_is_an_incomplete_run_that_resume_finishes(
 def test_a_killed_server_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [
-        *_TW,
-        "--workers",
-        "3",
-        "--steps",
-        "60",
-        "--local-steps",
-        "2",
-        "--slowdown",
-        "8,8",
-        "--eval-interval",
-        "6",
+        *_SLOW_RUN,
         "--checkpoint-interval",
         "6",
         "--out",
