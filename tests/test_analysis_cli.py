@@ -79,6 +79,18 @@ def test_profile_simulate_report_chain(tmp_path: Path, capsys: pytest.CaptureFix
     assert "Gbit/s" in out or "Mbit/s" in out
     for name in ("sf_vs_bandwidth", "sf_vs_compression", "sf_heatmap", "gantt"):
         assert (plots / f"{name}.png").stat().st_size > 1000
+    # A CPU profile trains with gloo: two collectives at once unless told NCCL.
+    assert study["result"]["config"]["concurrency"] == 2
+    wan = ["analyze", "simulate", str(prof), "--workers", "4", "--bandwidth-gbps", "0.1"]
+    wan += ["--rtt", "100ms", "--buckets", "observed", "--reduction", "none"]
+    exposed = {}
+    for backend in ("gloo", "nccl"):
+        out_json = tmp_path / f"{backend}.json"
+        assert main([*wan, "--backend", backend, "-o", str(out_json)]) == 0
+        got = json.loads(out_json.read_text())
+        exposed[backend] = got["result"]["exposed_s"]
+        assert got["result"]["config"]["concurrency"] == {"gloo": 2, "nccl": 1}[backend]
+    assert exposed["gloo"] <= exposed["nccl"]
 
 
 @pytest.mark.skipif(not (_golden() / "resnet50.bk.log").exists(), reason="paper logs absent")
@@ -179,5 +191,20 @@ def test_bench_fits_a_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
         )
         == 0
     )
-    fit = json.loads(out.read_text())["fit"]
+    doc = json.loads(out.read_text())
+    fit = doc["fit"]
     assert fit["bandwidth_gbps"] > 0 and fit["alpha_s"] >= 0 and fit["world_size"] == 2
+    # The 1-bit call is measured beside fp32, and simulate --link charges what it measured.
+    assert {r["method"] for r in doc["rows"]} == {"fp32", "onebit"}
+    sizes = sorted(r["size_bytes"] for r in doc["rows"] if r["method"] == "onebit")
+    assert [s for s, _ in fit["onebit_latency"]] == sizes
+    assert all(w >= 0 for _, w in fit["onebit_latency"])
+    assert "1-bit allreduce, wait per call" in capsys.readouterr().out
+    prof = tmp_path / "profile.json"
+    profile = ["analyze", "profile", "--model", "tiny", "--batch-size", "2", "--warmup", "1"]
+    assert main([*profile, "--steps", "1", "-o", str(prof)]) == 0
+    sim = tmp_path / "sim.json"
+    argv = ["analyze", "simulate", str(prof), "--workers", "4", "--link", str(out)]
+    assert main([*argv, "--scheme", "onebit", "-o", str(sim)]) == 0
+    config = json.loads(sim.read_text())["result"]["config"]
+    assert config["onebit_latency"] == fit["onebit_latency"]

@@ -117,13 +117,23 @@ def test_malformed_profile_names_file_and_line(tmp_path: Path) -> None:
         load_profile(path)
 
 
-def test_link_fit_recovers_synthetic_alpha_and_bandwidth() -> None:
+@pytest.mark.parametrize(
+    ("alpha", "gbps"),
+    [(0.0, 2.5), (250e-6, 2.5), (0.02, 0.1), (0.1, 0.1)],
+    ids=["lan", "fast-link", "wan-20ms", "wan-100ms"],
+)
+def test_link_fit_recovers_synthetic_alpha_and_bandwidth(alpha: float, gbps: float) -> None:
+    """Times drawn from the ring model with 1% noise, from latency-bound small messages
+    to bandwidth-bound large ones: the fit finds both parameters again."""
+    from thinwire.analysis.collective_cost import ring_rounds, ring_time
+
     rng = np.random.default_rng(0)
-    n, alpha, gbps = 4, 250e-6, 2.5
+    n = 4
     rows = []
-    for k in range(10, 26):
+    for k in range(12, 26):
         size = 2**k
-        t = alpha + 8 * 2 * (n - 1) / n * size / (gbps * 1e9)
+        wire = 8 * 2 * (n - 1) / n * size / (gbps * 1e9)
+        t = ring_time(wire, ring_rounds(size, n), alpha)
         rows.append(
             {
                 "method": "fp32",
@@ -134,10 +144,62 @@ def test_link_fit_recovers_synthetic_alpha_and_bandwidth() -> None:
         )
     rows.append({"method": "onebit", "size_bytes": 1, "world_size": n, "time_s": 9.0})
     fit = fit_link(rows)
-    assert fit.alpha_s == pytest.approx(alpha, rel=0.05)
+    assert fit.alpha_per_message_s == pytest.approx(alpha, rel=0.05, abs=2e-6)
     assert fit.bandwidth_gbps == pytest.approx(gbps, rel=0.03)
-    assert fit.alpha_per_message_s == pytest.approx(fit.alpha_s / 6)
+    assert fit.alpha_s == pytest.approx(fit.alpha_per_message_s * 6)
     assert fit.max_rel_error < 0.05
+    for r in rows[:-1]:  # predict() is the fitted model itself
+        assert fit.predict(r["size_bytes"]) == pytest.approx(r["time_s"], rel=0.05)
+
+
+def test_link_fit_does_not_add_latency_to_the_wire_across_a_wan() -> None:
+    """Measured on the testbed (4 hosts, 100 Mbit/s, 50 ms one way, gloo): a 64 KiB
+    allreduce takes 7 round trips, a 16 MiB one barely more than its wire time. The
+    ring model fits both ends; a straight line alpha + S/B cannot."""
+    sizes = [2**k for k in range(16, 25)]
+    secs = [0.684, 0.733, 0.758, 0.762, 0.763, 0.764, 0.929, 1.287, 2.398]
+    rows = [
+        {"method": "fp32", "size_bytes": s, "world_size": 4, "time_s": t}
+        for s, t in zip(sizes, secs, strict=True)
+    ]
+    fit = fit_link(rows)
+    assert fit.max_rel_error < 0.10
+    assert 0.09 < fit.bandwidth_gbps < 0.11  # the 100 Mbit/s link, not a faster one
+    assert 0.10 < fit.alpha_per_message_s < 0.13  # one round trip (100 ms) and a little
+
+
+def test_onebit_call_latency_is_what_its_call_took_beyond_wire_and_compute() -> None:
+    from thinwire.analysis.collective_cost import onebit_wait
+
+    n, gbps, alpha = 4, 0.1, 0.02
+    rows = [
+        {"method": "fp32", "size_bytes": s, "world_size": n, "time_s": 8 * 1.5 * s / (gbps * 1e9)}
+        for s in (2**16, 2**20, 2**24)
+    ]
+    assert fit_link(rows).onebit_latency == ()  # fp32 alone: not measured
+    sizes = [2**k for k in range(16, 25)]
+    waits = [3 * alpha] * 4 + [3.5 * alpha, 9 * alpha, 3.5 * alpha, 3.5 * alpha, 3.5 * alpha]
+    for s, wait in zip(sizes, waits, strict=True):
+        wire, compute = s / 16, s * 1e-9  # ~2 (n-1)/n * S / 32 bytes; compute grows
+        t = wait + compute + 8 * wire / (gbps * 1e9)
+        rows.append(
+            {
+                "method": "onebit",
+                "size_bytes": s,
+                "world_size": n,
+                "time_s": t,
+                "compute_s": compute,
+                "wire_bytes": wire,
+            }
+        )
+    fit = fit_link(rows)
+    assert fit.points == 3  # alpha and B come from fp32 alone
+    assert [s for s, _ in fit.onebit_latency] == sizes
+    assert [w for _, w in fit.onebit_latency] == pytest.approx(waits, rel=1e-3)
+    # A bucket's wait is the median of its neighbours within 4x: one jump does not decide.
+    assert onebit_wait(fit.onebit_latency, 2**21) == pytest.approx(3.5 * alpha, rel=1e-3)
+    assert onebit_wait(fit.onebit_latency, 2**16) == pytest.approx(3 * alpha, rel=1e-3)
+    assert onebit_wait(fit.onebit_latency, 2**40) == pytest.approx(3.5 * alpha, rel=1e-3)
 
 
 def test_link_fit_rejects_unfittable_data() -> None:
@@ -152,6 +214,16 @@ def test_link_fit_rejects_unfittable_data() -> None:
     ]
     with pytest.raises(ConfigError, match="does not grow"):
         fit_link(flat)
+
+
+def test_profile_times_the_optimizer_the_stage_runs() -> None:
+    from thinwire.analysis.measure import profile_gpt
+
+    lamb = profile_gpt("tiny", 2, warmup=2, steps=2, optimizer="onebit-lamb")
+    assert lamb.optimizer_s is not None and lamb.optimizer_s > 0
+    assert lamb.grad_bytes > 0  # the same step, with another update
+    with pytest.raises(ConfigError, match="cannot profile optimizer 'sgd'"):
+        profile_gpt("tiny", 2, warmup=0, steps=1, optimizer="sgd")
 
 
 def test_measured_onebit_codec_cost_is_positive_and_small() -> None:

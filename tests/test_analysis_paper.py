@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,10 +108,86 @@ def test_bucket_ready_at_backward_end_is_fully_exposed() -> None:
     cfg = NetworkConfig(workers=4, bandwidth_gbps=1, alpha_s=1e-4)
     res = simulate(prof, b, cfg)
     net = 2 * 8 * 10_000_000 * 3 / (4 * 1e9)
-    assert res.exposed_s == pytest.approx(net + 2 * 3 * 1e-4)
-    assert res.scaling_factor == pytest.approx(0.1 / (0.1 + net + 6e-4))
+    # Bandwidth-bound: a 1 MiB segment's 8 ms on the wire hides its 0.1 ms round trip.
+    assert res.exposed_s == pytest.approx(net)
+    assert res.scaling_factor == pytest.approx(0.1 / (0.1 + net))
     # Link utilization: the wire bytes over what the link carries in one step.
     assert res.link_utilization == pytest.approx(net / res.step_s)
+    # Latency-bound: a round trip per pair of 1 MiB segments (10 MB is over 2n MiB, so
+    # more than 2 (n-1) of them), with half the wire time beside them.
+    slow = simulate(prof, b, replace(cfg, alpha_s=0.05))
+    rounds = 3 / 4 * 10_000_000 / 2**20
+    assert slow.exposed_s == pytest.approx(rounds * 0.05 + net / 2)
+    assert slow.breakdown()["latency_s"] == pytest.approx(rounds * 0.05 - net / 2)
+
+
+def test_ring_latency_overlaps_the_wire_as_gloo_pipelines_it() -> None:
+    from thinwire.analysis.collective_cost import ring_rounds, ring_time
+
+    # Up to 2n MiB every chunk is two segments: 2 (n-1) round trips; then one per MiB sent.
+    assert ring_rounds(1e6, 4) == 6 and ring_rounds(8 * 2**20, 4) == 6
+    assert ring_rounds(32 * 2**20, 4) == pytest.approx(24)
+    assert ring_rounds(1e9, 1) == 0
+    assert ring_time(1.0, 6, 0.0) == 1.0  # no latency: the paper's wire time
+    # Round trips hide while they take at most half the wire time (two segments in flight).
+    assert ring_time(1.0, 6, 0.05) == 1.0
+    assert ring_time(1.0, 6, 0.2) == pytest.approx(1.2 + 0.5)
+
+
+def _two_buckets(nbytes: int, ready_a: float, ready_b: float) -> tuple[Profile, list[Bucket]]:
+    """Two parameters of ``nbytes``, one bucket each, ready at the given times; backward
+    ends at 0.1 s of a 0.3 s step."""
+    prof = Profile(
+        model="two",
+        iteration_s=0.3,
+        backward_s=0.1,
+        params=[ParamTiming("a", 0, nbytes, ready_a), ParamTiming("b", 1, nbytes, ready_b)],
+    )
+    return prof, [Bucket((0,), nbytes, ready_a), Bucket((1,), nbytes, ready_b)]
+
+
+def test_concurrent_collectives_share_the_link_and_hide_each_others_latency() -> None:
+    """gloo runs two collectives at once: latency-bound ones overlap almost fully,
+    bandwidth-bound ones take the link in turns (the bytes still add up)."""
+    nbytes = 2_000_000
+    prof, b = _two_buckets(nbytes, 0.1, 0.1)
+    wan = NetworkConfig(workers=4, bandwidth_gbps=1, alpha_s=0.05)
+    one = simulate(prof, b, wan)
+    two = simulate(prof, b, replace(wan, concurrency=2))
+    alone = one.events[0].end_s - one.events[0].start_s
+    assert one.exposed_s == pytest.approx(2 * alone)  # FIFO: one after the other
+    assert two.events[1].start_s == pytest.approx(0.1)  # both start at once
+    wire = 8 * 2 * 3 / 4 * nbytes / 1e9
+    share = 2 * wire / alone  # together they ask for this much of the link
+    assert share < 1  # ... less than all of it: neither slows the other
+    assert two.exposed_s == pytest.approx(alone)
+    # Bandwidth-bound (no latency): sharing the link changes nothing in total.
+    lan = NetworkConfig(workers=4, bandwidth_gbps=1)
+    lan_one, lan_two = simulate(prof, b, lan), simulate(prof, b, replace(lan, concurrency=2))
+    assert lan_two.exposed_s == pytest.approx(lan_one.exposed_s) == pytest.approx(2 * wire)
+    assert [e.end_s for e in lan_two.events] == pytest.approx([0.1 + 2 * wire] * 2)
+    # Unequal buckets: the small one finishes first, then the big one has the link alone.
+    big = [Bucket((0,), nbytes, 0.1), Bucket((1,), 3 * nbytes, 0.1)]
+    res = simulate(prof, big, replace(lan, concurrency=2))
+    assert res.events[0].end_s == pytest.approx(0.1 + 2 * wire)
+    assert res.events[1].end_s == pytest.approx(0.1 + 4 * wire)
+    with pytest.raises(ConfigError, match="concurrency must be an integer >= 1"):
+        NetworkConfig(concurrency=0)
+
+
+def test_onebit_call_latency_measured_replaces_three_alphas() -> None:
+    from thinwire.analysis.network_model import bucket_cost
+
+    cfg = NetworkConfig(workers=4, bandwidth_gbps=0.1, alpha_s=0.1, scheme="onebit")
+    assert bucket_cost(4e6, cfg, AddCost.zero())["latency_s"] == pytest.approx(0.3)
+    measured = replace(cfg, onebit_latency=((1e6, 0.35), (4e6, 0.37), (16e6, 0.36), (1e9, 9.0)))
+    assert bucket_cost(4e6, measured, AddCost.zero())["latency_s"] == pytest.approx(0.36)
+    ring = replace(measured, scheme="ring")  # the ring keeps its own latency
+    assert bucket_cost(4e6, ring, AddCost.zero()) == bucket_cost(
+        4e6, replace(cfg, scheme="ring"), AddCost.zero()
+    )
+    with pytest.raises(ConfigError, match="1-bit call latency needs"):
+        NetworkConfig(onebit_latency=((1e6, -1.0),))
 
 
 def test_infinite_compression_leaves_only_reduction_cost() -> None:
@@ -227,7 +304,10 @@ def test_hierarchical_allreduce_costs() -> None:
     flat = NetworkConfig(workers=32, bandwidth_gbps=10, alpha_s=1e-3)
     hier = NetworkConfig(workers=32, bandwidth_gbps=10, alpha_s=1e-3, workers_per_node=8)
     f, h = bucket_cost(s, flat, add), bucket_cost(s, hier, add)
-    assert h["latency_s"] == pytest.approx(2 * 3 * 1e-3) and f["latency_s"] == pytest.approx(62e-3)
+    # Latency beyond the wire: 2 (m-1) round trips over 4 nodes, 2 (n-1) over 32 workers.
+    h_wire, f_wire = 8 * 2 * 3 / 4 * s / 10e9, 8 * 2 * 31 / 32 * s / 10e9
+    assert h["latency_s"] == pytest.approx(max(0, 2 * 3 * 1e-3 - h_wire / 2))
+    assert f["latency_s"] == pytest.approx(62e-3 - f_wire / 2)
     assert h["wire"] == pytest.approx(2 * 3 / 4 * s)
     with pytest.raises(ConfigError, match="dividing workers=30"):
         NetworkConfig(workers=30, workers_per_node=8)
@@ -237,18 +317,10 @@ def test_overlapped_onebit_hook_hides_the_wire_but_not_the_codec() -> None:
     """The 1-bit comm hook: a bucket ready mid-backward is reduced during backward (its
     wire time hidden), but its compression compute shares the processor and delays
     backward; 1-bit Adam/LAMB reduce after backward (nothing hidden)."""
-    from dataclasses import replace
-
     from thinwire.analysis.network_model import bucket_cost
 
     nbytes = 4_000_000
-    prof = Profile(
-        model="two",
-        iteration_s=0.3,
-        backward_s=0.1,
-        params=[ParamTiming("late", 0, nbytes, 0.05), ParamTiming("early", 1, nbytes, 0.1)],
-    )
-    b = [Bucket((0,), nbytes, 0.05), Bucket((1,), nbytes, 0.1)]
+    prof, b = _two_buckets(nbytes, 0.05, 0.1)
     codec = 2e-9
     hook = NetworkConfig(
         workers=4, bandwidth_gbps=1, alpha_s=1e-4, scheme="onebit", codec_s_per_byte=codec

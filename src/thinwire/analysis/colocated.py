@@ -75,9 +75,12 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
         params=params,
         meta={**first.meta, "merged": len(profiles)},
     )
-    codecs = [p.meta.get("onebit_codec_s_per_byte") for p in profiles]
-    if all(c is not None for c in codecs):
-        merged.meta["onebit_codec_s_per_byte"] = statistics.fmean(codecs)  # type: ignore[arg-type]
+    for key in ("onebit_codec_s_per_byte", "onebit_optimizer_s"):
+        vals = [p.meta.get(key) for p in profiles]
+        if all(v is not None for v in vals):
+            merged.meta[key] = statistics.fmean(vals)  # type: ignore[arg-type]
+        else:
+            merged.meta.pop(key, None)
     return merged
 
 
@@ -92,6 +95,7 @@ def _profile_worker(
     hosts: int,
     observe: bool,
     own_session: bool,
+    onebit_algo: str | None,
     path: str,
 ) -> None:
     import torch
@@ -115,6 +119,10 @@ def _profile_worker(
     prof = profile_gpt(model, batch_size, warmup=warmup, steps=steps)
     barrier.wait()  # the codec is timed under the same sharing as the steps
     prof.meta["onebit_codec_s_per_byte"] = measure_codec_cost(world_size=hosts)
+    if onebit_algo is not None:  # its compression-stage update, instead of AdamW's
+        barrier.wait()
+        extra = profile_gpt(model, batch_size, warmup=warmup, steps=steps, optimizer=onebit_algo)
+        prof.meta["onebit_optimizer_s"] = extra.optimizer_s
     if observed is not None:
         prof.observed_buckets = observed.observed_buckets
     save_profile(prof, path)
@@ -133,6 +141,7 @@ def profile_processes(
     observe_ddp: bool = False,
     timeout_s: float = 1200.0,
     own_session: bool = True,
+    onebit_algo: str | None = None,
 ) -> Profile:
     """Profile GPT preset ``model`` in ``processes`` fresh processes at once; their mean.
 
@@ -149,6 +158,9 @@ def profile_processes(
         own_session: put each process in a session of its own, as the testbed does
             with its hosts (see the module docstring); False for ranks that share the
             caller's session, as :func:`thinwire.comm.launch.spawn`'s do.
+        onebit_algo: also time this 1-bit optimizer's compression-stage update, under
+            the same sharing (``meta["onebit_optimizer_s"]``): the 1-bit stage's step
+            runs it instead of AdamW's.
 
     Raises:
         RuntimeError: a process failed or did not finish within ``timeout_s``.
@@ -157,7 +169,18 @@ def profile_processes(
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(processes)
     paths = [str(out_dir / f"profile-{i}.json") for i in range(processes)]
-    args = (barrier, model, batch_size, warmup, steps, threads, hosts, observe_ddp, own_session)
+    args = (
+        barrier,
+        model,
+        batch_size,
+        warmup,
+        steps,
+        threads,
+        hosts,
+        observe_ddp,
+        own_session,
+        onebit_algo,
+    )
     procs = [
         ctx.Process(target=_profile_worker, args=(i, *args, paths[i])) for i in range(processes)
     ]

@@ -63,6 +63,19 @@ def load_link(path: str) -> dict[str, Any]:
             or not math.isfinite(value)
         ):
             raise ConfigError(f"{path}: fit.{key} must be a number, got {value!r}")
+    table = fit.get("onebit_latency", [])  # absent from older and fp32-only fits
+    ok = isinstance(table, list) and all(
+        isinstance(e, list)
+        and len(e) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in e)
+        and e[0] > 0
+        and e[1] >= 0
+        for e in table
+    )
+    if not ok:
+        raise ConfigError(
+            f"{path}: fit.onebit_latency must be a list of [bytes > 0, seconds >= 0] pairs"
+        )
     return fit
 
 

@@ -220,6 +220,17 @@ def observe_ddp_buckets(
         dist.destroy_process_group()
 
 
+def _profile_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:
+    if name == "adamw":
+        return None  # profile_model's default
+    if name in ("onebit-lamb", "onebit-adam"):
+        from thinwire.optim import OneBitAdam, OneBitLamb
+
+        cls = OneBitLamb if name == "onebit-lamb" else OneBitAdam
+        return cls(model.parameters(), lr=1e-4, freeze_step=1)
+    raise ConfigError(f"cannot profile optimizer {name!r}; choose adamw, onebit-lamb, onebit-adam")
+
+
 def profile_gpt(
     preset: str = "tiny",
     batch_size: int = 8,
@@ -229,8 +240,15 @@ def profile_gpt(
     observe_ddp: bool = False,
     bucket_cap_mb: float | None = None,
     seed: int = 0,
+    optimizer: str = "adamw",
 ) -> Profile:
-    """Profile thinwire's own GPT (``tiny``/``small``/``base``) on CPU with real text batches."""
+    """Profile thinwire's own GPT (``tiny``/``small``/``base``) on CPU with real text batches.
+
+    ``optimizer``: ``adamw`` (the default), or ``onebit-lamb`` / ``onebit-adam`` past
+    their warmup (``freeze_step=1``, so the timed steps run the compression stage's
+    update; in one process their collective sends nothing: price it, and its codec,
+    with the network model).
+    """
     from thinwire.train.data import TextData
     from thinwire.train.model import GPT, PRESETS
 
@@ -251,6 +269,7 @@ def profile_gpt(
         model,
         batch,
         gpt_loss,
+        _profile_optimizer(optimizer, model),
         warmup=warmup,
         steps=steps,
         name=f"gpt-{preset}",

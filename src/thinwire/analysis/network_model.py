@@ -1,45 +1,41 @@
 """A deterministic event model of data-parallel communication: what if the network were...
 
 The model of Zhang et al., "Is Network the Bottleneck of Distributed Training?"
-(arXiv 2006.10103), extended with latency, codec cost, 1-bit allreduce and Local-SGD.
-Nothing sleeps: every time is computed.
+(arXiv 2006.10103), extended with latency, concurrent collectives, codec cost, 1-bit
+allreduce and Local-SGD. Nothing sleeps: every time is computed.
 
-One FIFO channel all-reduces the buckets (see :mod:`thinwire.analysis.buckets`) one at
-a time; bucket ``k`` starts at ``max(ready_k, finish_{k-1})``. With ``overlap=False`` (or
-for Local-SGD) every bucket waits for the end of the backward pass. The codec (the
-compression compute, ``codec * S``) runs on the processor that runs backward: a bucket
-whose collective starts while backward is still running delays backward's end, and the
-ready time of every later bucket, by its codec time (the 1-bit comm hook on a CPU host:
-its thread packs bits on the cores backward uses). Overlap hides the wire, not the
-codec. The cost of a bucket of ``S`` bytes over ``n`` workers on links of ``B`` bit/s:
+Buckets (see :mod:`thinwire.analysis.buckets`) are all-reduced in order on
+``concurrency`` channels: bucket ``k`` starts at ``ready_k`` or when a channel frees,
+whichever is later. One channel is the paper's FIFO (and NCCL's one stream); gloo runs
+two collectives of a process group at once (its two worker threads), and with a
+latency the second one's transfers fill the first one's round trips. Collectives in
+flight together share the link: alone, one uses the fraction ``wire / time`` of it
+(the rest of its time it waits for round trips, reductions or the codec); when the
+fractions of those running add up to more than 1, each is slowed in proportion. With
+``overlap=False`` (or for Local-SGD) every bucket waits for the end of the backward
+pass. The codec (the compression compute, ``codec * S``) runs on the processor that
+runs backward: a bucket whose collective starts while backward is still running delays
+backward's end, and the ready time of every later bucket, by its codec time (the 1-bit
+comm hook on a CPU host: its thread packs bits on the cores backward uses). Overlap
+hides the wire, not the codec.
 
-* ``ring`` (plain or compressed allreduce)::
+What one collective costs alone (ring, 1-bit, hierarchical; how latency overlaps the
+wire inside gloo's ring) is :func:`thinwire.analysis.collective_cost.bucket_cost`; in
+short, for a ring of ``S`` bytes on links of ``B`` bit/s with latency ``alpha``::
 
-      T(S) = 2 * 8S (n-1) / (n B c)      network: reduce-scatter + all-gather
-           + (n-1) * t_add(S/n)          the reductions of the reduce-scatter
-           + 2 (n-1) * alpha             one latency per message of the ring
-           + codec * S                   compress + decompress compute, if measured
+    W = 2 * 8S (n-1) / (n B c)                 network: reduce-scatter + all-gather
+    T = max(W, R * alpha + W / 2)              R = 2 (n-1) round trips up to 2n MiB
+      + (n-1) * t_add(S/n)                     the reductions of the reduce-scatter
+      + codec * S                              compress + decompress compute, if measured
 
-  ``c`` divides only the network term. ``alpha = 0``, ``codec = 0`` and the paper's
-  vector-add table reproduce the paper.
-* ``onebit`` (:class:`thinwire.comm.onebit_allreduce.OneBitAllreduce`: an all-to-all of
-  sign bits, the chunk owner averages and re-compresses, an all-gather of the result):
-  about ``2 (n-1)/n * S/32`` bytes per worker (the implementation's exact count, with
-  padding, scales and metadata), the same reductions, 3 messages (three collectives of
-  one step each: across a WAN the collective's tuner sends the metadata and phase 2 as
-  a fan-out, and its all-to-all is one step already; on a LAN, where the ring's
-  ``2 (n-1) + 1`` steps may stay, alpha is too small for the count to matter), plus
-  ``codec * S`` (measure it with ``--measure-codec``). Gradients are
-  assumed fp32; ``compression`` must stay 1. Overlapped, this is the 1-bit comm hook
-  (:mod:`thinwire.comm.onebit_hook`: one thread reduces the buckets in order while
-  backward goes on); with ``overlap=False``, 1-bit Adam/LAMB's one exchange after
-  backward.
-* hierarchical (``workers_per_node = g > 1``, ring and Local-SGD): reduce-scatter in
-  each node over ``intra_node_gbps``, ring allreduce of the shards across the ``n/g``
-  nodes, all-gather in each node; only ``2 (n/g - 1)`` messages cross the network.
-* ``localsgd``: workers step alone and all-reduce the model every ``local_steps`` = H
-  steps, after the step (nothing to overlap with), so the exposed time is amortised: a
-  ring allreduce of all buckets divided by H.
+``c`` divides only the network term. ``alpha = 0``, ``codec = 0``, one channel and the
+paper's vector-add table reproduce the paper. The 1-bit allreduce sends about
+``2 (n-1)/n * S/32`` bytes in three one-step collectives (``3 alpha``, or the wait
+``analyze bench`` measured); overlapped it is the 1-bit comm hook
+(:mod:`thinwire.comm.onebit_hook`: one thread, so one channel whatever ``concurrency``), with
+``overlap=False`` 1-bit Adam/LAMB's one exchange after backward. ``localsgd``: workers
+step alone and all-reduce the model every ``local_steps`` = H steps, after the step
+(nothing to overlap with), so the exposed time is amortised over H.
 
 Outputs (:class:`SimResult`): exposed communication (time after the undisturbed backward
 pass that the step waits for the network or for the codec's delay of backward), step
@@ -59,12 +55,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from thinwire.analysis.buckets import Bucket
+from thinwire.analysis.collective_cost import bucket_cost
 from thinwire.analysis.costs import AddCost
 from thinwire.analysis.profile import Profile
-from thinwire.comm.onebit_allreduce import onebit_wire_bytes
 from thinwire.errors import ConfigError
 
 __all__ = [
+    "BACKEND_CONCURRENCY",
     "SCHEMES",
     "BucketEvent",
     "NetworkConfig",
@@ -78,6 +75,10 @@ __all__ = [
 
 SCHEMES = ("ring", "onebit", "localsgd")
 
+BACKEND_CONCURRENCY = {"gloo": 2, "nccl": 1}
+"""Collectives a process group runs at once: ``ProcessGroupGloo`` works on two threads,
+NCCL on one stream (:attr:`NetworkConfig.concurrency`)."""
+
 
 @dataclass(frozen=True)
 class NetworkConfig:
@@ -88,7 +89,8 @@ class NetworkConfig:
     bandwidth_gbps: float = 10.0
     """Per-worker link rate B in Gbit/s (> 0). Use the fitted rate of ``analyze bench``."""
     alpha_s: float = 0.0
-    """Latency per message in seconds (>= 0); a ring pays ``2 (n-1)`` of them."""
+    """Latency per message in seconds (>= 0): with gloo a round trip between hosts. A
+    small ring waits for ``2 (n-1)`` of them, overlapped with its wire time."""
     compression: float = 1.0
     """Ratio c >= 1 dividing the bytes on the wire (``inf``: free network)."""
     codec_s_per_byte: float = 0.0
@@ -107,6 +109,16 @@ class NetworkConfig:
     network (``2 (n/g - 1)`` instead of ``2 (n - 1)``): it pays off when latency does."""
     intra_node_gbps: float = 800.0
     """Link rate between the workers of one node (NVLink ~ 800-2400, PCIe ~ 100-250)."""
+    onebit_latency: tuple[tuple[float, float], ...] = ()
+    """(message bytes, seconds >= 0): what a 1-bit allreduce call waited on the network
+    beyond its wire time, per size (``analyze bench`` measures it:
+    ``LinkFit.onebit_latency``). Empty: three messages' latency, ``3 * alpha`` (its
+    three one-step collectives)."""
+    concurrency: int = 1
+    """Collectives in flight at once (>= 1): 1 for NCCL (one stream) and for the paper;
+    2 for gloo (``ProcessGroupGloo`` runs each group's work on two threads). Tuning: it
+    matters only with latency and several buckets; DDP over gloo across a WAN then
+    hides one bucket's round trips behind another's transfer."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or int(self.workers) != self.workers or self.workers < 1:
@@ -134,6 +146,14 @@ class NetworkConfig:
             raise ConfigError(
                 f"intra-node bandwidth must be > 0 Gbit/s, got {self.intra_node_gbps}"
             )
+        for size, wait in self.onebit_latency:
+            if not (size > 0 and wait >= 0 and math.isfinite(size) and math.isfinite(wait)):
+                raise ConfigError(
+                    f"1-bit call latency needs (bytes > 0, seconds >= 0) pairs, got ({size}, {wait})"
+                )
+        c = self.concurrency
+        if isinstance(c, bool) or int(c) != c or c < 1:
+            raise ConfigError(f"concurrency must be an integer >= 1, got {c}")
         if int(self.local_steps) != self.local_steps or self.local_steps < 1:
             raise ConfigError(f"local steps H must be an integer >= 1, got {self.local_steps}")
 
@@ -211,49 +231,6 @@ class SimResult:
         return out
 
 
-def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, float]:
-    """Time components and wire bytes of one bucket's collective (see the module docstring)."""
-    n = cfg.workers
-    if n == 1 or nbytes <= 0:
-        return {"network_s": 0.0, "reduce_s": 0.0, "latency_s": 0.0, "codec_s": 0.0, "wire": 0.0}
-    share = (n - 1) / n
-    messages = 2 * (n - 1)
-    g = cfg.workers_per_node
-    if g > 1 and cfg.scheme != "onebit":
-        return _hierarchical_cost(nbytes, cfg, add)
-    if cfg.scheme == "onebit":
-        # The implementation's own count: padded sign bits of both phases + scales/meta.
-        wire = float(onebit_wire_bytes(math.ceil(nbytes / 4), n))
-        messages = 3  # metadata, all-to-all, final gather: one step each (see above)
-    else:
-        wire = 0.0 if math.isinf(cfg.compression) else 2 * share * nbytes / cfg.compression
-    return {
-        "network_s": 8 * wire / cfg.bandwidth_bps,
-        "reduce_s": (n - 1) * add(nbytes / n),
-        "latency_s": messages * cfg.alpha_s,
-        "codec_s": cfg.codec_s_per_byte * nbytes,
-        "wire": wire,
-    }
-
-
-def _hierarchical_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, float]:
-    # Reduce-scatter inside each node (g workers), g parallel ring allreduces of one
-    # S/g shard each across the m nodes (together they move 2 (m-1)/m * S through each
-    # node's link), all-gather inside each node. Intra-node messages are taken as free
-    # of latency; compression applies to the inter-node phase only.
-    g = cfg.workers_per_node
-    m = cfg.workers // g
-    inter = 0.0 if math.isinf(cfg.compression) else 2 * (m - 1) / m * nbytes / cfg.compression
-    intra_s = 8 * 2 * (g - 1) / g * nbytes / (cfg.intra_node_gbps * 1e9)
-    return {
-        "network_s": 8 * inter / cfg.bandwidth_bps + intra_s,
-        "reduce_s": (g - 1) * add(nbytes / g) + (m - 1) * add(nbytes / (g * m)),
-        "latency_s": 2 * (m - 1) * cfg.alpha_s,
-        "codec_s": cfg.codec_s_per_byte * nbytes,
-        "wire": inter,
-    }
-
-
 def simulate(
     profile: Profile, buckets: list[Bucket], cfg: NetworkConfig, add: AddCost | None = None
 ) -> SimResult:
@@ -265,31 +242,60 @@ def simulate(
     add = add if add is not None else AddCost.zero()
     bk_end = profile.backward_end_s
     deferred = not cfg.overlap or cfg.scheme == "localsgd"
-    free_at = 0.0
     stall = 0.0  # codec compute run during backward so far: backward is that much later
-    events = []
-    for b in buckets:
-        c = bucket_cost(b.nbytes, cfg, add)
-        busy = c["network_s"] + c["reduce_s"] + c["latency_s"] + c["codec_s"]
-        ready = bk_end if deferred else b.ready_s + stall
-        start = max(ready, free_at)
-        if not deferred and start < bk_end + stall:
-            stall += c["codec_s"]  # it shares the processor with the rest of backward
-        free_at = start + busy
-        events.append(
-            BucketEvent(
-                nbytes=b.nbytes,
-                ready_s=ready,
-                start_s=start,
-                end_s=free_at,
-                network_s=c["network_s"],
-                reduce_s=c["reduce_s"],
-                latency_s=c["latency_s"],
-                codec_s=c["codec_s"],
-                wire_bytes=c["wire"],
+    events: list[BucketEvent] = []
+    pending = list(buckets)
+    # The 1-bit comm hook reduces its buckets one after another on a thread of its own.
+    channels = 1 if cfg.scheme == "onebit" else cfg.concurrency
+    # In flight: [event index, fraction of the collective left, seconds alone, link share alone]
+    active: list[list[Any]] = []
+    ends: dict[int, float] = {}
+    t = 0.0
+    while pending or active:
+        # Start buckets in order while a channel is free and the next one is ready.
+        while pending and len(active) < channels:
+            ready = bk_end if deferred else pending[0].ready_s + stall
+            if ready > t:
+                break
+            b = pending.pop(0)
+            c = bucket_cost(b.nbytes, cfg, add)
+            busy = c["network_s"] + c["reduce_s"] + c["latency_s"] + c["codec_s"]
+            if not deferred and t < bk_end + stall:
+                stall += c["codec_s"]  # it shares the processor with the rest of backward
+            events.append(
+                BucketEvent(
+                    nbytes=b.nbytes,
+                    ready_s=ready,
+                    start_s=t,
+                    end_s=t,
+                    network_s=c["network_s"],
+                    reduce_s=c["reduce_s"],
+                    latency_s=c["latency_s"],
+                    codec_s=c["codec_s"],
+                    wire_bytes=c["wire"],
+                )
             )
-        )
-    exposed = max(0.0, free_at - bk_end, stall) if events else 0.0
+            if busy > 0:
+                active.append([len(events) - 1, 1.0, busy, c["network_s"] / busy])
+        next_ready = math.inf
+        if pending and len(active) < channels:
+            next_ready = max(t, bk_end if deferred else pending[0].ready_s + stall)
+        if not active:
+            t = next_ready
+            continue
+        # Collectives in flight share the link in proportion once they ask for more of it.
+        slow = max(1.0, sum(job[3] for job in active))
+        rates = [1.0 / (job[2] * slow) for job in active]
+        step = min(min(job[1] / r for job, r in zip(active, rates, strict=True)), next_ready - t)
+        t += step
+        for job, r in zip(active, rates, strict=True):
+            job[1] -= r * step
+            if job[1] <= 1e-12 * max(1.0, job[2]):
+                ends[job[0]] = t
+        active = [job for job in active if job[0] not in ends]
+    events = [replace(e, end_s=ends.get(i, e.start_s)) for i, e in enumerate(events)]
+    last_end = max((e.end_s for e in events), default=0.0)
+    exposed = max(0.0, last_end - bk_end, stall) if events else 0.0
     h = cfg.local_steps if cfg.scheme == "localsgd" else 1
     return SimResult(
         config=cfg,

@@ -149,7 +149,8 @@ def render_report(study: dict[str, Any]) -> str:
         f"            {p['source']} on {p['device']}: {fmt_bytes(p['grad_bytes'])} of gradients "
         f"in {b['count']} {b['kind']} buckets",
         f"            reductions priced by: {study['reduction']}; latency "
-        f"{fmt_time(cfg['alpha_s'])} per message",
+        f"{fmt_time(cfg['alpha_s'])} per message; "
+        f"{cfg.get('concurrency', 1)} collective(s) in flight at once",
     ]
     if p.get("frozen_params"):
         lines.append(

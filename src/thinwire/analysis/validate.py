@@ -9,8 +9,9 @@ it brings up a testbed cluster (:mod:`thinwire.testbed`, needs root) and
    and *co-located* (``hosts`` processes at once, each in a session of its own like a
    testbed host, no communication, so each sees the CPU share a host sees); before the
    first run and after each one, every run predicted from the profiles around it;
-2. fits latency and bandwidth to a quick fp32 ``thinwire bench allreduce`` on the
-   cluster (:func:`thinwire.analysis.fit.fit_link`), or takes the nominal rate;
+2. fits latency and bandwidth to a quick ``thinwire bench allreduce`` of fp32 and of the
+   1-bit collective on the cluster (:func:`thinwire.analysis.fit.fit_link`; the 1-bit
+   call's own latency too), or takes the nominal rate;
 3. predicts the step of three schemes: fp32 DDP (``adamw``: observed DDP buckets,
    overlapped with backward), the fp32 warmup of a 1-bit optimizer (one fused allreduce
    after backward) and its compression stage (one 1-bit allreduce after backward, plus
@@ -39,8 +40,10 @@ Run (as root)::
 Tuning and reading the numbers:
 
 * Compare like with like. The trainer's step time excludes evaluation and the loss
-  allreduce; DDP's first ``skip_steps`` steps (bucket rebuild, allocator growth) and
-  the first compressing step (error-feedback buffers allocated) are left out.
+  allreduce; DDP's first ``skip_steps`` steps (bucket rebuild, allocator growth), the
+  first compressing step (error-feedback buffers allocated) and the steps in which the
+  1-bit collective still tunes its pieces and phase-2 scheme (``onebit_tuned`` in the
+  trainer's log; up to ~20 calls) are left out: the model predicts the steady state.
 * The testbed's hosts share this machine's cores, which real hosts do not; the
   co-located profile measures the compute under that sharing, the alone profile does
   not. Their gap is the CPU-contention error of the paper's method on this testbed.
@@ -65,6 +68,7 @@ from thinwire.analysis.colocated import host_threads, merge_profiles, profile_pr
 from thinwire.analysis.fit import fit_link
 from thinwire.analysis.profile import Profile, load_profile
 from thinwire.analysis.validate_compare import (
+    GLOO_CONCURRENCY,
     SCHEMES,
     TCP_PAYLOAD_SHARE,
     Link,
@@ -85,6 +89,7 @@ from thinwire.errors import ConfigError
 
 # The names below stay importable from here, where earlier releases defined them.
 __all__ = [
+    "GLOO_CONCURRENCY",
     "SCHEMES",
     "TCP_PAYLOAD_SHARE",
     "Link",
@@ -109,7 +114,7 @@ __all__ = [
 def _fit_on_cluster(
     cluster: Any, cfg: ValidationConfig, out_dir: Path
 ) -> tuple[Link, dict[str, Any]]:
-    # Reuse the project's benchmark (fp32 only) on the cluster, then fit the ring model.
+    # The project's benchmark on the cluster (fp32 and the 1-bit call), then the fit.
     bench_dir = out_dir / "bench"
     argv = [
         sys.executable,
@@ -118,7 +123,7 @@ def _fit_on_cluster(
         "bench",
         "allreduce",
         "--methods",
-        "fp32",
+        "fp32,onebit",
         "--min-size",
         str(cfg.fit_min_bytes),
         "--max-size",
@@ -135,11 +140,15 @@ def _fit_on_cluster(
         raise RuntimeError(f"the allreduce benchmark failed on the testbed:\n{res.summary()}")
     rows = json.loads((bench_dir / "allreduce.json").read_text())["rows"]
     fit = fit_link(rows)
-    return Link(fit.bandwidth_gbps, fit.alpha_per_message_s, "fitted"), {
+    return _fitted(fit), {
         "fit": fit.to_json(),
         "rows": rows,
         "command": argv,
     }
+
+
+def _fitted(fit: Any) -> Link:
+    return Link(fit.bandwidth_gbps, fit.alpha_per_message_s, "fitted", fit.onebit_latency)
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -171,6 +180,7 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
                 cfg.hosts,
                 out_dir / f"profile-{point}-{kind}",
                 observe_ddp=point == 0 and procs == 1,
+                onebit_algo=cfg.onebit_algo,
                 **prof_args,  # type: ignore[arg-type]
             )
         return got
@@ -235,6 +245,16 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
     }
 
 
+def _settled_step(records: list[dict[str, Any]], first: int) -> int:
+    """The first step at or after ``first`` run by a 1-bit collective done tuning itself.
+
+    Its piece tuner tries settings over its first ~20 calls (slower ones among them);
+    the model predicts the steady state. Runs logged before ``onebit_tuned`` existed
+    keep ``first``."""
+    tuned = [r["step"] for r in records if r.get("onebit_tuned") == 1]
+    return max(first, tuned[0] + 1) if tuned else first
+
+
 def _predict_rows(
     cfg: ValidationConfig,
     rate_bits: float,
@@ -261,7 +281,7 @@ def _predict_rows(
         "ddp": ("adamw", cfg.skip_steps + 1, n),
         # the 1-bit optimizers' warmup trains under DDP too: the same buckets, fp32 here
         "ddp@warmup": (cfg.onebit_algo, 2, f),
-        "onebit": (cfg.onebit_algo, f + 2, n),
+        "onebit": (cfg.onebit_algo, _settled_step(records.get(cfg.onebit_algo, []), f + 2), n),
     }
     if "diloco" in algos:
         spans["diloco"] = ("diloco", *cfg.diloco_span())
@@ -335,7 +355,7 @@ def repredict(
         if cfg.fit:
             rows = json.loads((rdir / "bench" / "allreduce.json").read_text())["rows"]
             fit = fit_link([r for r in rows if lo <= r["size_bytes"] <= hi])
-            link = Link(fit.bandwidth_gbps, fit.alpha_per_message_s, "fitted")
+            link = _fitted(fit)
             fit_info = {"fit": fit.to_json()}
         records = {algo: _records(rdir / algo) for algo in entry["runs"]}
         rows_out = _predict_rows(cfg, float(entry["rate_bits"]), points, records, link)

@@ -4,11 +4,13 @@
 (:func:`thinwire.analysis.network_model.simulate`) for one of three schemes, each the way
 thinwire's trainer communicates:
 
-* ``ddp``: fp32 DDP (``adamw``), the observed DDP buckets overlapped with backward;
+* ``ddp``: fp32 DDP (``adamw``), the observed DDP buckets overlapped with backward,
+  two in flight at once (:data:`GLOO_CONCURRENCY`);
 * ``fp32-fused``: the fp32 warmup of a 1-bit optimizer, one fused allreduce after
   backward;
 * ``onebit``: its compression stage, one 1-bit allreduce after backward plus the
-  measured compute of :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`;
+  measured compute of :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`, with
+  the 1-bit optimizer's own update in place of AdamW's where the profile timed it;
 * ``diloco``: DiLoCo, H steps alone and one fp32 allreduce of the model's
   pseudo-gradient per round (the model's ``localsgd`` scheme), per step amortized.
 
@@ -23,16 +25,22 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from thinwire.analysis.buckets import Bucket, make_buckets
 from thinwire.analysis.costs import AddCost
-from thinwire.analysis.network_model import NetworkConfig, SimResult, simulate
+from thinwire.analysis.network_model import (
+    BACKEND_CONCURRENCY,
+    NetworkConfig,
+    SimResult,
+    simulate,
+)
 from thinwire.analysis.profile import Profile
 from thinwire.errors import ConfigError
 
 __all__ = [
+    "GLOO_CONCURRENCY",
     "SCHEMES",
     "TCP_PAYLOAD_SHARE",
     "Link",
@@ -48,6 +56,10 @@ SCHEMES = ("ddp", "fp32-fused", "onebit", "diloco")
 """``ddp``: fp32 DDP (``adamw``); ``fp32-fused``: a 1-bit optimizer's warmup stage;
 ``onebit``: its compression stage; ``diloco``: DiLoCo with H local steps."""
 
+GLOO_CONCURRENCY = BACKEND_CONCURRENCY["gloo"]
+"""Collectives a gloo process group runs at once (``ProcessGroupGloo``'s two threads):
+DDP's bucket allreduces overlap each other's round trips."""
+
 TCP_PAYLOAD_SHARE = 1448 / 1514
 """TCP payload per Ethernet frame: the most of a tbf link's rate a TCP stream can use."""
 
@@ -61,6 +73,9 @@ class Link:
     source: str = "nominal"
     """``nominal`` (the set rate times :data:`TCP_PAYLOAD_SHARE`, the set round trip as
     latency) or ``fitted``."""
+    onebit_latency: tuple[tuple[float, float], ...] = ()
+    """A 1-bit call's measured wait beyond its wire time per size (fitted links;
+    empty: 3 alpha)."""
 
     @classmethod
     def nominal(cls, rate_bits: float, rtt_s: float = 0.0) -> Link:
@@ -79,6 +94,17 @@ def _one_bucket(profile: Profile) -> list[Bucket]:
     return [Bucket(tuple(p.index for p in ready), profile.grad_bytes, profile.backward_end_s)]
 
 
+def _onebit_update(profile: Profile) -> Profile:
+    # The profile timed AdamW's update; the 1-bit stage runs the 1-bit optimizer's,
+    # timed beside it when the profile has it (meta["onebit_optimizer_s"]).
+    opt = profile.meta.get("onebit_optimizer_s")
+    if opt is None or profile.optimizer_s is None:
+        return profile
+    return replace(
+        profile, iteration_s=profile.iteration_s - profile.optimizer_s + opt, optimizer_s=opt
+    )
+
+
 def predict_step(
     profile: Profile,
     scheme: str,
@@ -94,13 +120,15 @@ def predict_step(
     bandwidth already contains them. ``codec_s_per_byte`` is charged only by ``onebit``,
     ``local_steps`` (H) only by ``diloco``.
     """
-    h = 1
+    h, concurrency = 1, 1
     if scheme == "ddp":
+        concurrency = GLOO_CONCURRENCY
         kind = "observed" if profile.observed_buckets else "ddp"
         buckets, overlap, sim_scheme, codec = make_buckets(profile, kind), True, "ring", 0.0
     elif scheme == "fp32-fused":
         buckets, overlap, sim_scheme, codec = _one_bucket(profile), False, "ring", 0.0
     elif scheme == "onebit":
+        profile = _onebit_update(profile)
         buckets, overlap, sim_scheme = _one_bucket(profile), False, "onebit"
         codec = codec_s_per_byte
     elif scheme == "diloco":
@@ -117,6 +145,8 @@ def predict_step(
         overlap=overlap,
         scheme=sim_scheme,
         local_steps=h,
+        concurrency=concurrency,
+        onebit_latency=tuple(tuple(e) for e in link.onebit_latency),
     )
     return simulate(profile, buckets, cfg, add)
 

@@ -132,7 +132,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         s *= 2
     rows, fit = bench_link(sizes, workers=args.workers, warmup=args.warmup, iters=args.iters)
     print(f"{'size':>10s} {'time':>10s} {'busbw':>14s} {'fit':>10s}")
-    for r in rows:
+    for r in (r for r in rows if r["method"] == "fp32"):
         print(
             f"{fmt_bytes(r['size_bytes']):>10s} {fmt_time(r['time_s']):>10s} "
             # The benchmark reports GB/s (the nccl-tests unit); links are sold in Gbit/s.
@@ -143,6 +143,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         f"({fmt_time(fit.alpha_per_message_s)} per message), effective bandwidth "
         f"{fmt_rate(fit.bandwidth_gbps)}, worst relative error {fit.max_rel_error:.0%}"
     )
+    if fit.onebit_latency:
+        waits = ", ".join(f"{fmt_time(w)} at {fmt_bytes(s)}" for s, w in fit.onebit_latency)
+        print(f"1-bit allreduce, wait per call beyond wire and compute: {waits}")
     out = _write_json(link_document(fit.to_json(), rows), args.out)
     print(f"wrote {out}")
     return 0
@@ -152,23 +155,25 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from thinwire.analysis.bklog import read_bklog
     from thinwire.analysis.buckets import make_buckets
     from thinwire.analysis.costs import measure_codec_cost
-    from thinwire.analysis.network_model import NetworkConfig
+    from thinwire.analysis.network_model import BACKEND_CONCURRENCY, NetworkConfig
     from thinwire.analysis.profile import load_profile
     from thinwire.analysis.report import fmt_rate, fmt_time
     from thinwire.analysis.study import run_study
 
     writable_file(args.out)
     path = Path(args.profile)
+    cpu = False
     if path.name.endswith(".bk.log"):
         it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
         prof = read_bklog(path, iteration_s=it)
     else:
         prof = load_profile(path)
+        cpu = prof.device == "cpu"
         if args.iteration_ms is not None:
             if not args.iteration_ms > 0:
                 raise ConfigError(f"--iteration-ms must be > 0, got {args.iteration_ms}")
             prof.iteration_s = args.iteration_ms / 1e3
-    bandwidth, alpha = args.bandwidth_gbps, args.alpha_us
+    bandwidth, alpha, onebit_latency = args.bandwidth_gbps, args.alpha_us, ()
     if args.rtt is not None:
         if alpha is not None:
             raise ConfigError("give --rtt or --alpha-us, not both (they set the same term)")
@@ -181,6 +186,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         fit = load_link(args.link)
         bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
         alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
+        onebit_latency = tuple((float(s), float(w)) for s, w in fit.get("onebit_latency", []))
     codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
     saved = prof.meta.get("onebit_codec_s_per_byte")
     onebit_codec = float(saved) if saved is not None else None
@@ -199,6 +205,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         overlap=not args.no_overlap,
         scheme=args.scheme,
         local_steps=args.local_steps,
+        # a CPU profile trains with gloo, a GPU one (and the paper's logs) with NCCL
+        onebit_latency=onebit_latency,
+        concurrency=BACKEND_CONCURRENCY[
+            args.backend if args.backend != "auto" else "gloo" if cpu else "nccl"
+        ],
     )
     buckets = make_buckets(
         prof,
@@ -359,6 +370,12 @@ def register(subparsers: Any) -> None:
         type=_number,
         default=1.0,
         help="ratio c >= 1 dividing the wire bytes (inf allowed)",
+    )
+    si.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "gloo", "nccl"),
+        help="gloo runs two collectives at once, NCCL one (auto: gloo for a CPU profile)",
     )
     si.add_argument("--scheme", default="ring", choices=("ring", "onebit", "localsgd"))
     si.add_argument("--local-steps", type=int, default=1, help="H for --scheme localsgd")

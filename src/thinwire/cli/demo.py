@@ -148,6 +148,7 @@ def analyze(
     """
     from thinwire.analysis import NetworkConfig, make_buckets, run_study, write_plots
     from thinwire.analysis.colocated import host_threads, profile_processes
+    from thinwire.analysis.network_model import BACKEND_CONCURRENCY
     from thinwire.analysis.report import render_report
     from thinwire.testbed.rates import parse_rate
 
@@ -174,7 +175,12 @@ def analyze(
     study = run_study(
         profile,
         make_buckets(profile, "ddp"),
-        NetworkConfig(workers=workers, bandwidth_gbps=gbps, alpha_s=rtt_s),
+        NetworkConfig(
+            workers=workers,
+            bandwidth_gbps=gbps,
+            alpha_s=rtt_s,
+            concurrency=BACKEND_CONCURRENCY["gloo"],  # the demo trains with gloo
+        ),
         onebit_codec_s_per_byte=float(profile.meta["onebit_codec_s_per_byte"]),
     )
     atomic_write_text(out / "study.json", json.dumps(study, indent=2) + "\n")

@@ -85,6 +85,13 @@ class TwoStageOptimizer(CommOptimizer):
         """True once the next step is in the compression stage."""
         return self.freeze_step is not None and self.global_step >= self.freeze_step
 
+    @property
+    def onebit_tuned(self) -> bool | None:
+        """Whether the 1-bit collective runs at its final piece count and phase-2 scheme
+        (None before the first compressed step). On CPU it tunes itself over its first
+        ~20 calls; steps after that show the steady speed."""
+        return None if self._onebit is None else bool(self._onebit.tuned)
+
     def needs_averaged_grads(self) -> bool:
         return not self.compressing
 

@@ -109,11 +109,14 @@ def _lamb_metrics(opt: Any) -> Callable[[], dict[str, float]]:
 
 
 def _stage_metrics(opt: Any) -> dict[str, float]:
-    """Where a 1-bit optimizer stands: compressing yet, and the last measured change of its
-    second moment while the automatic freeze watches it."""
+    """Where a 1-bit optimizer stands: compressing yet, whether its 1-bit collective has
+    finished tuning itself, and the last measured change of its second moment while the
+    automatic freeze watches it."""
     if not hasattr(opt, "compressing"):
         return {}
     out: dict[str, float] = {"compressing": int(opt.compressing)}
+    if getattr(opt, "onebit_tuned", None) is not None:
+        out["onebit_tuned"] = int(opt.onebit_tuned)
     if getattr(opt, "auto_freeze", None) is not None and not opt.compressing:
         out |= {f"{name}_change": value for name, value in opt.freeze_signals.items()}
     return out
