@@ -18,13 +18,9 @@ buffer of that size across the group:
   gloo's ring all_gather or to a fan-out to every peer at once.
 
 Timing: ``warmup`` untimed calls per method, then ``iters`` rounds in which the methods
-take turns; taking turns means a burst of load on a shared machine hits every method
-alike. Each turn is a barrier, one untimed lead-in call and the timed call (CUDA
-synchronised). The lead-in lines the ranks up as the previous step's collective does in
-training: ranks leave a barrier up to a one-way delay apart, and across a WAN the first
-one out would otherwise time that wait too (on the testbed at 50 ms, 2 hosts: ~half a
-round trip on every call). Every rank measures every call; the time of a call is the
-slowest rank's, and ``time_s`` is the median. Like nccl-tests,
+take turns, each call timed from a barrier to its end (CUDA synchronised); taking turns
+means a burst of load on a shared machine hits every method alike. Every rank measures
+every call; the time of a call is the slowest rank's, and ``time_s`` is the median. Like nccl-tests,
 ``algbw = size / time`` and ``busbw = algbw * 2 (W-1)/W`` (the bandwidth a ring
 allreduce of the uncompressed data would need to match that time), both in GB/s
 (1e9 bytes/s). ``wire_bytes`` is the analytical number of bytes one rank sends.
@@ -198,9 +194,8 @@ def _time_interleaved(
 ) -> dict[str, list[float]]:
     """Per-call times of each op, each the slowest rank's.
 
-    The ops take turns within every iteration (each after a barrier and an untimed
-    lead-in call, see the module docstring), so a burst of load on a shared machine
-    hits all of them alike and their ratios stay meaningful.
+    The ops take turns within every iteration (each after a barrier), so a burst of
+    load on a shared machine hits all of them alike and their ratios stay meaningful.
     """
     for op in ops.values():
         for _ in range(warmup):
@@ -209,7 +204,6 @@ def _time_interleaved(
     for _ in range(iters):
         for name, op in ops.items():
             dist.barrier(group=group)
-            op()  # lead-in: the ranks leave it as they leave a training step's collective
             t0 = time.perf_counter()
             op()
             if device.type == "cuda":
