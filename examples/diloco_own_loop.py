@@ -122,6 +122,9 @@ def main() -> None:
                 f"bytes sent per rank: {sent:,} over {args.steps} steps on {world} ranks; an "
                 f"fp32 allreduce every step: {every_step:,} ({every_step / max(sent, 1):.1f}x more)"
             )
+        # Leave together: a rank that tears its gloo group down while a peer still talks
+        # can abort at exit. Only on success: after an error a barrier would wait forever.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
