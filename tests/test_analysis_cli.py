@@ -164,6 +164,18 @@ def test_malformed_inputs_name_file_and_line(tmp_path: Path, capsys: pytest.Capt
     bad.write_text('{"format": "thinwire.profile/1"}')
     assert main(["analyze", "report", str(bad)]) == 2
     assert "not a thinwire simulation" in capsys.readouterr().err
+    # A link fit whose measured 1-bit waits are not [bytes, seconds] pairs is refused.
+    link = tmp_path / "link.json"
+    fit = {"bandwidth_gbps": 0.1, "alpha_per_message_s": 0.02, "onebit_latency": [[65536, -1]]}
+    link.write_text(json.dumps({"format": "thinwire.link/1", "fit": fit}))
+    prof = tmp_path / "p.bk.log"
+    prof.write_text("c\n1\n2\n100,4000\n200,8000\n")
+    assert (
+        main(["analyze", "simulate", str(prof), "--iteration-ms", "10", "--link", str(link)]) == 2
+    )
+    assert "fit.onebit_latency must be a list of [bytes > 0, seconds >= 0] pairs" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.timeout(180)
