@@ -20,7 +20,6 @@ Tuning: on a machine with fewer cores than ranks, each rank gets
 
 from __future__ import annotations
 
-import gc
 import io
 import os
 import queue
@@ -192,10 +191,6 @@ def _worker(
         results.put((local_rank, False, _encode((msg, traceback.format_exc()))))
     finally:
         if dist.is_initialized():
-            # Collect what still holds the group (a DDP model in a reference cycle) while
-            # the interpreter is whole: a gloo worker thread that drops its last work
-            # during interpreter exit cannot take the GIL and aborts the process.
-            gc.collect()
             dist.destroy_process_group()
         # Reported (or not): a SIGTERM from the launcher's clean-up now just ends the
         # process, instead of raising into the interpreter's exit handlers.

@@ -13,7 +13,6 @@ starts; then it picks the launch:
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch.distributed as dist
@@ -51,7 +50,6 @@ def run_training(cfg: TrainConfig, workers: int, timeout_s: float = 1800.0) -> d
             return train(cfg)
         finally:
             if created:
-                gc.collect()  # see comm.launch: the group must die before the interpreter
                 dist.destroy_process_group()
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
