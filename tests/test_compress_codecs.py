@@ -58,6 +58,24 @@ def test_onebit_compress_decompress(n: int) -> None:
     torch.testing.assert_close(y.norm(), x.norm())
 
 
+@pytest.mark.parametrize(("n", "block"), [(1, 8), (33, 8), (600, 256), (1000, 64)])
+def test_onebit_block_scales(n: int, block: int) -> None:
+    """One RMS scale per block, the last (partial) block's over its real elements: an
+    element is rebuilt at its own block's magnitude, not at the whole tensor's."""
+    x = torch.randn(n)
+    x[: min(n, block)] *= 1e-3  # a block of small values keeps a small scale
+    comp = OneBitCompressor(block=block)
+    msg = comp.compress(x)
+    blocks = -(-n // block)
+    assert msg.nbytes == comp.wire_bytes(n) == (n + 7) // 8 + 4 * blocks
+    y = comp.decompress(msg)
+    for lo in range(0, n, block):
+        part = x[lo : lo + block]
+        s = part.norm() / math.sqrt(part.numel())
+        torch.testing.assert_close(y[lo : lo + block], s * torch.where(part >= 0, 1.0, -1.0))
+    assert y[:block].abs().max() < 1e-2 < y[block:].abs().min() if n > block else True
+
+
 def test_onebit_keeps_input_dtype_and_shape() -> None:
     x = torch.randn(4, 6, dtype=torch.bfloat16)
     y = OneBitCompressor().decompress(OneBitCompressor().compress(x))

@@ -28,68 +28,90 @@ def _sign(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, 1.0, -1.0)
 
 
-def reference(xs: list[torch.Tensor]) -> torch.Tensor:
+def _rms_blocks(x: torch.Tensor, real: int, block: int | None) -> torch.Tensor:
+    """Per element of ``x``: the RMS of its block's real elements (one block: all of
+    ``x[:real]``), written out plainly."""
+    if block is None:
+        s = torch.linalg.vector_norm(x[:real]) / math.sqrt(real) if real else torch.tensor(0.0)
+        return s.expand(x.numel())
+    out = torch.zeros(x.numel())
+    for lo in range(0, real, block):
+        hi = min(real, lo + block)
+        out[lo : lo + block] = torch.linalg.vector_norm(x[lo:hi]) / math.sqrt(hi - lo)
+    return out
+
+
+def reference(xs: list[torch.Tensor], block: int | None = None) -> torch.Tensor:
     """Straightforward single-process simulation of W ranks with zero error buffers."""
     world, n = len(xs), xs[0].numel()
-    padded = onebit_padded_numel(n, world)
+    padded = onebit_padded_numel(n, world, block)
     seg = padded // world
     full = [torch.cat([x.reshape(-1).float(), torch.zeros(padded - n)]) for x in xs]
-    scales = [torch.linalg.vector_norm(x[:n]) / math.sqrt(n) for x in full]
-    signs = [_sign(x) for x in full]
+    sent = [_rms_blocks(x, n, block) * _sign(x) for x in full]
     out = []
     for r in range(world):
-        acc = scales[0] * signs[0][r * seg : (r + 1) * seg]
+        acc = sent[0][r * seg : (r + 1) * seg]
         for i in range(1, world):
-            acc = acc + scales[i] * signs[i][r * seg : (r + 1) * seg]
+            acc = acc + sent[i][r * seg : (r + 1) * seg]
         y = acc / world
         real = min(seg, max(0, n - r * seg))
         y[real:] = 0
-        s2 = torch.linalg.vector_norm(y[:real]) / math.sqrt(real) if real else torch.tensor(0.0)
-        out.append(s2 * _sign(y))
+        out.append(_rms_blocks(y, real, block) * _sign(y))
     return torch.cat(out)[:n]
 
 
-def _reference_body(rank: int, world: int, pieces: int | None, phase2: str = "ring") -> list[tuple]:
+def _reference_body(
+    rank: int, world: int, pieces: int | None, phase2: str, block: int | None
+) -> list[tuple]:
     results = []
     for n in [1, 7, 8 * world + 3, 1000, 4096]:
         COUNTER.reset()
         xs = _inputs(n, world, seed=n)
-        out = OneBitAllreduce(pieces=pieces, phase2=phase2)(xs[rank])
+        out = OneBitAllreduce(pieces=pieces, phase2=phase2, block=block)(xs[rank])
         snap = COUNTER.snapshot()
         wire = sum(v["wire_bytes"] for k, v in snap.items() if k.startswith("onebit."))
-        results.append(("fp32", n, out, reference(xs), wire))
+        results.append(("fp32", n, out, reference(xs, block), wire))
     for dtype in (torch.float16, torch.bfloat16):
         xs = [x.to(dtype) for x in _inputs(333, world, seed=1)]
-        out = OneBitAllreduce(pieces=pieces)(xs[rank])
-        results.append((str(dtype), 333, out, reference(xs).to(dtype), None))
+        out = OneBitAllreduce(pieces=pieces, block=block)(xs[rank])
+        results.append((str(dtype), 333, out, reference(xs, block).to(dtype), None))
     # Non-contiguous 2-D input: every other column of a wider matrix.
     wide = [x.view(10, 20) for x in _inputs(200, world, seed=2)]
     views = [w[:, ::2] for w in wide]
     assert not views[rank].is_contiguous()
-    out = OneBitAllreduce(pieces=pieces)(views[rank])
-    ref = reference([v.contiguous() for v in views]).view(10, 10)
+    out = OneBitAllreduce(pieces=pieces, block=block)(views[rank])
+    ref = reference([v.contiguous() for v in views], block).view(10, 10)
     results.append(("strided", 100, out, ref, None))
     return results
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    ("world", "pieces", "phase2"),
-    [(2, None, "ring"), (4, None, "ring"), (4, 3, "ring"), (3, 3, "fanout")],
+    ("world", "pieces", "phase2", "block"),
+    [
+        (2, None, "ring", None),
+        (4, None, "ring", None),
+        (4, 3, "ring", None),
+        (3, 3, "fanout", None),
+        (2, None, "ring", 256),
+        (3, 3, "ring", 16),
+        (4, 3, "fanout", 8),
+    ],
 )
 def test_bit_exact_against_reference_on_every_rank(
-    world: int, pieces: int | None, phase2: str
+    world: int, pieces: int | None, phase2: str, block: int | None
 ) -> None:
     # pieces=3 splits both phases into 3 collectives (2 where a segment has 2 bytes),
     # with the partial last byte of an odd length falling inside a piece. The fan-out
     # phase 2 carries the same bytes to the same places: the same result and accounting.
-    per_rank = spawn(_reference_body, world, (pieces, phase2), timeout_s=170)
+    # Blocks of 8 and 16 put many block scales, and partial last blocks, in every piece.
+    per_rank = spawn(_reference_body, world, (pieces, phase2, block), timeout_s=170)
     for rank_results in per_rank:
         for kind, n, out, ref, wire in rank_results:
             assert out.dtype == ref.dtype and out.shape == ref.shape, kind
             assert torch.equal(out, ref), f"{kind} n={n}"
             if wire is not None:
-                assert wire == onebit_wire_bytes(n, world)
+                assert wire == onebit_wire_bytes(n, world, block)
     # Identical output on every rank.
     for results in per_rank[1:]:
         for (_, _, a, _, _), (_, _, b, _, _) in zip(per_rank[0], results, strict=True):
@@ -103,11 +125,11 @@ class CompressorReference:
     through that segment's own ``ErrorFeedback(OneBitCompressor())`` (the server error).
     It is what the collective computes, with none of its buffers, pieces or exchange."""
 
-    def __init__(self, world: int, n: int) -> None:
+    def __init__(self, world: int, n: int, block: int | None = None) -> None:
         self.world, self.n = world, n
-        self.seg = onebit_padded_numel(n, world) // world
-        self.workers = [ErrorFeedback(OneBitCompressor()) for _ in range(world)]
-        self.servers = [ErrorFeedback(OneBitCompressor()) for _ in range(world)]
+        self.seg = onebit_padded_numel(n, world, block) // world
+        self.workers = [ErrorFeedback(OneBitCompressor(block)) for _ in range(world)]
+        self.servers = [ErrorFeedback(OneBitCompressor(block)) for _ in range(world)]
 
     def segment(self, rank: int) -> slice:
         """The real elements of ``rank``'s segment (empty where it is all padding)."""
@@ -131,8 +153,8 @@ class CompressorReference:
         return out
 
 
-def _steps_body(rank: int, world: int, n: int, steps: int) -> list[tuple]:
-    allreduce = OneBitAllreduce(pieces=2)
+def _steps_body(rank: int, world: int, n: int, steps: int, block: int | None) -> list[tuple]:
+    allreduce = OneBitAllreduce(pieces=2, block=block)
     results = []
     for step in range(steps):
         out = allreduce(_inputs(n, world, seed=100 * n + step)[rank])
@@ -142,14 +164,19 @@ def _steps_body(rank: int, world: int, n: int, steps: int) -> list[tuple]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("world", "n"), [(2, 1000), (3, 8 * 3 * 5 + 3), (4, 7)])
-def test_collective_is_the_compressor_reference_step_after_step(world: int, n: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "n", "block"),
+    [(2, 1000, None), (3, 8 * 3 * 5 + 3, None), (4, 7, None), (2, 1000, 64), (3, 5003, 256)],
+)
+def test_collective_is_the_compressor_reference_step_after_step(
+    world: int, n: int, block: int | None
+) -> None:
     """Same signs, same scales, same residuals on every rank for several calls: the
-    distributed collective is ErrorFeedback(OneBitCompressor()) applied per rank and per
-    segment. (4, 7): three of the four segments are all padding."""
+    distributed collective is ErrorFeedback(OneBitCompressor(block)) applied per rank and
+    per segment. (4, 7): three of the four segments are all padding."""
     steps = 6
-    per_rank = spawn(_steps_body, world, (n, steps), timeout_s=170)
-    ref = CompressorReference(world, n)
+    per_rank = spawn(_steps_body, world, (n, steps, block), timeout_s=170)
+    ref = CompressorReference(world, n, block)
     for step in range(steps):
         expected = ref(_inputs(n, world, seed=100 * n + step))
         for rank, results in enumerate(per_rank):
@@ -228,7 +255,8 @@ def _bad_input_body(rank: int, world: int) -> dict:
         report["relength"] = str(exc)
     # A server scale that overflows (rank 1's server error is huge) is caught after
     # phase 2's first piece; the later pieces are drained, so the next call is in step.
-    split = OneBitAllreduce(pieces=3)
+    # (Blocks of 8, so that rank 1's segment of this short buffer holds real elements.)
+    split = OneBitAllreduce(pieces=3, block=8)
     split(xs[rank])
     state = split.state_dict()
     if rank == 1:
@@ -241,7 +269,9 @@ def _bad_input_body(rank: int, world: int) -> dict:
     report["server_state_kept"] = torch.equal(
         split.state_dict()["worker_error"], state["worker_error"]
     )
-    report["in_step"] = torch.equal(OneBitAllreduce(pieces=3)(xs[rank]), reference(xs))
+    report["in_step"] = torch.equal(
+        OneBitAllreduce(pieces=3, block=8)(xs[rank]), reference(xs, block=8)
+    )
     # Ranks set up with different piece counts: an error naming each rank's plan.
     try:
         OneBitAllreduce(pieces=2 if rank == 0 else None)(xs[rank])
@@ -256,6 +286,19 @@ def _bad_input_body(rank: int, world: int) -> dict:
         tuned(xs[rank])
     except ValueError as exc:
         report["tuner_calls"] = str(exc)
+    # Ranks set up with different blocks: their messages would differ in size.
+    try:
+        OneBitAllreduce(block=None if rank == 0 else 64)(xs[rank])
+    except ValueError as exc:
+        report["blocks"] = str(exc)
+    # A NaN in one block of many is seen before any bit is sent.
+    poisoned = xs[rank].clone()
+    if rank == 0:
+        poisoned[-1] = float("nan")
+    try:
+        OneBitAllreduce(block=8)(poisoned)
+    except NonFiniteError as exc:
+        report["block_nan"] = str(exc)
     return report
 
 
@@ -276,6 +319,11 @@ def test_nan_inf_and_length_errors_are_reported_on_every_rank() -> None:
             in (report["plans"])
         )
         assert "rank 0 tunes them (call 1), rank 1 tunes them (call 0)" in report["tuner_calls"]
+        assert (
+            "ranks disagree on the elements per scale: rank 0 one scale, rank 1 block=64"
+            in report["blocks"]
+        )
+        assert "non-finite input (NaN/Inf) on rank(s) [0]" in report["block_nan"]
 
 
 def _checkpoint_body(rank: int, world: int) -> bool:
@@ -310,6 +358,12 @@ def test_single_process_is_a_no_op() -> None:
         allreduce(torch.ones(3, dtype=torch.int64))
 
 
+def test_block_must_fill_whole_bytes() -> None:
+    for bad in (0, 4, 12, True):
+        with pytest.raises(ValueError, match="block must be None or a multiple of 8 >= 8"):
+            OneBitAllreduce(block=bad)
+
+
 def test_pieces_must_be_positive() -> None:
     with pytest.raises(ValueError, match="pieces must be at least 1, got 0"):
         OneBitAllreduce(pieces=0)
@@ -327,18 +381,22 @@ def test_compute_only_matches_reference_for_identical_ranks() -> None:
     # The loopback stand-in does rank 0's full share of the work for W ranks that hold
     # the same input, without a process group: its own segment comes out exact.
     x = torch.randn(1024)
-    for pieces in (None, 4):
-        out = OneBitAllreduce.compute_only(4, pieces=pieces)(x)
-        assert torch.equal(out[:256], reference([x] * 4)[:256])
+    for pieces, block in ((None, None), (4, None), (None, 256), (4, 64)):
+        out = OneBitAllreduce.compute_only(4, pieces=pieces, block=block)(x)
+        assert torch.equal(out[:256], reference([x] * 4, block)[:256])
 
 
 def test_wire_bytes_formula() -> None:
     assert onebit_wire_bytes(1000, 1) == 0
-    # 4 ranks, 1024 elements: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 52 meta bytes.
-    assert onebit_wire_bytes(1024, 4) == 192 + 156
+    # 4 ranks, 1024 elements, one scale: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 60
+    # bytes of metadata and server scale.
+    assert onebit_wire_bytes(1024, 4, block=None) == 192 + 180
+    # Blocks of 256: 4 scales (16 bytes) travel beside the signs in both phases.
+    assert onebit_wire_bytes(1024, 4, block=256) == 2 * 3 * (128 + 16) // 4 + 3 * 56
     n = 16 * 2**20
     fp32_ring = 2 * 3 * 4 * n // 4
-    assert fp32_ring / onebit_wire_bytes(n, 4) == pytest.approx(32, rel=1e-3)
+    assert fp32_ring / onebit_wire_bytes(n, 4, block=None) == pytest.approx(32, rel=1e-3)
+    assert fp32_ring / onebit_wire_bytes(n, 4) == pytest.approx(32 / (1 + 32 / 256), rel=1e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -136,7 +136,9 @@ class NetworkConfig:
         if self.scheme not in SCHEMES:
             raise ConfigError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
         if self.scheme == "onebit" and self.compression != 1:
-            raise ConfigError("the onebit scheme fixes its own ratio (32x); leave compression at 1")
+            raise ConfigError(
+                "the onebit scheme fixes its own ratio (about 28x); leave compression at 1"
+            )
         g = self.workers_per_node
         if int(g) != g or g < 1 or self.workers % g:
             raise ConfigError(

@@ -10,9 +10,9 @@ user asked for (default 90%):
 
 1. SF >= target: the network is not the bottleneck; keep plain DDP (fp32).
 2. the needed compression is <= 2x: fp16/bf16 gradients suffice.
-3. a 1-bit scheme reaches the target (about 32x less traffic, 1-bit Adam / 1-bit
-   LAMB, or the overlapped 1-bit comm hook): use it.
-4. otherwise (even 32x is not enough, or latency/reductions dominate so that no ratio
+3. a 1-bit scheme reaches the target (about 28x less traffic: a bit per element and
+   a scale per 256; 1-bit Adam / 1-bit LAMB, or the overlapped 1-bit comm hook): use it.
+4. otherwise (even 28x is not enough, or latency/reductions dominate so that no ratio
    helps): Local-SGD / DiLoCo, communicating once every H steps, with the smallest H
    that reaches the target.
 """
@@ -22,9 +22,13 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from thinwire.compress.onebit import onebit_ratio
+
 __all__ = ["fmt_bytes", "fmt_rate", "fmt_time", "recommend", "render_report"]
 
 WIDTH = 100
+ONEBIT_RATIO = onebit_ratio()
+"""fp32 bytes per 1-bit byte at thinwire's default block of 256 (28.4)."""
 
 
 def fmt_time(seconds: float) -> str:
@@ -100,7 +104,7 @@ def recommend(study: dict[str, Any]) -> tuple[str, str]:
         for a in (_find(alts, "1-bit Adam"), _find(alts, "1-bit allreduce"))
         if a is not None and a["scaling_factor"] >= target
     ]
-    if c <= 32 and onebit:
+    if c <= ONEBIT_RATIO and onebit:
         best = onebit[0]
         how = (
             "1-bit Adam / 1-bit LAMB (they communicate after the backward pass)"
@@ -113,8 +117,8 @@ def recommend(study: dict[str, Any]) -> tuple[str, str]:
             f"{_pct(best['scaling_factor'])}."
         )
     reason = (
-        f"it needs {c:.0f}x compression, more than 1-bit schemes (~32x) give"
-        if c > 32
+        f"it needs {c:.0f}x compression, more than 1-bit schemes (~{ONEBIT_RATIO:.0f}x) give"
+        if c > ONEBIT_RATIO
         else "1-bit schemes do not reach it once their latency and codec cost are counted"
     )
     return verdict, f"Compression is not the fix: {reason}. {local}."

@@ -44,7 +44,6 @@ running beside it made phase 2 2-7% slower on 4 emulated hosts.)
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -59,12 +58,20 @@ from thinwire.comm.onebit_exchange import (
     NonFiniteError,
     check_metas,
     onebit_padded_numel,
+    onebit_scale_bytes,
     onebit_wire_bytes,
 )
 from thinwire.comm.onebit_math import average_signs_, unpack_rows_
 from thinwire.comm.onebit_pieces import PiecePlan, piece_views
 from thinwire.comm.piece_tuner import PieceTuner
-from thinwire.compress.onebit import DEFAULT_CHUNK, rms_scale, subtract_signs_
+from thinwire.compress.onebit import (
+    DEFAULT_BLOCK,
+    DEFAULT_CHUNK,
+    block_scales,
+    check_block,
+    rms_scale,
+    subtract_signs_,
+)
 from thinwire.compress.packing import pack_signs
 from thinwire.compress.scratch import PackerScratch
 
@@ -126,7 +133,10 @@ class OneBitAllreduce:
         chunk: int = DEFAULT_CHUNK,
         pieces: int | None = None,
         phase2: str = "auto",
+        block: int | None = DEFAULT_BLOCK,
     ) -> None:
+        check_block(block)
+        self.block = block
         self._plan = PiecePlan(pieces, phase2)
         self._exchange: GroupExchange = GroupExchange(process_group, self._plan.fixed_scheme)
         self.chunk = max(8, chunk - chunk % 8)
@@ -137,11 +147,15 @@ class OneBitAllreduce:
 
     @classmethod
     def compute_only(
-        cls, world_size: int, chunk: int = DEFAULT_CHUNK, pieces: int | None = None
+        cls,
+        world_size: int,
+        chunk: int = DEFAULT_CHUNK,
+        pieces: int | None = None,
+        block: int | None = DEFAULT_BLOCK,
     ) -> OneBitAllreduce:
         """An instance that does all the arithmetic of a ``world_size``-rank call on one
         process and sends nothing: for timing the compression cost without a network."""
-        obj = cls(None, chunk, pieces)
+        obj = cls(None, chunk, pieces, block=block)
         obj._exchange = LoopbackExchange(world_size)
         return obj
 
@@ -175,29 +189,39 @@ class OneBitAllreduce:
     def _layout(self, n: int) -> tuple[int, int, int]:
         """(padded length N, segment length N/W, real elements in this rank's segment)."""
         w = self.world_size
-        padded = onebit_padded_numel(n, w)
+        padded = onebit_padded_numel(n, w, self.block)
         seg = padded // w
         return padded, seg, min(seg, max(0, n - self.rank * seg))
 
     def _allocate(self, n: int, device: torch.device) -> None:
         padded, seg, _ = self._layout(n)
+        w = self.world_size
+        sb = onebit_scale_bytes(n, w, self.block)  # phase 1: scales ahead of the bits
+        sb2 = SCALE_BYTES if self.block is None else sb  # phase 2
 
         def zeros(size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
 
+        # the largest fp32 chunk of the server average: whole blocks
+        tmp = min(self.chunk, max(8, seg))
+        if self.block is not None:
+            tmp = max(self.block, tmp - tmp % self.block)
         self._bufs = {
             "worker_error": zeros(padded),
             "work": zeros(padded),  # x = input + worker_error; becomes the next error
             "server_error": zeros(seg),
             "server_work": zeros(seg),  # y; becomes the next server error
             "send": zeros(padded // 8, torch.uint8),
-            "recv": zeros(padded // 8, torch.uint8),
-            # phase 2 message: this rank's scale as 4 bytes, then its packed segment
-            "message": zeros(seg // 8 + 4, torch.uint8),
-            "gathered": zeros(self.world_size * (seg // 8 + 4), torch.uint8),
-            # phase 1 pieces, piece-major: piece j holds slice j of every rank's chunk
-            "send_pieces": zeros(padded // 8, torch.uint8),
-            "tmp": zeros(min(self.chunk, max(8, seg))),
+            # phase 1 messages, one per destination: its segment's scales (with blocks),
+            # then its bits
+            "message1": zeros(w * sb + padded // 8 if sb else 0, torch.uint8),
+            "recv": zeros(w * sb + padded // 8, torch.uint8),
+            # phase 2 message: this rank's scale(s), then its packed segment
+            "message": zeros(seg // 8 + sb2, torch.uint8),
+            "gathered": zeros(w * (seg // 8 + sb2), torch.uint8),
+            # phase 1 pieces, piece-major: piece j holds slice j of every rank's message
+            "send_pieces": zeros(w * sb + padded // 8, torch.uint8),
+            "tmp": zeros(tmp),
         }
         self._scratch = PackerScratch(padded, device)
         self.numel = n
@@ -261,19 +285,28 @@ class OneBitAllreduce:
             self._bufs = {k: v.to(tensor.device) for k, v in self._bufs.items()}
             self._scratch = self._scratch.to(tensor.device)
             self._new_tuner(tensor.device)
-        b, scratch = self._bufs, self._scratch
+        b, scratch, block = self._bufs, self._scratch, self.block
         # Reported to every rank's piece tuner; stays 0 (unknown) if this call raises.
         previous, self._last_seconds = self._last_seconds, 0.0
         ours = self.numel == n
         _, seg, real = self._layout(n)
+        sb = onebit_scale_bytes(n, w, block)  # scales ahead of a segment's bits, phase 1
+        seg8 = seg // 8
 
         # Step 1 into the work buffer, so the error is untouched until everything passed.
+        # With blocks, the metadata carries the sum of this rank's block scales: NaN or
+        # Inf in any block shows there, on every rank, before a bit is sent.
+        scales: torch.Tensor | None = None
         if ours:
             shape = tensor.shape
             torch.add(
                 tensor.detach(), b["worker_error"][:n].view(shape), out=b["work"][:n].view(shape)
             )
-            scale = rms_scale(b["work"], n)
+            if block is None:
+                scale = rms_scale(b["work"], n)
+            else:
+                scales = block_scales(b["work"], n, block)
+                scale = scales.sum()
         else:
             scale = torch.zeros((), device=tensor.device)
         meta = torch.stack(
@@ -284,6 +317,7 @@ class OneBitAllreduce:
                 scale.new_tensor(previous, dtype=torch.float64),
                 scale.new_tensor(self._plan.meta()[0], dtype=torch.float64),
                 scale.new_tensor(self._plan.meta()[1], dtype=torch.float64),
+                scale.new_tensor(block or 0, dtype=torch.float64),
             ]
         )
         # The metadata travels like the previous call's phase 2 (every rank knows that
@@ -300,64 +334,93 @@ class OneBitAllreduce:
                 self.reset()
             raise
 
-        # Phase 1: every rank's sign bits for segment r go to rank r, in pieces. While
-        # they travel, the next worker error x - s*sign(x) is computed in the work buffer
-        # (x is no longer needed: its bits are packed); it only replaces the error at the
-        # commit. Then the server averages each piece as it lands, while later pieces
-        # are still on the wire.
+        # Phase 1: every rank's sign bits for segment r go to rank r, in pieces (with
+        # block scales, segment r's scales ride ahead of its bits, in the first piece).
+        # While they travel, the next worker error x - s*sign(x) is computed in the work
+        # buffer (x is no longer needed: its bits are packed); it only replaces the error
+        # at the commit. Then the server averages each piece as it lands, while later
+        # pieces are still on the wire.
         # The last rank to arrive waited least: its time is closest to the call's own.
-        cuts = self._plan.cuts(seg // 8, float(metas[:, 3].min()))
+        align = 1 if block is None else block // 8
+        cuts = self._plan.cuts(seg8, float(metas[:, 3].min()), align)
         self._exchange.phase2 = self._plan.scheme
-        recvs = piece_views(b["recv"], cuts, w)
-        if len(cuts) > 2:
-            by_dest = b["send"].view(w, seg // 8)
-            sends = piece_views(b["send_pieces"], cuts, w)
-            for j, piece in enumerate(sends):
-                piece.copy_(by_dest[:, cuts[j] : cuts[j + 1]])
+        msg_cuts = [0] + [sb + c for c in cuts[1:]]
+        recvs = piece_views(b["recv"], msg_cuts, w)
+        if sb:
+            message1 = b["message1"].view(w, sb + seg8)
+            message1[:, :sb].copy_(scales.view(torch.uint8).view(w, sb))
+            message1[:, sb:].copy_(b["send"].view(w, seg8))
         else:
-            sends = [b["send"].view(w, -1)]
+            message1 = b["send"].view(w, seg8)
+        if len(cuts) > 2:
+            sends = piece_views(b["send_pieces"], msg_cuts, w)
+            for j, piece in enumerate(sends):
+                piece.copy_(message1[:, msg_cuts[j] : msg_cuts[j + 1]])
+        else:
+            sends = [message1]
         waits = self._exchange.start_all_to_all(
-            [r.view(-1) for r in recvs], [p.view(-1) for p in sends]
+            [r.view(-1) for r in recvs], [p.reshape(-1) for p in sends]
         )
-        subtract_signs_(b["work"], b["send"], scale, n, scratch.index_of(b["send"]), self.chunk)
+        subtract_signs_(
+            b["work"],
+            b["send"],
+            scale if block is None else scales,
+            n,
+            scratch.index_of(b["send"]),
+            self.chunk,
+            block,
+        )
 
         # Server: y = mean_i(s_i * sign_i) + server_error over segment r.
         y = b["server_work"]
-        scales = metas[:, 0].to(device=tensor.device, dtype=torch.float32)
+        if block is None:
+            rank_scales = metas[:, 0].to(device=tensor.device, dtype=torch.float32)
         for j, wait in enumerate(waits):
             wait()
             lo, hi = 8 * cuts[j], 8 * cuts[j + 1]
-            average_signs_(y[lo:hi], recvs[j], scales, b["tmp"], scratch)
+            bits = recvs[j][:, sb:] if j == 0 else recvs[j]
+            if block is not None:
+                if j == 0:
+                    rank_scales = recvs[0][:, :sb].contiguous().view(torch.float32)
+                piece_scales = rank_scales[:, lo // block : hi // block]
+                average_signs_(y[lo:hi], bits, piece_scales, b["tmp"], scratch, block)
+            else:
+                average_signs_(y[lo:hi], bits, rank_scales, b["tmp"], scratch)
             if hi > real:  # padding stays exactly zero
                 y[max(lo, real) : hi].zero_()
             y[lo:hi].add_(b["server_error"][lo:hi])
-        scale2 = rms_scale(y, real).reshape(1)
+        sb2 = SCALE_BYTES if block is None else sb
+        scale2 = rms_scale(y, real).reshape(1) if block is None else block_scales(y, real, block)
         message = b["message"]
-        message[:SCALE_BYTES].copy_(scale2.view(torch.uint8))
-        seg_bits = message[SCALE_BYTES:]
+        message[:sb2].copy_(scale2.view(torch.uint8))
+        seg_bits = message[sb2:]
         pack_signs(y, out=seg_bits, scratch=scratch.bools)
 
-        # Phase 2: every rank gets every segment and its scale (the scale rides in the
+        # Phase 2: every rank gets every segment and its scales (the scales ride in the
         # first piece, so unpacking can start as soon as that piece lands); meanwhile the
         # next server error is computed, again without touching the committed one.
-        msg_cuts = [0] + [SCALE_BYTES + c for c in cuts[1:]]
+        msg_cuts = [0] + [sb2 + c for c in cuts[1:]]
         gathered = piece_views(b["gathered"], msg_cuts, w)
         waits = self._exchange.start_all_gather(
             [g.view(-1) for g in gathered],
             [message[msg_cuts[j] : msg_cuts[j + 1]] for j in range(len(gathered))],
         )
         index = scratch.index_of(seg_bits)
-        subtract_signs_(y, seg_bits, scale2.reshape(()), real, index, self.chunk)
+        server_scale = scale2.reshape(()) if block is None else scale2
+        subtract_signs_(y, seg_bits, server_scale, real, index, self.chunk, block)
         waits[0]()
-        scales2 = gathered[0][:, :SCALE_BYTES].contiguous().view(torch.float32).reshape(w)
+        scales2 = gathered[0][:, :sb2].contiguous().view(torch.float32).reshape(w, -1)
         if not bool(torch.isfinite(scales2).all()):
             for wait in waits[1:]:  # leave no collective of this call in flight
                 wait()
-            bad = [r for r, v in enumerate(scales2.tolist()) if not math.isfinite(v)]
+            finite = torch.isfinite(scales2).all(dim=1).tolist()
+            bad = [r for r, ok in enumerate(finite) if not ok]
             raise NonFiniteError(
                 f"1-bit allreduce: the server scale of rank(s) {bad} overflowed; "
                 "error buffers left unchanged"
             )
+        if block is None:
+            scales2 = scales2.reshape(w)
 
         # All ranks passed every check: commit both error updates by swapping buffers.
         self._swap("worker_error", "work")
@@ -371,8 +434,8 @@ class OneBitAllreduce:
         dst = out.view(-1) if direct else b["work"][:n]
         for j, wait in enumerate(waits):
             wait()
-            bits = gathered[j][:, SCALE_BYTES:] if j == 0 else gathered[j]
-            unpack_rows_(dst, bits, scales2, cuts[j], seg // 8, scratch)
+            bits = gathered[j][:, sb2:] if j == 0 else gathered[j]
+            unpack_rows_(dst, bits, scales2, cuts[j], seg8, scratch, block)
         if not direct:
             out.copy_(dst.view(out.shape))
         self._last_seconds = time.perf_counter() - started

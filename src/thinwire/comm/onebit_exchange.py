@@ -4,9 +4,10 @@ Per call each rank takes part in three collectives (see
 :mod:`thinwire.comm.onebit_allreduce` for the algorithm):
 
 1. a small ``all_gather`` of its metadata (``META`` below: scale, lengths, piece plan);
-2. phase 1, ``all_to_all_single`` of its packed sign bits, segment ``r`` to rank ``r``;
-3. phase 2, ``all_gather`` of its server message: the fp32 server scale as 4 bytes,
-   then its packed segment. gloo's all_gather walks a ring of W - 1 steps, one after
+2. phase 1, ``all_to_all_single`` of its packed sign bits, segment ``r`` to rank ``r``
+   (with block scales, each segment's scales ride ahead of its bits);
+3. phase 2, ``all_gather`` of its server message: the fp32 server scale as 4 bytes
+   (with block scales, one per block of the segment), then its packed segment. gloo's all_gather walks a ring of W - 1 steps, one after
    the other; ``phase2="fanout"`` sends the message to every peer at once instead (one
    ``all_to_all_single`` of W copies: the same bytes, one step), and the metadata of
    the next call the same way.
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import gather_bytes, record
+from thinwire.compress.onebit import DEFAULT_BLOCK
 
 __all__ = [
     "META_BYTES",
@@ -36,13 +38,14 @@ __all__ = [
     "NonFiniteError",
     "check_metas",
     "onebit_padded_numel",
+    "onebit_scale_bytes",
     "onebit_wire_bytes",
 ]
 
-META_BYTES = 48
-"""Per rank, before phase 1, as fp64: scale, length, length the state was built for,
-seconds the previous call took, fixed piece count (0: tuned), tuner's call count (-1:
-none)."""
+META_BYTES = 56
+"""Per rank, before phase 1, as fp64: scale (with blocks: the sum of the block scales),
+length, length the state was built for, seconds the previous call took, fixed piece
+count (0: tuned), tuner's call count (-1: none), elements per scale (0: one scale)."""
 SCALE_BYTES = 4
 """Per rank, phase 2: one fp32 scale, ahead of the packed segment."""
 PHASE2_SCHEMES = ("ring", "fanout")
@@ -58,22 +61,38 @@ class LengthMismatchError(ValueError):
     """The ranks called the collective with buffers of different lengths."""
 
 
-def onebit_padded_numel(numel: int, world_size: int) -> int:
-    """``numel`` rounded up to a multiple of ``8 * world_size`` (whole bytes per segment)."""
-    unit = 8 * world_size
+def onebit_padded_numel(numel: int, world_size: int, block: int | None = DEFAULT_BLOCK) -> int:
+    """``numel`` rounded up to a multiple of ``8 * world_size`` (whole bytes per segment),
+    or of ``block * world_size`` with block scales (whole blocks per segment)."""
+    unit = (8 if block is None else block) * world_size
     return (numel + unit - 1) // unit * unit
 
 
-def onebit_wire_bytes(numel: int, world_size: int) -> int:
+def onebit_scale_bytes(numel: int, world_size: int, block: int | None = DEFAULT_BLOCK) -> int:
+    """Bytes of scales ahead of one segment's bits in each phase's message: none in phase
+    1 and :data:`SCALE_BYTES` in phase 2 with one scale, ``4 * segment / block`` in both
+    with block scales."""
+    if block is None:
+        return 0
+    return SCALE_BYTES * onebit_padded_numel(numel, world_size, block) // (world_size * block)
+
+
+def onebit_wire_bytes(numel: int, world_size: int, block: int | None = DEFAULT_BLOCK) -> int:
     """Analytical bytes one rank sends per call for ``numel`` elements.
 
     ``2 (W-1)/W * N/8`` for the sign bits of both phases (``N`` padded) plus the scale
-    exchanges ``(W-1) * (48 + 4)``; 0 for a single rank.
+    exchanges: ``(W-1) * (48 + 4)`` with one scale, ``(W-1) * 48 + 2 (W-1)/W * 4 N/B``
+    with a scale per block of ``B``; 0 for a single rank.
     """
     if world_size <= 1:
         return 0
-    nbytes = onebit_padded_numel(numel, world_size) // 8
-    return 2 * gather_bytes(nbytes, world_size) + (world_size - 1) * (META_BYTES + SCALE_BYTES)
+    padded = onebit_padded_numel(numel, world_size, block)
+    meta = (world_size - 1) * META_BYTES
+    if block is None:
+        nbytes = padded // 8
+        return 2 * gather_bytes(nbytes, world_size) + meta + (world_size - 1) * SCALE_BYTES
+    nbytes = padded // 8 + SCALE_BYTES * padded // block
+    return 2 * gather_bytes(nbytes, world_size) + meta
 
 
 def _describe(pieces: int, calls: int) -> str:
@@ -84,8 +103,9 @@ def _describe(pieces: int, calls: int) -> str:
 
 
 def check_metas(metas: torch.Tensor, n: int) -> None:
-    """Raise, on every rank alike, if the gathered metadata (``[W, 6]``) shows ranks that
-    disagree on the length, the buffers' length or the piece plan, or a non-finite scale.
+    """Raise, on every rank alike, if the gathered metadata (``[W, 7]``) shows ranks that
+    disagree on the length, the buffers' length, the piece plan or the elements per
+    scale, or a non-finite scale.
     """
     lengths = [int(v) for v in metas[:, 1].tolist()]
     if len(set(lengths)) > 1:
@@ -104,6 +124,15 @@ def check_metas(metas: torch.Tensor, n: int) -> None:
         raise ValueError(
             f"1-bit allreduce: ranks disagree on the piece count: {listing}; give every "
             "rank the same pieces= and device, and reset() or load_state_dict() on all of them"
+        )
+    blocks = [int(v) for v in metas[:, 6].tolist()]
+    if len(set(blocks)) > 1:
+        listing = ", ".join(
+            f"rank {r} {'one scale' if k == 0 else f'block={k}'}" for r, k in enumerate(blocks)
+        )
+        raise ValueError(
+            f"1-bit allreduce: ranks disagree on the elements per scale: {listing}; give "
+            "every rank the same block="
         )
     scales = metas[:, 0].tolist()
     bad = [r for r, v in enumerate(scales) if not math.isfinite(v)]

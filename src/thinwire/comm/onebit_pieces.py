@@ -74,11 +74,13 @@ class PiecePlan:
         """(fixed count or 0, tuner's call count or -1): what the ranks compare."""
         return self.pieces or 0, self.tuner.calls if self.tuner is not None else -1
 
-    def cuts(self, seg8: int, previous_seconds: float) -> list[int]:
-        """Byte offsets of this call's pieces inside a segment's bits (same on every rank)."""
+    def cuts(self, seg8: int, previous_seconds: float, align: int = 1) -> list[int]:
+        """Byte offsets of this call's pieces inside a segment's bits (same on every rank),
+        multiples of ``align`` bytes (a block's bits, so no block straddles two pieces)."""
         k = self.tuner.next(previous_seconds) if self.tuner is not None else self.pieces or 1
-        k = max(1, min(k, seg8))
-        return [seg8 * j // k for j in range(k + 1)]
+        units = seg8 // align
+        k = max(1, min(k, units))
+        return [units * j // k * align for j in range(k + 1)]
 
 
 def piece_views(buf: torch.Tensor, cuts: list[int], world_size: int) -> list[torch.Tensor]:
