@@ -152,12 +152,19 @@ def test_ranks_agree_on_the_switch_and_resume_exactly(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- what travels
 
 
-def _one_compressed_step(rank: int, world: int, precondition: bool) -> float:
+def _one_compressed_step(rank: int, world: int, precondition: bool, floor: float) -> float:
     """Largest step of a coordinate whose gradients are 1000x smaller than the others',
     in units of lr, in the first compressed step."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(256))
-    opt = OneBitAdam([p], lr=1.0, freeze_step=4, bias_correction=True, precondition=precondition)
+    opt = OneBitAdam(
+        [p],
+        lr=1.0,
+        freeze_step=4,
+        bias_correction=True,
+        precondition=precondition,
+        denom_floor=floor,
+    )
     scale = torch.ones(256)
     scale[:8] = 1e-3  # e.g. the embedding rows of rare tokens
     for t in range(5):
@@ -170,12 +177,15 @@ def _one_compressed_step(rank: int, world: int, precondition: bool) -> float:
 
 @pytest.mark.timeout(120)
 def test_preconditioned_compression_bounds_the_step_of_small_coordinates() -> None:
-    """Compressing the raw momentum gives each element an error on the scale of the
-    segment's mean |m|; divided by a small sqrt(v) that is a step far above lr. The
-    preconditioned momentum keeps every element's step on Adam's scale (about lr)."""
-    raw = spawn(_one_compressed_step, 2, (False,), timeout_s=100)
-    pre = spawn(_one_compressed_step, 2, (True,), timeout_s=100)
+    """Compressing the raw momentum gives each element an error on the scale of its
+    block's RMS |m|; divided by a small sqrt(v) that is a step far above lr (the papers'
+    rule, no floor). The floor under the frozen denominator bounds it by 1/denom_floor
+    steps; the preconditioned momentum keeps every element's step on Adam's scale."""
+    raw = spawn(_one_compressed_step, 2, (False, 0.0), timeout_s=100)
+    floored = spawn(_one_compressed_step, 2, (False, 0.1), timeout_s=100)
+    pre = spawn(_one_compressed_step, 2, (True, 0.1), timeout_s=100)
     assert max(raw) > 20.0, raw
+    assert 1.0 < max(floored) < 10.0, floored
     assert max(pre) < 3.0, pre
 
 

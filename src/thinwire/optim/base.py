@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from thinwire.comm.accounting import record, ring_allreduce_bytes
 from thinwire.compress.cast import WIRE_DTYPES
+from thinwire.compress.onebit import DEFAULT_BLOCK
 
 __all__ = [
     "CommOptimizer",
@@ -122,6 +123,9 @@ def _from_tensor(value: Any) -> Any:
 
 class CommOptimizer(torch.optim.Optimizer):
     """Base class: process group, start-up checks, fused gradient allreduce, fp32 masters."""
+
+    onebit_block: int | None = DEFAULT_BLOCK
+    """Elements per scale of the 1-bit exchange (:class:`OneBitAllreduce`'s ``block``)."""
 
     def __init__(
         self,
@@ -268,7 +272,7 @@ class CommOptimizer(torch.optim.Optimizer):
         from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
 
         if self._onebit is None:
-            self._onebit = OneBitAllreduce(self.process_group)
+            self._onebit = OneBitAllreduce(self.process_group, block=self.onebit_block)
             if self._onebit_state is not None:
                 self._onebit.load_state_dict(self._onebit_state)
                 self._onebit_state = None

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import adam_direction, check_adam_hyperparameters, momentum_masks
+from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.optim.two_stage import TwoStageOptimizer
 
@@ -74,6 +76,8 @@ class OneBitAdam(TwoStageOptimizer):
         weight_decay: float = 0.0,
         bias_correction: bool = True,
         precondition: bool = True,
+        denom_floor: float = DEFAULT_DENOM_FLOOR,
+        block: int | None = DEFAULT_BLOCK,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
@@ -84,8 +88,9 @@ class OneBitAdam(TwoStageOptimizer):
             weight_decay=weight_decay,
             bias_correction=bias_correction,
             precondition=precondition,
+            denom_floor=denom_floor,
         )
-        super().__init__(params, defaults, freeze_step, process_group)
+        super().__init__(params, defaults, freeze_step, process_group, block)
 
     def _warmup_step(self) -> bool:
         items = self._grads()

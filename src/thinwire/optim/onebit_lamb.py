@@ -30,12 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import (
     adam_direction,
     check_adam_hyperparameters,
     check_range,
     momentum_masks,
 )
+from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.optim.lamb import trust_ratio
 from thinwire.optim.two_stage import TwoStageOptimizer
@@ -106,6 +108,8 @@ class OneBitLamb(TwoStageOptimizer):
         factor_threshold: float = 0.1,
         bias_correction: bool = True,
         precondition: bool = False,
+        denom_floor: float = DEFAULT_DENOM_FLOOR,
+        block: int | None = DEFAULT_BLOCK,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
@@ -128,8 +132,9 @@ class OneBitLamb(TwoStageOptimizer):
             factor_threshold=factor_threshold,
             bias_correction=bias_correction,
             precondition=precondition,
+            denom_floor=denom_floor,
         )
-        super().__init__(params, defaults, freeze_step, process_group)
+        super().__init__(params, defaults, freeze_step, process_group, block)
         self.last_coeffs: list[float] = []
         self.last_factors: list[float] = []
         self._work: torch.Tensor | None = None
@@ -229,14 +234,18 @@ class OneBitLamb(TwoStageOptimizer):
             if masks.get(p) is not None:
                 m.mul_(masks[p])
             master = self._master(p)
-            if group["bias_correction"]:
+            # Drift of the frozen variance from the fresh one: the ratio of their
+            # denominators, max over the layer. The frozen one is read as it was (not
+            # floored): an element the floor raised would otherwise read as drift.
+            corrected = group["bias_correction"]
+            fresh = torch.div(v_fresh, 1 - b2**t, out=s2) if corrected else s2.copy_(v_fresh)
+            fresh.sqrt_().add_(group["eps"])
+            frozen = self._denominator(state["exp_avg_sq"], group, self.freeze_step, out=s1)
+            f = float(frozen.div_(fresh).max())
+            if corrected:
                 u = torch.div(m, 1 - b1**t, out=s1).div_(denom)
-                fresh = torch.div(v_fresh, 1 - b2**t, out=s2)
             else:
                 u = torch.div(m, denom, out=s1)
-                fresh = s2.copy_(v_fresh)
-            # Drift of the frozen variance from the fresh one: denom ratio, max over layer.
-            f = float(torch.div(denom, fresh.sqrt_().add_(group["eps"]), out=s2).max())
             if group["weight_decay"]:
                 u_norm = float(u.norm())
                 u.add_(master, alpha=group["weight_decay"])

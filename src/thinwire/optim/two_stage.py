@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record
+from thinwire.compress.onebit import check_block
 from thinwire.optim.base import CommOptimizer, check_range
+from thinwire.optim.floor import FloorReport, floor_denominators
 from thinwire.optim.freeze import AutoFreeze, relative_change
 
 __all__ = ["TwoStageOptimizer"]
@@ -58,7 +60,10 @@ class TwoStageOptimizer(CommOptimizer):
         defaults: dict[str, Any],
         freeze_step: int | str | AutoFreeze,
         process_group: dist.ProcessGroup | None = None,
+        block: int | None = None,
     ) -> None:
+        check_block(block)
+        check_range("denom_floor", defaults["denom_floor"], 0.0, 1.0)
         self.auto_freeze: AutoFreeze | None = None
         self.freeze_step: int | None = None
         if isinstance(freeze_step, AutoFreeze):
@@ -73,9 +78,13 @@ class TwoStageOptimizer(CommOptimizer):
             check_range("freeze_step", freeze_step, 1, float("inf"))
             self.freeze_step = int(freeze_step)
         super().__init__(params, defaults, process_group)
+        self.onebit_block = block
         self.global_step = 0
         # Derived, not state: rebuilt from exp_avg_sq after a load_state_dict.
         self._denoms: dict[torch.Tensor, torch.Tensor] = {}
+        self.floor_report: FloorReport | None = None
+        """What :mod:`~thinwire.optim.floor` did to the frozen denominators (after the
+        first compressed step)."""
         self.freeze_signals: dict[str, float] = {}
         """The relative changes measured at the last check of the automatic freeze."""
         self._saved_in_warmup = False
@@ -194,23 +203,47 @@ class TwoStageOptimizer(CommOptimizer):
 
     @staticmethod
     def _denominator(
-        v: torch.Tensor, group: dict[str, Any], t: int, corrected: bool = False
+        v: torch.Tensor,
+        group: dict[str, Any],
+        t: int,
+        corrected: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``sqrt(v_hat) + eps`` at step ``t``: bias-corrected when the group asks, or when
-        ``corrected``."""
+        """``sqrt(v_hat) + eps`` at step ``t`` (into ``out`` if given): bias-corrected
+        when the group asks, or when ``corrected``."""
+        out = torch.empty_like(v) if out is None else out
         if group["bias_correction"] or corrected:
-            v = v / (1 - group["betas"][1] ** t)
-        return v.sqrt().add_(group["eps"])
+            torch.div(v, 1 - group["betas"][1] ** t, out=out)
+        else:
+            out.copy_(v)
+        return out.sqrt_().add_(group["eps"])
 
     def _frozen_denom(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """The denominator of the frozen variance: constant after the freeze, so it is
-        computed once per parameter (4 bytes per element) instead of every step."""
+        """The denominator of the frozen variance, floored (:mod:`thinwire.optim.floor`):
+        constant after the freeze, so it is computed once for every parameter (4 bytes
+        per element) instead of every step."""
         denom = self._denoms.get(p)
         if denom is None:
-            assert self.freeze_step is not None
-            denom = self._denominator(self.state[p]["exp_avg_sq"], group, self.freeze_step)
-            self._denoms[p] = denom
+            self._freeze_denominators()
+            denom = self._denoms[p]
         return denom
+
+    def _freeze_denominators(self) -> None:
+        assert self.freeze_step is not None
+        items = self._momentum_params()
+        denoms = [
+            self._denominator(self.state[p]["exp_avg_sq"], group, self.freeze_step)
+            for p, group in items
+        ]
+        self.floor_report = floor_denominators(
+            denoms,
+            [group["denom_floor"] for _, group in items],
+            [group["eps"] for _, group in items],
+        )
+        self._denoms = {p: d for (p, _), d in zip(items, denoms, strict=True)}
+        message = self.floor_report.describe()
+        if message and self.rank == 0:
+            _log.info("%s: %s", type(self).__name__, message)
 
     def _momentum_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """(parameter, group) of every parameter with momentum: the same set on every
@@ -228,8 +261,10 @@ class TwoStageOptimizer(CommOptimizer):
         self._denoms = {}  # the frozen variance may be another one now
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            # State saved before the option existed compressed the raw momentum.
+            # State saved before the option existed compressed the raw momentum; the
+            # floor did not exist either (0 keeps such a run's arithmetic).
             group.setdefault("precondition", False)
+            group.setdefault("denom_floor", 0.0)
         if self.compressing and self._saved_in_warmup:
             # A fixed freeze step this run has already passed, while the saved run was
             # still in its warmup: switch now, rather than compress with nothing frozen.

@@ -1,0 +1,89 @@
+"""The floor under a frozen second moment: what keeps 1-bit steps bounded on any model.
+
+After the freeze, 1-bit Adam and 1-bit LAMB divide the exchanged momentum by the frozen
+denominator ``d = sqrt(v_hat) + eps`` of each element. The 1-bit exchange gives every
+element of a block an error of about the block's RMS momentum, whatever the element's
+own size, so an element whose ``d`` is far below its neighbours' takes a step of
+``error / d``: many times the learning rate. On a user's ReLU CNN (2 ranks, freeze at
+step 40) 7,519 of the first dense layer's 131,072 second moments were exactly 0 (the
+weights behind units that never fired): their ``d`` was ``eps = 1e-8``, the first
+compressed steps moved them by ~1e6 x lr, and the run diverged to a loss of 1e26.
+Near-dead elements (``d`` a hundredth of their neighbours') blew up one seed in six too.
+
+The floor raises every frozen denominator to at least ``denom_floor`` times the mean
+denominator of its layer (parameter tensor)::
+
+    d_i <- max(d_i, denom_floor * mean_{j in layer(i)} d_j)
+
+so no element's step exceeds about ``1 / denom_floor`` of a typical step of its layer,
+whatever error the 1-bit exchange gives it. The reference is the layer, not the
+element's compression block: a unit that never fired empties whole blocks, and when it
+comes alive after the freeze (its inputs moved) its momentum is no longer 0, while its
+``d`` still is: measured, a CNN whose dead unit revived 9 steps after the freeze
+diverged with a block-relative floor. The floor changes nothing where ``d`` is within
+``denom_floor`` of its layer's mean; it slows only the elements the warmup saw (nearly)
+no gradient for, which an exact frozen Adam would step recklessly too once their units
+come alive.
+
+Tuning: 0.1 (default) held every zoo model within 3% of its uncompressed baseline over
+6 seeds; 0.01 let the ReLU CNN diverge in one seed of six; 0 is the papers' rule. Lower
+it for layers whose rows are used rarely but matter (the rows of rare tokens train at
+most ``1 / denom_floor`` times slower than Adam would move them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DEFAULT_DENOM_FLOOR", "FloorReport", "floor_denominators"]
+
+DEFAULT_DENOM_FLOOR = 0.1
+"""``denom_floor`` of the 1-bit optimizers unless told otherwise (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class FloorReport:
+    """What the floor did at the freeze (counts over every element of every layer)."""
+
+    elements: int
+    zeros: int
+    """Second moments that were exactly 0 (the warmup never saw a gradient there)."""
+    raised: int
+    """Denominators raised to the floor (the zeros among them)."""
+
+    def describe(self) -> str:
+        """One clause for the freeze's log line; empty when nothing was raised."""
+        if not self.raised:
+            return ""
+        zeros = (
+            f"{self.zeros:,} second moments were 0 (units that never fired?), "
+            if self.zeros
+            else ""
+        )
+        return (
+            f"{zeros}{self.raised:,} of {self.elements:,} frozen denominators were raised "
+            "to the floor of their layer (denom_floor)"
+        )
+
+
+@torch.no_grad()
+def floor_denominators(
+    denoms: list[torch.Tensor], floors: list[float], eps: list[float]
+) -> FloorReport:
+    """Raise each denominator in place to ``floors[k]`` times its layer's mean.
+
+    ``denoms`` are the frozen ``sqrt(v_hat) + eps`` of the compressed parameters;
+    ``eps[k]`` tells which entries had ``v = 0`` (their ``d`` equals it).
+    """
+    total = sum(d.numel() for d in denoms)
+    zeros = sum(int((d == e).sum()) for d, e in zip(denoms, eps, strict=True))
+    raised = 0
+    for d, k in zip(denoms, floors, strict=True):
+        if k <= 0 or d.numel() == 0:
+            continue
+        floor = k * float(d.mean())
+        raised += int((d < floor).sum())
+        d.clamp_(min=floor)
+    return FloorReport(total, zeros, raised)
