@@ -5,10 +5,10 @@ What it shows: ``thinwire.localsgd.run_async`` training a model thinwire did not
 GPT-2 from a ``GPT2Config`` (random init, nothing downloaded), on raw bytes of text with
 Hugging Face dict batches (``{"input_ids", "labels"}``) and the model's own loss. The
 user's pieces go into a ``Task`` (model factory, inner AdamW, one batch source per data
-shard, loss, evaluation) and every knob into one ``AsyncConfig``. Rank 0 serves (theta,
-Delayed Nesterov, evaluation, checkpoint); ranks 1.. train. Worker 2 emulates a machine
-half as fast (``slowdown``), and Dynamic Local Updates give it half the steps per round,
-so no one waits.
+shard, loss, an evaluation that names two metrics) and every knob into one
+``AsyncConfig``. Rank 0 serves (theta, Delayed Nesterov, evaluation, checkpoint); ranks
+1.. train. Worker 2 emulates a machine half as fast (``slowdown``), and Dynamic Local
+Updates give it half the steps per round, so no one waits.
 
 ``--kill-worker 2 --kill-at-step K``: worker 2's process exits hard at its K-th inner step,
 mid-round. The server notices its heartbeat stop, hands the lost round out again and
@@ -42,10 +42,11 @@ rank 0 generates a token and keeps it in ``OUT/run.token`` (``--out``), which a 
 the same host reads with ``THINWIRE_RUN_TOKEN_FILE=OUT/run.token``. :func:`rejoin` below
 is where the rejoining process hands it over (marked "ADMISSION").
 
-It prints the evaluation loss, each worker incarnation's accepted pushes, the joins, a
-check that the model saved with ``save_pretrained`` from the server's checkpoint is the
-server's final model, and all bytes on the wire (``thinwire.comm.accounting``) against an
-fp32 allreduce on every inner step. Needs ``pip install 'thinwire[hf]'``.
+It prints the evaluation loss and next-byte accuracy (``evaluate`` returns both, the loss
+named ``"loss"``), each worker incarnation's accepted pushes, the joins, the trained model
+(``load_trained`` from ``run_async``'s summary) saved with ``save_pretrained`` and checked
+to be the server's final model, and all bytes on the wire (``thinwire.comm.accounting``)
+against an fp32 allreduce on every inner step. Needs ``pip install 'thinwire[hf]'``.
 
 Tuning: H (``--local-steps``) 20-50 to start; the outer lr and momentum are left to
 thinwire's tuned values for the method (``thinwire.localsgd.TUNED``). DyLU is the setting
@@ -77,7 +78,7 @@ from transformers.utils import logging as hf_logging
 
 from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.launch import spawn
-from thinwire.localsgd import AsyncConfig, Task, rejoin_async, run_async
+from thinwire.localsgd import AsyncConfig, Task, load_trained, rejoin_async, run_async
 
 SIZES = {  # GPT-2 shapes: --tiny for tests, the default for a run of a few minutes
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, seq=32, batch=8),
@@ -112,15 +113,21 @@ class ByteShard:
         return {"input_ids": ids, "labels": ids}  # GPT-2 shifts the labels itself
 
 
-class HeldOutLoss:
-    """The server's metric: mean loss on fixed blocks of the held-out tail of the text."""
+class HeldOut:
+    """The server's metrics on fixed blocks of the held-out tail of the text: the mean loss
+    (named ``"loss"``: thinwire reports it as ``val_loss``) and next-byte accuracy."""
 
     def __init__(self, data: torch.Tensor, blocks: int, seq: int) -> None:
         self.ids = data[: blocks * seq].view(blocks, seq)
 
-    def __call__(self, model: nn.Module) -> float:  # run_async calls it in eval, no_grad
-        losses = [float(model(input_ids=b, labels=b).loss) for b in self.ids.split(16)]
-        return sum(losses) / len(losses)
+    def __call__(self, model: nn.Module) -> dict[str, float]:  # run_async: eval, no_grad
+        losses, hits = [], 0
+        for b in self.ids.split(16):
+            out = model(input_ids=b, labels=b)
+            losses.append(float(out.loss))
+            hits += int((out.logits[:, :-1].argmax(-1) == b[:, 1:]).sum())
+        predicted = self.ids.numel() - len(self.ids)  # every byte but each block's first
+        return {"loss": sum(losses) / len(losses), "accuracy": hits / predicted}
 
 
 def make_model(size: dict[str, int]) -> GPT2LMHeadModel:
@@ -214,7 +221,7 @@ def make_task(args: argparse.Namespace, drill: Drill | None = None) -> Task:
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
         shards=shards,
         loss=loss,
-        evaluate=HeldOutLoss(held_out, args.eval_blocks, size["seq"]),
+        evaluate=HeldOut(held_out, args.eval_blocks, size["seq"]),
     )
 
 
@@ -253,7 +260,11 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     def on_eval(rec: dict[str, Any]) -> None:  # steps summed over the workers
         if rec["step"] not in printed:  # the final evaluation may repeat the last one
             printed.append(rec["step"])
-            print(f"step {rec['step']:5d}  eval loss {rec['val_loss']:.4f}", flush=True)
+            print(
+                f"step {rec['step']:5d}  eval loss {rec['val_loss']:.4f}  "
+                f"accuracy {rec['accuracy']:.3f}",
+                flush=True,
+            )
 
     summary = run_async(task, cfg, on_eval=on_eval)
     report(summary, task, args, Path(out))
@@ -271,24 +282,22 @@ def report(summary: dict[str, Any], task: Task, args: argparse.Namespace, out: P
         )
     print(f"dead at the end: {summary['dead_workers'] or 'none'}")
 
-    # The server checkpoints theta at the end; load it into a GPT-2 and save that the
-    # Hugging Face way. It must be exactly the model the server evaluated last.
-    theta = torch.load(out / "localsgd_server.pt", weights_only=True)["theta"]
-    model = task.model()
-    with torch.no_grad():
-        offset = 0
-        for p in model.parameters():  # copies: vector_to_parameters would make views
-            p.copy_(theta[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+    # The trained model: the server's final parameters (the ones it evaluated last) into
+    # a fresh GPT-2 from the same factory, saved the Hugging Face way. Another process
+    # could load them from the checkpoint instead: load_trained(make_model(...), out).
+    model = load_trained(task.model(), summary)
     model.save_pretrained(out / "model")
     saved = GPT2LMHeadModel.from_pretrained(out / "model").eval()
+    held_out = task.evaluate
+    assert isinstance(held_out, HeldOut)
     with torch.no_grad():
-        saved_loss = task.evaluate(saved)  # type: ignore[misc]
-    same = torch.equal(parameters_to_vector(saved.parameters()), theta)
+        saved_loss = held_out(saved)["loss"]
+    same = torch.equal(parameters_to_vector(saved.parameters()), summary["theta"])
     final = summary["final_val_loss"]
     print(
         f"saved model ({out / 'model'}) is the server's final theta: {same}, "
-        f"eval loss {saved_loss:.6f} (server {final:.6f})"
+        f"eval loss {saved_loss:.6f} (server {final:.6f}), "
+        f"accuracy {summary['final_metrics']['accuracy']:.3f}"
     )
 
     # Every byte of the run crosses the server once (a pull or a push); synchronous data

@@ -8,6 +8,8 @@
 
   - :func:`run_async` (``async_runtime.py``): call it on every rank, under torchrun or
     :func:`thinwire.comm.launch.spawn`; rank 0 serves, ranks 1.. train.
+  - :func:`load_trained` (``trained.py``): the trained model back, from rank 0's summary
+    or the run's checkpoint directory.
   - :func:`rejoin_async` (``rejoin.py``): a killed worker process comes back.
   - :func:`simulate` (``virtual_clock.py``): the same server on a virtual clock, with a
     :class:`SimClock` (:data:`HETEROGENEITY` holds the paper's four speed levels).
@@ -48,6 +50,7 @@ from thinwire.localsgd.server import ServerCore, Work
 from thinwire.localsgd.server_run import IncompleteRunError
 from thinwire.localsgd.sweep import run_sweep, summarize_sweep
 from thinwire.localsgd.task import BatchSource, Task
+from thinwire.localsgd.trained import load_trained
 from thinwire.localsgd.virtual_clock import HETEROGENEITY, SimClock, simulate
 from thinwire.localsgd.worker import LocalWorker
 
@@ -72,6 +75,7 @@ __all__ = [
     "Work",
     "dylu_steps",
     "for_method",
+    "load_trained",
     "method_of",
     "rejoin_async",
     "run_async",

@@ -39,6 +39,10 @@ Fault tolerance:
   every ``checkpoint_interval`` inner steps per worker; ``resume`` continues from it in a
   new epoch and rejects updates computed before the restart.
 
+The trained model: rank 0's summary carries the final theta;
+:func:`~thinwire.localsgd.trained.load_trained` copies it (or a checkpoint's) into a
+module of the task's.
+
 Admission (:func:`open_transport`): rank 0 takes the user's token or generates one and
 hands the run key to the launched workers (:mod:`thinwire.localsgd.keyshare`); it hosts
 the run's store on the address the user named (:mod:`thinwire.comm.bind`); every
@@ -155,19 +159,32 @@ def run_async(
         on_start: rank 0 only; ``on_start(resumed_steps)`` once the server's state is
             restored (None for a fresh run), before any worker is answered.
         on_eval: rank 0 only; receives each evaluation record (``step``, ``updates``,
-            ``rejected``, ``time_s``, ``val_loss``).
+            ``rejected``, ``time_s``, ``val_loss``, and the other metrics when
+            ``task.evaluate`` returns a dict, under their own names).
 
     Returns:
-        On rank 0 the run's summary (``final_val_loss`` when ``task.evaluate`` is set,
-        ``inner_steps``, ``updates_applied``/``updates_rejected``, ``dead_workers``,
-        worker ``incarnations`` and ``updates_by_incarnation``, ``comm_bytes``, ...); on
-        a worker its ``rounds``, ``steps`` and ``restarts``.
+        On rank 0 the run's summary: ``theta``, the server's final global parameters
+        (a flat fp32 CPU tensor, the ones the final evaluation saw; not JSON: drop it
+        before ``json.dumps``), which
+        :func:`~thinwire.localsgd.trained.load_trained` loads into a model::
+
+            summary = run_async(task, cfg)
+            if rank == 0:
+                model = load_trained(task.model(), summary)
+
+        and ``final_val_loss`` and ``final_metrics`` (``val_loss`` and any other
+        metrics) when ``task.evaluate`` is set, ``inner_steps``,
+        ``updates_applied``/``updates_rejected``, ``dead_workers``, worker
+        ``incarnations`` and ``updates_by_incarnation``, ``comm_bytes``, ...; the same
+        for a resumed run. On a worker its ``rounds``, ``steps`` and ``restarts``.
 
     Raises:
         ConfigError: a bad setting (on every rank, before any message), no process group,
-            a bad token, or a worker whose model differs from the server's.
+            a bad token, a worker whose model differs from the server's, or (rank 0) an
+            evaluation result that is not a loss or a dict naming one.
         IncompleteRunError: rank 0 only; every worker died before the budget was met
-            (the checkpoint keeps what was done; its ``summary`` says so).
+            (the checkpoint keeps what was done; its ``summary`` says so, and carries
+            that ``theta``).
     """
     created = False
     if not dist.is_initialized():

@@ -41,6 +41,7 @@ from thinwire.localsgd.auth import AuthError
 from thinwire.localsgd.compression import PullEncoder, decode
 from thinwire.localsgd.messages import Hello, MessageError, Refused, RunInfo, Update, Why
 from thinwire.localsgd.server import ServerCore
+from thinwire.localsgd.task import EvalResult, eval_metrics
 from thinwire.localsgd.transport import Transport
 
 __all__ = ["serve"]
@@ -55,7 +56,7 @@ def serve(
     workers: list[int],
     signature: tuple[int, int],
     *,
-    evaluate: Callable[[torch.Tensor], float] | None = None,
+    evaluate: Callable[[torch.Tensor], EvalResult] | None = None,
     eval_every_steps: int = 0,
     on_eval: Callable[[dict[str, Any]], None] | None = None,
     checkpoint: Callable[[ServerCore], None] | None = None,
@@ -70,7 +71,10 @@ def serve(
     """Serve until every worker is stopped or dead; returns the run's counters.
 
     ``evaluate(theta)`` runs at the start (of a fresh run), every ``eval_every_steps``
-    inner steps applied, and at the end, each record going to ``on_eval``.
+    inner steps applied, and at the end, each record going to ``on_eval``: ``step``,
+    ``updates``, ``rejected``, ``time_s``, ``val_loss`` and any other metrics it names
+    (:func:`~thinwire.localsgd.task.eval_metrics`). The counters then carry the final
+    record's ``val_loss``, and all its metrics as ``metrics``.
     ``checkpoint(core)`` runs every ``checkpoint_every_steps`` and at the end.
     ``elapsed_s``: seconds a resumed run had already been served; reported times
     (``time_s``, ``wall_s``) continue from it.
@@ -294,6 +298,7 @@ def serve(
         if last.get("updates") != core.updates_applied or last.get("step") != core.steps_applied:
             last = _report(core, evaluate, on_eval, clock0)
         out["val_loss"] = last["val_loss"]
+        out["metrics"] = {k: v for k, v in last.items() if k not in _RECORD}
     return out
 
 
@@ -324,19 +329,22 @@ def _check_heartbeats(
             core.dead.add(w)  # also covers a worker that died before its hello
 
 
+_RECORD = ("step", "updates", "rejected", "time_s")  # an evaluation record's own keys
+
+
 def _report(
     core: ServerCore,
-    evaluate: Callable[[torch.Tensor], float],
+    evaluate: Callable[[torch.Tensor], EvalResult],
     on_eval: Callable[[dict[str, Any]], None] | None,
     start: float,
 ) -> dict[str, Any]:
+    metrics = eval_metrics(evaluate(core.theta.detach()))  # val_loss first, then the rest
     rec = {
         "step": core.steps_applied,
         "updates": core.updates_applied,
         "rejected": core.updates_rejected,
         "time_s": time.monotonic() - start,
-        "val_loss": evaluate(core.theta.detach()),
-    }
+    } | metrics
     if on_eval is not None:
         on_eval(rec)
     return rec

@@ -4,7 +4,9 @@
 from the user's batch sources, restores the server's state when resuming (or refuses to
 overwrite another run's checkpoint), serves (:func:`~thinwire.localsgd.server_loop.serve`)
 with evaluation and checkpoints on the configured intervals, and returns the run's
-summary: evaluation, updates applied and rejected, worker incarnations, bytes.
+summary: evaluation, updates applied and rejected, worker incarnations, bytes, and the
+trained parameters (``theta``, which :func:`~thinwire.localsgd.trained.load_trained`
+loads into a model).
 
 Checkpoint: ``checkpoint_dir/localsgd_server.pt`` holds only tensors, numbers and
 strings, written to a temporary file and renamed into place, and read back with
@@ -43,9 +45,9 @@ from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.server_loop import serve
 from thinwire.localsgd.task import (
     Task,
-    evaluate_at,
     flat_parameters,
     make_sources,
+    metrics_at,
     shape_signature,
     shard_sizes,
 )
@@ -138,12 +140,12 @@ def run_server(
     idle = resumed is not None and core.steps_applied >= core.total_steps
     if on_start is not None:
         on_start(resumed)
-    evaluate: Callable[[torch.Tensor], float] | None = None
+    evaluate: Callable[[torch.Tensor], dict[str, float]] | None = None
     if task.evaluate is not None:
         metric = task.evaluate
 
-        def evaluate_theta(theta: torch.Tensor) -> float:
-            return evaluate_at(model, theta, metric)
+        def evaluate_theta(theta: torch.Tensor) -> dict[str, float]:
+            return metrics_at(model, theta, metric)
 
         evaluate = evaluate_theta
 
@@ -211,6 +213,10 @@ def run_server(
         "train_time_s": run["elapsed_s"],
         "comm_bytes": int(run["comm_bytes"]),
         "comm_by_op": COUNTER.snapshot(),
+        # The global parameters as they end (the ones the final evaluation saw and the
+        # final checkpoint holds): the trained model, for load_trained. No copy: nothing
+        # changes theta once serving has ended.
+        "theta": core.theta.detach(),
     }
     kept = ("dead_workers", "evicted_workers", "incarnations", "joins", "updates_by_incarnation")
     summary |= {k: stats[k] for k in kept}
@@ -221,10 +227,11 @@ def run_server(
     if idle:
         summary["already_done"] = True
         if evaluate is not None:
-            summary["final_val_loss"] = evaluate(core.theta.detach())
+            metrics = evaluate(core.theta.detach())
+            summary["final_val_loss"], summary["final_metrics"] = metrics["val_loss"], metrics
         return summary
     if "val_loss" in stats:
-        summary["final_val_loss"] = stats["val_loss"]
+        summary["final_val_loss"], summary["final_metrics"] = stats["val_loss"], stats["metrics"]
     if not summary["complete"] and core.steps_applied >= core.total_steps:
         summary["stopped_after"] = core.steps_applied // workers
     elif not summary["complete"]:

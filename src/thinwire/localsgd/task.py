@@ -10,6 +10,10 @@ A :class:`Task` holds five pieces, all plain callables, so any ``nn.Module`` tra
         evaluate=lambda model: my_validation_loss(model),        # optional, on the server
     )
 
+``evaluate`` may also name several metrics, the loss among them::
+
+        evaluate=lambda model: {"loss": my_validation_loss(model), "accuracy": my_acc(model)},
+
 Contracts the runtime relies on:
 
 * ``model()`` is called once per process (the server's model, each worker's replica).
@@ -25,8 +29,13 @@ Contracts the runtime relies on:
   changes hands continues the same data stream. A source with ``len()`` is planned in
   proportion to it (e.g. its token count); otherwise shards are planned equally.
 * ``loss(model, batch)`` returns the scalar loss to backpropagate.
-* ``evaluate(model)`` returns a number to report (lower is better, e.g. validation loss);
-  it runs on the server under ``torch.no_grad()`` in eval mode with theta loaded.
+* ``evaluate(model)`` returns the number to report (lower is better, e.g. validation
+  loss), or a dict of numbers that names that loss ``"loss"`` or ``"val_loss"``
+  (:data:`LOSS_KEYS`) next to any other metrics (``{"loss": 0.31, "accuracy": 0.92}``).
+  Either way the loss is reported as ``val_loss`` (the records, ``final_val_loss``);
+  the other metrics go into the same records under their own names and into the
+  summary's ``final_metrics`` (:func:`eval_metrics`). It runs on the server under
+  ``torch.no_grad()`` in eval mode with theta loaded.
 
 Under the local spawner (:func:`thinwire.comm.launch.spawn`) build the task inside the
 rank function; only picklable objects (module-level functions) cross process borders.
@@ -35,7 +44,7 @@ rank function; only picklable objects (module-level functions) cross process bor
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,16 +55,33 @@ from torch.nn.utils import parameters_to_vector
 from thinwire.errors import ConfigError
 
 __all__ = [
+    "LOSS_KEYS",
+    "RESERVED_METRICS",
     "BatchSource",
+    "EvalResult",
     "Task",
+    "eval_metrics",
     "evaluate_at",
     "flat_parameters",
     "load_flat_",
     "make_sources",
+    "metrics_at",
     "shape_signature",
     "shard_sizes",
     "to_device",
 ]
+
+
+EvalResult = float | Mapping[str, float]
+"""What ``Task.evaluate`` returns: the loss, or named metrics with the loss among them."""
+
+LOSS_KEYS = ("loss", "val_loss")
+"""The names under which an evaluation dict may give its loss (exactly one of them)."""
+
+RESERVED_METRICS = frozenset({"step", "steps", "updates", "rejected", "time_s"})
+"""Names an evaluation dict may not use: the evaluation records' own keys (the runtime's
+``step``/``updates``/``rejected``/``time_s``, the simulator's ``steps``/``updates``/
+``time_s``), which a metric of the same name would overwrite."""
 
 
 class BatchSource(Protocol):
@@ -76,8 +102,9 @@ class Task:
     """``shards(n)``: ``n`` batch sources, one per data shard."""
     loss: Callable[[nn.Module, Any], torch.Tensor]
     """``loss(model, batch)``: the scalar training loss of one batch."""
-    evaluate: Callable[[nn.Module], float] | None = None
-    """``evaluate(model)``: the server's metric of theta (lower is better); optional."""
+    evaluate: Callable[[nn.Module], EvalResult] | None = None
+    """``evaluate(model)``: the server's loss of theta (lower is better), or a dict of
+    metrics naming it ``"loss"`` or ``"val_loss"``; optional."""
 
 
 def make_sources(task: Task, n: int) -> list[BatchSource]:
@@ -128,15 +155,98 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _kind(value: Any) -> str:
+    # What a value that is not a number is, for an error message.
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of {value.numel()} elements"
+    return f"a {type(value).__name__}"
+
+
+def _number(name: str, value: Any) -> float:
+    # Anything float() takes but text: Python and NumPy numbers, one-element tensors
+    # (``loss`` as well as ``loss.item()``). A string or None is a mistake, not a metric.
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        out = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(
+            f"task.evaluate returned {_kind(value)} as {name!r}; every metric must be a number"
+        ) from None
+    # A non-finite value is a measurement (a diverged run's loss), not a mistake in the
+    # task: it is reported as it is, as a plain float loss always was.
+    return out
+
+
+def eval_metrics(result: EvalResult) -> dict[str, float]:
+    """``task.evaluate``'s result as ``{"val_loss": loss, **other metrics}``.
+
+    A number is the loss (passed on as ``float(result)``, non-finite included, as it
+    always was: a diverged run still reports its nan). A dict names the loss under one
+    of :data:`LOSS_KEYS`; every value must be a number (or a one-element tensor).
+
+    Raises:
+        ConfigError: one line naming the problem: a dict without a loss or with two, a
+            metric that is not a number, a name from
+            :data:`RESERVED_METRICS` or not a string, or a result that is neither a
+            number nor a dict.
+    """
+    if not isinstance(result, Mapping):
+        try:
+            return {"val_loss": float(result)}
+        except (TypeError, ValueError, RuntimeError):
+            raise ConfigError(
+                f"task.evaluate returned {_kind(result)}: return the loss as a "
+                f"float, or a dict of floats that names it {' or '.join(map(repr, LOSS_KEYS))}"
+            ) from None
+    bad = [k for k in result if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(
+            f"task.evaluate returned a dict with a key that is not a string: {bad[0]!r}"
+        )
+    named = [k for k in LOSS_KEYS if k in result]
+    if not named:
+        raise ConfigError(
+            f"task.evaluate returned a dict without a loss (keys: {', '.join(result) or 'none'}): "
+            f"name the loss {' or '.join(map(repr, LOSS_KEYS))}"
+        )
+    if len(named) > 1:
+        raise ConfigError(
+            f"task.evaluate returned a dict with both {' and '.join(map(repr, named))}: "
+            "name the loss once"
+        )
+    taken = sorted(RESERVED_METRICS.intersection(result))
+    if taken:
+        raise ConfigError(
+            f"task.evaluate returned a metric named {taken[0]!r}, a name the evaluation "
+            "records use for themselves: rename it"
+        )
+    out = {"val_loss": _number(named[0], result[named[0]])}
+    for k, v in result.items():
+        if k != named[0]:
+            out[k] = _number(k, v)
+    return out
+
+
 @torch.no_grad()
-def evaluate_at(
-    model: nn.Module, theta: torch.Tensor, evaluate: Callable[[nn.Module], float]
-) -> float:
-    """``evaluate(model)`` with ``theta`` loaded into ``model``, in eval mode."""
+def metrics_at(
+    model: nn.Module, theta: torch.Tensor, evaluate: Callable[[nn.Module], EvalResult]
+) -> dict[str, float]:
+    """:func:`eval_metrics` of ``evaluate(model)`` with ``theta`` loaded into ``model``,
+    in eval mode."""
     params = list(model.parameters())
     load_flat_(params, theta.to(params[0].device))
     model.eval()
     try:
-        return float(evaluate(model))
+        return eval_metrics(evaluate(model))
     finally:
         model.train()
+
+
+def evaluate_at(
+    model: nn.Module, theta: torch.Tensor, evaluate: Callable[[nn.Module], EvalResult]
+) -> float:
+    """The loss ``evaluate(model)`` gives with ``theta`` loaded (see :func:`metrics_at`)."""
+    return metrics_at(model, theta, evaluate)["val_loss"]

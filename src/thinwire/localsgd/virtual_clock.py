@@ -53,9 +53,9 @@ from thinwire.localsgd.methods import METHODS, for_method
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.task import (
     Task,
-    evaluate_at,
     flat_parameters,
     make_sources,
+    metrics_at,
     shard_sizes,
 )
 from thinwire.localsgd.worker import LocalWorker
@@ -104,8 +104,16 @@ class SimClock:
             raise ConfigError(f"eval-points must be >= 1, got {self.eval_points}")
 
 
+_POINT = ("steps", "updates", "time_s")  # a curve point's own keys, besides its metrics
+
+
 def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dict[str, Any]:
-    """Run one simulated training of ``task``; returns its curve and summary (JSON-ready)."""
+    """Run one simulated training of ``task``; returns its curve and summary (JSON-ready).
+
+    Each curve point holds ``steps``, ``updates``, ``time_s`` and ``task.evaluate``'s
+    metrics (``val_loss`` and, from a dict, the others by name); ``final_val_loss`` and
+    ``final_metrics`` are the last point's.
+    """
     clock = clock or SimClock()
     clock.validate()
     w_count = len(clock.seconds_per_step)
@@ -149,9 +157,9 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
     curve: list[dict[str, float]] = []
 
     def record(now: float) -> None:
-        loss = evaluate_at(model, core.theta.detach(), metric)
+        metrics = metrics_at(model, core.theta.detach(), metric)  # val_loss, then the rest
         point = {"steps": core.steps_applied, "updates": core.updates_applied, "time_s": now}
-        curve.append(point | {"val_loss": loss})
+        curve.append(point | metrics)
 
     events: list[tuple[float, int, int, Any, Any, float]] = []
     seq = 0
@@ -208,6 +216,7 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
         "clock": asdict(clock),
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_val_loss": curve[-1]["val_loss"],
+        "final_metrics": {k: v for k, v in curve[-1].items() if k not in _POINT},
         "inner_steps": core.steps_applied,
         "updates": core.updates_applied,
         "updates_dropped": core.updates_dropped,
