@@ -18,7 +18,11 @@ user's training loop stays ``loss.backward(); opt.step()``:
 * **Non-finite gradients**: checked after averaging (or inside the 1-bit collective,
   which checks every rank's scale), so every rank decides alike; the step is skipped
   and counted in :attr:`skipped_steps`, and no state is touched, so a GradScaler-style
-  loss-scale loop works.
+  loss-scale loop works. The first skipped step logs a warning, and so do the 2nd,
+  4th, 8th, ... with the count. When more than half of the last 20 steps were skipped
+  (:attr:`~CommOptimizer.max_skipped_fraction`) the run is not training any more:
+  ``step()`` raises :class:`~thinwire.errors.DivergedError` on every rank alike, as
+  ``thinwire train``'s divergence guard stops a run.
 * **Precision**: fp32, fp16 and bf16 parameters and gradients; moments and an fp32
   master copy of every low-precision parameter live in the optimizer state, so small
   updates are not rounded away.
@@ -26,6 +30,8 @@ user's training loop stays ``loss.backward(); opt.step()``:
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,6 +41,7 @@ import torch.distributed as dist
 from thinwire.comm.accounting import record, ring_allreduce_bytes
 from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.compress.onebit import DEFAULT_BLOCK
+from thinwire.errors import DivergedError
 
 __all__ = [
     "CommOptimizer",
@@ -45,6 +52,9 @@ __all__ = [
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_log = logging.getLogger("thinwire.optim")
+SKIP_WINDOW = 20
+"""Steps the divergence check looks back over (see :attr:`CommOptimizer.max_skipped_fraction`)."""
 
 
 def check_range(
@@ -127,6 +137,13 @@ class CommOptimizer(torch.optim.Optimizer):
     onebit_block: int | None = DEFAULT_BLOCK
     """Elements per scale of the 1-bit exchange (:class:`OneBitAllreduce`'s ``block``)."""
 
+    max_skipped_fraction: float = 0.5
+    """``step()`` raises :class:`~thinwire.errors.DivergedError` once more than this share
+    of the last 20 steps (at least 10 taken) were skipped for NaN/Inf gradients. A few
+    skipped steps are normal with a loss scaler or right after a learning-rate change;
+    most steps skipped means the run is not training. Set it to 1.0 on an instance to
+    only count (:attr:`skipped_steps`) and warn."""
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -137,7 +154,10 @@ class CommOptimizer(torch.optim.Optimizer):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.global_step = 0
+        """Steps applied (skipped ones not counted)."""
         self.skipped_steps = 0
+        self._recent: deque[bool] = deque(maxlen=SKIP_WINDOW)  # True: that step was skipped
         self._ddp_averages_grads = False
         self._flat: torch.Tensor | None = None
         self._onebit: Any = None  # the 1-bit collective, created at the first compressed step
@@ -254,7 +274,38 @@ class CommOptimizer(torch.optim.Optimizer):
             p.data.copy_(master)
 
     def _skip(self) -> None:
+        """Count a skipped step; warn at the 1st, 2nd, 4th, 8th, ...; raise
+        :class:`DivergedError` when most recent steps were skipped."""
         self.skipped_steps += 1
+        self._recent.append(True)
+        k, taken, name = (
+            self.skipped_steps,
+            self.global_step + self.skipped_steps,
+            type(self).__name__,
+        )
+        if self.rank == 0 and k & (k - 1) == 0:  # a power of two
+            if k == 1:
+                _log.warning(
+                    "%s: step %d skipped: the averaged gradients held NaN or Inf; parameters "
+                    "and optimizer state are unchanged",
+                    name,
+                    taken,
+                )
+            else:
+                _log.warning(
+                    "%s: %d of %d steps skipped so far (NaN/Inf gradients)", name, k, taken
+                )
+        recent = sum(self._recent)
+        if len(self._recent) >= 10 and recent > self.max_skipped_fraction * len(self._recent):
+            raise DivergedError(
+                f"{name}: the run diverged at step {taken}: {recent} of the last "
+                f"{len(self._recent)} steps were skipped (NaN/Inf gradients); lower the lr, "
+                "clip the gradients, or start the compression later (freeze_step)"
+            )
+
+    def _took_step(self) -> None:
+        """Record an applied step for the divergence check."""
+        self._recent.append(False)
 
     def _compressed_average(
         self,

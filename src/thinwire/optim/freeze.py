@@ -30,7 +30,15 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["AutoFreeze", "relative_change"]
+__all__ = ["DEFAULT_CAP_SHARE", "NO_FREEZE_WARNING_STEP", "AutoFreeze", "relative_change"]
+
+DEFAULT_CAP_SHARE = 0.3
+"""Share of a run of known length after which the automatic freeze switches whatever
+the statistics say: 30% bounds the warmup's full-precision bytes at about a third of an
+uncompressed run's (``thinwire train``, and the optimizers given ``total_steps``)."""
+
+NO_FREEZE_WARNING_STEP = 100
+"""A warmup of unknown length that has not settled by this step says so, once."""
 
 
 def relative_change(current: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -70,6 +78,24 @@ class AutoFreeze:
     history: list[tuple[int, float]] = field(default_factory=list, init=False)
     _calm: int = field(default=0, init=False, repr=False)
 
+    @classmethod
+    def for_run(
+        cls,
+        total_steps: int,
+        share: float = DEFAULT_CAP_SHARE,
+        min_step: int = 0,
+        tolerance: float = 0.05,
+    ) -> AutoFreeze:
+        """The rule for a run of ``total_steps`` optimizer steps: switch once the
+        statistics settle, after ``min_step`` (e.g. the end of the learning-rate warmup),
+        and after ``share`` of the run at the latest (but never inside ``min_step``)."""
+        if isinstance(total_steps, bool) or int(total_steps) != total_steps or total_steps < 1:
+            raise ValueError(f"total_steps must be an integer >= 1, got {total_steps!r}")
+        if not 0 < share <= 1:
+            raise ValueError(f"the freeze's share of the run must be in (0, 1], got {share}")
+        cap = max(1, math.ceil(share * total_steps), min_step)
+        return cls(tolerance=tolerance, min_step=min_step, max_step=cap)
+
     def __post_init__(self) -> None:
         for name, value in (("window", self.window), ("patience", self.patience)):
             if value < 1:
@@ -108,6 +134,19 @@ class AutoFreeze:
         if reason not in self.REASONS[1:]:
             raise ValueError(f"unknown reason {reason!r}")
         self.decided_at, self.reason = step, reason
+
+    def pending(self) -> str:
+        """One clause for a warmup that has not ended: what the rule waits for."""
+        wait = (
+            f"freezes once they change less than {self.tolerance:.1%} per {self.window} "
+            f"steps, {self.patience} times in a row, and at step {self.max_step:,} at the latest"
+        )
+        if not self.history:
+            return f"no measurement of the statistics yet ({wait})"
+        return (
+            f"the statistics it freezes still changed {self.history[-1][1]:.1%} over the "
+            f"last {self.window} steps ({wait})"
+        )
 
     def describe(self) -> str:
         """One line for the log: when and why the warmup ended."""

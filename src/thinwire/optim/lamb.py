@@ -79,7 +79,6 @@ class Lamb(CommOptimizer):
             min_coeff=min_coeff,
         )
         super().__init__(params, defaults, process_group)
-        self.global_step = 0
         self.last_coeffs: list[float] = []
 
     @torch.no_grad()
@@ -92,6 +91,7 @@ class Lamb(CommOptimizer):
         if not self._average_gradients([p for p, _ in items]):
             self._skip()
             return loss
+        self._took_step()
         self.global_step += 1
         t = self.global_step
         coeffs = []

@@ -42,9 +42,9 @@ class OneBitAdam(TwoStageOptimizer):
             zero (e.g. unused embedding rows) from accumulating compression error.
         lr: learning rate, as for Adam.
         freeze_step: when the full-precision warmup ends: ``"auto"`` (once the second
-            moment has settled, see :class:`~thinwire.optim.freeze.AutoFreeze`; pass an
-            ``AutoFreeze(...)`` to tune it or to cap it at a share of your run), or a
-            step count. A fixed count must come after the variance has settled: 15-25%
+            moment has settled, see :class:`~thinwire.optim.freeze.AutoFreeze`, and at
+            30% of ``total_steps`` at the latest; pass an ``AutoFreeze(...)`` to tune
+            it), or a step count. A fixed count must come after the variance has settled: 15-25%
             of the run is the papers' choice, at least a few hundred steps on real
             models. Too early shows as a loss jump right after the freeze; later costs
             only bandwidth (warmup steps send 32x more).
@@ -58,6 +58,20 @@ class OneBitAdam(TwoStageOptimizer):
         precondition: compress ``m / (sqrt(v_hat)+eps)`` instead of ``m`` (default), so
             the compression error of an element is on the scale of its own step; see
             :mod:`thinwire.optim.two_stage`. ``False`` is the paper's rule.
+        total_steps: the run's length in optimizer steps, if known. With
+            ``freeze_step="auto"`` it caps the warmup at 30% of it
+            (:meth:`AutoFreeze.for_run <thinwire.optim.freeze.AutoFreeze.for_run>`,
+            ``thinwire train``'s rule), so the automatic freeze compresses in a run of
+            any length: on thinwire's model zoo the statistics settled after 45-90% of a
+            300-step run or not at all. Without it the cap is 10,000 steps, and a warmup
+            that has not settled by step 100 says so in one warning line.
+        denom_floor: floor of each frozen denominator, as a share of its layer's mean
+            (:mod:`thinwire.optim.floor`): keeps the weights behind ReLU units that never
+            fired (second moment 0) and other near-dead elements from taking steps of
+            many times lr. 0 is the papers' rule.
+        block: elements per 1-bit scale in the compressed exchange (see
+            :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`); None is the papers'
+            one scale per buffer.
         process_group: ranks to average over (default: the default group, if any).
 
     With one process (or no process group) it is plain Adam (the "compression" of one
@@ -78,6 +92,7 @@ class OneBitAdam(TwoStageOptimizer):
         precondition: bool = True,
         denom_floor: float = DEFAULT_DENOM_FLOOR,
         block: int | None = DEFAULT_BLOCK,
+        total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
@@ -90,7 +105,7 @@ class OneBitAdam(TwoStageOptimizer):
             precondition=precondition,
             denom_floor=denom_floor,
         )
-        super().__init__(params, defaults, freeze_step, process_group, block)
+        super().__init__(params, defaults, freeze_step, process_group, block, total_steps)
 
     def _warmup_step(self) -> bool:
         items = self._grads()

@@ -53,9 +53,9 @@ class OneBitLamb(TwoStageOptimizer):
             for :class:`~thinwire.optim.OneBitAdam`).
         lr: learning rate, as for LAMB.
         freeze_step: when the full-precision warmup ends: ``"auto"`` (once the second
-            moment has settled, see :class:`~thinwire.optim.freeze.AutoFreeze`; pass an
-            ``AutoFreeze(...)`` to tune it or to cap it at a share of your run), or a
-            step count. The frozen variance and the trust-ratio EMA must be
+            moment has settled, see :class:`~thinwire.optim.freeze.AutoFreeze`, and at
+            30% of ``total_steps`` at the latest; pass an ``AutoFreeze(...)`` to tune
+            it), or a step count. The frozen variance and the trust-ratio EMA must be
             representative: a fixed count of 15-25% of the run is the paper's choice.
             Shorter saves bandwidth; too short shows as a loss bump after the freeze
             (the factor ``f`` then hits its clip bounds often, visible in
@@ -81,6 +81,20 @@ class OneBitLamb(TwoStageOptimizer):
             inflates that variance everywhere alike, so ``f`` sinks to ``factor_min`` and
             the steps shrink. Measured on the tiny GPT (Moby-Dick, 300 steps, freeze at
             45): 2.052 with the paper's rule, 2.190 preconditioned, LAMB 2.029.
+        total_steps: the run's length in optimizer steps, if known. With
+            ``freeze_step="auto"`` it caps the warmup at 30% of it
+            (:meth:`AutoFreeze.for_run <thinwire.optim.freeze.AutoFreeze.for_run>`,
+            ``thinwire train``'s rule), so the automatic freeze compresses in a run of
+            any length: on thinwire's model zoo the statistics settled after 45-90% of a
+            300-step run or not at all. Without it the cap is 10,000 steps, and a warmup
+            that has not settled by step 100 says so in one warning line.
+        denom_floor: floor of each frozen denominator, as a share of its layer's mean
+            (:mod:`thinwire.optim.floor`): keeps the weights behind ReLU units that never
+            fired (second moment 0) and other near-dead elements from taking steps of
+            many times lr. 0 is the papers' rule.
+        block: elements per 1-bit scale in the compressed exchange (see
+            :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`); None is the papers'
+            one scale per buffer.
         process_group: ranks to average over (default: the default group, if any).
 
     With one process it is LAMB in warmup and the same frozen-variance rule afterwards,
@@ -110,6 +124,7 @@ class OneBitLamb(TwoStageOptimizer):
         precondition: bool = False,
         denom_floor: float = DEFAULT_DENOM_FLOOR,
         block: int | None = DEFAULT_BLOCK,
+        total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
@@ -134,7 +149,7 @@ class OneBitLamb(TwoStageOptimizer):
             precondition=precondition,
             denom_floor=denom_floor,
         )
-        super().__init__(params, defaults, freeze_step, process_group, block)
+        super().__init__(params, defaults, freeze_step, process_group, block, total_steps)
         self.last_coeffs: list[float] = []
         self.last_factors: list[float] = []
         self._work: torch.Tensor | None = None

@@ -38,7 +38,12 @@ from thinwire.comm.accounting import record
 from thinwire.compress.onebit import check_block
 from thinwire.optim.base import CommOptimizer, check_range
 from thinwire.optim.floor import FloorReport, floor_denominators
-from thinwire.optim.freeze import AutoFreeze, relative_change
+from thinwire.optim.freeze import (
+    DEFAULT_CAP_SHARE,
+    NO_FREEZE_WARNING_STEP,
+    AutoFreeze,
+    relative_change,
+)
 
 __all__ = ["TwoStageOptimizer"]
 
@@ -61,25 +66,46 @@ class TwoStageOptimizer(CommOptimizer):
         freeze_step: int | str | AutoFreeze,
         process_group: dist.ProcessGroup | None = None,
         block: int | None = None,
+        total_steps: int | None = None,
     ) -> None:
         check_block(block)
         check_range("denom_floor", defaults["denom_floor"], 0.0, 1.0)
         self.auto_freeze: AutoFreeze | None = None
         self.freeze_step: int | None = None
+        self.total_steps = total_steps
+        # "auto" with no idea of the run's length: the one case that warns when the
+        # warmup runs long (an AutoFreeze given explicitly carries the user's own cap).
+        self._unbounded = freeze_step == "auto" and total_steps is None
         if isinstance(freeze_step, AutoFreeze):
+            if total_steps is not None:
+                raise ValueError(
+                    "give total_steps with freeze_step='auto', or an AutoFreeze with its own "
+                    "max_step, not both"
+                )
             # A copy: the rule records the run's decision, and one AutoFreeze given to two
             # optimizers must not make the second one think it has already frozen.
             self.auto_freeze = dataclasses.replace(freeze_step)
         elif freeze_step == "auto":
-            self.auto_freeze = AutoFreeze()
+            known = total_steps is not None
+            self.auto_freeze = AutoFreeze.for_run(total_steps) if known else AutoFreeze()
         elif isinstance(freeze_step, (str, bool)):
             raise ValueError(f"freeze_step must be a step count or 'auto', got {freeze_step!r}")
         else:
             check_range("freeze_step", freeze_step, 1, float("inf"))
             self.freeze_step = int(freeze_step)
+            if total_steps is not None:
+                AutoFreeze.for_run(total_steps)  # the same check of total_steps
         super().__init__(params, defaults, process_group)
         self.onebit_block = block
-        self.global_step = 0
+        never = self.freeze_step is not None and total_steps is not None
+        if never and self.freeze_step >= total_steps and self.rank == 0:
+            _log.warning(
+                "%s: freeze_step=%d is not before total_steps=%d: this run will never "
+                "compress (every step sends full-precision gradients)",
+                type(self).__name__,
+                self.freeze_step,
+                total_steps,
+            )
         # Derived, not state: rebuilt from exp_avg_sq after a load_state_dict.
         self._denoms: dict[torch.Tensor, torch.Tensor] = {}
         self.floor_report: FloorReport | None = None
@@ -116,7 +142,9 @@ class TwoStageOptimizer(CommOptimizer):
             ok = self._warmup_step()
             if ok:
                 self._maybe_freeze()
-        if not ok:
+        if ok:
+            self._took_step()
+        else:
             self._skip()
         return loss
 
@@ -134,9 +162,10 @@ class TwoStageOptimizer(CommOptimizer):
     def _maybe_freeze(self) -> None:
         t = self.global_step
         rule = self.auto_freeze
+        name = type(self).__name__
         if rule is None:
             if t == self.freeze_step:
-                self._switch()
+                self._switch(f"warmup ended at step {t} (freeze_step={t})")
             return
         if rule.decided_at is not None:
             return
@@ -148,22 +177,38 @@ class TwoStageOptimizer(CommOptimizer):
             change = self._agree(self._measure_change())
         reason = rule.decide(t, change)
         if reason is None:
+            if t == NO_FREEZE_WARNING_STEP and self._unbounded and self.rank == 0:
+                _log.warning(
+                    "%s: no compression yet at step %d: %s; pass total_steps=<your run's "
+                    "steps> to cap the warmup at %.0f%% of it, or freeze_step=N",
+                    name,
+                    t,
+                    rule.pending(),
+                    100 * DEFAULT_CAP_SHARE,
+                )
             return
         rule.commit(t, reason)
         self.freeze_step = t
-        if self.rank == 0:
-            _log.info(
-                "%s: %s; compressing from step %d", type(self).__name__, rule.describe(), t + 1
-            )
-        self._switch()
+        self._switch(rule.describe())
 
-    def _switch(self) -> None:
+    def _switch(self, why: str) -> None:
         """Enter the compression stage: free the automatic freeze's references (one fp32
-        copy of every parameter, held only during the warmup), then prepare."""
+        copy of every parameter, held only during the warmup), prepare, freeze the
+        denominators, and say so in one line (logging, INFO, rank 0)."""
         for p, _ in self._momentum_params():
             for key in [k for k in self.state[p] if k.startswith("freeze_ref")]:
                 del self.state[p][key]
         self._on_freeze()
+        self._freeze_denominators()
+        if self.rank == 0:
+            floor = self.floor_report.describe() if self.floor_report is not None else ""
+            _log.info(
+                "%s: %s; 1-bit compression from step %d%s",
+                type(self).__name__,
+                why,
+                self.global_step + 1,
+                f"; {floor}" if floor else "",
+            )
 
     def _measure_change(self) -> float | None:
         """Relative change of what will be frozen since the previous check (None at the
@@ -241,9 +286,6 @@ class TwoStageOptimizer(CommOptimizer):
             [group["eps"] for _, group in items],
         )
         self._denoms = {p: d for (p, _), d in zip(items, denoms, strict=True)}
-        message = self.floor_report.describe()
-        if message and self.rank == 0:
-            _log.info("%s: %s", type(self).__name__, message)
 
     def _momentum_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """(parameter, group) of every parameter with momentum: the same set on every
@@ -269,7 +311,10 @@ class TwoStageOptimizer(CommOptimizer):
             # A fixed freeze step this run has already passed, while the saved run was
             # still in its warmup: switch now, rather than compress with nothing frozen.
             self.freeze_step = self.global_step
-            self._switch()
+            self._switch(
+                f"the loaded state was in its warmup at step {self.global_step}, past "
+                "this optimizer's freeze_step"
+            )
         elif self.compressing:
             for p, _ in self._momentum_params():
                 for key in [k for k in self.state[p] if k.startswith("freeze_ref")]:

@@ -342,9 +342,11 @@ class TrainConfig:
         if self.freeze_step in (None, "auto"):
             # Never inside the learning-rate warmup, even when the cap would be: the
             # steps after it grow with the lr while the frozen variance does not.
-            cap = max(1, math.ceil(self.freeze_cap * self.steps), self.warmup_steps)
-            return AutoFreeze(
-                tolerance=self.freeze_tolerance, min_step=self.warmup_steps, max_step=cap
+            return AutoFreeze.for_run(
+                self.steps,
+                share=self.freeze_cap,
+                min_step=self.warmup_steps,
+                tolerance=self.freeze_tolerance,
             )
         return int(self.freeze_step)
 
