@@ -10,6 +10,7 @@ metrics. Also: the library's import direction.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from dataclasses import replace
@@ -135,6 +136,22 @@ def test_run_async_trains_a_users_mlp_on_three_ranks(tmp_path: Path) -> None:
         assert torch.equal(flat_parameters(model), state["theta"])
         assert _evaluate(model.eval()) == summary["final_val_loss"]
     assert all("theta" not in w for w in workers)  # workers return what they always did
+
+
+def _two_runs(rank: int, world: int, cfg: AsyncConfig) -> Any:
+    first = run_async(_task(), cfg)
+    second = run_async(_task(), dataclasses.replace(cfg, steps=cfg.steps // 2))
+    return (first, second) if rank == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_two_runs_one_after_the_other_in_one_process_group() -> None:
+    """A sweep that calls run_async twice in the same group: the second run's workers
+    find the second run's server, not the first's closed store."""
+    cfg = AsyncConfig(steps=10, local_steps=5, warmup_steps=2, dead_after_s=30.0)
+    (first, second), *_ = spawn(_two_runs, 3, (cfg,), timeout_s=110)
+    assert first["inner_steps"] == 2 * 10 and second["inner_steps"] == 2 * 5
+    assert first["complete"] and second["complete"]
 
 
 @pytest.mark.timeout(60)

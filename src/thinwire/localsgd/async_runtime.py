@@ -52,6 +52,7 @@ message is sealed (:mod:`thinwire.localsgd.auth`) and every push checked
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,10 @@ from thinwire.localsgd.worker import LocalWorker
 from thinwire.localsgd.worker_loop import work_loop
 
 __all__ = ["make_worker", "open_transport", "run_async"]
+
+_LAUNCHES = itertools.count()
+"""Runs this process has started in its process group, counted alike on every rank, so
+that a second ``run_async`` in the same group finds its own server, not the first's."""
 
 
 def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalWorker:
@@ -103,6 +108,7 @@ def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
             rank 0's, an address that cannot be listened on (on every rank).
     """
     rank = dist.get_rank()
+    launch = next(_LAUNCHES)  # every rank counts the same runs
     launch_store = dist.distributed_c10d._get_default_store()
     key: RunKey | None = None
     generated: bytes | None = None
@@ -127,7 +133,7 @@ def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
     timeouts = {"connect_timeout_s": cfg.connect_timeout_s, "timeout_s": cfg.link_timeout_s}
     if rank == 0:
         return Transport.host(
-            launch_store, key, listen_address(cfg.bind_addr), **timeouts
+            launch_store, key, listen_address(cfg.bind_addr), launch, **timeouts
         ), generated
     own = read_token(cfg.token_file)
     if own is not None and RunKey.from_token(own) != key:
@@ -135,7 +141,7 @@ def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
             f"rank {rank}'s run token is not rank 0's: give every rank the same "
             "THINWIRE_RUN_TOKEN (or token file)"
         )
-    return Transport.launched(launch_store, rank, key, **timeouts), None
+    return Transport.launched(launch_store, rank, key, launch, **timeouts), None
 
 
 def run_async(

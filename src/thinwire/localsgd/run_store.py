@@ -32,6 +32,14 @@ NAMESPACE = "thinwire.localsgd"
 """Prefix of every key of the asynchronous runtime."""
 _CURRENT = f"{NAMESPACE}/current"  # in the root store: where the run being served is
 _RUN_ID = f"{NAMESPACE}/run_id"  # in the launch's store: the same, for launched workers
+
+
+def _run_id_key(launch: int) -> str:
+    # One key per run of the launch: a second run_async in the same process group must
+    # not send its workers to the first run's (closed) store.
+    return _RUN_ID if launch == 0 else f"{_RUN_ID}/{launch}"
+
+
 _STORE_CONNECT_S = 10.0
 
 
@@ -73,22 +81,27 @@ def _where(blob: bytes, where: str) -> tuple[str, str, int]:
 
 
 def host_store(
-    launch_store: dist.Store, address: str, timeout_s: float
+    launch_store: dist.Store, address: str, timeout_s: float, launch: int = 0
 ) -> tuple[dist.TCPStore, str]:
     """On the server: host the run's store on ``address`` (a free port), publish where it
-    is, and return it with the run's fresh id."""
+    is, and return it with the run's fresh id. ``launch`` counts the runs this process
+    group has started (the same count on every rank)."""
     store = bound_store(address, timeout_s=timeout_s)
     run_id = uuid.uuid4().hex
     where = json.dumps({"run_id": run_id, "host": address, "port": store.port})
-    launch_store.set(_RUN_ID, where)
+    launch_store.set(_run_id_key(launch), where)
     root_store(launch_store).set(_CURRENT, where)
     store.set(_CURRENT, where)  # also found by whoever connects to this store directly
     return store, run_id
 
 
-def find_launched(launch_store: dist.Store, timeout_s: float) -> tuple[dist.TCPStore, str, str]:
-    """On a launched worker: ``(store client, run id, server host)`` (waits for the server)."""
-    run_id, addr, port = _where(launch_store.get(_RUN_ID), "the launch's store")
+def find_launched(
+    launch_store: dist.Store, timeout_s: float, launch: int = 0
+) -> tuple[dist.TCPStore, str, str]:
+    """On a launched worker: ``(store client, run id, server host)`` of the group's
+    ``launch``-th run (waits for its server)."""
+    blob = launch_store.get(_run_id_key(launch))
+    run_id, addr, port = _where(blob, "the launch's store")
     return connect(addr, port, timeout_s), run_id, addr
 
 

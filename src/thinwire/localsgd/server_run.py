@@ -238,8 +238,12 @@ def run_server(
         gone = ", ".join(str(w) for w in stats["dead_workers"])
         raise IncompleteRunError(
             f"the run is incomplete: every worker is gone (dead or stopped: {gone}) after "
-            f"{core.steps_applied // workers} of {cfg.steps} steps per worker; the "
-            + ("checkpoint keeps them: resume to finish it" if ckpt else "no checkpoint was kept"),
+            f"{core.steps_applied // workers} of {cfg.steps} steps per worker; "
+            + (
+                "the checkpoint keeps them: resume to finish it"
+                if ckpt
+                else "no checkpoint was kept"
+            ),
             summary | {"incomplete": "every worker is gone"},
         )
     return summary

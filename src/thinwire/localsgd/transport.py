@@ -140,21 +140,28 @@ class Transport:
     # Three ways to build one; ``timeouts``: ``connect_timeout_s`` and ``timeout_s``.
     @classmethod
     def host(
-        cls, launch_store: dist.Store, key: RunKey, address: str, **timeouts: float
+        cls,
+        launch_store: dist.Store,
+        key: RunKey,
+        address: str,
+        launch: int = 0,
+        **timeouts: float,
     ) -> Transport:
         """The server's transport: host the run's store on ``address`` (a free port), and
-        say where it is in ``launch_store`` for launched and restarted workers."""
-        store, run_id = host_store(launch_store, address, timeouts.get("connect_timeout_s", 120))
+        say where it is in ``launch_store`` for launched and restarted workers (``launch``:
+        which run of the process group this is, see :func:`host_store`)."""
+        connect_s = timeouts.get("connect_timeout_s", 120)
+        store, run_id = host_store(launch_store, address, connect_s, launch)
         t = cls(store, rank=0, run_id=run_id, key=key, address=address, **timeouts)
         t.store.set("verifier", key.verifier(run_id))
         return t
 
     @classmethod
     def launched(
-        cls, launch_store: dist.Store, rank: int, key: RunKey, **timeouts: float
+        cls, launch_store: dist.Store, rank: int, key: RunKey, launch: int = 0, **timeouts: float
     ) -> Transport:
         """A launched worker's transport: find the run's store through ``launch_store``."""
-        found = find_launched(launch_store, timeouts.get("connect_timeout_s", 120))
+        found = find_launched(launch_store, timeouts.get("connect_timeout_s", 120), launch)
         store, run_id, server = found
         return cls(
             store, rank=rank, run_id=run_id, key=key, address=route_address(server), **timeouts
