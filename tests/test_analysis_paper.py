@@ -346,3 +346,31 @@ def test_overlapped_onebit_hook_hides_the_wire_but_not_the_codec() -> None:
     after = simulate(prof, b, replace(hook, overlap=False))
     assert after.exposed_s == pytest.approx(2 * busy) and after.compute_stall_s == 0.0
     assert free.exposed_s < res.exposed_s < after.exposed_s
+
+
+def test_advice_steers_adam_users_away_from_the_1bit_hook() -> None:
+    """When only the overlapped 1-bit hook reaches the target, the advice still tells an
+    Adam user to take 1-bit Adam (the hook's 1-bit gradients lose Adam's per-element
+    second moment), or Local-SGD."""
+    from thinwire.analysis.report import recommend
+
+    study = {
+        "target": 0.9,
+        "result": {
+            "config": {"workers": 4, "bandwidth_gbps": 0.1},
+            "scaling_factor": 0.4,
+            "exposed_s": 0.3,
+            "breakdown": {"network_s": 1.0},
+        },
+        "needed": {"compression": 8.0, "local_steps": 5},
+        "alternatives": [
+            {"name": "1-bit Adam/LAMB (1-bit, after backward)", "scaling_factor": 0.85},
+            {"name": "1-bit allreduce, overlapped (comm hook)", "scaling_factor": 0.95},
+        ],
+    }
+    _, advice = recommend(study)
+    assert "use the overlapped 1-bit allreduce comm hook" in advice
+    assert "with Adam or AdamW use 1-bit Adam instead (predicted SF 85.0%)" in advice
+    assert advice.endswith(
+        "; or Local-SGD / DiLoCo averaging every H = 5 steps reaches the target."
+    )

@@ -112,10 +112,21 @@ def recommend(study: dict[str, Any]) -> tuple[str, str]:
             else "the overlapped 1-bit allreduce comm hook (1-bit Adam/LAMB alone would "
             "not: they cannot overlap the backward pass)"
         )
-        return verdict, (
+        advice = (
             f"Compression of {c:.1f}x reaches the target; use {how}: predicted SF "
             f"{_pct(best['scaling_factor'])}."
         )
+        if not best["name"].startswith("1-bit Adam"):
+            # Measured on the model zoo: behind 1-bit gradients Adam's second moment
+            # loses each element's scale (docs/compression.md).
+            adam = _find(alts, "1-bit Adam")
+            advice += (
+                " The hook suits SGD-style optimizers; with Adam or AdamW use 1-bit Adam "
+                "instead"
+                + (f" (predicted SF {_pct(adam['scaling_factor'])})" if adam else "")
+                + f"; or {local}."
+            )
+        return verdict, advice
     reason = (
         f"it needs {c:.0f}x compression, more than 1-bit schemes (~{ONEBIT_RATIO:.0f}x) give"
         if c > ONEBIT_RATIO

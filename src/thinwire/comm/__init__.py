@@ -23,12 +23,15 @@ from thinwire.comm.onebit_allreduce import (
     onebit_wire_bytes,
 )
 from thinwire.comm.onebit_hook import OneBitHookState, onebit_hook
+from thinwire.comm.register import HOOK_METHODS, register_comm_hook
 
 __all__ += [
+    "HOOK_METHODS",
     "LengthMismatchError",
     "NonFiniteError",
     "OneBitAllreduce",
     "OneBitHookState",
     "onebit_hook",
     "onebit_wire_bytes",
+    "register_comm_hook",
 ]

@@ -8,8 +8,8 @@ into PyTorch DDP's own extension point, the way PowerSGD's hook does::
     state = OneBitHookState(process_group=None, warmup_steps=100)
     ddp_model.register_comm_hook(state, onebit_hook)
 
-Each gradient bucket is averaged with sign bits plus one scale per rank and segment,
-32x fewer bytes than fp32. What the compression loses is kept per bucket, on the
+Each gradient bucket is averaged with sign bits plus one scale per block of 256
+elements, 28x fewer bytes than fp32. What the compression loses is kept per bucket, on the
 worker and on the server side, and added back next step (error-feedback sign SGD:
 Seide et al. 2014, Karimireddy et al. arXiv 1901.09847, Tang et al. arXiv 2102.02888).
 Because only the gradients change, it works with any optimizer.
@@ -57,7 +57,7 @@ import torch.distributed as dist
 from thinwire.comm.allreduce import all_reduce_mean_, allreduce_hook
 from thinwire.comm.hook_worker import HookWorker, completed
 from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
-from thinwire.compress.onebit import DEFAULT_CHUNK
+from thinwire.compress.onebit import DEFAULT_BLOCK, DEFAULT_CHUNK, check_block
 
 __all__ = ["OneBitHookState", "onebit_hook"]
 
@@ -114,6 +114,11 @@ class OneBitHookState:
         overlap: run each bucket's collective on a background thread while backward
             goes on (default). ``False`` runs it inside the hook, blocking backward: the
             same result bit for bit, without the overlap.
+        block: elements per 1-bit scale (see
+            :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`). Smaller blocks
+            follow the gradient's magnitude more closely (each layer, each part of a
+            layer, gets its own) at 32 bits per block: 256 adds 1/8 bit per element.
+            None is one scale per bucket.
 
     The state pickles without the process group (it is ``None`` after unpickling,
     i.e. the default group; set ``state.process_group`` again if needed) and without
@@ -130,6 +135,7 @@ class OneBitHookState:
         "_order",
         "_pending",
         "_worker",
+        "block",
         "chunk",
         "iteration",
         "nonfinite",
@@ -145,7 +151,9 @@ class OneBitHookState:
         nonfinite: str = "allreduce",
         chunk: int = DEFAULT_CHUNK,
         overlap: bool = True,
+        block: int | None = DEFAULT_BLOCK,
     ) -> None:
+        check_block(block)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if nonfinite not in _NONFINITE:
@@ -155,6 +163,7 @@ class OneBitHookState:
         self.nonfinite = nonfinite
         self.chunk = chunk
         self.overlap = overlap
+        self.block = block
         self.iteration = 0
         self._allreduces: dict[int, OneBitAllreduce] = {}
         self._pending: dict[int, dict[str, Any]] = {}  # loaded, not yet met
@@ -180,7 +189,7 @@ class OneBitHookState:
     def _materialize(self, index: int) -> OneBitAllreduce:
         saved = self._pending.pop(index)
         positions = saved.get("positions")
-        ar = OneBitAllreduce(self.process_group, self.chunk)
+        ar = OneBitAllreduce(self.process_group, self.chunk, block=self.block)
         ar.load_state_dict({k: v for k, v in saved.items() if k != "positions"})
         self._allreduces[index] = ar
         self._layout[index] = None if positions is None else tuple(positions)
@@ -227,7 +236,9 @@ class OneBitHookState:
                 del self._pending[index]  # another layout: those residuals are moot
         ar = self._allreduces.get(index)
         if ar is None:
-            ar = self._allreduces[index] = OneBitAllreduce(self.process_group, self.chunk)
+            ar = self._allreduces[index] = OneBitAllreduce(
+                self.process_group, self.chunk, block=self.block
+            )
         elif ar.numel not in (None, numel) or self._layout.get(index) not in (None, positions):
             ar.reset()  # DDP rebuilt its buckets (alike on every rank): old residuals are moot
         self._layout[index] = positions
@@ -266,6 +277,7 @@ class OneBitHookState:
             "nonfinite": self.nonfinite,
             "chunk": self.chunk,
             "overlap": self.overlap,
+            "block": self.block,
             "iteration": self.iteration,
             "buckets": buckets,
         }
@@ -277,6 +289,7 @@ class OneBitHookState:
         self.nonfinite = state["nonfinite"]
         self.chunk = state["chunk"]
         self.overlap = state.get("overlap", True)  # states saved before the option existed
+        self.block = state.get("block")  # ... and before blocks: one scale per bucket
         self.iteration = state["iteration"]
         self._allreduces = {}
         self._layout = {}
