@@ -67,14 +67,15 @@ def test_divergence_check_can_be_turned_off() -> None:
 
 
 def test_total_steps_caps_the_automatic_freeze(caplog: pytest.LogCaptureFixture) -> None:
-    """Gradients whose scale never settles: without total_steps the warmup says why it
-    has not ended at step 100; with total_steps=60 it freezes at 30% of it and says so."""
+    """Gradients whose scale never settles (2% larger every step): without total_steps
+    the warmup says why it has not ended at step 100; with total_steps=60 it freezes at
+    30% of it and says so."""
 
     def run(opt: OneBitLamb, params: list[torch.nn.Parameter], steps: int) -> None:
         for t in range(1, steps + 1):
             g = torch.Generator().manual_seed(t)
             for p in params:
-                p.grad = torch.randn(p.shape, generator=g) * 1.05**t  # ever larger
+                p.grad = torch.randn(p.shape, generator=g) * 1.02**t
             opt.step()
 
     params = _params()
@@ -134,3 +135,62 @@ def test_for_run_is_thinwire_trains_rule() -> None:
     rule = AutoFreeze.for_run(300, min_step=30)
     assert (rule.max_step, rule.min_step, rule.tolerance) == (90, 30, 0.05)
     assert AutoFreeze.for_run(10, min_step=20).max_step == 20  # never inside the lr warmup
+
+
+def _jump_run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: range) -> None:
+    """Small gradients until step 30, then 30x larger ones (a plateau's end)."""
+    for t in steps:
+        g = torch.Generator().manual_seed(t)
+        scale = 0.01 if t <= 30 else 0.3
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * scale
+        opt.step()
+
+
+def test_stale_guard_counts_growth_in_a_row() -> None:
+    from thinwire.optim.stale import StaleGuard
+
+    guard = StaleGuard(growth=4.0, patience=2)
+    assert guard.observe(100.0) is None  # not armed
+    guard.arm(1.0)
+    assert guard.observe(20.0) is None  # 4.5x, once
+    assert guard.observe(1.0) is None  # back: the count restarts
+    assert guard.observe(17.0) is None
+    assert guard.observe(25.0) == pytest.approx(5.0)  # 4.1x then 5x: stale
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, OneBitLamb])
+def test_a_stale_automatic_freeze_goes_back_to_the_warmup(
+    cls: type, caplog: pytest.LogCaptureFixture
+) -> None:
+    params = _params()
+    opt = cls(params, lr=1e-3, freeze_step=AutoFreeze(max_step=25))
+    with caplog.at_level(logging.WARNING, logger="thinwire"):
+        _jump_run(opt, params, range(1, 41))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"{cls.__name__}: the frozen variance went stale at step 3")
+    assert "since the freeze at step 25" in line and "back to the full-precision warmup" in line
+    assert opt.freeze_step is None and not opt.compressing and opt.stale.rewarmups == 1
+    assert all(torch.isfinite(p).all() for p in params)
+    assert all(float(opt.state[p]["exp_avg"].abs().max()) < 1.0 for p in params)
+    # Saved after the return to the warmup, loaded into a fresh optimizer: the same run.
+    saved = opt.state_dict()
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = cls(twin_params, lr=1e-3, freeze_step=AutoFreeze(max_step=25))
+    twin.load_state_dict(saved)
+    assert twin.auto_freeze.max_step == opt.auto_freeze.max_step > 40
+    _jump_run(opt, params, range(41, 80))
+    _jump_run(twin, twin_params, range(41, 80))
+    assert opt.freeze_step == twin.freeze_step is not None  # frozen again, alike
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params, strict=True))
+
+
+def test_a_stale_fixed_freeze_is_kept_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    params = _params()
+    opt = OneBitAdam(params, lr=1e-3, freeze_step=25)
+    with caplog.at_level(logging.WARNING, logger="thinwire"):
+        _jump_run(opt, params, range(1, 60))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "the frozen variance went stale" in line
+    assert line.endswith("freeze_step=25 is kept; a later one, or 'auto', would re-estimate it")
+    assert opt.compressing and opt.freeze_step == 25

@@ -162,6 +162,8 @@ class CommOptimizer(torch.optim.Optimizer):
         self._flat: torch.Tensor | None = None
         self._onebit: Any = None  # the 1-bit collective, created at the first compressed step
         self._onebit_state: dict[str, Any] | None = None  # loaded before that step
+        self.exchanged_energy = 0.0
+        """``||x||^2`` of the buffer the last compressed step exchanged (after the exchange)."""
         for p in self._params():
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters")
@@ -335,12 +337,16 @@ class CommOptimizer(torch.optim.Optimizer):
             fill(p, view)
             views.append(view)
             offset += p.numel()
-        if self.world_size == 1:
-            return views if bool(torch.isfinite(flat).all()) else None
-        try:
-            self._onebit(flat, out=flat)
-        except NonFiniteError:
+        if self.world_size > 1:
+            try:
+                self._onebit(flat, out=flat)
+            except NonFiniteError:
+                return None
+        elif not bool(torch.isfinite(flat).all()):
             return None
+        # What was exchanged keeps its energy through the 1-bit code (RMS block scales):
+        # a gauge of the step's size that every rank reads alike.
+        self.exchanged_energy = float(torch.linalg.vector_norm(flat)) ** 2
         return views
 
     # ------------------------------------------------------------------ DDP

@@ -129,6 +129,13 @@ class AutoFreeze:
             return "settled"
         return None
 
+    def restart(self, step: int, max_step: int) -> None:
+        """Undo the decision: the warmup goes on from ``step`` (a stale freeze, see
+        :mod:`thinwire.optim.stale`) and ends once settled, at ``max_step`` at the latest.
+        The history is kept."""
+        self.decided_at, self.reason, self._calm = None, None, 0
+        self.min_step, self.max_step = step, max(step + 1, max_step)
+
     def commit(self, step: int, reason: str) -> None:
         """The warmup ended with ``step``, for ``reason``."""
         if reason not in self.REASONS[1:]:
@@ -176,6 +183,8 @@ class AutoFreeze:
             "reason": self.REASONS.index(self.reason),
             "history": [x for step, change in self.history for x in (float(step), change)],
             "calm": self._calm,
+            "min_step": self.min_step,
+            "max_step": self.max_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,3 +194,6 @@ class AutoFreeze:
         flat = [float(x) for x in state["history"]]
         self.history = [(int(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
         self._calm = int(state["calm"])
+        # Moved by restart(); states saved before it existed keep the configured ones.
+        self.min_step = int(state.get("min_step", self.min_step))
+        self.max_step = int(state.get("max_step", self.max_step))

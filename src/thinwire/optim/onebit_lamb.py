@@ -280,6 +280,15 @@ class OneBitLamb(TwoStageOptimizer):
         self.last_coeffs, self.last_factors = coeffs, factors
         return True
 
+    def _on_rewarm(self) -> None:
+        # The fresh variance, the layers' scales and the drift factor belong to the stale
+        # compression stage; the next freeze sets them up again.
+        for p, _ in self._momentum_params():
+            state = self.state[p]
+            for key in ("exp_avg_sq_fresh", "scaling_coeff"):
+                state.pop(key, None)
+            state["last_factor"] = 1.0
+
     def _scratch(self, numel: int, device: torch.device) -> torch.Tensor:
         """A reusable fp32 work buffer (no per-step allocations of layer-sized temporaries)."""
         buf = self._work

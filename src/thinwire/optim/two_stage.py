@@ -44,6 +44,7 @@ from thinwire.optim.freeze import (
     AutoFreeze,
     relative_change,
 )
+from thinwire.optim.stale import StaleGuard
 
 __all__ = ["TwoStageOptimizer"]
 
@@ -113,6 +114,9 @@ class TwoStageOptimizer(CommOptimizer):
         first compressed step)."""
         self.freeze_signals: dict[str, float] = {}
         """The relative changes measured at the last check of the automatic freeze."""
+        self.stale = StaleGuard()
+        """Watches the compressed stage for a variance the gradients outgrew
+        (:mod:`thinwire.optim.stale`)."""
         self._saved_in_warmup = False
 
     @property
@@ -138,6 +142,8 @@ class TwoStageOptimizer(CommOptimizer):
                 loss = closure()
         if self.compressing:
             ok = self._compression_step()
+            if ok:
+                self._watch_staleness(self.exchanged_energy)
         else:
             ok = self._warmup_step()
             if ok:
@@ -200,6 +206,7 @@ class TwoStageOptimizer(CommOptimizer):
                 del self.state[p][key]
         self._on_freeze()
         self._freeze_denominators()
+        self.stale.arm(0.0)  # armed by the first compressed step's exchange
         if self.rank == 0:
             floor = self.floor_report.describe() if self.floor_report is not None else ""
             _log.info(
@@ -209,6 +216,57 @@ class TwoStageOptimizer(CommOptimizer):
                 self.global_step + 1,
                 f"; {floor}" if floor else "",
             )
+
+    def _watch_staleness(self, energy: float) -> None:
+        """Feed one compressed step's exchanged energy; on a stale variance, go back to
+        the warmup (automatic freeze) or warn once (a fixed freeze_step)."""
+        if not self.stale.reference > 0:
+            self.stale.arm(energy)  # the first compressed step: no residual yet
+            return
+        growth = self.stale.observe(energy)
+        if growth is None:
+            return
+        name, t, rule = type(self).__name__, self.global_step, self.auto_freeze
+        why = (
+            f"the frozen variance went stale at step {t}: the momentum it preconditions "
+            f"grew {growth:.1f}x since the freeze at step {self.freeze_step} (the gradients "
+            "outgrew it, e.g. the loss began to fall after a plateau)"
+        )
+        if rule is None or self.stale.rewarmups >= self.stale.max_rewarmups:
+            if not self.stale.warned and self.rank == 0:
+                keep = (
+                    f"freeze_step={self.freeze_step} is kept; a later one, or 'auto', would "
+                    "re-estimate it"
+                    if rule is None
+                    else f"compression stays on after {self.stale.rewarmups} returns to the warmup"
+                )
+                _log.warning("%s: %s; %s", name, why, keep)
+            self.stale.warned = True
+            return
+        self.stale.rewarmups += 1
+        rule.restart(t, t + max(self.freeze_step or 0, rule.window * (rule.patience + 1)))
+        self.freeze_step = None
+        self._denoms = {}
+        if self._onebit is not None:
+            self._onebit.reset()  # its residuals belong to the stale stage
+        for p, _ in self._momentum_params():
+            # The momentum carries the 1-bit exchange's noise, also where the warmup's
+            # exact gradients are 0 (dead units): divided by their v ~ 0 that is a step of
+            # many times lr (measured: the CNN's loss went from 0.7 to 3190 in one step).
+            self.state[p]["exp_avg"].zero_()
+        self._on_rewarm()
+        self.stale.arm(0.0)
+        if self.rank == 0:
+            _log.warning(
+                "%s: %s; back to the full-precision warmup, to freeze again once the "
+                "statistics settle (step %d at the latest)",
+                name,
+                why,
+                rule.max_step,
+            )
+
+    def _on_rewarm(self) -> None:
+        """Called when a stale freeze is undone: drop what the compression stage built."""
 
     def _measure_change(self) -> float | None:
         """Relative change of what will be frozen since the previous check (None at the
@@ -323,6 +381,7 @@ class TwoStageOptimizer(CommOptimizer):
     def _extra_state(self) -> dict[str, Any]:
         extra = {**super()._extra_state(), "global_step": self.global_step}
         extra["freeze_step"] = -1 if self.freeze_step is None else self.freeze_step
+        extra |= {f"stale_{k}": v for k, v in self.stale.state_dict().items()}
         if self.auto_freeze is not None:
             extra |= {f"auto_freeze_{k}": v for k, v in self.auto_freeze.state_dict().items()}
             extra |= {f"freeze_signal_{k}": v for k, v in self.freeze_signals.items()}
@@ -331,6 +390,10 @@ class TwoStageOptimizer(CommOptimizer):
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         super()._load_extra_state(extra)
         self.global_step = extra["global_step"]
+        stale = {k[len("stale_") :]: v for k, v in extra.items() if k.startswith("stale_")}
+        self.stale = StaleGuard()
+        if stale:  # states saved before the guard existed start it unarmed
+            self.stale.load_state_dict(stale)
         if "freeze_step" not in extra and self.auto_freeze is not None and self.global_step:
             raise ValueError(
                 f"{type(self).__name__} state was saved before the automatic freeze existed "
