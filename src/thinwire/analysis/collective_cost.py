@@ -116,7 +116,7 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
         return _hierarchical_cost(nbytes, cfg, add)
     if cfg.scheme == "onebit":
         # The implementation's own count: padded sign bits of both phases + scales/meta.
-        wire = float(onebit_wire_bytes(math.ceil(nbytes / 4), n))
+        wire = float(onebit_wire_bytes(math.ceil(nbytes / 4), n, cfg.onebit_block))
         network = 8 * wire / cfg.bandwidth_bps
         if cfg.onebit_latency:  # measured on the link (analyze bench)
             latency = onebit_wait(cfg.onebit_latency, nbytes)

@@ -58,6 +58,7 @@ from thinwire.analysis.buckets import Bucket
 from thinwire.analysis.collective_cost import bucket_cost
 from thinwire.analysis.costs import AddCost
 from thinwire.analysis.profile import Profile
+from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.errors import ConfigError
 
 __all__ = [
@@ -114,6 +115,10 @@ class NetworkConfig:
     beyond its wire time, per size (``analyze bench`` measures it:
     ``LinkFit.onebit_latency``). Empty: three messages' latency, ``3 * alpha`` (its
     three one-step collectives)."""
+    onebit_block: int | None = DEFAULT_BLOCK
+    """Elements per 1-bit scale of the ``onebit`` scheme: 256 for 1-bit Adam/LAMB, 64 for
+    the comm hook (:data:`thinwire.comm.onebit_hook.HOOK_BLOCK`), None for the papers' one
+    scale per buffer; it sets the bytes (28x, 21x, 32x fewer than fp32)."""
     concurrency: int = 1
     """Collectives in flight at once (>= 1): 1 for NCCL (one stream) and for the paper;
     2 for gloo (``ProcessGroupGloo`` runs each group's work on two threads). Tuning: it

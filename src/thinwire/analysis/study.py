@@ -29,6 +29,7 @@ from thinwire.analysis.network_model import (
     simulate,
 )
 from thinwire.analysis.profile import Profile
+from thinwire.comm.onebit_hook import HOOK_BLOCK
 from thinwire.errors import ConfigError
 
 __all__ = ["SIMULATION_FORMAT", "run_study", "sweep_values"]
@@ -88,7 +89,7 @@ def _alternatives(
     options: list[tuple[str, NetworkConfig]] = [
         ("fp32 allreduce (plain DDP)", ring),
         ("fp16/bf16 allreduce (2x)", replace(ring, compression=2.0)),
-        ("1-bit allreduce, overlapped (comm hook)", onebit),
+        ("1-bit allreduce, overlapped (comm hook)", replace(onebit, onebit_block=HOOK_BLOCK)),
         ("1-bit Adam/LAMB (1-bit, after backward)", replace(onebit, overlap=False)),
     ]
     hs = sorted({h for h in (4, 16, local_steps) if h is not None and h > 1})

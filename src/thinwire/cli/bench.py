@@ -12,6 +12,9 @@ Rank 0 prints an nccl-tests style table and, with ``--out DIR``, writes
 
 ``thinwire bench packing`` times bit packing against numpy and the compute of one 1-bit
 allreduce, in one process (:mod:`thinwire.comm.bench_packing`).
+
+``thinwire bench zoo`` holds every piece to its uncompressed baseline on a zoo of models
+(:mod:`thinwire.cli.bench_zoo`).
 """
 
 from __future__ import annotations
@@ -258,3 +261,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="wall time, or process CPU time (robust on a busy shared machine)",
     )
     q.set_defaults(func=run_packing)
+
+    from thinwire.cli.bench_zoo import add_parser
+
+    add_parser(sub)

@@ -2,13 +2,15 @@
 
 The collective behind 1-bit Adam and 1-bit LAMB (arXiv 2102.02888, 2104.06069; the
 algorithm is written out in ``spec/onebit.md`` section 2). Each rank sends about
-``2 (W-1)/W * N/8`` bytes instead of the ``2 (W-1)/W * 4N`` of an fp32 ring allreduce:
-32x less. Every rank gets the same output.
+``2 (W-1)/W * (N/8 + 4N/B)`` bytes instead of the ``2 (W-1)/W * 4N`` of an fp32 ring
+allreduce: 28x less with a scale per block of ``B = 256`` elements (the default), 32x
+with the papers' one scale (``block=None``). Every rank gets the same output.
 
 Per call, with ``x`` the rank's input (flat, fp32, padded with zeros to a multiple of
 ``8W``; ``n`` real elements):
 
-1. worker: ``x += worker_error``; ``s = ||x[:n]|| / sqrt(n)``; sign bits ``x >= 0``
+1. worker: ``x += worker_error``; ``s = ||x[:n]|| / sqrt(n)`` (with blocks, one such RMS
+   per block of ``x``); sign bits ``x >= 0``
    packed 8 per byte; ``worker_error = x - s * sign``.
 2. phase 1: one small ``all_gather`` of ``(s, n)`` from every rank, then
    ``all_to_all_single`` of the packed bits: rank ``r`` receives every rank's bits for

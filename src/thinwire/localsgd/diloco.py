@@ -26,7 +26,7 @@ removes it on exit. Without ``with``, call :meth:`DiLoCo.after_inner_step` yours
 Pseudo-gradient compression (``compress``): ``fp16``/``bf16`` halve the bytes (thinwire's
 cast codec, :mod:`thinwire.compress.cast`; the average is computed in that dtype,
 divided by W before the sum so it cannot overflow); ``onebit`` uses thinwire's
-error-compensated 1-bit allreduce (32x fewer bytes, its error buffers are part of
+error-compensated 1-bit allreduce (28x fewer bytes, its error buffers are part of
 :meth:`DiLoCo.state_dict`).
 """
 

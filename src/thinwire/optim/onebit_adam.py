@@ -44,10 +44,11 @@ class OneBitAdam(TwoStageOptimizer):
         freeze_step: when the full-precision warmup ends: ``"auto"`` (once the second
             moment has settled, see :class:`~thinwire.optim.freeze.AutoFreeze`, and at
             30% of ``total_steps`` at the latest; pass an ``AutoFreeze(...)`` to tune
-            it), or a step count. A fixed count must come after the variance has settled: 15-25%
-            of the run is the papers' choice, at least a few hundred steps on real
-            models. Too early shows as a loss jump right after the freeze; later costs
-            only bandwidth (warmup steps send 32x more).
+            it), or a step count. A fixed count must come after the variance has
+            settled: 15-25% of the run is the papers' choice, at least a few hundred
+            steps on real models. Too early shows as a loss jump right after the freeze
+            (or as a stale variance, see :mod:`thinwire.optim.stale`); later costs only
+            bandwidth (warmup steps send 28x more).
         betas: moment decay rates, each in [0, 1).
         eps: added to ``sqrt(v)``.
         weight_decay: added to the update (``+ weight_decay * p``), as in the reference.
