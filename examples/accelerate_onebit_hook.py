@@ -8,7 +8,7 @@ accelerate does support (here the bucket size) still go through
 ``DistributedDataParallelKwargs``.
 
 thinwire's hook (``thinwire.comm.onebit_hook``) averages each gradient bucket with sign
-bits plus a scale per chunk, about 32x fewer bytes than fp32, with error feedback, after
+bits plus a scale per 64 elements, about 21x fewer bytes than fp32, with error feedback, after
 ``warmup_steps`` plain fp32 steps. It works with any optimizer (AdamW here) and with
 ``accelerator.accumulate`` (no bytes travel on the accumulation steps).
 

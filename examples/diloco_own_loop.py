@@ -22,7 +22,7 @@ from large models at large H, and on small models at H = 10 it stalled in thinwi
 sweeps (docs/benchmarks.md). The outer step amplifies whatever the
 inner steps do, so the inner lr wants to be a notch lower than for a single worker: on
 this task, inner AdamW at 1e-3 made the loss climb again after ~100 steps, 3e-4 did not. ``--compress bf16`` halves the bytes of
-each sync, ``onebit`` divides them by ~32 (see docs/localsgd.md).
+each sync, ``onebit`` divides them by ~28 (see docs/localsgd.md).
 """
 
 from __future__ import annotations

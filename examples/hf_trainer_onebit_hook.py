@@ -3,7 +3,7 @@
 What it shows: keep the Trainer exactly as it is (its AdamW, its scheduler, its DDP) and
 compress only what DDP sends. ``thinwire.comm.onebit_hook`` plugs into DDP's own
 extension point, ``register_comm_hook``: each gradient bucket is averaged with sign bits
-plus a scale per chunk (~32x fewer bytes than fp32), and what the compression loses is
+plus a scale per 64 elements (~21x fewer bytes than fp32), and what the compression loses is
 fed back into the next step (error feedback). The first ``warmup_steps`` steps use the
 plain fp32 allreduce.
 

@@ -194,15 +194,19 @@ def _totals(out: str) -> tuple[int, int, int]:
     return sent, ranks, every
 
 
-def _check_onebit_bytes(out: str, fp32_step_bytes: int | None = None) -> None:
-    """Warmup sends one fp32 allreduce per step, the 1-bit stage ~30x fewer."""
+def _check_onebit_bytes(
+    out: str, fp32_step_bytes: int | None = None, ratio: tuple[float, float] = (25, 29)
+) -> None:
+    """Warmup sends one fp32 allreduce per step, the 1-bit stage ~28x fewer (a scale per
+    256 elements: the optimizers), or ~21x (per 64: the comm hook)."""
     warm = _line(out, "fp32 warmup")
     per_fp32 = _ints(warm.split(":", 1)[1])[0]
     if fp32_step_bytes is not None:
         # 2 ranks: a ring allreduce sends the buffer's size once. Twice as much would
         # mean the gradients were averaged twice (DDP and the optimizer).
         assert per_fp32 == fp32_step_bytes
-    assert 25 < _ratio(_line(out, "1-bit stage")) < 33
+    lo, hi = ratio
+    assert lo < _ratio(_line(out, "1-bit stage")) < hi
     sent, ranks, every_step = _totals(out)
     assert ranks == 2 and every_step > 3 * sent
     assert _line(out, "replicas identical").endswith("True")
@@ -246,7 +250,7 @@ def test_hf_trainer_onebit_lamb_recipe(recipes: _Runner) -> None:
 @pytest.mark.timeout(300)
 def test_hf_trainer_onebit_hook_recipe(recipes: _Runner) -> None:
     out = recipes.output("hf_trainer_onebit_hook")
-    _check_onebit_bytes(out)
+    _check_onebit_bytes(out, ratio=(18, 21.4))
     ops = _line(out, "by collective")
     assert "ddp.allreduce" in ops and "onebit.phase2" in ops
 
@@ -255,7 +259,7 @@ def test_hf_trainer_onebit_hook_recipe(recipes: _Runner) -> None:
 @pytest.mark.timeout(300)
 def test_accelerate_onebit_hook_recipe(recipes: _Runner) -> None:
     out = recipes.output("accelerate_onebit_hook")
-    _check_onebit_bytes(out)
+    _check_onebit_bytes(out, ratio=(18, 21.4))
 
 
 @needs_hf
