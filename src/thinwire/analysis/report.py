@@ -122,7 +122,7 @@ def recommend(study: dict[str, Any]) -> tuple[str, str]:
             adam = _find(alts, "1-bit Adam")
             advice += (
                 " Check it against your baseline: behind 1-bit gradients AdamW came within "
-                "3% on half of thinwire's model zoo and lost up to 13% on the rest; with "
+                "3% on half of thinwire's model zoo and lost up to 12% on the rest; with "
                 "Adam or AdamW use 1-bit Adam instead"
                 + (f" (predicted SF {_pct(adam['scaling_factor'])})" if adam else "")
                 + f"; or {local}."

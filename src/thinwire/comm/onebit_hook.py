@@ -39,7 +39,7 @@ Tuning guide:
   cores: overlap hides the wire time, not the compute. On GPUs it runs on a side stream.
 * Adaptive optimizers (Adam, AdamW, ...) behind this hook build their second moment
   from 1-bit gradients, which carry each block's magnitude, not each element's: on the
-  model zoo AdamW lost up to 13% accuracy (docs/compression.md). For Adam-style
+  model zoo AdamW lost up to 12% accuracy (docs/compression.md). For Adam-style
   training use 1-bit Adam (:class:`thinwire.optim.OneBitAdam`), which freezes the second
   moment and compresses the momentum; :func:`thinwire.comm.register_comm_hook`, given
   the optimizer, says so in one line.

@@ -19,7 +19,7 @@ optimizer (Adam, AdamW, RMSprop, Adagrad, ...) computes its second moment from 1
 gradients, every element of which has its block's magnitude. Adam's per-element scaling
 is lost, and it trains like momentum SGD with one step size per block: on thinwire's
 model zoo AdamW behind the 1-bit hook came within 3% of AdamW on the CNN, the MLP and
-BERT, and lost 13% accuracy on a bag-of-words model and 7-8% in loss on the two GPTs
+BERT, and lost 12% accuracy on a bag-of-words model and 4.5-5.5% in loss on the two GPTs
 (docs/benchmarks.md, "The model zoo"). 1-bit Adam (:class:`thinwire.optim.OneBitAdam`)
 exists for exactly this case: it freezes the second moment after a full-precision
 warmup and sends the momentum at one bit per element (within 2% on all of them). The
@@ -136,7 +136,7 @@ def register_comm_hook(
         _log.warning(
             "thinwire: %s behind the 1-bit comm hook: its second moment will be built from "
             "1-bit gradients, which carry each block's magnitude, not each element's (it "
-            "lost up to 13%% accuracy on the model zoo); for Adam-style training use "
+            "lost up to 12%% accuracy on the model zoo); for Adam-style training use "
             "thinwire.optim.OneBitAdam, which freezes the second moment and compresses the "
             "momentum",
             type(optimizer).__name__,

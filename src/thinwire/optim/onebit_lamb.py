@@ -81,20 +81,9 @@ class OneBitLamb(TwoStageOptimizer):
             inflates that variance everywhere alike, so ``f`` sinks to ``factor_min`` and
             the steps shrink. Measured on the tiny GPT (Moby-Dick, 300 steps, freeze at
             45): 2.052 with the paper's rule, 2.190 preconditioned, LAMB 2.029.
-        total_steps: the run's length in optimizer steps, if known. With
-            ``freeze_step="auto"`` it caps the warmup at 30% of it
-            (:meth:`AutoFreeze.for_run <thinwire.optim.freeze.AutoFreeze.for_run>`,
-            ``thinwire train``'s rule), so the automatic freeze compresses in a run of
-            any length: on thinwire's model zoo the statistics settled after 45-90% of a
-            300-step run or not at all. Without it the cap is 10,000 steps, and a warmup
-            that has not settled by step 100 says so in one warning line.
-        denom_floor: floor of each frozen denominator, as a share of its layer's mean
-            (:mod:`thinwire.optim.floor`): keeps the weights behind ReLU units that never
-            fired (second moment 0) and other near-dead elements from taking steps of
-            many times lr. 0 is the papers' rule.
-        block: elements per 1-bit scale in the compressed exchange (see
-            :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`); None is the papers'
-            one scale per buffer.
+        total_steps, denom_floor, block: as for :class:`~thinwire.optim.OneBitAdam`
+            (the run's length, which caps the automatic freeze at 30% of it; the floor
+            under the frozen denominator; elements per 1-bit scale).
         process_group: ranks to average over (default: the default group, if any).
 
     With one process it is LAMB in warmup and the same frozen-variance rule afterwards,
