@@ -1,4 +1,4 @@
-"""Files written whole or not at all (thinwire.io)."""
+"""Files written whole or not at all, and input files read with a limit (thinwire.io)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinwire.io import atomic_save, atomic_write_text
+from thinwire.errors import ConfigError
+from thinwire.io import atomic_save, atomic_write_text, read_input, read_input_bytes
 
 
 def test_atomic_write_text_replaces_the_file_whole(tmp_path: Path) -> None:
@@ -43,3 +44,52 @@ def test_atomic_save_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     atomic_save({"w": torch.arange(4.0)}, path)
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(4.0))
+
+
+# --- read_input: the one guarded reader for input files ---------------------------------
+
+
+def test_read_input_reads_regular_utf8(tmp_path: Path) -> None:
+    p = tmp_path / "c.json"
+    p.write_text('{"steps": 3}  # é')
+    assert read_input(p, "--config") == '{"steps": 3}  # é'
+
+
+@pytest.mark.parametrize(
+    ("target", "phrase"),
+    [("/dev/zero", "character device"), ("DIR", "is a directory"), ("MISSING", "no such file")],
+)
+def test_read_input_refuses_what_is_not_a_regular_file(
+    tmp_path: Path, target: str, phrase: str
+) -> None:
+    path = {"DIR": str(tmp_path), "MISSING": str(tmp_path / "nope")}.get(target, target)
+    with pytest.raises(ConfigError, match=phrase) as e:
+        read_input(path, "--config")
+    assert "\n" not in str(e.value) and str(e.value).startswith("--config: ")
+
+
+def test_read_input_does_not_block_on_a_fifo(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="a FIFO"):
+        read_input(fifo, "the token file")
+
+
+def test_read_input_caps_the_size(tmp_path: Path) -> None:
+    p = tmp_path / "big"
+    p.write_bytes(b"x" * 101)
+    assert read_input(p, "--config", limit=101) == "x" * 101
+    with pytest.raises(ConfigError, match="101 bytes, more than the 100 allowed"):
+        read_input(p, "--config", limit=100)
+
+
+def test_read_input_checks_utf8(tmp_path: Path) -> None:
+    p = tmp_path / "latin1"
+    p.write_bytes(b'{"a": "\xe9"}')
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9 at offset 7\)"):
+        read_input(p, "LATEST")
+    assert read_input_bytes(p, "LATEST") == b'{"a": "\xe9"}'
+
+
+def test_read_input_reads_proc_files_of_unknown_size() -> None:
+    assert "processor" in read_input("/proc/cpuinfo", "cpuinfo")

@@ -1,21 +1,89 @@
-"""Files written whole or not at all: write to a temporary name, fsync, rename.
+"""Files written whole or not at all, and files read with a limit.
 
+**Writing.**
 Every file thinwire leaves behind (summaries, results, tables, checkpoints, server
 state) goes through these two helpers, so a crash, a full disk or a kill mid-write
 leaves the previous file intact and no half-written one for a reader or a resume to
 trip over. The temporary file sits beside the target (``.NAME.tmp-PID``, on the same
 file system, so the rename is atomic) and is removed if the write fails.
+
+**Reading.** Every file a user or another process hands thinwire (a config, a token
+file, a run's ``LATEST`` or ``run.json``) is read through :func:`read_input`: regular
+files only (a FIFO would block forever, ``/dev/zero`` never ends), at most ``limit``
+bytes, UTF-8 checked. Anything else is one :class:`~thinwire.errors.ConfigError` line
+that names the file and what is wrong with it.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "atomic_write_text"]
+from thinwire.errors import ConfigError
+
+__all__ = ["INPUT_LIMIT", "atomic_save", "atomic_write_text", "read_input", "read_input_bytes"]
+
+INPUT_LIMIT = 16 << 20
+"""The default cap on a file thinwire reads as input: 16 MiB, far above any config,
+token or run record, far below what would strain memory."""
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def read_input_bytes(path: str | os.PathLike[str], what: str, limit: int = INPUT_LIMIT) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    ``what`` names the file for the error (``"--config"``, ``"the token file"``). Raises
+    :class:`ConfigError` in one line when the path is missing, is not a regular file
+    (it is never opened then, so a FIFO cannot block), cannot be read, or holds more
+    than ``limit`` bytes. Files whose size the kernel does not know (``/proc``) are read
+    up to the limit as well.
+    """
+    path = Path(path)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: no such file: {path}") from None
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+        raise ConfigError(f"{what}: {path} is {kind}, not a regular file")
+    if info.st_size > limit:
+        raise ConfigError(
+            f"{what}: {path} holds {info.st_size} bytes, more than the {limit} allowed"
+        )
+    try:
+        # O_NONBLOCK: if the path was swapped for a FIFO after the stat, open returns at once
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what}: {path} holds more than the {limit} bytes allowed")
+    return data
+
+
+def read_input(path: str | os.PathLike[str], what: str, limit: int = INPUT_LIMIT) -> str:
+    """The text of the regular file ``path``, UTF-8 checked; see :func:`read_input_bytes`."""
+    data = read_input_bytes(path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what}: {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
 
 
 def _tmp_beside(path: Path) -> Path:
