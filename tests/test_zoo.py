@@ -8,11 +8,23 @@ on a user's model again.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from thinwire.cli.main import build_parser
+from thinwire.errors import ConfigError
 from thinwire.zoo import PIECES, TASKS, Job, run_jobs
 from thinwire.zoo.compare import EXCEPTIONS, TOLERANCE, render, verdicts, zoo_jobs
 from thinwire.zoo.loop import BASELINES
+from thinwire.zoo.run import read_log
+
+
+def main(argv: list[str]) -> int:
+    """The command without main's error printing, so the ConfigError itself is seen."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
 
 
 @pytest.mark.timeout(600)
@@ -47,3 +59,37 @@ def test_every_piece_holds_its_baseline_on_every_zoo_model() -> None:
     lamb, fixed = results[-2], results[-1]
     assert fixed.freeze_step == 40 and fixed.skipped_steps == 0
     assert fixed.metrics["accuracy"] >= (1 - TOLERANCE) * lamb.metrics["accuracy"]
+
+
+@pytest.mark.timeout(300)
+def test_an_interrupted_benchmark_finishes_from_its_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "runs.jsonl"
+    first = [
+        Job(model="relu-mlp", piece="adamw", steps=10),
+        Job(model="relu-mlp", piece="lamb", steps=10),
+    ]
+    done = run_jobs(first, log=log)
+    assert [json.loads(x)["job"]["piece"] for x in log.read_text().splitlines()] == [
+        "adamw",
+        "lamb",
+    ]
+    # a run killed mid-write leaves half a line: skipped, counted, its job run again
+    lines = log.read_text().splitlines()
+    log.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2] + "\n")
+    more = [*first, Job(model="relu-mlp", piece="lamb", steps=10, seed=1)]
+    again = run_jobs(more, log=log, progress=True)
+    assert "1 run(s) already in" in capsys.readouterr().err
+    assert again[0] == done[0]  # from the log, not trained again (its seconds would differ)
+    assert again[1].metrics == done[1].metrics  # trained again, deterministically
+    assert [r.seed for r in again] == [0, 0, 1]
+    assert len(read_log(log)) == 3
+
+
+def test_bench_zoo_refuses_to_mix_benchmarks_in_one_out(tmp_path: Path) -> None:
+    (tmp_path / "runs.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"already holds a zoo benchmark .*--resume"):
+        main(["bench", "zoo", "--out", str(tmp_path), "--models", "relu-mlp", "--pieces", "adamw"])
+    with pytest.raises(ConfigError, match="--resume needs the --out"):
+        main(["bench", "zoo", "--resume"])

@@ -5,7 +5,9 @@ a bag-of-words model with unused embedding rows, a BERT classifier and a GPT-2 f
 ``transformers`` configs, thinwire's GPT) with each piece and its uncompressed baseline
 in the same loop, on local gloo ranks, and prints how far each piece ends from its
 baseline (:mod:`thinwire.zoo.compare`). ``--out DIR`` keeps ``zoo.json`` (every run,
-every verdict) and ``zoo.png``. Exits 1 when a piece fails without a documented reason.
+every verdict) and ``zoo.png``, and ``runs.jsonl``, where each run lands as it ends:
+``--resume`` with the same ``--out`` finishes an interrupted benchmark without running
+again what it already holds. Exits 1 when a piece fails without a documented reason.
 """
 
 from __future__ import annotations
@@ -52,14 +54,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be at least 10, got {args.steps}")
     if args.workers < 2:
         raise ConfigError(f"--workers must be at least 2, got {args.workers}")
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs the --out of the benchmark to finish")
     out = writable_dir(args.out) if args.out else None
+    log = None if out is None else out / "runs.jsonl"
+    if log is not None and log.exists() and not args.resume:
+        raise ConfigError(
+            f"{out} already holds a zoo benchmark ({log.name}); pass --resume to finish it, "
+            "or choose another --out"
+        )
     jobs = zoo_jobs(models, pieces, _seeds(args.seeds), args.steps, args.size)
     print(
         f"thinwire bench zoo: {len(jobs)} runs ({len(models)} models, {args.steps} steps, "
         f"{args.workers} workers, size {args.size})",
         file=sys.stderr,
     )
-    results = run_jobs(jobs, workers=args.workers, progress=not args.no_progress)
+    results = run_jobs(jobs, workers=args.workers, progress=not args.no_progress, log=log)
     items = verdicts(results)
     print(render(items))
     if out is not None:
@@ -83,6 +93,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default 150)")
     p.add_argument("--size", default="tiny", help="tiny (CI) or small (default tiny)")
     p.add_argument("--workers", type=int, default=2, help="data-parallel ranks (default 2)")
-    p.add_argument("--out", default=None, help="directory for zoo.json and zoo.png")
+    p.add_argument(
+        "--out", default=None, help="directory for runs.jsonl (as they end), zoo.json, zoo.png"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish the benchmark in --out: run only what its runs.jsonl does not hold",
+    )
     p.add_argument("--no-progress", action="store_true", help="no line per finished run")
     p.set_defaults(func=run)
