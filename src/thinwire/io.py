@@ -91,7 +91,11 @@ def _tmp_beside(path: Path) -> Path:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new file, never half."""
+    """Write ``text`` to ``path`` so that readers see the old or the new file, never half.
+
+    Raises:
+        OSError: the write failed, with ``path`` as its ``filename``; ``path`` is as it was.
+    """
     path = Path(path)
     tmp = _tmp_beside(path)
     try:
@@ -100,17 +104,53 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        # name the file the caller meant, not the temporary one (or none at all)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
 
+class _Recorded:
+    """A file for ``torch.save`` that keeps the first write error it sees.
+
+    torch's zip writer swallows the ``OSError`` of a failed write (a full disk) and then
+    raises ``RuntimeError: ... unexpected pos``, which names neither the file nor the
+    cause; the recorded error is raised in its place."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self._f.write(data))
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file, fsync, then rename over ``path``."""
+    """``torch.save`` to a temporary file, fsync, then rename over ``path``.
+
+    Raises:
+        OSError: the write failed (a full disk: ``errno.ENOSPC``), with ``path`` named;
+            ``path`` is as it was and no temporary file is left.
+    """
     path = Path(path)
     tmp = _tmp_beside(path)
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            sink = _Recorded(f)
+            try:
+                torch.save(obj, sink)
+            except RuntimeError:
+                if sink.error is None:
+                    raise
+                raise OSError(sink.error.errno, sink.error.strerror, str(path)) from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

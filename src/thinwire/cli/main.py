@@ -10,6 +10,7 @@ with 130, any other failure with 1.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import re
 import sys
@@ -46,9 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_EXIT_CODES = {"ConfigError": 2, "UnsafeContentError": 2, "DivergedError": 3}
+_EXIT_CODES = {
+    "ConfigError": 2,
+    "UnsafeContentError": 2,
+    "DivergedError": 3,
+    "OSError": 2,
+    "PermissionError": 2,
+    "FileNotFoundError": 2,
+    "IsADirectoryError": 2,
+    "NotADirectoryError": 2,
+}
 """Exit status for an error a rank raised, by its class name (a spawned rank's exception
-reaches the launcher as text)."""
+reaches the launcher as text). File errors are the environment's (a full disk, a lost
+mount, permissions), reported as such; a rank's connection errors are not among them."""
+
+_FILE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO, errno.EACCES, errno.EPERM}
+)
+
+
+def _file_error(exc: OSError) -> str | None:
+    """One line for an OSError about a file (a full disk, a read-only mount, permissions);
+    None for any other OSError, which is a bug to show in full."""
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return None
+    if exc.filename is None and exc.errno not in _FILE_ERRNOS:
+        return None
+    where = f"{exc.filename}: " if exc.filename is not None else ""
+    return f"{where}{exc.strerror or exc}"
 
 
 def _one_line(msg: str) -> str:
@@ -73,10 +99,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = _one_line(str(exc))
         known = re.match(r"rank \d+ failed: (\w+): (.*)", first)
         if known and known.group(1) in _EXIT_CODES:
-            print(f"thinwire: error: {known.group(2)}", file=sys.stderr)
+            # an OSError's text starts with "[Errno 28] "; the reason reads better alone
+            said = re.sub(r"^\[Errno \d+\] ", "", known.group(2))
+            print(f"thinwire: error: {said}", file=sys.stderr)
             return _EXIT_CODES[known.group(1)]
         print(f"thinwire: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        line = _file_error(exc)
+        if line is None:
+            raise
+        print(f"thinwire: error: {line}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("thinwire: interrupted; the last checkpoint is intact", file=sys.stderr)
         return 130
