@@ -177,3 +177,34 @@ def test_docs_snippets_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert json.loads(Path("factory.json").read_text())["batch_size"] == 8
     exec(compile(snippet, "docs/analysis.md", "exec"), {"__name__": "__docs__"})
     assert json.loads(Path("profile.json").read_text())["model"] == "mlp"
+
+
+USER_ERRORS = {
+    "syntax.py": ("def f(:\n    pass\n", r"syntax error at .*syntax\.py:1"),
+    "top.py": ("X = 1 / 0\ndef f():\n    pass\n", r"raised ZeroDivisionError: .*top\.py:1\)"),
+    "raises.py": (
+        "def f():\n    raise ValueError('no data here')\n",
+        r"f raised ValueError: no data here \(at .*raises\.py:2\)",
+    ),
+    "shapes.py": (
+        "import torch\ndef f():\n    m = torch.nn.Linear(3, 2)\n"
+        "    return m, torch.zeros(4, 5), lambda mm, b: mm(b).sum()\n",
+        r"model on its batch raised RuntimeError: mat1 and mat2 .*shapes\.py:4\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(USER_ERRORS))
+def test_errors_in_the_users_code_are_one_line_naming_their_place(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source, pattern = USER_ERRORS[name]
+    (tmp_path / name).write_text(source)
+    spec = f"{tmp_path / name}:f"
+    with pytest.raises(ConfigError, match=pattern) as e:
+        profile_factory(spec, warmup=0, steps=1)
+    assert "\n" not in str(e.value)
+    # the torch frame of a shape mismatch is not where the user fixes it
+    assert "site-packages" not in str(e.value)
+    assert main(["analyze", "profile", "--model", spec, "-o", str(tmp_path / "p.json")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -93,3 +93,29 @@ def test_read_input_checks_utf8(tmp_path: Path) -> None:
 
 def test_read_input_reads_proc_files_of_unknown_size() -> None:
     assert "processor" in read_input("/proc/cpuinfo", "cpuinfo")
+
+
+def test_a_fifo_or_device_is_written_in_place_not_replaced(tmp_path: Path) -> None:
+    import stat
+    import threading
+
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    atomic_write_text(fifo, '{"ok": 1}\n')
+    reader.join(timeout=30)
+    assert got == [b'{"ok": 1}\n']
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # a rename would have made it a file
+    atomic_write_text(Path("/dev/null"), "x")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_full_device_names_itself() -> None:
+    with pytest.raises(OSError, match="No space left") as e:
+        atomic_write_text(Path("/dev/full"), "x" * 10000)
+    assert e.value.filename == "/dev/full"
+    with pytest.raises(OSError, match="No space left") as e:
+        atomic_save({"t": torch.zeros(100_000)}, Path("/dev/full"))
+    assert e.value.filename == "/dev/full"

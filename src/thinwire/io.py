@@ -90,13 +90,35 @@ def _tmp_beside(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def _stream(path: Path) -> bool:
+    """Whether ``path`` names a device, FIFO or socket (``/dev/stdout``, a pipe).
+
+    Those are written in place, as a shell redirect would: a rename over them would
+    swap the device node for a plain file (``-o /dev/full`` as root replaced the device).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old or the new file, never half.
+
+    A device or FIFO (``-o /dev/stdout``) is written in place instead.
 
     Raises:
         OSError: the write failed, with ``path`` as its ``filename``; ``path`` is as it was.
     """
     path = Path(path)
+    if _stream(path):
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        return
     tmp = _tmp_beside(path)
     try:
         with open(tmp, "w") as f:
@@ -141,6 +163,19 @@ def atomic_save(obj: Any, path: Path) -> None:
             ``path`` is as it was and no temporary file is left.
     """
     path = Path(path)
+    if _stream(path):
+        try:
+            with open(path, "wb") as f:
+                stream = _Recorded(f)
+                try:
+                    torch.save(obj, stream)
+                except RuntimeError:
+                    if stream.error is None:
+                        raise
+                    raise stream.error from None
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        return
     tmp = _tmp_beside(path)
     try:
         with open(tmp, "wb") as f:

@@ -27,8 +27,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from thinwire.analysis.costs import AddCost
+from thinwire.analysis.formats import JSON_LIMIT
 from thinwire.analysis.profile import ParamTiming, Profile
 from thinwire.errors import ConfigError
+from thinwire.io import read_input_bytes
 
 __all__ = ["PAPER_ITERATION_S", "read_bklog", "read_vec_add_table"]
 
@@ -68,10 +70,9 @@ def _pair(line: str, lineno: int, path: Path) -> tuple[float, float]:
 
 
 def _read_lines(path: Path) -> list[str]:
+    raw = read_input_bytes(path, f"profile {path}", JSON_LIMIT)
     try:
-        return path.read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+        return raw.decode("utf-8").splitlines()
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file") from None
 

@@ -19,11 +19,31 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.io import read_input_bytes
 
-__all__ = ["LINK_FORMAT", "link_document", "load_link", "load_study", "read_json", "reduction_cost"]
+__all__ = [
+    "JSON_LIMIT",
+    "LINK_FORMAT",
+    "link_document",
+    "load_link",
+    "load_study",
+    "read_json",
+    "read_json_text",
+    "reduction_cost",
+]
 
 LINK_FORMAT = "thinwire.link/1"
 """The format tag of a link fit file."""
+
+
+def finite_number(value: Any) -> bool:
+    """A JSON number (not a bool) that is finite as a float: ``10**400`` is not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def link_document(fit: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -31,18 +51,38 @@ def link_document(fit: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, 
     return {"format": LINK_FORMAT, "fit": fit, "rows": rows}
 
 
-def read_json(path: str, what: str) -> Any:
-    """A JSON file's content; unreadable, non-UTF-8 or invalid JSON is a one-line error."""
+JSON_LIMIT = 256 << 20
+"""The largest analysis file read: 256 MiB, far above the profile of a model with a
+million parameter tensors."""
+
+
+def read_json_text(path: str | Path, what: str) -> tuple[Any, str]:
+    """A JSON file's content and its text, for errors that name a line.
+
+    Regular files only, at most :data:`JSON_LIMIT` bytes (``/dev/zero`` or a FIFO is
+    refused before anything is read), UTF-8, valid and not absurdly nested JSON;
+    anything else is a one-line :class:`ConfigError` naming the file.
+    """
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+        raw = read_input_bytes(path, f"{what} {path}", JSON_LIMIT)
+    except ConfigError as exc:
+        # read_input_bytes names the file first; say what kind of file was expected
+        raise ConfigError(f"cannot read {what}: {str(exc).split(': ', 1)[1]}") from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a thinwire {what} (not UTF-8 text)") from None
     try:
-        return json.loads(text)
+        return json.loads(text), text
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not a thinwire {what} (JSON nested too deeply)") from None
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file's content; see :func:`read_json_text` for what is refused."""
+    return read_json_text(path, what)[0]
 
 
 def load_link(path: str) -> dict[str, Any]:
@@ -57,17 +97,13 @@ def load_link(path: str) -> dict[str, Any]:
         )
     for key in ("bandwidth_gbps", "alpha_per_message_s"):
         value = fit.get(key)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
+        if not finite_number(value):
             raise ConfigError(f"{path}: fit.{key} must be a number, got {value!r}")
     table = fit.get("onebit_latency", [])  # absent from older and fp32-only fits
     ok = isinstance(table, list) and all(
         isinstance(e, list)
         and len(e) == 2
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in e)
+        and all(finite_number(v) for v in e)
         and e[0] > 0
         and e[1] >= 0
         for e in table

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 
 __all__ = ["PROFILE_FORMAT", "ParamTiming", "Profile", "load_profile", "save_profile"]
 
@@ -127,7 +128,7 @@ def save_profile(profile: Profile, path: str | Path) -> Path:
     head = json.dumps(data, indent=1)[:-2]  # drop the closing "\n}"
     lines = ",\n".join("  " + json.dumps(p) for p in params)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'{head},\n "params": [\n{lines}\n ]\n}}\n')
+    atomic_write_text(path, f'{head},\n "params": [\n{lines}\n ]\n}}\n')
     return path
 
 
@@ -136,27 +137,41 @@ def _line_of(text: str, needle: str) -> int | None:
     return None if pos < 0 else text.count("\n", 0, pos) + 1
 
 
+MAX_PARAM_BYTES = 1 << 50
+"""The largest gradient a profile may list for one parameter (1 PiB): anything above is
+a corrupt file, not a model."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _param(raw: Any, i: int, where: str) -> ParamTiming:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: params[{i}] must be an object")
-    try:
-        ready = raw.get("ready_s")
-        p = ParamTiming(
-            name=str(raw["name"]),
-            index=int(raw.get("index", i)),
-            nbytes=int(raw["nbytes"]),
-            dtype=str(raw.get("dtype", "float32")),
-            ready_s=None if ready is None else float(ready),
+    for key in ("name", "nbytes"):
+        if key not in raw:
+            raise ConfigError(f"{where}: params[{i}] lacks '{key}'")
+    nbytes, index, ready = raw["nbytes"], raw.get("index", i), raw.get("ready_s")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise ConfigError(f"{where}: params[{i}].nbytes must be an integer, got {nbytes!r:.40}")
+    if not 0 <= nbytes <= MAX_PARAM_BYTES:
+        raise ConfigError(
+            f"{where}: params[{i}] has size {nbytes}; must be in [0, {MAX_PARAM_BYTES}] bytes"
         )
-    except KeyError as exc:
-        raise ConfigError(f"{where}: params[{i}] lacks {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: params[{i}]: {exc}") from None
-    if p.nbytes < 0:
-        raise ConfigError(f"{where}: params[{i}] has negative size {p.nbytes}")
-    if p.ready_s is not None and not (math.isfinite(p.ready_s) and p.ready_s >= 0):
-        raise ConfigError(f"{where}: params[{i}] has ready time {p.ready_s}; must be >= 0")
-    return p
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise ConfigError(f"{where}: params[{i}].index must be an integer, got {index!r:.40}")
+    if ready is not None and not (_is_number(ready) and math.isfinite(ready) and ready >= 0):
+        raise ConfigError(
+            f"{where}: params[{i}] has ready time {ready!r:.40}; must be a number >= 0"
+        )
+    return ParamTiming(
+        name=str(raw["name"]),
+        index=index,
+        nbytes=nbytes,
+        dtype=str(raw.get("dtype", "float32")),
+        ready_s=None if ready is None else float(ready),
+    )
 
 
 def _check_meta(meta: Any, path: Path, text: str) -> None:
@@ -165,8 +180,8 @@ def _check_meta(meta: Any, path: Path, text: str) -> None:
     if meta is not None and not isinstance(meta, dict):
         raise ConfigError(f"{path}:{line}: 'meta' must be an object")
     codec = (meta or {}).get("onebit_codec_s_per_byte")
-    if codec is not None and (isinstance(codec, bool) or not isinstance(codec, (int, float))):
-        raise ConfigError(f"{path}:{line}: meta.onebit_codec_s_per_byte must be a number")
+    if codec is not None and not (_is_number(codec) and math.isfinite(codec) and codec >= 0):
+        raise ConfigError(f"{path}:{line}: meta.onebit_codec_s_per_byte must be a number >= 0")
     add = (meta or {}).get("add_cost")
     if add is not None and not isinstance(add, dict):
         raise ConfigError(f"{path}:{line}: meta.add_cost must be an object")
@@ -174,17 +189,10 @@ def _check_meta(meta: Any, path: Path, text: str) -> None:
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile JSON; any problem raises :class:`ConfigError` naming file and line."""
+    from thinwire.analysis.formats import read_json_text
+
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read profile {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a thinwire profile (not UTF-8 text)") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    data, text = read_json_text(path, "profile")
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise ConfigError(f"{path}:1: not a thinwire profile (expected format {PROFILE_FORMAT!r})")
     raw_params = data.get("params")
@@ -226,6 +234,6 @@ def load_profile(path: str | Path) -> Profile:
         )
     except KeyError as exc:
         raise ConfigError(f"{path}:1: profile lacks {exc}") from None
-    except (TypeError, ValueError, ConfigError) as exc:
+    except (TypeError, ValueError, OverflowError, ConfigError) as exc:
         key = '"iteration_s"' if "iteration" in str(exc) else '"backward_s"'
         raise ConfigError(f"{path}:{_line_of(text, key) or 1}: {exc}") from None

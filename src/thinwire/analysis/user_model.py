@@ -33,6 +33,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -68,6 +69,23 @@ def _split(spec: str) -> tuple[str, str]:
     return where, func
 
 
+def _raised(exc: BaseException, what: str) -> ConfigError:
+    """One line for an error inside the user's code: what raised, and where in their
+    file, so they can open it there (their traceback would show thinwire's frames too)."""
+    if isinstance(exc, SyntaxError):
+        where = f"{exc.filename}:{exc.lineno}" if exc.filename else "?"
+        return ConfigError(f"{what}: syntax error at {where}: {exc.msg}")
+    frames = traceback.extract_tb(exc.__traceback__)
+    # the deepest frame in the user's code: an error raised inside torch (a shape
+    # mismatch) is fixed where their code called it, not in torch's file
+    libraries = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
+    mine = [f for f in frames if not f.filename.startswith(libraries)] or frames
+    where = f" (at {mine[-1].filename}:{mine[-1].lineno})" if mine else ""
+    text = str(exc).strip().splitlines()
+    said = f": {text[0]}" if text else ""
+    return ConfigError(f"{what} raised {type(exc).__name__}{said}{where}")
+
+
 def _load_file(path: Path) -> Any:
     if not path.is_file():
         raise ConfigError(f"model factory file {path} does not exist")
@@ -85,6 +103,9 @@ def _load_file(path: Path) -> Any:
     except ImportError as exc:
         sys.modules.pop(name, None)
         raise ConfigError(f"{path}: an import failed: {exc}") from None
+    except Exception as exc:  # the user's module itself failed: say where, in one line
+        sys.modules.pop(name, None)
+        raise _raised(exc, f"model factory file {path}") from None
     return module
 
 
@@ -106,6 +127,8 @@ def load_factory(spec: str) -> Factory:
             raise ConfigError(
                 f"cannot import {where!r} for model factory {spec!r}: {exc}"
             ) from None
+        except Exception as exc:
+            raise _raised(exc, f"module {where!r} (model factory {spec!r})") from None
     factory = getattr(module, func, None)
     if factory is None:
         raise ConfigError(f"{where} has no function {func!r} (model factory {spec!r})")
@@ -155,9 +178,10 @@ def build_target(
                 f"{name} has no batch_size parameter, so a batch size of {batch_size} cannot "
                 "be applied; drop --batch-size or add the parameter"
             )
-        got = factory(batch_size=batch_size)
-    else:
-        got = factory()
+    try:
+        got = factory() if batch_size is None else factory(batch_size=batch_size)
+    except Exception as exc:
+        raise _raised(exc, name) from None
     if not isinstance(got, tuple) or len(got) != 3:
         what = f"a tuple of {len(got)}" if isinstance(got, tuple) else type(got).__name__
         raise ConfigError(f"{name} must return (model, batch, loss_fn), got {what}")
@@ -198,19 +222,26 @@ def profile_factory(
         label = name or getattr(factory, "__qualname__", type(factory).__name__)
     torch.manual_seed(seed)
     target, size = build_target(fn, batch_size, name=label)
-    observed = (
-        observe_ddp_buckets(target.model, target.batch, target.loss_fn, bucket_cap_mb=bucket_cap_mb)
-        if observe_ddp
-        else None
-    )
-    prof = profile_model(
-        target.model,
-        target.batch,
-        target.loss_fn,
-        warmup=warmup,
-        steps=steps,
-        name=label,
-        batch_size=size,
-    )
+    try:
+        observed = (
+            observe_ddp_buckets(
+                target.model, target.batch, target.loss_fn, bucket_cap_mb=bucket_cap_mb
+            )
+            if observe_ddp
+            else None
+        )
+        prof = profile_model(
+            target.model,
+            target.batch,
+            target.loss_fn,
+            warmup=warmup,
+            steps=steps,
+            name=label,
+            batch_size=size,
+        )
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's forward or loss_fn failed on its own batch
+        raise _raised(exc, f"training {label}'s model on its batch") from None
     prof.observed_buckets = observed
     return prof

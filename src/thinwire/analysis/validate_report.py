@@ -17,8 +17,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from thinwire.analysis.formats import read_json
 from thinwire.analysis.validate_compare import SCHEMES, summarize
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 
 __all__ = ["format_table", "plot_validation", "read_result", "write_result"]
 
@@ -29,10 +31,7 @@ def read_result(path: Path) -> dict[str, Any]:
     Raises:
         ConfigError: the file cannot be read or is not a thinwire validation.
     """
-    try:
-        result = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read validation {path}: {exc}") from None
+    result = read_json(path, "validation")
     if not isinstance(result, dict) or result.get("format") != "thinwire.validation/1":
         raise ConfigError(f"{path}: not a thinwire validation")
     return result
@@ -46,8 +45,8 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: Path | None) -> No
         k: summarize(rows, k) for k in ("err_pct", "err_alone_pct", "err_nominal_pct")
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "validation.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / "validation.md").write_text(format_table(result) + "\n")
+    atomic_write_text(out_dir / "validation.json", json.dumps(result, indent=1) + "\n")
+    atomic_write_text(out_dir / "validation.md", format_table(result) + "\n")
     if plot is not None and rows:
         plot_validation(result, plot)
 

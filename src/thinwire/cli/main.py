@@ -112,7 +112,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"thinwire: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("thinwire: interrupted; the last checkpoint is intact", file=sys.stderr)
+        # only a command that keeps state says what survived (``args.on_interrupt``,
+        # set by e.g. ``train`` once it knows its run directory); others claim nothing
+        note = getattr(args, "on_interrupt", None)
+        try:
+            said = note() if note is not None else None
+        except Exception:
+            said = None
+        print("thinwire: interrupted" + (f"; {said}" if said else ""), file=sys.stderr)
         return 130
 
 

@@ -54,6 +54,7 @@ from thinwire.comm.bench_packing import run_onebit_compute_bench, run_packing_be
 from thinwire.comm.onebit_allreduce import OneBitAllreduce, onebit_wire_bytes
 from thinwire.compress.cast import BF16, FP16, CastCompressor
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 
 # run_onebit_compute_bench and run_packing_bench (``thinwire bench packing``) live in
 # thinwire.comm.bench_packing and stay importable from here.
@@ -350,7 +351,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 def write_json(rows: Sequence[dict[str, Any]], path: str | Path, meta: dict[str, Any]) -> Path:
     """Write ``{"meta": ..., "rows": [...]}`` to ``path``; returns it."""
     path = Path(path)
-    path.write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")
+    atomic_write_text(path, json.dumps({"meta": meta, "rows": list(rows)}, indent=2) + "\n")
     return path
 
 

@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_write_text
 from thinwire.testbed import netns as nx
 from thinwire.testbed.netns import HOST_IFNAME, NicCounters
 from thinwire.testbed.rates import parse_rate
@@ -384,7 +385,7 @@ class Cluster:
             log_dir=str(out_dir),
             timed_out=timed_out,
         )
-        (out_dir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
+        atomic_write_text(out_dir / "summary.json", json.dumps(result.to_dict(), indent=2))
         return result
 
 
