@@ -208,3 +208,14 @@ def test_errors_in_the_users_code_are_one_line_naming_their_place(
     assert "site-packages" not in str(e.value)
     assert main(["analyze", "profile", "--model", spec, "-o", str(tmp_path / "p.json")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_interrupting_the_factory_claims_no_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "slow.py").write_text("def f():\n    raise KeyboardInterrupt\n")
+    spec = f"{tmp_path / 'slow.py'}:f"
+    assert main(["analyze", "profile", "--model", spec, "-o", str(tmp_path / "p.json")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "thinwire: interrupted", err
+    assert not (tmp_path / "p.json").exists()
