@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from conftest import TINY_FLAGS
 from thinwire.analysis import ParamTiming, Profile, save_profile
 from thinwire.cli.main import main
+from thinwire.errors import ConfigError
 
 SMALL = [
     *TINY_FLAGS,
@@ -64,6 +66,21 @@ def _error(args: list[str], capsys: pytest.CaptureFixture[str], code: int = 2) -
         (["--algo", "onebit-lamb", "--freeze-cap", "1.5"], "freeze-cap must be a number"),
         (["--algo", "onebit-adam", "--freeze-tolerance", "nan"], "freeze-tolerance must be"),
         (["--algo", "onebit-adam", "--freeze-tolerance", "-1"], "freeze-tolerance must be"),
+        (
+            ["--timeout", "nan"],
+            "--timeout must be seconds in (0, 31536000] (a year at most), got nan",
+        ),
+        (["--timeout", "1e30"], "--timeout must be seconds in (0, 31536000]"),
+        (["--timeout", "0"], "--timeout must be seconds in (0, 31536000]"),
+        (["--timeout", "-5"], "--timeout must be seconds in (0, 31536000]"),
+        (
+            ["--algo", "adamw-onebit", "--freeze-step", "99999"],
+            "freeze-step 99999 is past steps 4: adamw-onebit would never compress",
+        ),
+        (
+            ["--algo", "adamw-onebit-sync", "--freeze-step", "5"],
+            "freeze-step 5 is past steps 4: adamw-onebit-sync would never compress",
+        ),
     ],
 )
 def test_nonsense_hyperparameters(
@@ -287,3 +304,41 @@ def test_a_rank_without_peers_fails_at_the_join_deadline(tmp_path: Path) -> None
     last = res.stderr.strip().splitlines()[-1]
     assert "rank 0 waited 2 s" in last and "WORLD_SIZE=2" in last, res.stderr
     assert "Traceback" not in res.stderr and "DistStoreError" not in res.stderr
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.symlink_to("/dev/zero"), "is a character device, not a regular file"),
+        (lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),  # never opened: no hang
+        (lambda p: p.mkdir(), "is a directory, not a regular file"),
+        (lambda p: p.write_bytes(b"x" * 5000), "more than the 4096 allowed"),
+        (lambda p: None, "no such file"),
+    ],
+)
+def test_token_files_that_are_not_tokens_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: Callable[[Path], object], message: str
+) -> None:
+    from thinwire.localsgd.auth import TOKEN_ENV, TOKEN_FILE_ENV, read_token
+
+    path = tmp_path / "token"
+    make(path)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(path))
+    with pytest.raises(ConfigError) as err:
+        read_token()
+    text = str(err.value)
+    assert message in text and str(path) in text and "\n" not in text, text
+    assert "missing" not in text or message == "no such file"
+
+
+def test_a_token_that_is_not_utf8_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from thinwire.localsgd.auth import TOKEN_ENV, read_token
+
+    # How Python shows an environment value holding the byte 0xff (surrogateescape).
+    monkeypatch.setenv(TOKEN_ENV, "a" * 20 + "\udcff")
+    with pytest.raises(ConfigError, match=f"^{TOKEN_ENV} is not UTF-8 text; use a token"):
+        read_token()
+    monkeypatch.setenv(TOKEN_ENV, "a" * 20 + "é")  # UTF-8 beyond ASCII is a fine token
+    assert read_token() == ("a" * 20 + "é").encode()

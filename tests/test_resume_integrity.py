@@ -10,8 +10,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -204,3 +207,203 @@ def test_the_guard_rules() -> None:
     guard.check_train(8, 3.0, skipped_steps=7)  # too early to judge the skipped share
     with pytest.raises(DivergedError, match="validation loss is nan"):
         guard.check_val(20, float("nan"))
+
+
+# --- damaged files of a run: one line each, nothing lost ---------------------------------
+def _tamper_pt(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    blob = torch.load(path, weights_only=True)
+    change(blob)
+    torch.save(blob, path)
+
+
+def _model(change: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    return lambda blob: change(blob["model"])
+
+
+def _first_state(blob: dict[str, Any]) -> dict[str, Any]:
+    return blob["optimizer"]["state"][0]
+
+
+_DAMAGED: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    (
+        "model.pt",
+        _model(lambda m: m.update({"tok_emb.weight": m["tok_emb.weight"].reshape(-1)})),
+        "weight 'tok_emb.weight' has shape [8192], the model's is [256, 32]",
+    ),
+    ("model.pt", _model(lambda m: m.pop("pos_emb.weight")), "weight 'pos_emb.weight' is missing"),
+    ("model.pt", _model(lambda m: m.update({"x.weight": torch.ones(1)})), "it holds 'x.weight'"),
+    (
+        "model.pt",
+        _model(lambda m: m.update({"pos_emb.weight": "w"})),
+        "weight 'pos_emb.weight' is a str, not a tensor",
+    ),
+    (
+        "model.pt",
+        _model(lambda m: m.update({"pos_emb.weight": m["pos_emb.weight"].long()})),
+        "weight 'pos_emb.weight' is torch.int64, the model's is torch.float32",
+    ),
+    (
+        "model.pt",
+        _model(lambda m: m["pos_emb.weight"].view(-1)[3].fill_(float("nan"))),
+        "weight 'pos_emb.weight' holds nan or inf",
+    ),
+    (
+        "model.pt",
+        lambda b: b.update({"step": "4"}),
+        "holds step '4' (a str), not the whole number 4",
+    ),
+    ("rank0.pt", lambda b: b.update({"step": 4.0}), "holds step 4.0 (a float)"),
+    ("rank0.pt", lambda b: b.pop("optimizer"), "'optimizer' is missing"),
+    (
+        "rank0.pt",
+        lambda b: b.update({"rng": torch.zeros(10, dtype=torch.uint8)}),
+        "its random-number state is unusable (Expected a CPUGeneratorImplState of size 5056",
+    ),
+    (
+        "rank0.pt",
+        lambda b: b.update({"rng": torch.zeros(5056, dtype=torch.uint8)}),
+        "its random-number state is unusable (Invalid mt19937 state)",
+    ),
+    ("rank0.pt", lambda b: b.update({"rng": "seed"}), "its random-number state is unusable"),
+    (
+        "rank0.pt",
+        lambda b: _first_state(b).update({"exp_avg": _first_state(b)["exp_avg"].reshape(-1)}),
+        "the optimizer's 'exp_avg' of parameter 0 has shape [8192], the parameter's is [256, 32]",
+    ),
+    (
+        "rank0.pt",
+        lambda b: _first_state(b).update({"exp_avg_sq": [1.0, 2.0]}),
+        "the optimizer's 'exp_avg_sq' of parameter 0 is a list",
+    ),
+    (
+        "rank0.pt",
+        lambda b: b["optimizer"]["param_groups"][0].update({"lr": "fast"}),
+        "the optimizer's lr is 'fast', not a number",
+    ),
+    (
+        "rank0.pt",
+        lambda b: b["optimizer"]["param_groups"][0]["params"].pop(),
+        "the optimizer holds 15 parameters, the model has 16",
+    ),
+    ("rank0.pt", lambda b: b.update({"optimizer": None}), "the optimizer state is not a table"),
+    ("rank0.pt", lambda b: b.update({"elapsed_s": None}), "its training time is None"),
+    ("rank0.pt", lambda b: b.update({"bytes": [1]}), "its byte counters are not counts"),
+    ("rank0.pt", lambda b: b.update({"rank": "0"}), "does not hold rank 0's state"),
+]
+
+
+@pytest.mark.timeout(120)
+def test_damaged_checkpoints_are_one_line_and_change_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Files that are still plain data but not what thinwire wrote (a tensor of another
+    shape, a missing entry, an unusable random-number state, a bad optimizer state):
+    each resume is refused in one line that names the file and what is wrong with it."""
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--steps", "4", "--out", str(out)]) == 0
+    capsys.readouterr()
+    resume = ["train", *SMALL, "--steps", "6", "--out", str(out), "--resume"]
+    latest = out / "checkpoints" / "step-00000004"
+    saved = _tree(out)
+    for name, change, message in _DAMAGED:
+        shutil.copy(latest / name, tmp_path / "keep.pt")
+        _tamper_pt(latest / name, change)
+        assert main(resume) == 2, message
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(latest / name) in err, err
+        assert message in err, err
+        shutil.copy(tmp_path / "keep.pt", latest / name)
+    assert _tree(out) == saved  # a refused resume writes nothing
+    assert main(resume) == 0  # the intact checkpoint still resumes
+
+
+def _write(text: bytes) -> Callable[[Path], object]:
+    return lambda p: p.write_bytes(text)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("name", "make", "message"),
+    [
+        ("checkpoints/LATEST", _write(b"step-\xff\n"), "is not UTF-8 text (byte 0xff at offset 5)"),
+        ("checkpoints/LATEST", _write(b"step-+0004\n"), "is corrupt (holds 'step-+0004'"),
+        ("checkpoints/LATEST", _write(b"\x00" * 5000), "more than the 4096 allowed"),
+        ("checkpoints/LATEST", lambda p: p.mkdir(), "is a directory, not a regular file"),
+        ("checkpoints/LATEST", lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),
+        ("run.json", _write(b"[1, 2]"), "holds a JSON list, not an object"),
+        ("run.json", _write(b'{"model": "\xfe"}'), "is not UTF-8 text"),
+        ("run.json", _write(b"{"), "is corrupt"),
+        ("run.json", lambda p: p.symlink_to("/dev/zero"), "is a character device"),
+        ("run.json", lambda p: p.symlink_to("/proc/self"), "is a directory, not a regular file"),
+        (
+            "checkpoints/step-00000002/model.pt",
+            lambda p: os.mkfifo(p),
+            "is a FIFO, not a regular file",  # never opened: the resume does not hang
+        ),
+        ("checkpoints/step-00000002/rank0.pt", lambda p: p.mkdir(), "is a directory"),
+    ],
+)
+def test_damaged_run_records_are_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    make: Callable[[Path], object],
+    message: str,
+) -> None:
+    out = tmp_path / "run"
+    cfg = tiny_config(tmp_path, steps=2, checkpoint_interval=2, eval_sequences=4)
+    train(cfg)
+    path = out / name
+    path.unlink()
+    make(path)
+    assert main(["train", *SMALL, "--steps", "4", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and message in err, err
+    assert "missing" not in err, err  # it is there, and the line says what it is
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_metrics_log_never_blocks_a_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--steps", "4", "--out", str(out)]) == 0
+    log = out / "metrics.jsonl"
+    lines = log.read_bytes().splitlines(keepends=True)
+    garbage = [b"{not json\n", b"\xff\xfe\n", b"[1, 2]\n", b'{"step": "3"}\n']
+    log.write_bytes(b"".join(lines[:2] + garbage + lines[2:]) + b'{"step": 4, "lo')
+    capsys.readouterr()
+    assert main(["train", *SMALL, "--steps", "6", "--out", str(out), "--resume"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    warning = [e for e in err if "unreadable" in e]
+    assert warning == [
+        f"thinwire: warning: {log}: 5 unreadable lines (the first is line 3) set aside in "
+        "metrics.jsonl.unreadable; the run resumes without them"
+    ]
+    # Nothing is lost: the good records are kept, the bad lines are set aside verbatim.
+    records = read_metrics(log)
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 6]
+    aside = (out / "metrics.jsonl.unreadable").read_bytes()
+    assert aside == b"".join(garbage) + b'{"step": 4, "lo\n'
+    # A reader of the log (thinwire compare, a user's script) skips and counts them too.
+    log.write_bytes(log.read_bytes() + b"oops\n")
+    assert len(read_metrics(log)) == len(records)
+    assert capsys.readouterr().err.strip() == (
+        f"thinwire: warning: {log}: 1 unreadable line (the first is line "
+        f"{len(records) + 1}) skipped"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_finished_run_that_moved_reports_where_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old, new = tmp_path / "old", tmp_path / "new"
+    assert main(["train", *SMALL, "--steps", "2", "--out", str(old)]) == 0
+    shutil.move(old, new)
+    capsys.readouterr()
+    assert main(["train", *SMALL, "--steps", "2", "--out", str(new), "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert "already reached step 2" in captured.err
+    assert ["output", str(new)] in [line.split() for line in captured.out.splitlines()]
+    assert str(old) not in captured.out + captured.err

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from conftest import TINY_FLAGS
 from thinwire.cli.main import build_parser
 from thinwire.cli.train import config_from_args
 from thinwire.errors import ConfigError
+from thinwire.io import INPUT_LIMIT
 from thinwire.train.algorithms import default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import read_config_file, write_config_file
@@ -56,14 +59,65 @@ def test_written_config_reads_back_identical(tmp_path: Path) -> None:
         ("a.json", "{", "not valid JSON"),
         ("a.toml", "x =", "not valid TOML"),
         ("a.yaml", "steps: 3", "expected a .json or .toml file"),
+        ("a.json", '{"betas": [0.9, 0.99, 0.999]}', "betas must be two numbers"),
+        ("a.json", '{"betas": []}', "betas must be two numbers"),
+        ("a.json", '{"betas": [0.9]}', "betas must be two numbers"),
+        ("a.toml", "betas = [0.9, 0.99, 0.999]", "betas must be two numbers"),
+        ("a.json", '{"extra": {"powersgd_rank": "x"}}', "extra.powersgd_rank must be a whole"),
+        ("a.json", '{"extra": {"powersgd_rank": -5}}', r"powersgd_rank must be in \[1, 1024\]"),
+        ("a.json", '{"extra": {"powersgd_rank": 0}}', r"powersgd_rank must be in \[1, 1024\]"),
+        ("a.json", '{"extra": {"junk": 1}}', "extra: unknown key 'junk'"),
+        ("a.json", '{"extra": {"bias_correction": 1}}', "bias_correction must be true or false"),
+        ("a.json", '{"steps": 1e999}', "steps must be int"),
+        ("a.json", '{"lr": NaN}', r"lr must be a number in \(0, inf\), got nan"),
+        ("a.json", '{"lr": 1' + "0" * 30 + "}", "lr is out of range"),
+        ("a.json", '{"steps": 1' + "0" * 5000 + "}", "not valid JSON: Exceeds the limit"),
+        ("a.json", "[" * 100_000, "nested too deeply"),
+        ("a.json", '{"seed": -1' + "0" * 20 + "}", "seed is out of range"),
     ],
 )
 def test_bad_files_are_one_line_errors(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ConfigError, match=message) as err:
+        _config("--config", str(path)).validate()  # what thinwire train does first
+    assert "\n" not in str(err.value) and len(str(err.value)) < 300
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda p: p.write_bytes(b'{"algo": "\xff"}'),
+            "is not UTF-8 text (byte 0xff at offset 10)",
+        ),
+        (lambda p: p.mkdir(), "is a directory, not a regular file"),
+        (lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),  # never opened: no hang
+        (lambda p: p.symlink_to("/dev/zero"), "is a character device, not a regular file"),
+        (lambda p: p.write_bytes(b" " * (INPUT_LIMIT + 1)), "more than the 16777216 allowed"),
+    ],
+)
+def test_config_files_that_are_not_settings_are_one_line(
+    tmp_path: Path, make: Callable[[Path], object], message: str
+) -> None:
+    path = tmp_path / "c.json"
+    make(path)
+    with pytest.raises(ConfigError) as err:
         _config("--config", str(path))
-    assert "\n" not in str(err.value) and str(path) in str(err.value)
+    assert message in str(err.value) and str(path) in str(err.value)
+    assert "\n" not in str(err.value) and str(err.value).startswith("--config: ")
+
+
+def test_proc_files_are_named_for_what_they_are(tmp_path: Path) -> None:
+    """/proc files report size 0; they are read to the cap like any other, and their
+    error says what is wrong with them, never that they are missing."""
+    with pytest.raises(ConfigError) as err:
+        read_config_file("/proc/self/status")
+    assert "expected a .json or .toml file" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        read_config_file("/proc/self")
+    assert "is a directory" in str(err.value) and "missing" not in str(err.value)
 
 
 def test_missing_file_exits_2_with_one_line(tmp_path: Path) -> None:
@@ -74,7 +128,7 @@ def test_missing_file_exits_2_with_one_line(tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "cannot read it" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "--config: no such file" in proc.stderr
 
 
 @pytest.mark.timeout(120)

@@ -29,7 +29,7 @@ from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS
 from thinwire.train.model import PRESETS
 from thinwire.train.run import run_training  # the launch policy; importable here as well
 
-__all__ = ["config_from_args", "format_summary", "register", "run_training"]
+__all__ = ["check_timeout", "config_from_args", "format_summary", "register", "run_training"]
 
 
 def _speeds(text: str) -> tuple[float, ...]:
@@ -52,6 +52,21 @@ def _slowdown(text: str) -> tuple[float, ...]:
             f"slowdown factors must be >= 1 (1 = full speed, 2 = half speed), got {text!r}"
         )
     return values
+
+
+MAX_TIMEOUT_S = 365 * 86400.0
+"""The longest ``--timeout``: a year. Far past any run, and far below what the process
+group's deadline can hold (``1e30`` seconds overflows it once the ranks start)."""
+
+
+def check_timeout(seconds: float) -> None:
+    """``--timeout`` must be seconds in ``(0, MAX_TIMEOUT_S]``: 0 would stop every run as
+    its ranks start, and nan or a huge number would fail only then, as a traceback."""
+    if not 0 < seconds <= MAX_TIMEOUT_S:  # nan fails every comparison
+        raise ConfigError(
+            f"--timeout must be seconds in (0, {MAX_TIMEOUT_S:.0f}] (a year at most), "
+            f"got {seconds:g}"
+        )
 
 
 def freeze_step_arg(text: str) -> int | str:
@@ -317,6 +332,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def _main(args: argparse.Namespace) -> int:
+    check_timeout(args.timeout)
     cfg = config_from_args(args)
     if args.print_config:
         cfg.validate()

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.io import read_input_bytes
 from thinwire.localsgd.messages import MessageError
 
 __all__ = [
@@ -96,11 +97,31 @@ def _clean(raw: bytes, where: str) -> bytes:
     return token
 
 
-def _read_file(path: str | Path, where: str) -> bytes:
+_TOKEN_LIMIT = 4096
+"""The most bytes a token file may hold: a token is tens of characters, and a cap means
+``/dev/zero`` or a huge file named by mistake is refused at once instead of read."""
+
+
+def _read_file(path: str | Path, where: str, source: str) -> bytes:
+    """The token in the file ``path`` (``where`` names it in the too-short message,
+    ``source`` says where the path came from)."""
+    # Regular files only (a FIFO would block the start forever), read with a cap; the
+    # error names the path and what it is (a directory, a device), never the token.
+    what = f"cannot read the run token file {source}"
+    return _clean(read_input_bytes(path, what, _TOKEN_LIMIT), where)
+
+
+def _from_env() -> bytes:
+    """``THINWIRE_RUN_TOKEN``'s bytes. A value that is not UTF-8 reaches Python as text
+    with surrogates that cannot be encoded back; every rank and every rejoining worker
+    must derive the same key from it, so it is refused rather than guessed at."""
     try:
-        return _clean(Path(path).read_bytes(), where)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the run token file {where}: {exc.strerror}") from None
+        return os.environ[TOKEN_ENV].encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(
+            f"{TOKEN_ENV} is not UTF-8 text; use a token of plain characters (e.g. python "
+            "-c 'import secrets; print(secrets.token_hex(32))')"
+        ) from None
 
 
 def read_token(token_file: str | None = None, run_dir: str | None = None) -> bytes | None:
@@ -113,13 +134,14 @@ def read_token(token_file: str | None = None, run_dir: str | None = None) -> byt
             never contains the token.
     """
     if token_file:
-        return _read_file(token_file, token_file)
+        return _read_file(token_file, token_file, "given")
     if os.environ.get(TOKEN_ENV):
-        return _clean(os.environ[TOKEN_ENV].encode(), TOKEN_ENV)
+        return _clean(_from_env(), TOKEN_ENV)
     if os.environ.get(TOKEN_FILE_ENV):
-        return _read_file(os.environ[TOKEN_FILE_ENV], f"{TOKEN_FILE_ENV}")
+        return _read_file(os.environ[TOKEN_FILE_ENV], TOKEN_FILE_ENV, f"named by {TOKEN_FILE_ENV}")
     if run_dir and (Path(run_dir) / TOKEN_FILE).is_file():
-        return _read_file(Path(run_dir) / TOKEN_FILE, str(Path(run_dir) / TOKEN_FILE))
+        path = Path(run_dir) / TOKEN_FILE
+        return _read_file(path, str(path), "of the run")
     return None
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -11,7 +13,15 @@ from thinwire.errors import ConfigError
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.train.model import PRESETS, GPTConfig
 
-__all__ = ["EXTRA_USED_BY", "ONEBIT_ALGOS", "USED_BY", "TrainConfig"]
+__all__ = [
+    "EXTRA_USED_BY",
+    "MAX_INT",
+    "ONEBIT_ALGOS",
+    "USED_BY",
+    "TrainConfig",
+    "check_types",
+    "short_repr",
+]
 
 ONEBIT_ALGOS = ("onebit-lamb", "onebit-adam")
 _LOCAL_SGD = ("diloco", "async-diloco")
@@ -45,19 +55,111 @@ the others are read by every algorithm."""
 EXTRA_USED_BY: dict[str, tuple[str, ...]] = {
     "powersgd_rank": ("adamw-powersgd",),
     "powersgd_start": ("adamw-powersgd",),
+    "bias_correction": ONEBIT_ALGOS,
 }
-"""The same for the keys of :attr:`TrainConfig.extra`."""
+"""The same for the keys of :attr:`TrainConfig.extra`; a key no algorithm reads is refused."""
+
+MAX_INT = 2**53
+"""The largest whole number a setting may hold. Past it a JSON reader elsewhere (a plot,
+a dashboard) no longer reads the number exactly, and float arithmetic on it (the cosine
+schedule, the rates in the summary) loses the last step; no real run comes near it."""
+
+_RANGED = frozenset(
+    {"lr", "min_lr_ratio", "weight_decay", "grad_clip", "freeze_tolerance", "freeze_cap"}
+    | {"outer_lr", "outer_momentum", "val_fraction"}
+)
+"""Float fields :meth:`TrainConfig.validate` checks against a range (whose message names
+the range, so nan and inf are left to it)."""
+
+_POWERSGD_MAX_RANK = 1024
+"""PowerSGD's rank is capped at a layer's smaller side anyway; past this no preset of
+thinwire's compresses at all, so a larger value is a typo."""
+
+
+def _is_int(value: Any) -> bool:
+    """A whole number that is not a bool (``True`` is an int to Python, never to a user)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _fits(type_text: str, value: Any) -> bool:
+    """Whether ``value`` fits a field annotated ``type_text`` (e.g. ``"int | None"``)."""
+    for part in (p.strip() for p in type_text.split("|")):
+        if part == "None" and value is None:
+            return True
+        if part == "bool" and isinstance(value, bool):
+            return True
+        if part == "int" and _is_int(value):
+            return True
+        if part == "float" and _is_number(value):
+            return True
+        if part == "str" and isinstance(value, str):
+            return True
+        if part.startswith("tuple[") and isinstance(value, list | tuple):
+            return all(_is_number(v) for v in value)
+        if part.startswith("dict[") and isinstance(value, dict):
+            return True
+    return False
+
+
+class _ShortRepr(reprlib.Repr):
+    """``reprlib``'s bounded repr, with whole numbers of any size: Python refuses to print
+    an int of more than 4300 digits, and a JSON file can hold one."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if abs(x) <= MAX_INT:
+            return repr(x)
+        return f"<a number of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+
+
+_REPR = _ShortRepr()
+_REPR.maxstring = _REPR.maxother = 40
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """A repr of ``value`` at most ``limit`` characters long, however large or deep the
+    value is, so an error about it stays one short line."""
+    text = _REPR.repr(value).replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_types(values: dict[str, Any], where: str = "") -> None:
+    """A one-line :class:`ConfigError` for the first value of ``values`` (field name to
+    value) whose type does not fit its :class:`TrainConfig` field, or whose number is
+    not finite or past :data:`MAX_INT`. ``where`` prefixes the message (a file name)."""
+    prefix = f"{where}: " if where else ""
+    for name, value in values.items():
+        type_text = _FIELD_TYPES[name]
+        if not _fits(type_text, value):
+            raise ConfigError(f"{prefix}{name} must be {type_text}, got {short_repr(value)}")
+        items = value if isinstance(value, list | tuple) else [value]
+        for item in items:
+            if _is_int(item) and abs(item) > MAX_INT:
+                raise ConfigError(f"{prefix}{name} is out of range: {short_repr(item)}")
+            # nan and inf: the ranged fields say so with their range, in validate()
+            finite = not _is_number(item) or _is_int(item) or math.isfinite(item)
+            if not finite and (name not in _RANGED or item is not value):
+                raise ConfigError(f"{prefix}{name} must be a finite number, got {item}")
 
 
 def _check_range(
     name: str, value: float, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
 ) -> None:
     """A one-line ConfigError unless ``value`` is a number in the interval (NaN never is)."""
+    if not _is_number(value):
+        raise ConfigError(f"{name} must be a number, got {short_repr(value)}")
     ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
-    if not (ok and math.isfinite(value)):
+    # An int too large for a float (10**400 from a JSON file) is out of every range
+    # (math.isfinite would raise on it rather than answer).
+    huge = _is_int(value) and abs(value) > MAX_INT
+    if huge or not (ok and (_is_int(value) or math.isfinite(value))):
         closing = ")" if hi_open or math.isinf(hi) else "]"
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{closing}"
-        raise ConfigError(f"{name} must be a number in {interval}, got {value}")
+        got = short_repr(value) if huge else value
+        raise ConfigError(f"{name} must be a number in {interval}, got {got}")
 
 
 @dataclass
@@ -254,6 +356,12 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Reject impossible settings with a one-line :class:`ConfigError`."""
+        check_types(self.to_dict())
+        if len(self.betas) != 2:
+            raise ConfigError(
+                f"betas must be two numbers (beta1, beta2), got {len(self.betas)}: "
+                f"{short_repr(list(self.betas))}"
+            )
         positive = ("steps", "batch_size", "eval_interval", "eval_sequences", "log_interval")
         for name in positive:
             if getattr(self, name) < 1:
@@ -264,6 +372,7 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.checkpoint_interval < 0:
             raise ConfigError("warmup-steps and checkpoint-interval must be >= 0")
         _check_range("min-lr-ratio", self.min_lr_ratio, 0.0, 1.0)
+        _check_range("val-fraction", self.val_fraction, 0.0, 1.0, lo_open=True, hi_open=True)
         _check_range("weight-decay", self.weight_decay, 0.0, math.inf)
         for i, beta in enumerate(self.betas):
             _check_range(f"betas[{i}]", beta, 0.0, 1.0, hi_open=True)
@@ -288,6 +397,7 @@ class TrainConfig:
             raise ConfigError(
                 f"shard layout must be striped or contiguous, got {self.shard_layout!r}"
             )
+        self._check_extra()
         self._check_device()
         self.gpt_config()
 
@@ -299,12 +409,49 @@ class TrainConfig:
                 f"freeze-step must be 'auto' or a step >= 1, got {self.freeze_step!r}"
             )
         # freeze_step == steps is a legitimate control run (a 1-bit optimizer that never
-        # compresses); past the end it can only be a mistake.
-        if self.algo in ONEBIT_ALGOS and self.freeze_step > self.steps:
+        # compresses); past the end it can only be a mistake, for every algorithm that
+        # reads the step (the 1-bit optimizers and the 1-bit hook alike).
+        if self.algo in USED_BY["freeze_step"] and self.freeze_step > self.steps:
             raise ConfigError(
                 f"freeze-step {self.freeze_step} is past steps {self.steps}: {self.algo} "
                 "would never compress; lower --freeze-step (or use lamb/adamw)"
             )
+
+    def _check_extra(self) -> None:
+        """``extra`` holds only keys some algorithm reads, each of its type and range.
+
+        A key no algorithm reads would train silently with the default it was meant to
+        change (a typo), and a free dict is otherwise a place for anything (a 57 MB blob
+        of garbage was once accepted); a key only another algorithm reads is warned
+        about instead (:meth:`unused_options`), as fields are.
+        """
+        if not all(isinstance(k, str) for k in self.extra):
+            raise ConfigError("extra: every key must be a string")
+        for key, value in self.extra.items():
+            if key in _FIELD_TYPES:
+                # Settings that once lived in extra: ignoring them would run other settings.
+                raise ConfigError(
+                    f"TrainConfig.extra[{key!r}] is no longer read: set the TrainConfig "
+                    f"field {key} instead"
+                )
+            if key not in EXTRA_USED_BY:
+                raise ConfigError(
+                    f"extra: unknown key {short_repr(key, 40)}; known keys: "
+                    f"{', '.join(sorted(EXTRA_USED_BY))}"
+                )
+            if key == "bias_correction":
+                if not isinstance(value, bool):
+                    raise ConfigError(
+                        f"extra.bias_correction must be true or false, got {short_repr(value)}"
+                    )
+            elif not _is_int(value):
+                raise ConfigError(f"extra.{key} must be a whole number, got {short_repr(value)}")
+            elif key == "powersgd_rank" and not 1 <= value <= _POWERSGD_MAX_RANK:
+                raise ConfigError(
+                    f"extra.powersgd_rank must be in [1, {_POWERSGD_MAX_RANK}], got {short_repr(value)}"
+                )
+            elif key == "powersgd_start" and not 0 <= value <= MAX_INT:
+                raise ConfigError(f"extra.powersgd_start must be >= 0, got {short_repr(value)}")
 
     def _check_device(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -361,3 +508,7 @@ class TrainConfig:
             if kwargs.get(key) is not None:
                 kwargs[key] = tuple(kwargs[key])
         return cls(**kwargs)
+
+
+_FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(TrainConfig)}
+"""Each field's annotation as text (``from __future__ import annotations`` keeps them so)."""

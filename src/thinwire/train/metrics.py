@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.io import atomic_write_text
+from thinwire.io import atomic_write_text, read_input_bytes
 
-__all__ = ["MetricsWriter", "Progress", "plain", "read_metrics"]
+__all__ = ["METRICS_LIMIT", "MetricsWriter", "Progress", "plain", "read_metrics", "read_records"]
 
 
 def plain(key: str, value: Any) -> bool | int | float | str | None:
@@ -37,10 +37,53 @@ def plain(key: str, value: Any) -> bool | int | float | str | None:
     raise TypeError(f"metric {key!r} is a {type(value).__name__}, not a number or a string")
 
 
+METRICS_LIMIT = 1 << 30
+"""The most bytes :func:`read_metrics` reads: a million records of a long run are about
+250 MB; past this the file is not a record thinwire wrote."""
+
+
+def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[tuple[int, bytes]]]:
+    """The records of a ``metrics.jsonl`` file, and the lines that are not records.
+
+    A line is a record if it is UTF-8 JSON of an object whose ``step``, if any, is a
+    whole number. Anything else (the half line a crash leaves at the end, a line edited
+    by hand, stray bytes) comes back as ``(line number, bytes)`` instead of stopping the
+    reader: a run must never be unrecoverable because of its log.
+
+    Raises:
+        ConfigError: ``path`` is missing, not a regular file or larger than
+            :data:`METRICS_LIMIT` (one line).
+    """
+    records: list[dict[str, Any]] = []
+    bad: list[tuple[int, bytes]] = []
+    data = read_input_bytes(path, "metrics file", METRICS_LIMIT)
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            record = None
+        step = record.get("step", 0) if isinstance(record, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            bad.append((number, raw))
+        else:
+            records.append(record)
+    return records, bad
+
+
+def _skipped(path: str | Path, bad: list[tuple[int, bytes]]) -> str:
+    lines = "line" if len(bad) == 1 else "lines"
+    return f"{path}: {len(bad)} unreadable {lines} (the first is line {bad[0][0]})"
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a ``metrics.jsonl`` file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All records of a ``metrics.jsonl`` file; lines that are not records are skipped
+    and counted in one warning line on stderr (see :func:`read_records`)."""
+    records, bad = read_records(path)
+    if bad:
+        print(f"thinwire: warning: {_skipped(path, bad)} skipped", file=sys.stderr)
+    return records
 
 
 class MetricsWriter:
@@ -66,7 +109,10 @@ class MetricsWriter:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            records, bad = read_records(self.path)
+            if bad:
+                self._set_aside(bad)
+            kept = [r for r in records if r.get("step", 0) <= resume_step]
             atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             # Never delete another run's record (the trainer refuses such a directory
@@ -84,6 +130,18 @@ class MetricsWriter:
                     "--tensorboard needs the tensorboard package: pip install 'thinwire[tensorboard]'"
                 ) from None
             self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+
+    def _set_aside(self, bad: list[tuple[int, bytes]]) -> None:
+        """Append the lines that are not records to ``metrics.jsonl.unreadable`` (so that
+        nothing the run wrote is lost) and say so in one line."""
+        aside = self.path.with_name(self.path.name + ".unreadable")
+        with open(aside, "ab") as f:
+            f.write(b"".join(raw + b"\n" for _, raw in bad))
+        print(
+            f"thinwire: warning: {_skipped(self.path, bad)} set aside in {aside.name}; "
+            "the run resumes without them",
+            file=sys.stderr,
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

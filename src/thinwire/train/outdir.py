@@ -22,12 +22,20 @@ from typing import Any
 
 from thinwire import rundir, runlock
 from thinwire.errors import ConfigError
+from thinwire.io import read_input
 from thinwire.runlock import RunLock
 from thinwire.train import checkpoint as ckpt
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import CONFIG_NAME, write_config_file
 
-__all__ = ["claim", "decide_start", "finished_summary"]
+__all__ = ["claim", "decide_start", "finished_summary", "read_summary"]
+
+_SUMMARY_LIMIT = 16 << 20
+"""The most bytes a run's ``summary.json`` may hold (a few KiB in practice)."""
+
+_SUMMARY_NUMBERS = ("world_size", "steps", "samples", "parameters", "final_val_loss")
+_SUMMARY_NUMBERS += ("final_val_ppl", "samples_per_s", "train_time_s", "comm_bytes")
+"""The numbers of a summary that ``thinwire train`` prints when a finished run is resumed."""
 
 
 def claim(out_dir: str | Path, resume: bool) -> RunLock:
@@ -79,17 +87,36 @@ def decide_start(
     return step, ckpt.read_run_id(out_dir), finished_summary(cfg, out_dir, step)
 
 
+def read_summary(out_dir: Path) -> dict[str, Any] | None:
+    """The object in ``out_dir/summary.json``, or None when there is none to trust.
+
+    The summary is only a report of the run: one that is missing, not a regular file,
+    too large, not UTF-8, not JSON or not an object is rebuilt by the trainer (and
+    written over atomically), so none of these stops a resume.
+    """
+    try:
+        text = read_input(out_dir / "summary.json", "summary", _SUMMARY_LIMIT)
+        saved = json.loads(text)
+    except (ConfigError, ValueError, RecursionError):
+        return None
+    if not isinstance(saved, dict) or not isinstance(saved.get("algo"), str):
+        return None
+    numbers = [saved.get(k) for k in _SUMMARY_NUMBERS]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in numbers):
+        return None  # a summary the end-of-run table could not print is rebuilt
+    return saved
+
+
 def finished_summary(cfg: TrainConfig, out_dir: Path, step: int) -> dict[str, Any] | None:
     """The saved summary of a run resumed at ``step`` with nothing left to do, with a
     ``note`` saying so; None if there is work left or no summary of that step."""
     if step < min(cfg.steps, cfg.stop_after or cfg.steps):
         return None
-    try:
-        saved = json.loads((out_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+    saved = read_summary(out_dir)
+    if saved is None or type(saved.get("steps")) is not int or saved["steps"] != step:
         return None  # stopped after its last checkpoint: the trainer writes it anew
-    if not isinstance(saved, dict) or saved.get("steps") != step:
-        return None
+    # The directory may have moved since the run finished; report where it is now.
+    saved["out_dir"] = str(out_dir)
     saved["note"] = (
         f"the run in {out_dir} already reached step {step}; nothing was changed "
         "(raise --steps to train further)"
