@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from thinwire.cli.train_config import config_from_args, track_explicit
@@ -331,6 +332,16 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
+def _interrupt_note(out_dir: Path) -> str:
+    """What survives a Ctrl-C, for the one line ``thinwire`` prints on its way out."""
+    from thinwire.train.checkpoint import latest_step
+
+    step = latest_step(out_dir)
+    if step is None:
+        return f"no checkpoint was written yet, so {out_dir} cannot be resumed"
+    return f"the last checkpoint, step {step}, is intact: --resume continues from it"
+
+
 def _main(args: argparse.Namespace) -> int:
     check_timeout(args.timeout)
     cfg = config_from_args(args)
@@ -361,6 +372,8 @@ def _main(args: argparse.Namespace) -> int:
             f"thinwire: warning: --algo {cfg.algo} does not use {', '.join(unused)}; ignored",
             file=sys.stderr,
         )
+    if cfg.algo != "async-diloco":  # the server keeps its own state, not checkpoints/
+        args.on_interrupt = lambda: _interrupt_note(Path(cfg.out_dir))
     summary = run_training(cfg, args.workers, args.timeout)
     if not first:
         return 0
