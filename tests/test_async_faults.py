@@ -460,6 +460,8 @@ def test_stop_after_then_resume_then_resume_of_the_finished_run(
         (["--force-rejoin"], {}, "--force-rejoin goes with --rejoin RANK"),
         ([], {"THINWIRE_RUN_TOKEN": "short"}, "has 5 characters; use at least 16"),
         ([], {"THINWIRE_RUN_TOKEN_FILE": "/nonexistent/t"}, "cannot read the run token file"),
+        ([], {"THINWIRE_BIND_ADDR": "0.0.0.0"}, "THINWIRE_BIND_ADDR is 0.0.0.0 .the wildcard"),
+        ([], {"THINWIRE_BIND_ADDR": "192.0.2.1"}, "which this host cannot listen on"),
     ],
 )
 def test_nonsense_async_settings_are_one_line_errors(
@@ -478,3 +480,79 @@ def test_nonsense_async_settings_are_one_line_errors(
     assert len(err) == 1 and err[0].startswith("thinwire: error:"), err
     assert re.search(match, err[0]), err[0]
     assert not (tmp_path / "r").exists()  # nothing was started, nothing written
+
+
+# --- a --sync run stopped and resumed is the run that never stopped ----------------------------
+@pytest.mark.timeout(240)
+def test_sync_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path: Path) -> None:
+    args = [*_TW, "--workers", "3", "--steps", "6", "--local-steps", "2", "--sync"]
+    assert cli_main([*args, "--out", str(tmp_path / "straight")]) == 0
+    chain = [*args, "--out", str(tmp_path / "chain")]
+    assert cli_main([*chain, "--stop-after", "2"]) == 0
+    first = _summary(tmp_path / "chain")
+    # Each worker kept what it carries across rounds (its AdamW moments and step count).
+    assert (tmp_path / "chain" / "localsgd_worker1.pt").is_file()
+    assert cli_main([*chain, "--resume"]) == 0
+    straight, resumed = _summary(tmp_path / "straight"), _summary(tmp_path / "chain")
+    assert resumed["complete"] and resumed["inner_steps"] == straight["inner_steps"] == 12
+    assert first["param_sha256"] != straight["param_sha256"]  # the digest sees a change
+    assert resumed["param_sha256"] == straight["param_sha256"]
+    assert resumed["final_val_loss"] == straight["final_val_loss"]
+
+
+# --- token holders that push twice, or from another epoch: stopped, never waited for --------
+def _misbehaving(rank: int, world: int, stopped: Any) -> Any:
+    from thinwire.localsgd.transport import Transport
+
+    task = Task(
+        model=_mlp,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        shards=_shards,
+        loss=_Loss(),
+        evaluate=_val,
+    )
+    cfg = AsyncConfig(steps=20, local_steps=1, warmup_steps=0, max_push_ratio=0, dead_after_s=3.0)
+    if rank == 0:
+        t0 = time.monotonic()
+        return run_async(task, cfg) | {"served_s": time.monotonic() - t0}
+    if rank == 1:  # the good worker holds its first round until the bad one is out
+
+        def hold(rounds: int) -> None:
+            if rounds == 1 and not stopped.wait(60):
+                raise TimeoutError("the misbehaving worker was not stopped")
+
+        worker = make_worker(task, cfg, rank, world - 1)
+        return work_loop(worker, open_transport(cfg)[0], on_round=hold)
+    send = Transport.send
+
+    def twice(self: Transport, dst: int, msg: Any, payload: Any = None) -> Any:
+        if isinstance(msg, Update):
+            send(self, dst, msg, payload)  # every push twice, header and payload
+        return send(self, dst, msg, payload)
+
+    Transport.send = twice  # type: ignore[method-assign]
+    try:
+        return run_async(task, cfg)
+    except Exception as exc:  # the stopped worker: its one-line reason
+        return {"error": str(exc)}
+    finally:
+        stopped.set()
+
+
+@pytest.mark.timeout(150)
+def test_a_push_sent_twice_stops_its_sender_at_once_and_nothing_waits() -> None:
+    # Before, the server's send of the next round and the worker's send of the copy
+    # waited on each other until the link timeout: 98 s for a run of 16.
+    stopped = mp.get_context("spawn").Event()
+    s, good, twice = spawn(_misbehaving, 3, (stopped,), timeout_s=120)
+    # Refused before its payload could matter, counted, and its sender stopped. The
+    # first copy is applied if it was in before the second was announced.
+    assert s["push_refusals"] == {"duplicate": 1}
+    assert s["evicted_workers"] == [2]
+    assert "the last one for duplicate" in twice["error"]
+    pushes = {(u["worker"], u["incarnation"]): u["updates"] for u in s["updates_by_incarnation"]}
+    assert pushes.get((2, 1), 0) <= 1
+    assert sum(pushes.values()) == s["updates_applied"] == s["inner_steps"] == 40
+    assert good["steps"] == 40 - pushes.get((2, 1), 0)  # the refused round was redone
+    # Nothing waited on them: no link timeout (30 minutes) or dead-worker wait.
+    assert s["served_s"] < 60

@@ -94,7 +94,7 @@ def test_a_nan_loss_is_carried_but_counts_must_be_whole() -> None:
         ([1.0, 4, 0, 0.5, 0, 0, 0, 0], "HELLO field late must be 0 or 1, got 0.5"),
         ([2.0, 0, 1, 0.1, 0.0, 7.0, 0, 0], "UPDATE field dtype: unknown dtype code 7"),
         ([4.0, 1, 2, 3.0, 0, 0, 0, 0], "STOP header has numbers past its 2 fields"),
-        ([5.0, 1, 2, 0, 0, 0, 0, 1.0], "ERROR header has numbers past its 3 fields"),
+        ([5.0, 1, 2, 0, 0, 0, 0, 1.0], "ERROR header has numbers past its 4 fields"),
         ([1.0, 4, 0, 0], "a header has 8 numbers, got 4"),
     ],
 )

@@ -116,8 +116,9 @@ def test_dylu_sizes_the_first_round_from_declared_speeds_or_a_calibration() -> N
     first = calibrating.work_for(1, 0.0)
     assert first is not None and first.steps == 3  # speed unknown: a short timing round
     calibrating.submit(1, 0, torch.zeros(3), 3, 1.0, 3.0, 0)
-    calibrating.work_for(2, 0.0)
-    calibrating.submit(2, 0, torch.zeros(3), 3, 4.0, 12.0, 0)
+    second = calibrating.work_for(2, 0.0)
+    assert second is not None  # handed out after worker 1's push: version 1
+    calibrating.submit(2, 0, torch.zeros(3), 3, 4.0, 12.0, second.version)
     assert calibrating.work_for(2, 12.0).steps == 2  # type: ignore[union-attr]
     floored = _core(dylu=True, local_steps=10, speeds={1: 1.0, 2: 100.0}, min_local_steps=5)
     assert floored.work_for(2, 0.0).steps == 5  # type: ignore[union-attr]

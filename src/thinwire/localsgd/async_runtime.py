@@ -37,11 +37,21 @@ Fault tolerance:
   keeps serving when a worker dies; torchrun stops the whole group when one rank dies).
 * The server checkpoints ``theta, m, Delta, t``, shard progress, lr clocks and speeds
   every ``checkpoint_interval`` inner steps per worker; ``resume`` continues from it in a
-  new epoch and rejects updates computed before the restart.
+  new epoch and rejects updates computed before the restart. Each launched worker keeps
+  its inner optimizer state (and push error feedback, and random generator) across a
+  stop in ``checkpoint_dir/localsgd_worker<rank>.pt`` on its own host
+  (:mod:`thinwire.localsgd.worker_loop`): with it a ``sync`` run stopped
+  (``stop_after``) and resumed ends bit-identical to one that never stopped.
 
 The trained model: rank 0's summary carries the final theta;
 :func:`~thinwire.localsgd.trained.load_trained` copies it (or a checkpoint's) into a
 module of the task's.
+
+Rank 0 hosts the launch's store and the run's: garbage sent to their ports would make
+PyTorch write a C++ stack trace per request into its stderr, so rank 0 raises the C++ log
+level to errors unless ``TORCH_CPP_LOG_LEVEL`` is set
+(:func:`~thinwire.localsgd.run_store.quiet_store_warnings`); what reaches the run's own
+queue is counted and summarised in one line a second at most.
 
 Admission (:func:`open_transport`): rank 0 takes the user's token or generates one and
 hands the run key to the launched workers (:mod:`thinwire.localsgd.keyshare`); it hosts
@@ -54,27 +64,34 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from thinwire.comm.bind import listen_address
 from thinwire.comm.launch import init_from_env
 from thinwire.errors import ConfigError
 from thinwire.localsgd.auth import RunKey, new_token, read_token
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.keyshare import share_run_key
+from thinwire.localsgd.run_store import quiet_store_warnings, server_address
 from thinwire.localsgd.server_run import run_server
 from thinwire.localsgd.task import Task, make_sources
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.localsgd.worker_loop import work_loop
 
-__all__ = ["make_worker", "open_transport", "run_async"]
+__all__ = ["make_worker", "open_transport", "run_async", "worker_state_path"]
 
 _LAUNCHES = itertools.count()
 """Runs this process has started in its process group, counted alike on every rank, so
 that a second ``run_async`` in the same group finds its own server, not the first's."""
+
+
+def worker_state_path(cfg: AsyncConfig, rank: int) -> Path | None:
+    """Where worker ``rank`` keeps its inner state across a stop, on its own host
+    (``checkpoint_dir/localsgd_worker<rank>.pt``); None without a checkpoint directory."""
+    return Path(cfg.checkpoint_dir) / f"localsgd_worker{rank}.pt" if cfg.checkpoint_dir else None
 
 
 def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalWorker:
@@ -113,8 +130,10 @@ def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
     key: RunKey | None = None
     generated: bytes | None = None
     error: ConfigError | None = None
+    address = ""
     if rank == 0:
         try:
+            address = server_address(cfg.bind_addr)  # before any worker is told where to go
             token = read_token(cfg.token_file)
         except ConfigError as exc:
             token, error = None, exc
@@ -132,9 +151,7 @@ def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
         raise error
     timeouts = {"connect_timeout_s": cfg.connect_timeout_s, "timeout_s": cfg.link_timeout_s}
     if rank == 0:
-        return Transport.host(
-            launch_store, key, listen_address(cfg.bind_addr), launch, **timeouts
-        ), generated
+        return Transport.host(launch_store, key, address, launch, **timeouts), generated
     own = read_token(cfg.token_file)
     if own is not None and RunKey.from_token(own) != key:
         raise ConfigError(
@@ -193,6 +210,7 @@ def run_async(
             that ``theta``).
     """
     created = False
+    restore_log_level = None
     if not dist.is_initialized():
         if not init_from_env():
             raise ConfigError(
@@ -204,6 +222,8 @@ def run_async(
         rank, world = dist.get_rank(), dist.get_world_size()
         workers = world - 1
         cfg.validate(workers)
+        if rank == 0:  # it hosts the stores: garbage sent to them must not flood its stderr
+            restore_log_level = quiet_store_warnings()
         transport, generated = open_transport(cfg)
         if rank != 0:
             worker = make_worker(task, cfg, rank, workers)
@@ -213,6 +233,8 @@ def run_async(
                 compress=cfg.compress,
                 heartbeat_s=cfg.heartbeat_s,
                 max_restarts=cfg.max_restarts,
+                state_path=worker_state_path(cfg, rank),
+                resume=cfg.resume,
             )
         try:
             return run_server(
@@ -230,3 +252,7 @@ def run_async(
     finally:
         if created:
             dist.destroy_process_group()
+            if restore_log_level is not None:
+                restore_log_level()  # no store of ours is listening any more
+        # A caller's process group outlives the run, and its store keeps listening: the
+        # level stays raised for as long as this process hosts it.

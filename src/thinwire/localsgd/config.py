@@ -185,7 +185,11 @@ class AsyncConfig:
     push_warmup: int = 3
     """Accepted pushes before the norm bound applies (there is no median before)."""
     max_refused_pushes: int = 3
-    """Refused pushes in a row after which the server stops the worker that sent them."""
+    """Refused pushes after which the server stops the worker that sent them: this many
+    in a row, or this many in all of the kinds an honest worker never sends (a wrong
+    shape, steps or timing, another epoch, a future version, a duplicate), which a good
+    push in between does not forgive. A duplicate, a future version or another epoch
+    stops the worker at once."""
 
     # --- evaluation and checkpoints -----------------------------------------------------
     eval_interval: int = 0

@@ -15,7 +15,8 @@ kind         direction    fields                                           paylo
                                                                            worker's copy,
                                                                            ``dtype``
 ``STOP``     srv->worker  :class:`Work` with ``stop=True``: epoch, version none
-``ERROR``    srv->worker  :class:`Refused` numel, checksum, reason         none
+``ERROR``    srv->worker  :class:`Refused` numel, checksum, reason,        none
+                          detail
 ===========  ===========  ===============================================  ===============
 
 **Header**: ``HEADER_LEN`` (8) float64 numbers: the kind, the fields in the order above,
@@ -202,7 +203,8 @@ class Why(IntEnum):
     ALIVE = 1
     """A rejoin for a rank whose worker the server considers alive (not forced)."""
     EVICTED = 2
-    """The server refused too many of its pushes in a row (non-finite, too large)."""
+    """The server refused too many of its pushes (:attr:`Refused.detail` names the last
+    reason)."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,9 @@ class Refused:
     """crc32 of the server's parameter shapes."""
     reason: int = Why.MODEL
     """A :class:`Why` code."""
+    detail: int = 0
+    """For :attr:`Why.EVICTED`: the last refusal's reason, as 1 + its place in
+    :data:`thinwire.localsgd.push_guard.REASONS` (0: not named)."""
 
     kind: ClassVar[Kind] = Kind.ERROR
 
@@ -345,6 +350,15 @@ class RunInfo:
         try:
             d = json.loads(text)
             workers, numel, checksum = int(d["workers"]), int(d["numel"]), int(d["checksum"])
-            return cls(workers, numel, checksum, int(d["shards"]), bool(finished))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise MessageError(f"the run's published settings are unreadable ({exc})") from None
+            shards = int(d["shards"])
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            # OverflowError: an infinite number; RecursionError: nesting deeper than the
+            # parser goes. Either way not what a server publishes.
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise MessageError(f"the run's published settings are unreadable ({reason})") from None
+        if workers < 1 or numel < 0 or shards < 1:
+            raise MessageError(
+                f"the run's published settings are impossible: {workers} workers, "
+                f"{numel} parameters, {shards} shards"
+            )
+        return cls(workers, numel, checksum, shards, bool(finished))

@@ -18,6 +18,15 @@ refuses a push that is
   yet and only the other checks apply; the history is part of the server's checkpoint,
   so a resumed run keeps its bound.
 
+The server (:class:`~thinwire.localsgd.server.ServerCore`) refuses three more kinds
+before the payload is even looked at, and counts them here too (:meth:`PushGuard.count`):
+
+* ``epoch``: computed from the theta of another server epoch (before a resume);
+* ``version``: tagged with a theta version newer than the one its round was handed
+  (it would otherwise pass as perfectly fresh);
+* ``duplicate``: sent while the worker had no round in flight, or tagged with an older
+  version than its round's (a push of a round already answered): a push sent twice.
+
 The norm is compared per inner step at full learning rate, ``||g|| / sum of the round's
 relative inner lr`` (each step's share of the peak lr on the shard's schedule, floored at
 1%): DyLU gives slow workers rounds of a few steps and fast ones rounds of H, and a
@@ -30,8 +39,11 @@ default bound of 20 leaves room; a push from a worker with a learning rate of 50
 of 3e-3 is thousands of times over.
 
 A refused push is never applied; its round is rewound and handed out again, so the step
-budget is still met exactly. The server (:class:`~thinwire.localsgd.server.ServerCore`)
-stops a worker after ``max_strikes`` refusals in a row.
+budget is still met exactly. Every refusal counts toward stopping its sender: the server
+(:class:`~thinwire.localsgd.server.ServerCore`) stops a worker after ``max_strikes``
+refusals in a row, or after ``max_strikes`` refusals of the kinds an honest worker never
+sends (:data:`LASTING`), which an accepted push in between does not forgive (a worker
+that pushes every round twice is stopped too).
 """
 
 from __future__ import annotations
@@ -46,10 +58,36 @@ import torch
 from thinwire.errors import ConfigError
 from thinwire.localsgd.shards import inner_lr
 
-__all__ = ["REASONS", "PushGuard"]
+__all__ = ["LASTING", "REASONS", "PushGuard", "describe"]
 
-REASONS = ("shape", "steps", "timing", "non-finite", "norm")
-"""Why a push can be refused, as counted in :attr:`PushGuard.refused`."""
+REASONS = ("shape", "steps", "timing", "non-finite", "norm", "epoch", "version", "duplicate")
+"""Why a push can be refused, as counted in :attr:`PushGuard.refused` (the order is part
+of the wire format: :class:`~thinwire.localsgd.messages.Refused` names a reason by its
+place here)."""
+
+LASTING = frozenset({"shape", "steps", "timing", "epoch", "version", "duplicate"})
+"""Reasons no honest worker produces (a wrong shape, step count, timing, epoch, version,
+or a push with no round in flight): an accepted push does not wipe them off the
+sender's record. ``non-finite`` and ``norm`` can befall an honest worker once (a loss
+spike), so an accepted push forgives those."""
+
+_TEXT = {
+    "shape": "not one value per parameter",
+    "steps": "it claims other inner steps than its round had",
+    "timing": "its seconds per step is not a finite number > 0",
+    "non-finite": "NaN or inf values",
+    "norm": "far larger than the recent pushes",
+    "epoch": "computed from another server epoch's parameters",
+    "version": "tagged with a newer parameter version than its round's",
+    "duplicate": "a round already pushed, or no round in flight: a push sent twice",
+}
+
+
+def describe(reason: str | None) -> str:
+    """``reason``, and what it means in words (for logs and a stopped worker's error)."""
+    if reason is None:
+        return "unknown"
+    return f"{reason} ({_TEXT[reason]})" if reason in _TEXT else reason
 
 
 class PushGuard:
@@ -63,7 +101,8 @@ class PushGuard:
         history: accepted pushes the median is taken over; 32 spans several rounds of
             every worker, so one lr warmup or one slow worker does not dominate.
         warmup: accepted pushes before the norm bound applies.
-        max_strikes: refused pushes in a row after which the server stops the worker.
+        max_strikes: refused pushes in a row (or refusals of the :data:`LASTING` kinds in
+            all) after which the server stops the worker.
         lr_warmup, min_lr_ratio: the workers' inner lr schedule (``AsyncConfig``'s
             ``warmup_steps`` and ``min_lr_ratio``), to compare pushes at full lr.
     """
@@ -128,9 +167,13 @@ class PushGuard:
                 if self.last_ratio > self.max_ratio:
                     why = "norm"
         if why is not None:
-            self.refused[why] = self.refused.get(why, 0) + 1
-            self.last_refusal = why
+            self.count(why)
         return why, per_step
+
+    def count(self, why: str) -> None:
+        """Count a refusal for ``why`` (one of :data:`REASONS`), whoever decided it."""
+        self.refused[why] = self.refused.get(why, 0) + 1
+        self.last_refusal = why
 
     def _why(
         self,

@@ -31,6 +31,8 @@ class Round:
     """Where the round started on its shard's lr schedule."""
     planned: int = 1
     """Length of that shard's lr schedule."""
+    version: int = 0
+    """The theta version handed out with the round: its push must carry this one."""
 
 
 class Roster:
@@ -48,6 +50,7 @@ class Roster:
         self.retired: set[int] = set()
         self.evicted: set[int] = set()
         self.strikes: dict[int, int] = {}  # refused pushes in a row, per worker
+        self.faults: dict[int, int] = {}  # refusals no accepted push forgives, per worker
         self.waiting: list[int] = []
         self.deadline: float | None = None  # when the first waiting arrival's grace ends
 
@@ -59,6 +62,7 @@ class Roster:
         self.retired.discard(worker)
         self.evicted.discard(worker)
         self.strikes.pop(worker, None)
+        self.faults.pop(worker, None)
         if worker in self.dead:
             self.dead.discard(worker)
             return True
@@ -92,10 +96,13 @@ class Roster:
         out, self.waiting, self.deadline = self.waiting, [], None
         return sorted(out) if ordered else out
 
-    def strike(self, worker: int, limit: int) -> bool:
-        """Count a refused push of ``worker``; True once it has ``limit`` in a row."""
+    def strike(self, worker: int, limit: int, lasting: bool = False) -> bool:
+        """Count a refused push of ``worker``; True once it has ``limit`` in a row, or
+        ``limit`` ``lasting`` ones (refusals an accepted push does not forgive) in all."""
         self.strikes[worker] = self.strikes.get(worker, 0) + 1
-        return self.strikes[worker] >= limit
+        if lasting:
+            self.faults[worker] = self.faults.get(worker, 0) + 1
+        return self.strikes[worker] >= limit or self.faults.get(worker, 0) >= limit
 
     def forgive(self, worker: int) -> None:
         """An accepted push ends ``worker``'s run of refusals."""

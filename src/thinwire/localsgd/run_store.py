@@ -17,16 +17,32 @@ it is stopped by the seals of :mod:`thinwire.localsgd.auth`.
 
 from __future__ import annotations
 
+import ctypes
+import ipaddress
 import json
+import os
+import socket
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from thinwire.comm.bind import bound_store
+from thinwire.comm.bind import BIND_ENV, bound_store, listen_address
 from thinwire.errors import ConfigError
 
-__all__ = ["NAMESPACE", "connect", "find_current", "find_launched", "host_store", "root_store"]
+__all__ = [
+    "NAMESPACE",
+    "connect",
+    "find_current",
+    "find_launched",
+    "host_store",
+    "quiet_store_warnings",
+    "root_store",
+    "server_address",
+]
 
 NAMESPACE = "thinwire.localsgd"
 """Prefix of every key of the asynchronous runtime."""
@@ -78,6 +94,80 @@ def _where(blob: bytes, where: str) -> tuple[str, str, int]:
         return str(d["run_id"]), str(d["host"]), int(d["port"])
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"the run's address in {where} is unreadable") from None
+
+
+_CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+_CPP_ERROR = 2  # c10's levels: 0 info, 1 warning, 2 error, 3 fatal
+
+
+def quiet_store_warnings() -> Callable[[], None]:
+    """Raise this process's C++ log level to errors while it hosts the run's store, unless
+    the user chose one (``TORCH_CPP_LOG_LEVEL``); returns what puts it back.
+
+    PyTorch's store logs every malformed request it receives as a warning with a C++ stack
+    trace (about 2 KB): anyone who can reach the port can fill the server's stderr with
+    them. Such requests change nothing (the run's own messages are sealed, see
+    :mod:`thinwire.localsgd.auth`), and malformed messages that do reach the run's queue
+    are counted and summarised by the server itself. The level is c10's
+    ``FLAGS_caffe2_log_level``, which ``TORCH_CPP_LOG_LEVEL`` sets only when torch is
+    imported; where this build does not export it, nothing changes (set
+    ``TORCH_CPP_LOG_LEVEL=ERROR`` for the server yourself).
+    """
+    if os.environ.get(_CPP_LOG_ENV):
+        return lambda: None
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+        flag = ctypes.c_int.in_dll(lib, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return lambda: None
+    before = flag.value
+    flag.value = max(before, _CPP_ERROR)
+
+    def restore() -> None:
+        flag.value = before
+
+    return restore
+
+
+def server_address(explicit: str | None = None) -> str:
+    """The address the server will listen on and hand to its workers
+    (:func:`~thinwire.comm.bind.listen_address`: ``explicit``, else ``THINWIRE_BIND_ADDR``,
+    else ``MASTER_ADDR``), checked before anything starts.
+
+    Raises:
+        ConfigError: one line, when it does not resolve, or when it is not one address of
+            this host: the wildcard ``0.0.0.0`` (every interface, and no address a worker
+            can be sent to), a multicast or the broadcast address, or another host's.
+    """
+    named = [
+        (value, what)
+        for value, what in (
+            (explicit, "the bind address"),
+            (os.environ.get(BIND_ENV), BIND_ENV),
+            (os.environ.get("MASTER_ADDR"), "MASTER_ADDR"),
+        )
+        if value
+    ]
+    address = listen_address(explicit)
+    ip = ipaddress.ip_address(address)
+    if ip.is_unspecified or ip.is_multicast or address == "255.255.255.255":
+        given, what = named[0] if named else (address, "the host name")
+        kind = "the wildcard address" if ip.is_unspecified else "not the address of one host"
+        raise ConfigError(
+            f"{what} is {given} ({kind}): an asynchronous run listens on one address and "
+            f"sends its workers there; set {BIND_ENV} to the address of the interface the "
+            "workers reach this host by (127.0.0.1 on one host)"
+        )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))  # an address of another host fails here, not later
+        except OSError as exc:
+            given, what = named[0] if named else (address, "the host name")
+            raise ConfigError(
+                f"{what} is {given}, which this host cannot listen on ({exc.strerror or exc}); "
+                f"set {BIND_ENV} to one of this host's addresses"
+            ) from None
+    return address
 
 
 def host_store(

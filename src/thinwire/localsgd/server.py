@@ -25,15 +25,21 @@ Mechanics (Liu et al., 2024, https://arxiv.org/abs/2401.09135):
 * **Budget**: the run ends after ``total_steps`` inner steps have been handed out and
   returned; rounds are capped so the total is met exactly.
 * **Versions and epochs**: every theta sent out is tagged ``(epoch, version)``. A server
-  restored from a checkpoint starts a new epoch, and rejects updates tagged with an
-  older epoch: they were computed from parameters the restored server never had.
+  restored from a checkpoint starts a new epoch, and refuses updates tagged with another
+  epoch: they were computed from parameters the restored server never had. A push must
+  carry the version its round was handed (a future version would pass as fresh), and a
+  push from a worker with no round in flight (one sent twice) is refused
+  (:meth:`screen`, which the runtime asks before it reads the payload).
 * **Dead workers** (:meth:`drop`) leave DN's buffer size and DyLU's reference speed;
   their shard is rewound and freed. A worker that shows up again is simply re-admitted.
 * **Checked pushes**: :meth:`submit` applies a push only if the
   :class:`~thinwire.localsgd.push_guard.PushGuard` accepts it (finite, one value per
   parameter, the steps handed out, a norm in line with recent pushes). A refused push is
-  rewound like a lost round; after ``guard.max_strikes`` refusals in a row the worker is
-  *evicted*: dropped like a dead one and listed in :attr:`evicted`.
+  rewound like a lost round. Every refusal (``epoch``, ``version`` and ``duplicate``
+  included) counts toward stopping its sender: after ``guard.max_strikes`` refusals in a
+  row, or as many of the kinds no honest worker sends
+  (:data:`~thinwire.localsgd.push_guard.LASTING`), the worker is *evicted*: dropped like
+  a dead one and listed in :attr:`evicted`.
 * **Stopping early** (:meth:`end_at`): a run may stop before its budget (``stop_after``)
   and resume later; the shard schedules are planned for the whole budget either way.
 """
@@ -49,7 +55,7 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.dylu import SpeedTracker
 from thinwire.localsgd.global_model import OUTER_CHOICES, STALENESS_CHOICES, GlobalModel
 from thinwire.localsgd.messages import Work
-from thinwire.localsgd.push_guard import PushGuard
+from thinwire.localsgd.push_guard import LASTING, PushGuard
 from thinwire.localsgd.roster import Roster
 from thinwire.localsgd.shards import ShardBook
 
@@ -237,6 +243,24 @@ class ServerCore:
         self.shards.release(worker, completed=False)
 
     # --- updates -----------------------------------------------------------------------
+    def screen(self, worker: int, epoch: int, version: int | None) -> str | None:
+        """Why a push ``worker`` announces must be refused before its payload is read
+        (``epoch``, ``version`` or ``duplicate``, see :mod:`~thinwire.localsgd.push_guard`);
+        None if it may be checked and applied. Changes nothing."""
+        if epoch != self.epoch:
+            return "epoch"
+        info = self.live.get(worker)
+        if info is None:
+            # Presumed dead (or never admitted): it may come back with the round it was on,
+            # whose version the server no longer knows; it cannot be newer than theta's.
+            return "version" if version is not None and version > self.version else None
+        if not info.busy:
+            return "duplicate"
+        if version is not None and version != info.version:
+            # Older: a round this worker already pushed (sent again); newer: no such round.
+            return "duplicate" if version < info.version else "version"
+        return None
+
     @torch.no_grad()
     def submit(
         self,
@@ -250,21 +274,23 @@ class ServerCore:
     ) -> bool:
         """Apply ``worker``'s pseudo-gradient, computed from theta ``version`` (its
         :class:`Work`'s; None: staleness unknown, taken as 0). True if it was applied (in
-        sync mode: accepted for the round); False if it came from another server epoch, was
-        staler than ``max_staleness`` (dropped: its steps count as spent) or was refused by
-        the guard (nothing changes but the counters; the round is handed out again)."""
+        sync mode: accepted for the round); False if it was staler than ``max_staleness``
+        (dropped: its steps count as spent, as the paper's PolyThres has it) or refused: by
+        :meth:`screen` (another epoch, another version, no round in flight) or by the guard.
+        A refused push changes nothing but the counters, counts toward stopping its sender,
+        and its round is handed out again."""
         if worker in self.evicted:
             return False  # a leftover of a worker stopped for its pushes
+        early = self.screen(worker, epoch, version)
         known = worker in self.live
         self._admit(worker)
         info = self.live[worker]
         was_busy, info.busy = info.busy, False
-        if epoch != self.epoch:
-            # Computed from a theta of another server epoch (before a restored checkpoint).
-            self.updates_rejected += 1
-            if was_busy:
-                self._rewind(worker, info.steps)
-            self.roster.wait(worker, now)
+        if early is not None:
+            if early == "epoch":
+                self.updates_rejected += 1  # the evaluation records' count, as before
+            self.guard.count(early)
+            self._refuse(worker, early, was_busy, now)
             return False
         why, per_step = self.guard.check(
             pseudo_grad,
@@ -277,7 +303,7 @@ class ServerCore:
             planned=info.planned,
         )
         if why is not None:
-            self._refuse(worker, was_busy, now)
+            self._refuse(worker, why, was_busy, now)
             return False
         self.roster.forgive(worker)
         self.guard.accepted(per_step)
@@ -297,14 +323,25 @@ class ServerCore:
         self.roster.wait(worker, now)
         return applied
 
-    def _refuse(self, worker: int, was_busy: bool, now: float) -> None:
+    def _refuse(self, worker: int, why: str, was_busy: bool, now: float) -> None:
         if was_busy:
             self._rewind(worker, self.live[worker].steps)
-        if self.roster.strike(worker, self.guard.max_strikes):
+        if self.roster.strike(worker, self.guard.max_strikes, lasting=why in LASTING):
             self.drop(worker)
             self.evicted.add(worker)
         else:
             self.roster.wait(worker, now)
+
+    def refuse_unread(self, worker: int, why: str, now: float) -> None:
+        """Count ``worker``'s push refused by :meth:`screen` before its payload was read
+        (the runtime then closes the link, whose state it can no longer trust), and evict
+        ``worker``: its round is rewound and handed out again."""
+        if why == "epoch":
+            self.updates_rejected += 1
+        self.guard.count(why)
+        self.roster.strike(worker, self.guard.max_strikes, lasting=why in LASTING)
+        self.drop(worker)
+        self.evicted.add(worker)
 
     @property
     def pushes_refused(self) -> int:
@@ -367,7 +404,7 @@ class ServerCore:
         shard, clock = self.shards.take(worker, steps)
         info = self.live[worker]
         info.busy, info.steps, info.since = True, steps, now
-        info.clock, info.planned = clock, self.shards.planned[shard]
+        info.clock, info.planned, info.version = clock, self.shards.planned[shard], self.version
         self.steps_assigned += steps
         return Work(self.epoch, self.version, shard, steps, clock, info.planned)
 

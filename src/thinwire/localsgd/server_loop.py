@@ -22,6 +22,15 @@ incarnation is declared dead (heartbeat silent for ``dead_after_s``) and is refu
 soon as the old one is seen beating, unless the rejoin is forced (``Hello.force``).
 Pushes the :class:`~thinwire.localsgd.push_guard.PushGuard` refuses are logged; a
 worker the core evicts for them is told why and cut off.
+
+Nothing a worker sends makes this loop wait: a push's payload is received on the
+worker's link thread (:meth:`~thinwire.localsgd.transport.Transport.receive_payload`)
+and applied once it is in, and rounds go out the same way. A push the core screens out
+before its payload is read (another epoch, a version that is not its round's, a push
+while the worker has no round in flight or another push still arriving) is refused,
+counted, and its sender stopped at once (its payload is received and dropped on its
+link's thread, then the link is closed). Garbage in the queue is counted
+(``malformed_messages``), and summarised on stderr once a second at most.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -40,6 +50,7 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.auth import AuthError
 from thinwire.localsgd.compression import PullEncoder, decode
 from thinwire.localsgd.messages import Hello, MessageError, Refused, RunInfo, Update, Why
+from thinwire.localsgd.push_guard import REASONS, describe
 from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.task import EvalResult, eval_metrics
 from thinwire.localsgd.transport import Transport
@@ -48,6 +59,12 @@ __all__ = ["serve"]
 
 _log = logging.getLogger("thinwire.localsgd")
 _LOGGED_FORGERIES = 10  # then only counted: a flood must not flood the log too
+_SUMMARY_EVERY_S = 1.0  # malformed messages: one summary line a second at most
+
+
+def _detail(reason: str | None) -> int:
+    # A refusal reason as the Refused message carries it (0: none named).
+    return REASONS.index(reason) + 1 if reason in REASONS else 0
 
 
 def serve(
@@ -90,6 +107,8 @@ def serve(
     updates: dict[tuple[int, int], list[int]] = {}  # (worker, incarnation) -> [pushes, steps]
     joins: list[dict[str, Any]] = []
     stale = bad = forged = refused_rejoins = pushed = 0
+    bad_told, bad_told_at = 0, start  # malformed messages already summarised, and when
+    reading: dict[int, tuple[Any, Future[torch.Tensor]]] = {}  # worker -> push being received
     pending: dict[int, tuple[int, int, int]] = {}  # worker -> rejoin (incarnation, watched, beats)
     banned: set[tuple[int, int]] = set()  # evicted incarnations
     next_beat_check = next_pending_check = start
@@ -116,12 +135,54 @@ def serve(
     def lost(w: int) -> None:
         # The link broke (the process is gone): drop it, and let only a new incarnation
         # back in, since nothing can reach the old one any more.
+        reading.pop(w, None)
         core.drop(w)
         transport.close(w)
         pull.forget(w)
 
+    def stop_worker(w: int, inc: int, why: str | None) -> None:
+        # Evicted: tell it why (after whatever is already on its link, for a bounded
+        # time) and cut it off; whatever its incarnation still sends is ignored.
+        banned.add((w, inc))
+        reading.pop(w, None)
+        pull.forget(w)
+        with contextlib.suppress(RuntimeError):
+            transport.send(w, Refused(numel, crc, Why.EVICTED, _detail(why)))
+        transport.close(w, drain=True)
+        _log.warning(
+            "thinwire: stopped worker %d for its refused pushes, the last: %s", w, describe(why)
+        )
+
+    def applied(w: int, env: Any, payload: torch.Tensor) -> None:
+        # A push's payload is in: check it and apply it (or refuse it).
+        nonlocal pushed
+        msg = env.message
+        pushed += payload.numel() * payload.element_size()
+        grad = decode(payload, numel)
+        refused0 = core.pushes_refused
+        if core.submit(
+            w, msg.epoch, grad, msg.steps, msg.seconds_per_step, time.monotonic(), msg.version
+        ):
+            tally = updates.setdefault((w, env.incarnation), [0, 0])
+            tally[0] += 1
+            tally[1] += msg.steps
+        elif core.pushes_refused > refused0:
+            why = core.guard.last_refusal
+            _log.warning(
+                "thinwire: refused a push from worker %d (incarnation %d): %s%s",
+                w,
+                env.incarnation,
+                describe(why),
+                f", {core.guard.last_ratio:.1f}x the recent median norm per step"
+                if why == "norm"
+                else "",
+            )
+            if w in core.evicted:
+                stop_worker(w, env.incarnation, why)
+
     def admit(w: int, inc: int, now: float) -> None:
         # A new incarnation of ``w`` (first contact, or a restarted process).
+        reading.pop(w, None)  # a push the older incarnation was still sending is lost too
         if w in core.live:
             core.drop(w)  # the older incarnation's round in flight is lost
         try:
@@ -153,6 +214,15 @@ def serve(
             # A malformed header in the queue: no worker of this run sent it (or it is
             # from another version of thinwire). It is consumed; nothing else is read.
             env, bad = None, bad + 1
+        if bad > bad_told and now - bad_told_at >= _SUMMARY_EVERY_S:
+            # One line a second at most, however many arrive: a flood of garbage must not
+            # become a flood in the log.
+            _log.warning(
+                "thinwire: ignored %d malformed messages in the run's queue (%d in all)",
+                bad - bad_told,
+                bad,
+            )
+            bad_told, bad_told_at = bad, now
         msg = env.message if env is not None else None
         if env is not None and (
             env.src not in workers
@@ -189,47 +259,46 @@ def serve(
                 core.join(w, now)
         elif env is not None and isinstance(msg, Update):
             w = env.src
-            refused0 = core.pushes_refused
+            # Screened before its payload is read: a push while another is still arriving
+            # is one sent twice; so is one while no round is in flight.
+            why = "duplicate" if w in reading else core.screen(w, msg.epoch, msg.version)
+            if why is not None:
+                # Its payload is read and dropped on the link thread (bounded by the link
+                # timeout), so that the Refused behind it can reach the worker.
+                with contextlib.suppress(RuntimeError):
+                    transport.receive_payload(w, numel, msg.dtype)
+                core.refuse_unread(w, why, now)
+                _log.warning(
+                    "thinwire: refused a push from worker %d (incarnation %d): %s",
+                    w,
+                    env.incarnation,
+                    describe(why),
+                )
+                stop_worker(w, env.incarnation, why)
+            else:
+                try:
+                    reading[w] = (env, transport.receive_payload(w, numel, msg.dtype))
+                except RuntimeError:  # its link is gone already
+                    lost(w)
+        elif env is not None:
+            stale += 1  # a server-to-worker kind in the workers' queue
+        for w, (penv, fut) in list(reading.items()):
+            if not fut.done():
+                continue
+            del reading[w]
             try:
-                payload = transport.recv_payload(w, numel, msg.dtype)
-                pushed += payload.numel() * payload.element_size()
-                grad = decode(payload, numel)
+                payload = fut.result()
             except AuthError as exc:  # a payload swapped on the link: trust nothing on it
                 forged += 1
                 _log.warning("thinwire: refused a push: %s; worker %d is cut off", exc, w)
                 lost(w)
-            except RuntimeError:  # killed between its header and its payload
+            except RuntimeError:  # killed between its header and its payload, or silent
                 lost(w)
             else:
-                now = time.monotonic()
-                if core.submit(
-                    w, msg.epoch, grad, msg.steps, msg.seconds_per_step, now, msg.version
-                ):
-                    tally = updates.setdefault((w, env.incarnation), [0, 0])
-                    tally[0] += 1
-                    tally[1] += msg.steps
-                elif core.pushes_refused > refused0:
-                    _log.warning(
-                        "thinwire: refused a push from worker %d (incarnation %d): %s%s",
-                        w,
-                        env.incarnation,
-                        core.guard.last_refusal,
-                        f" ({core.guard.last_ratio:.1f}x the recent median norm per step)"
-                        if core.guard.last_refusal == "norm"
-                        else "",
-                    )
-                    if w in core.evicted:
-                        banned.add((w, env.incarnation))
-                        with contextlib.suppress(RuntimeError):
-                            transport.send(w, Refused(numel, crc, Why.EVICTED))
-                        transport.close(w)
-                        _log.warning(
-                            "thinwire: stopped worker %d after %d refused pushes in a row",
-                            w,
-                            core.guard.max_strikes,
-                        )
-        elif env is not None:
-            stale += 1  # a server-to-worker kind in the workers' queue
+                applied(w, penv, payload)
+            env = env or penv  # something happened: evaluate and checkpoint below
+        for w in transport.broken_links():
+            lost(w)  # a round or a stop order that could not be delivered
         if env is not None:
             if core.steps_applied >= next_eval and evaluate is not None:
                 while next_eval <= core.steps_applied:
@@ -249,8 +318,8 @@ def serve(
                 if not work.stop:
                     delta, payload = pull.encode(w, core.theta.detach())
                     work = replace(work, dtype=payload.dtype, delta=delta)
-                transport.send(w, work, payload)
-            except RuntimeError:  # gloo: connection closed by a dead peer (or no link)
+                transport.send(w, work, payload)  # on its link's thread: returns at once
+            except RuntimeError:  # no link to it any more
                 lost(w)
         for w in core.overdue(now, hung_after_factor, hung_after_min_s):
             core.drop(w)
@@ -274,6 +343,9 @@ def serve(
             _check_heartbeats(core, transport, workers, admitted, beats, now, dead_after_s)
         if env is None:
             time.sleep(0.001)
+    # The stop orders are on their links' threads: let them arrive (bounded) before the
+    # links are closed.
+    transport.settle(transport.connect_timeout.total_seconds())
     if checkpoint is not None:
         checkpoint(core)
     transport.mark_finished()

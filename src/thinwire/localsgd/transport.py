@@ -13,6 +13,13 @@ optionally followed by one flat tensor); this module moves it, sealed.
   address towards the server).
 * **Server to worker**: header, seal and payload on the worker's link (tags 1, 3, 2); the
   worker blocks in a receive, which is what a worker has to do anyway.
+* **The server never waits on one worker**: on the server every link has a thread of its
+  own that runs that link's sends and payload receives in order (:class:`_LinkIO`);
+  :meth:`Transport.send` and :meth:`Transport.receive_payload` hand it the work and
+  return at once (a :class:`~concurrent.futures.Future`). A worker that stops reading,
+  sends a payload nobody asked for, or announces one it never sends, jams only its own
+  link, until the link timeout fails it (:meth:`Transport.broken_links`); the server's
+  loop keeps serving the others meanwhile.
 * **Worker to server**: the header and its seal go into a queue on the store, the
   payload on the link (tag 2). The server must listen to every worker at once *without
   blocking*; gloo's ``recv_anysource`` cannot be polled (its ``is_completed`` stays false
@@ -44,7 +51,14 @@ receive, including a worker's wait for its next round: keep it above the slowest
 from __future__ import annotations
 
 import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,6 +99,98 @@ _QUEUE = "to_server"
 
 def _bytes(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().view(torch.uint8).numpy())
+
+
+_Job = tuple[Callable[[], Any], "Future[Any]"]
+
+
+def _run_jobs(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    # A link thread's body. It holds only the queue (no reference to the link), so that
+    # the pair group is destroyed on the thread that drops the link, never by the
+    # garbage collector at interpreter exit (which aborts the process).
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        job, fut = item
+        del item
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(job())
+            except BaseException as exc:  # handed to whoever reads the future
+                fut.set_exception(exc)
+        del job, fut
+
+
+class _Abort:
+    """Aborting one pair group exactly once, from whichever thread comes first (the link
+    thread after a last message, a timer bounding that wait, or the server at the end)."""
+
+    def __init__(self, pg: dist.ProcessGroupGloo) -> None:
+        self._pg: dist.ProcessGroupGloo | None = pg
+        self._lock = threading.Lock()
+        self.timer: threading.Timer | None = None
+
+    def __call__(self) -> None:
+        with self._lock:
+            pg, self._pg = self._pg, None
+            timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()  # a timer left pending at exit aborts the process
+        if pg is None:
+            return  # aborted already: a second abort of a pair group is fatal later
+        # abort drops the sockets at once; a peer that is gone cannot take part in a
+        # graceful shutdown, and one that is alive should fail rather than wait.
+        with contextlib.suppress(RuntimeError):
+            pg.abort()
+
+
+class _LinkIO:
+    """The server's side of one worker link: its pair group, and a thread that runs the
+    link's operations one after another (a gloo send waits until the peer receives, so
+    on the server's own thread one silent worker would stop every other)."""
+
+    _serials = itertools.count()
+
+    def __init__(self, pg: dist.ProcessGroupGloo, worker: int) -> None:
+        self.pg = pg
+        self.serial = next(self._serials)  # names this link among every link ever opened
+        self._abort = _Abort(pg)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        thread = threading.Thread(
+            target=_run_jobs, args=(self._jobs,), daemon=True, name=f"thinwire-link-{worker}"
+        )
+        thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        """Run ``job`` after every operation submitted before it; its future."""
+        fut: Future[Any] = Future()
+        self._jobs.put((job, fut))
+        return fut
+
+    def close(self, drain_s: float | None = None) -> None:
+        """Stop the thread and drop the link's sockets: at once (an operation blocked on
+        it fails), or after the operations already submitted (a last message to a worker
+        that is sent home), waiting ``drain_s`` seconds at most for them."""
+        if drain_s is None:
+            self._abort()
+        else:
+            self.submit(self._abort)
+            timer = threading.Timer(drain_s, self._abort)  # should the last word never leave
+            timer.daemon = True
+            with self._abort._lock:
+                if self._abort._pg is not None and self._abort.timer is None:
+                    self._abort.timer = timer
+                    timer.start()
+        self._jobs.put(None)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the operations submitted so far; True if done."""
+        try:
+            self.submit(lambda: None).result(timeout=timeout_s)
+        except Exception:  # timed out, or the thread is gone: nothing more to wait for
+            return False
+        return True
 
 
 class Transport:
@@ -131,6 +237,10 @@ class Transport:
         self.bytes_received = 0
         self._incarnation: int | None = None
         self._links: dict[int, dist.ProcessGroupGloo] = {}  # peer rank -> its pair group
+        self._io: dict[int, _LinkIO] = {}  # server: worker -> its link's thread
+        self._broken: set[int] = set()  # server: serials of links that failed an operation
+        self._draining: list[_LinkIO] = []  # server: closed links still sending a last word
+        self._lock = threading.Lock()  # counters the link threads update
         self.seals = Keyring(key, run_id)  # every connection's seals
         self._link_incarnation: dict[int, int] = {}  # server: worker -> incarnation linked
         self._expect: dict[int, bytes] = {}  # peer -> digest its announced payload must have
@@ -260,7 +370,9 @@ class Transport:
         not connect within the connect timeout."""
         self.close(worker)
         self.seals.server(worker, incarnation)
-        self._links[worker] = self._open(worker, incarnation, 0)
+        pg = self._open(worker, incarnation, 0)
+        self._links[worker] = pg
+        self._io[worker] = _LinkIO(pg, worker)
         self._link_incarnation[worker] = incarnation
 
     def refuse(self, worker: int, incarnation: int, why: Refused) -> None:
@@ -283,17 +395,60 @@ class Transport:
         """On the server: whether a link to ``worker`` is open."""
         return worker in self._links
 
-    def close(self, peer: int | None = None) -> None:
-        """Close the link to ``peer`` (None: every link). A peer blocked on it fails."""
+    def close(self, peer: int | None = None, *, drain: bool = False) -> None:
+        """Close the link to ``peer`` (None: every link). A peer blocked on it fails.
+
+        ``drain`` (server): close it only after the messages already handed to the link
+        (e.g. the :class:`Refused` that tells a worker why it is stopped); the server
+        treats the link as closed at once either way."""
         for r in list(self._links) if peer is None else [peer]:
             pg = self._links.pop(r, None)
             self._link_incarnation.pop(r, None)
-            if pg is None:
-                continue
-            # abort drops the sockets at once; a peer that is gone cannot take part in a
-            # graceful shutdown, and one that is alive should fail rather than wait.
-            with contextlib.suppress(RuntimeError):
-                pg.abort()
+            io = self._io.pop(r, None)
+            if io is not None:
+                if drain:
+                    self._draining.append(io)
+                io.close(self.connect_timeout.total_seconds() if drain else None)
+            elif pg is not None:
+                with contextlib.suppress(RuntimeError):
+                    pg.abort()
+        if peer is None:
+            for io in self._draining:  # the run is over: nothing is waited for any more
+                io.close()
+            self._draining.clear()
+
+    def settle(self, timeout_s: float) -> None:
+        """On the server: wait up to ``timeout_s`` seconds for every message handed to the
+        links so far (the stop orders at the end of a run) to be delivered."""
+        deadline = time.monotonic() + timeout_s
+        for io in list(self._io.values()):
+            io.settle(max(0.0, deadline - time.monotonic()))
+
+    def broken_links(self) -> set[int]:
+        """On the server: workers whose link failed an operation since the last call (a
+        dead peer, or one that did not take part within the link timeout)."""
+        with self._lock:
+            out, self._broken = self._broken, set()
+        # By link, not by rank: a replaced incarnation's link failing must not count
+        # against the new one.
+        return {w for w, io in self._io.items() if io.serial in out}
+
+    def _on_link(self, worker: int, job: Callable[[], Any]) -> Future[Any]:
+        # Run ``job`` on ``worker``'s link thread; a failure marks the link broken.
+        io = self._io.get(worker)
+        if io is None:
+            raise RuntimeError(f"rank {self.rank} has no open link to rank {worker}")
+        link = io.serial
+
+        def run() -> Any:
+            try:
+                return job()
+            except Exception:
+                with self._lock:
+                    self._broken.add(link)
+                raise
+
+        return io.submit(run)
 
     def _link(self, peer: int) -> dist.ProcessGroupGloo:
         key = self.server if self.rank != self.server else peer
@@ -314,12 +469,21 @@ class Transport:
         )
         record(f"{self.op_prefix}.ctrl", header.nbytes + len(seal), header.nbytes + len(seal))
 
-    def send(self, dst: int, msg: Message, payload: torch.Tensor | None = None) -> None:
+    def send(
+        self, dst: int, msg: Message, payload: torch.Tensor | None = None
+    ) -> Future[None] | None:
         """Send ``msg`` (and ``payload``, flat), sealed, to ``dst``; raises if ``dst`` is gone.
 
         A worker's first :class:`Hello` also opens its link: it waits (up to the connect
         timeout) until the server has read the hello and opened the other side.
+
+        On the server the send runs on ``dst``'s link thread: this returns at once with
+        its future (``payload`` is copied first, so theta may change meanwhile); a
+        failure shows in the future and in :meth:`broken_links`. Raises at once only if
+        there is no link to ``dst``.
         """
+        if self.rank == self.server and dst != self.server:
+            return self._send_to_worker(dst, msg, payload)
         flat = None if payload is None else payload.detach().reshape(-1).cpu().contiguous()
         if flat is not None and msg.kind not in _PAYLOAD_OPS:
             raise ValueError(f"a {msg.kind.name} message carries no payload")
@@ -339,13 +503,38 @@ class Transport:
                         "(has the run finished?)"
                     ) from None
         else:
-            ch = self.seals.server(dst, self._link_incarnation[dst])
-            self._send_header(self._link(dst), ch, msg, digest)
+            raise ValueError(f"worker {self.rank} sends only to the server (rank {self.server})")
         if flat is not None:
-            peer = 0 if dst == self.server else 1
-            self._link(dst).send([flat], peer, _PAYLOAD_TAG).wait(self.timeout)
+            self._link(dst).send([flat], 0, _PAYLOAD_TAG).wait(self.timeout)
             nbytes = flat.numel() * flat.element_size()
             record(f"{self.op_prefix}.{_PAYLOAD_OPS[msg.kind]}", nbytes, nbytes)
+        return None
+
+    def _send_to_worker(self, dst: int, msg: Message, payload: torch.Tensor | None) -> Future[None]:
+        if dst not in self._io:
+            raise RuntimeError(f"rank {self.rank} has no open link to rank {dst}")
+        # A copy: the link thread sends it later, and the server's theta moves meanwhile.
+        flat = None if payload is None else payload.detach().reshape(-1).cpu().clone()
+        if flat is not None and msg.kind not in _PAYLOAD_OPS:
+            raise ValueError(f"a {msg.kind.name} message carries no payload")
+        # Sealed here, in submission order, so the sequence numbers follow the sends.
+        header = torch.tensor(encode(msg), dtype=torch.float64)
+        ch = self.seals.server(dst, self._link_incarnation[dst])
+        seal = ch.seal(_bytes(header), payload_digest(flat))
+        pg = self._links[dst]
+
+        def job() -> None:
+            pg.send([header], 1, _HEADER_TAG).wait(self.timeout)
+            pg.send([torch.frombuffer(bytearray(seal), dtype=torch.uint8)], 1, _SEAL_TAG).wait(
+                self.timeout
+            )
+            record(f"{self.op_prefix}.ctrl", header.nbytes + len(seal), header.nbytes + len(seal))
+            if flat is not None:
+                pg.send([flat], 1, _PAYLOAD_TAG).wait(self.timeout)
+                nbytes = flat.numel() * flat.element_size()
+                record(f"{self.op_prefix}.{_PAYLOAD_OPS[msg.kind]}", nbytes, nbytes)
+
+        return self._on_link(dst, job)
 
     def poll(self) -> Envelope | None:
         """On the server: the next worker message if one has arrived, else None (no wait).
@@ -386,15 +575,42 @@ class Transport:
         return msg
 
     def recv_payload(self, src: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The payload that follows ``src``'s last header: ``numel`` parameters in ``dtype``.
+        """The payload that follows ``src``'s last header: ``numel`` parameters in ``dtype``
+        (blocking; the server's loop uses :meth:`receive_payload`).
 
         Raises:
             AuthError: it is not the payload the header's seal announced.
         """
+        if self.rank == self.server:
+            return self.receive_payload(src, numel, dtype).result()
         buf = torch.empty(payload_numel(numel, dtype), dtype=dtype)
-        peer = 0 if src == self.server else 1
-        self._link(src).recv([buf], peer, _PAYLOAD_TAG).wait(self.timeout)
-        self.bytes_received += buf.numel() * buf.element_size()
-        if payload_digest(buf) != self._expect.pop(src, None):
+        self._link(src).recv([buf], 0, _PAYLOAD_TAG).wait(self.timeout)
+        return self._checked(src, buf, self._expect.pop(src, None))
+
+    def receive_payload(self, src: int, numel: int, dtype: torch.dtype) -> Future[torch.Tensor]:
+        """On the server: the payload that follows worker ``src``'s last header, received on
+        its link thread; returns at once. The future fails with :class:`AuthError` if it is
+        not the payload the header's seal announced, or a RuntimeError if the link fails
+        (nothing arrives within the link timeout, or the worker is gone)."""
+        digest = self._expect.pop(src, None)  # this header's, before the next one's lands
+        if src not in self._io:
+            raise RuntimeError(f"rank {self.rank} has no open link to rank {src}")
+        pg = self._links[src]
+
+        def job() -> torch.Tensor:
+            buf = torch.empty(payload_numel(numel, dtype), dtype=dtype)
+            pg.recv([buf], 1, _PAYLOAD_TAG).wait(self.timeout)
+            return self._checked(src, buf, digest)
+
+        return self._on_link(src, job)
+
+    def forget_payload(self, src: int) -> None:
+        """On the server: a header's payload will not be read (its link is being closed)."""
+        self._expect.pop(src, None)
+
+    def _checked(self, src: int, buf: torch.Tensor, digest: bytes | None) -> torch.Tensor:
+        with self._lock:
+            self.bytes_received += buf.numel() * buf.element_size()
+        if payload_digest(buf) != digest:
             raise AuthError(f"the payload from rank {src} is not the one its header announced")
         return buf

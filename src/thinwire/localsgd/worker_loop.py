@@ -3,24 +3,78 @@
 The loop speaks the messages of :mod:`thinwire.localsgd.messages` over a
 :class:`~thinwire.localsgd.transport.Transport`, and leaves the training itself to a
 transport-free :class:`~thinwire.localsgd.worker.LocalWorker`.
+
+**Its state across a stop** (``state_path``): the server's checkpoint holds theta, the
+outer optimizer, shard clocks and speeds, but what a worker carries from one round to
+the next lives in the worker: its inner optimizer's state (Adam's second moment and step
+count under every rule but ``fresh``), the 1-bit push codec's error feedback, and its
+random generator. On a stop order after it trained, the worker writes them to
+``state_path`` (on its own host), tagged with the theta version of the stop order; a
+resumed worker loads them when its first round starts from that same version, which is
+the case when the server's checkpoint is the one written at that stop (``stop_after``,
+or every worker gone). Then a resumed synchronous run (``sync``) continues bit for bit
+as if it had never stopped. Otherwise (an older checkpoint, a worker on another host
+without the file) the worker starts with fresh inner state, as a new worker would.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.io import atomic_save
 from thinwire.localsgd.compression import CODECS, PullDecoder, PushEncoder
 from thinwire.localsgd.messages import Hello, Refused, Update, Why, Work
+from thinwire.localsgd.push_guard import REASONS, describe
 from thinwire.localsgd.task import shape_signature
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
+from thinwire.safeload import safe_load
 
-__all__ = ["work_loop"]
+__all__ = ["load_worker_state", "save_worker_state", "work_loop"]
+
+
+def save_worker_state(
+    path: Path, worker: LocalWorker, push: PushEncoder, version: int, rank: int
+) -> None:
+    """Write what ``worker`` carries across rounds, tagged with theta ``version``."""
+    residual = push.feedback.residual if push.feedback is not None else None
+    state = {
+        "rank": rank,
+        "version": version,
+        "optimizer": worker.opt.state_dict(),
+        "rng": torch.get_rng_state(),
+        "residual": residual,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(state, path)
+
+
+def load_worker_state(
+    path: Path, worker: LocalWorker, push: PushEncoder, version: int, rank: int
+) -> bool:
+    """Load :func:`save_worker_state`'s file into ``worker`` if it was written at theta
+    ``version`` by worker ``rank``; True if it was. A missing, unreadable or other file
+    is left alone (the worker starts fresh)."""
+    if not path.is_file():
+        return False
+    try:
+        state = safe_load(path, "worker state file")
+        if state.get("rank") != rank or state.get("version") != version:
+            return False
+        worker.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        if push.feedback is not None and state.get("residual") is not None:
+            push.feedback.residual = state["residual"].clone()
+    except (ConfigError, KeyError, TypeError, ValueError, RuntimeError, AttributeError):
+        worker.reset()  # a half-loaded optimizer is worse than a fresh one
+        return False
+    return True
 
 
 def work_loop(
@@ -34,8 +88,11 @@ def work_loop(
     max_restarts: int = 3,
     late: bool = False,
     force: bool = False,
+    state_path: Path | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run ``worker`` for the server until it says stop; returns rounds, steps, restarts.
+    """Run ``worker`` for the server until it says stop; returns rounds, steps, restarts
+    (and ``state_restored``: whether a kept state was loaded).
 
     A background thread bumps the worker's heartbeat every ``heartbeat_s`` seconds. A
     round that raises is abandoned; the worker resets its inner optimizer and joins
@@ -46,7 +103,8 @@ def work_loop(
     :func:`thinwire.localsgd.rejoin_async`), so a model mismatch turns only this worker
     away instead of stopping the run; ``force``: it replaces its rank even if the server
     considers that worker alive. The worker's link to the server is opened by its hello
-    and closed when the loop returns or raises.
+    and closed when the loop returns or raises. ``state_path``: where the worker keeps
+    its inner state across a stop (see the module docstring); ``resume``: load it.
 
     Raises:
         ConfigError: the server turned this worker away (another model, a rejoin of a
@@ -67,10 +125,27 @@ def work_loop(
     threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
     try:
         hello = Hello(*shape_signature(worker.model), late, force)
-        return _rounds(worker, transport, server, compress, on_round, max_restarts, hello)
+        keep = _Keeper(state_path, resume, transport.rank)
+        return _rounds(worker, transport, server, compress, on_round, max_restarts, hello, keep)
     finally:
         stop_beating.set()
         transport.close()
+
+
+class _Keeper:
+    """When to save and load a worker's state (see the module docstring)."""
+
+    def __init__(self, path: Path | None, resume: bool, rank: int) -> None:
+        self.path, self.resume, self.rank = path, resume, rank
+        self.restored = False
+
+    def first_round(self, worker: LocalWorker, push: PushEncoder, version: int) -> None:
+        if self.path is not None and self.resume:
+            self.restored = load_worker_state(self.path, worker, push, version, self.rank)
+
+    def stopped(self, worker: LocalWorker, push: PushEncoder, version: int, rounds: int) -> None:
+        if self.path is not None and rounds > 0:  # a stop before any round changes nothing
+            save_worker_state(self.path, worker, push, version, self.rank)
 
 
 def _rounds(
@@ -81,6 +156,7 @@ def _rounds(
     on_round: Callable[[int], None] | None,
     max_restarts: int,
     hello: Hello,
+    keep: _Keeper,
 ) -> dict[str, Any]:
     numel, crc = hello.numel, hello.checksum
     push, view = PushEncoder(compress), PullDecoder()
@@ -93,9 +169,13 @@ def _rounds(
         if not isinstance(msg, Work):
             raise RuntimeError(f"unexpected {msg.kind.name} message from the server")
         if msg.stop:
-            return {"rounds": rounds, "steps": steps, "restarts": restarts}
+            keep.stopped(worker, push, msg.version, rounds)
+            out = {"rounds": rounds, "steps": steps, "restarts": restarts}
+            return out | {"state_restored": keep.restored}
         payload = transport.recv_payload(server, numel, msg.dtype)
         theta = view.delta(payload) if msg.delta else view.whole(payload)
+        if rounds == 0 and restarts == 0:
+            keep.first_round(worker, push, msg.version)
         try:
             result = worker.run_round(theta, msg)
             rounds += 1
@@ -127,9 +207,12 @@ def _refusal(msg: Refused, rank: int, numel: int, crc: int) -> str:
             "the rejoin (--force-rejoin)"
         )
     if msg.reason == Why.EVICTED:
+        why = REASONS[msg.detail - 1] if 1 <= msg.detail <= len(REASONS) else None
+        # Only these two can come of training itself; the others are a wrong message.
+        hint = "check its learning rate" if why in ("non-finite", "norm") else "check its code"
         return (
-            f"the server stopped worker {rank}: it refused its pushes (non-finite, or far "
-            "larger than the others') several times in a row; check its learning rate"
+            f"the server stopped worker {rank}: it refused its pushes, the last one for "
+            f"{describe(why)}; {hint}"
         )
     return (
         f"the server's model has {msg.numel} parameters (checksum {msg.checksum}), "

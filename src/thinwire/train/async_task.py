@@ -28,13 +28,16 @@ from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_async, run_async
 from thinwire.localsgd.auth import read_token
+from thinwire.localsgd.run_store import server_address
+from thinwire.localsgd.trained import load_trained
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import CONFIG_NAME, write_config_file
 from thinwire.train.data import TextData
 from thinwire.train.metrics import MetricsWriter
 from thinwire.train.model import GPT
-from thinwire.train.trainer import pick_device
+from thinwire.train.outdir import read_summary
+from thinwire.train.trainer import parameter_digest, pick_device
 
 __all__ = ["async_config", "check_async_config", "gpt_loss", "gpt_task", "rejoin", "run"]
 
@@ -86,11 +89,14 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
 
 def check_async_config(cfg: TrainConfig, workers: int) -> None:
     """Every bad setting of an asynchronous trainer run, as a one-line ConfigError
-    (a token given in the environment that is too short or unreadable included)."""
+    (a token given in the environment that is too short or unreadable included, and a
+    server address that is not one of this host's, such as ``0.0.0.0``)."""
     _validate(cfg)
     acfg = async_config(cfg)
     acfg.validate(workers)
     read_token(acfg.token_file)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        server_address(acfg.bind_addr)  # where rank 0 will listen; a worker's host differs
 
 
 def _validate(cfg: TrainConfig) -> None:
@@ -163,8 +169,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     """Trainer runner for ``--algo async-diloco``; call on every rank of a process group.
 
     Returns the run summary on rank 0 (final validation loss and perplexity, updates
-    applied and rejected, pushes refused, inner steps, samples/s, bytes, and which worker
-    incarnations pushed how much; also written to ``summary.json``) and the worker's
+    applied and rejected, pushes refused, inner steps, samples/s, bytes, which worker
+    incarnations pushed how much, and ``param_sha256``, the trained parameters' digest;
+    also written to ``summary.json``) and the worker's
     counts elsewhere. Times and bytes cover the whole run, across resumes. A run whose
     every worker died returns its summary with ``incomplete`` set (the command exits
     non-zero; ``--resume`` finishes it); resuming a finished run returns its saved summary
@@ -217,6 +224,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 "was changed (raise --steps to train further)"
             }
     summary = _summary(cfg, world, s)
+    # The trained parameters' digest, as the synchronous trainer writes it: equal digests
+    # mean bit-identical models (a --sync run stopped and resumed against one that never
+    # stopped, two runs of one seed).
+    summary["param_sha256"] = parameter_digest(load_trained(gpt_task(cfg).model(), s["theta"]))
     atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -254,12 +265,12 @@ def _summary(cfg: TrainConfig, world: int, s: dict[str, Any]) -> dict[str, Any]:
 
 def _saved_summary(out_dir: Path, inner_steps: int) -> dict[str, Any] | None:
     """The summary a finished run wrote, if it is that run's (same inner steps)."""
-    try:
-        saved = json.loads((out_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+    saved = read_summary(out_dir)  # read with a limit; unreadable means rebuilt
+    if saved is None or type(saved.get("inner_steps")) is not int:
         return None
-    if not isinstance(saved, dict) or saved.get("inner_steps") != inner_steps:
+    if saved["inner_steps"] != inner_steps:
         return None
+    saved["out_dir"] = str(out_dir)  # where the run is now, if it was moved
     return saved
 
 
