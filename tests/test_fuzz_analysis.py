@@ -119,7 +119,10 @@ def _mutate_bytes(text: str, rng: random.Random) -> bytes:
     if move < 0.8:
         at = rng.randrange(len(raw))
         return bytes(raw[:at] + b"\xc3\x28\xff" + raw[at:])
-    return b"[" * rng.choice([100, 5_000, 200_000])
+    if move < 0.9:
+        return b"[" * rng.choice([100, 5_000, 200_000])
+    # an integer past Python's 4,300-digit limit for int()
+    return text.replace("{", '{"big": ' + "9" * 5_000 + ", ", 1).encode()
 
 
 def _mutant(doc: dict[str, Any], seed: int) -> bytes:

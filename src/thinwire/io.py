@@ -16,10 +16,12 @@ that names the file and what is wrong with it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -103,6 +105,30 @@ def _stream(path: Path) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+@contextlib.contextmanager
+def _written(path: Path, mode: str) -> Iterator[IO[Any]]:
+    """A file to write ``path`` through: a temporary beside it, fsynced and renamed over
+    ``path`` when the block ends without an error (removed when it does not); or, for a
+    device or FIFO, ``path`` itself. Any ``OSError`` names ``path``."""
+    try:
+        if _stream(path):
+            with open(path, mode) as f:
+                yield f
+            return
+        tmp = _tmp_beside(path)
+        try:
+            with open(tmp, mode) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        # name the file the caller meant, not the temporary one (or none at all)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old or the new file, never half.
 
@@ -111,26 +137,8 @@ def atomic_write_text(path: Path, text: str) -> None:
     Raises:
         OSError: the write failed, with ``path`` as its ``filename``; ``path`` is as it was.
     """
-    path = Path(path)
-    if _stream(path):
-        try:
-            with open(path, "w") as f:
-                f.write(text)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        return
-    tmp = _tmp_beside(path)
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        # name the file the caller meant, not the temporary one (or none at all)
-        raise OSError(e.errno, e.strerror, str(path)) from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    with _written(Path(path), "w") as f:
+        f.write(text)
 
 
 class _Recorded:
@@ -162,32 +170,11 @@ def atomic_save(obj: Any, path: Path) -> None:
         OSError: the write failed (a full disk: ``errno.ENOSPC``), with ``path`` named;
             ``path`` is as it was and no temporary file is left.
     """
-    path = Path(path)
-    if _stream(path):
+    with _written(Path(path), "wb") as f:
+        sink = _Recorded(f)
         try:
-            with open(path, "wb") as f:
-                stream = _Recorded(f)
-                try:
-                    torch.save(obj, stream)
-                except RuntimeError:
-                    if stream.error is None:
-                        raise
-                    raise stream.error from None
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        return
-    tmp = _tmp_beside(path)
-    try:
-        with open(tmp, "wb") as f:
-            sink = _Recorded(f)
-            try:
-                torch.save(obj, sink)
-            except RuntimeError:
-                if sink.error is None:
-                    raise
-                raise OSError(sink.error.errno, sink.error.strerror, str(path)) from None
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+            torch.save(obj, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise sink.error from None

@@ -78,6 +78,8 @@ def read_json_text(path: str | Path, what: str) -> tuple[Any, str]:
         raise ConfigError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     except RecursionError:
         raise ConfigError(f"{path}: not a thinwire {what} (JSON nested too deeply)") from None
+    except ValueError:  # an integer of more than 4,300 digits
+        raise ConfigError(f"{path}: not a thinwire {what} (a number too long to read)") from None
 
 
 def read_json(path: str | Path, what: str) -> Any:
