@@ -14,7 +14,7 @@ optionally followed by one flat tensor); this module moves it, sealed.
 * **Server to worker**: header, seal and payload on the worker's link (tags 1, 3, 2); the
   worker blocks in a receive, which is what a worker has to do anyway.
 * **The server never waits on one worker**: on the server every link has a thread of its
-  own that runs that link's sends and payload receives in order (:class:`_LinkIO`);
+  own that runs that link's sends and payload receives in order (:class:`~thinwire.localsgd.link_io.LinkIO`);
   :meth:`Transport.send` and :meth:`Transport.receive_payload` hand it the work and
   return at once (a :class:`~concurrent.futures.Future`). A worker that stops reading,
   sends a payload nobody asked for, or announces one it never sends, jams only its own
@@ -51,8 +51,6 @@ receive, including a worker's wait for its next round: keep it above the slowest
 from __future__ import annotations
 
 import contextlib
-import itertools
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -67,6 +65,7 @@ from thinwire.comm.accounting import record
 from thinwire.comm.bind import gloo_device, route_address
 from thinwire.errors import ConfigError
 from thinwire.localsgd.auth import TRAILER_LEN, AuthError, Channel, Keyring, RunKey, payload_digest
+from thinwire.localsgd.link_io import LinkIO
 from thinwire.localsgd.messages import (
     HEADER_LEN,
     Envelope,
@@ -99,98 +98,6 @@ _QUEUE = "to_server"
 
 def _bytes(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().view(torch.uint8).numpy())
-
-
-_Job = tuple[Callable[[], Any], "Future[Any]"]
-
-
-def _run_jobs(jobs: queue.SimpleQueue[_Job | None]) -> None:
-    # A link thread's body. It holds only the queue (no reference to the link), so that
-    # the pair group is destroyed on the thread that drops the link, never by the
-    # garbage collector at interpreter exit (which aborts the process).
-    while True:
-        item = jobs.get()
-        if item is None:
-            return
-        job, fut = item
-        del item
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(job())
-            except BaseException as exc:  # handed to whoever reads the future
-                fut.set_exception(exc)
-        del job, fut
-
-
-class _Abort:
-    """Aborting one pair group exactly once, from whichever thread comes first (the link
-    thread after a last message, a timer bounding that wait, or the server at the end)."""
-
-    def __init__(self, pg: dist.ProcessGroupGloo) -> None:
-        self._pg: dist.ProcessGroupGloo | None = pg
-        self._lock = threading.Lock()
-        self.timer: threading.Timer | None = None
-
-    def __call__(self) -> None:
-        with self._lock:
-            pg, self._pg = self._pg, None
-            timer, self.timer = self.timer, None
-        if timer is not None:
-            timer.cancel()  # a timer left pending at exit aborts the process
-        if pg is None:
-            return  # aborted already: a second abort of a pair group is fatal later
-        # abort drops the sockets at once; a peer that is gone cannot take part in a
-        # graceful shutdown, and one that is alive should fail rather than wait.
-        with contextlib.suppress(RuntimeError):
-            pg.abort()
-
-
-class _LinkIO:
-    """The server's side of one worker link: its pair group, and a thread that runs the
-    link's operations one after another (a gloo send waits until the peer receives, so
-    on the server's own thread one silent worker would stop every other)."""
-
-    _serials = itertools.count()
-
-    def __init__(self, pg: dist.ProcessGroupGloo, worker: int) -> None:
-        self.pg = pg
-        self.serial = next(self._serials)  # names this link among every link ever opened
-        self._abort = _Abort(pg)
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        thread = threading.Thread(
-            target=_run_jobs, args=(self._jobs,), daemon=True, name=f"thinwire-link-{worker}"
-        )
-        thread.start()
-
-    def submit(self, job: Callable[[], Any]) -> Future[Any]:
-        """Run ``job`` after every operation submitted before it; its future."""
-        fut: Future[Any] = Future()
-        self._jobs.put((job, fut))
-        return fut
-
-    def close(self, drain_s: float | None = None) -> None:
-        """Stop the thread and drop the link's sockets: at once (an operation blocked on
-        it fails), or after the operations already submitted (a last message to a worker
-        that is sent home), waiting ``drain_s`` seconds at most for them."""
-        if drain_s is None:
-            self._abort()
-        else:
-            self.submit(self._abort)
-            timer = threading.Timer(drain_s, self._abort)  # should the last word never leave
-            timer.daemon = True
-            with self._abort._lock:
-                if self._abort._pg is not None and self._abort.timer is None:
-                    self._abort.timer = timer
-                    timer.start()
-        self._jobs.put(None)
-
-    def settle(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the operations submitted so far; True if done."""
-        try:
-            self.submit(lambda: None).result(timeout=timeout_s)
-        except Exception:  # timed out, or the thread is gone: nothing more to wait for
-            return False
-        return True
 
 
 class Transport:
@@ -237,9 +144,9 @@ class Transport:
         self.bytes_received = 0
         self._incarnation: int | None = None
         self._links: dict[int, dist.ProcessGroupGloo] = {}  # peer rank -> its pair group
-        self._io: dict[int, _LinkIO] = {}  # server: worker -> its link's thread
+        self._io: dict[int, LinkIO] = {}  # server: worker -> its link's thread
         self._broken: set[int] = set()  # server: serials of links that failed an operation
-        self._draining: list[_LinkIO] = []  # server: closed links still sending a last word
+        self._draining: list[LinkIO] = []  # server: closed links still sending a last word
         self._lock = threading.Lock()  # counters the link threads update
         self.seals = Keyring(key, run_id)  # every connection's seals
         self._link_incarnation: dict[int, int] = {}  # server: worker -> incarnation linked
@@ -372,7 +279,7 @@ class Transport:
         self.seals.server(worker, incarnation)
         pg = self._open(worker, incarnation, 0)
         self._links[worker] = pg
-        self._io[worker] = _LinkIO(pg, worker)
+        self._io[worker] = LinkIO(pg, worker)
         self._link_incarnation[worker] = incarnation
 
     def refuse(self, worker: int, incarnation: int, why: Refused) -> None:
