@@ -70,7 +70,7 @@ def _pair(line: str, lineno: int, path: Path) -> tuple[float, float]:
 
 
 def _read_lines(path: Path) -> list[str]:
-    raw = read_input_bytes(path, f"profile {path}", JSON_LIMIT)
+    raw = read_input_bytes(path, "cannot read profile", JSON_LIMIT)
     try:
         return raw.decode("utf-8").splitlines()
     except UnicodeDecodeError:

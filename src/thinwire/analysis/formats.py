@@ -63,11 +63,7 @@ def read_json_text(path: str | Path, what: str) -> tuple[Any, str]:
     refused before anything is read), UTF-8, valid and not absurdly nested JSON;
     anything else is a one-line :class:`ConfigError` naming the file.
     """
-    try:
-        raw = read_input_bytes(path, f"{what} {path}", JSON_LIMIT)
-    except ConfigError as exc:
-        # read_input_bytes names the file first; say what kind of file was expected
-        raise ConfigError(f"cannot read {what}: {str(exc).split(': ', 1)[1]}") from None
+    raw = read_input_bytes(path, f"cannot read {what}", JSON_LIMIT)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -28,6 +28,7 @@ silently train with a default.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -55,25 +56,22 @@ def _parse_toml(path: Path, text: str) -> Any:
                 f"--config {path}: TOML needs Python 3.11+ or 'pip install tomli'; "
                 "a .json file works everywhere"
             ) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {path}: not valid TOML: {_first_line(exc)}") from None
-    except RecursionError:
-        raise ConfigError(f"--config {path}: not valid TOML: nested too deeply") from None
-    except ValueError as exc:  # a number of more than 4300 digits
-        raise ConfigError(f"--config {path}: not valid TOML: {_first_line(exc)}") from None
+    return _parse(path, text, "TOML", tomllib.loads)
 
 
 def _parse_json(path: Path, text: str) -> Any:
+    return _parse(path, text, "JSON", json.loads)
+
+
+def _parse(path: Path, text: str, kind: str, loads: Callable[[str], Any]) -> Any:
+    """``loads(text)``; whatever the parser refuses is one line. Both parsers' decode
+    errors are ``ValueError``s, as is an integer of more than 4,300 digits."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--config {path}: not valid JSON: {exc}") from None
+        return loads(text)
     except RecursionError:
-        raise ConfigError(f"--config {path}: not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # a number of more than 4300 digits
-        raise ConfigError(f"--config {path}: not valid JSON: {_first_line(exc)}") from None
+        raise ConfigError(f"--config {path}: not valid {kind}: nested too deeply") from None
+    except ValueError as exc:
+        raise ConfigError(f"--config {path}: not valid {kind}: {_first_line(exc)}") from None
 
 
 def _first_line(exc: BaseException) -> str:
