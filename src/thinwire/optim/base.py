@@ -61,10 +61,12 @@ def check_range(
     name: str, value: float, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
 ) -> None:
     """Raise ``ValueError`` naming ``name`` and its valid range unless ``value`` lies in it."""
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+    if value is None or isinstance(value, str | bytes | bool):
+        raise ValueError(f"{name} must be a number in {left}{lo}, {hi}{right}, got {value!r}")
     ok_lo = value > lo if lo_open else value >= lo
     ok_hi = value < hi if hi_open else value <= hi
     if not (ok_lo and ok_hi):
-        left, right = "(" if lo_open else "[", ")" if hi_open else "]"
         raise ValueError(f"{name} must be in {left}{lo}, {hi}{right}, got {value}")
 
 

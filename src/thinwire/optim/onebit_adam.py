@@ -27,6 +27,7 @@ from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import adam_direction, check_adam_hyperparameters, momentum_masks
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
+from thinwire.optim.step_bound import DEFAULT_STEP_BOUND, bound_adam_update, track_adam_update
 from thinwire.optim.two_stage import TwoStageOptimizer
 
 __all__ = ["OneBitAdam"]
@@ -70,6 +71,10 @@ class OneBitAdam(TwoStageOptimizer):
             (:mod:`thinwire.optim.floor`): keeps the weights behind ReLU units that never
             fired (second moment 0) and other near-dead elements from taking steps of
             many times lr. 0 is the papers' rule.
+        step_bound: a layer's compressed update is at most this many times the norm of
+            its warmup updates (their average over the last ~10 warmup steps), where
+            Adam's own growing variance would have kept it
+            (:mod:`thinwire.optim.step_bound`). None is the papers' rule.
         block: elements per 1-bit scale in the compressed exchange (see
             :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`); None is the papers'
             one scale per buffer.
@@ -92,6 +97,7 @@ class OneBitAdam(TwoStageOptimizer):
         bias_correction: bool = True,
         precondition: bool = True,
         denom_floor: float = DEFAULT_DENOM_FLOOR,
+        step_bound: float | None = DEFAULT_STEP_BOUND,
         block: int | None = DEFAULT_BLOCK,
         total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -105,6 +111,7 @@ class OneBitAdam(TwoStageOptimizer):
             bias_correction=bias_correction,
             precondition=precondition,
             denom_floor=denom_floor,
+            step_bound=step_bound,
         )
         super().__init__(params, defaults, freeze_step, process_group, block, total_steps)
 
@@ -116,6 +123,8 @@ class OneBitAdam(TwoStageOptimizer):
         for p, group in items:
             state = self._update_moments(p, group)
             u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, self.global_step)
+            if group["step_bound"] is not None:
+                track_adam_update(state, u)
             self._apply(p, group, u)
         return True
 
@@ -138,6 +147,7 @@ class OneBitAdam(TwoStageOptimizer):
             return False
         self.global_step += 1
         masks = momentum_masks(self.param_groups)
+        shortened: list[torch.Tensor] = []
         for p, view in zip(params, views, strict=True):
             group = groups[p]
             denom = self._frozen_denom(p, group)
@@ -151,7 +161,12 @@ class OneBitAdam(TwoStageOptimizer):
             u = m / denom
             if group["bias_correction"]:
                 u.div_(1 - group["betas"][0] ** self.global_step)
+            flag = bound_adam_update(self.state[p], u, group["step_bound"])
+            if flag is not None:
+                shortened.append(flag)
             self._apply(p, group, u)
+        # One host synchronisation per step, not one per layer.
+        self._count_bounded(bool(torch.stack(shortened).any()) if shortened else False)
         return True
 
     def _apply(self, p: torch.Tensor, group: dict[str, Any], u: torch.Tensor) -> None:

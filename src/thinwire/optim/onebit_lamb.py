@@ -40,6 +40,7 @@ from thinwire.optim.base import (
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.optim.lamb import trust_ratio
+from thinwire.optim.step_bound import DEFAULT_STEP_BOUND, bound_lamb_ratio
 from thinwire.optim.two_stage import TwoStageOptimizer
 
 __all__ = ["OneBitLamb"]
@@ -84,6 +85,11 @@ class OneBitLamb(TwoStageOptimizer):
         total_steps, denom_floor, block: as for :class:`~thinwire.optim.OneBitAdam`
             (the run's length, which caps the automatic freeze at 30% of it; the floor
             under the frozen denominator; elements per 1-bit scale).
+        step_bound: a layer's compressed trust ratio ``c_freeze * f`` is at most this
+            many times LAMB's own on the same update: no compressed step is longer than
+            that many LAMB steps (:mod:`thinwire.optim.step_bound`). Without it, a
+            variance frozen before the gradients grew (a plateau that ends) scales every
+            later step up with them. None is the paper's rule.
         process_group: ranks to average over (default: the default group, if any).
 
     With one process it is LAMB in warmup and the same frozen-variance rule afterwards,
@@ -112,6 +118,7 @@ class OneBitLamb(TwoStageOptimizer):
         bias_correction: bool = True,
         precondition: bool = False,
         denom_floor: float = DEFAULT_DENOM_FLOOR,
+        step_bound: float | None = DEFAULT_STEP_BOUND,
         block: int | None = DEFAULT_BLOCK,
         total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -137,6 +144,7 @@ class OneBitLamb(TwoStageOptimizer):
             bias_correction=bias_correction,
             precondition=precondition,
             denom_floor=denom_floor,
+            step_bound=step_bound,
         )
         super().__init__(params, defaults, freeze_step, process_group, block, total_steps)
         self.last_coeffs: list[float] = []
@@ -218,7 +226,7 @@ class OneBitLamb(TwoStageOptimizer):
         self.global_step += 1
         t = self.global_step
         masks = momentum_masks(self.param_groups)
-        coeffs, factors = [], []
+        coeffs, factors, bounded = [], [], False
         largest = max(p.numel() for p in params)
         work = self._scratch(2 * largest, params[0].device)
         for p, view in zip(params, views, strict=True):
@@ -261,12 +269,14 @@ class OneBitLamb(TwoStageOptimizer):
             thr = group["factor_threshold"]
             f = min(max(f, last * (1 - thr)), last * (1 + thr))
             state["last_factor"] = f
-            coeff = state["lamb_coeff_freeze"] * f
+            coeff, shortened = bound_lamb_ratio(state["lamb_coeff_freeze"] * f, master, u, group)
+            bounded |= shortened
             master.add_(u, alpha=-group["lr"] * coeff)
             self._write_back(p, master)
             coeffs.append(coeff)
             factors.append(f)
         self.last_coeffs, self.last_factors = coeffs, factors
+        self._count_bounded(bounded)
         return True
 
     def _on_rewarm(self) -> None:

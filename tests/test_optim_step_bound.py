@@ -1,0 +1,128 @@
+"""The step bound: a variance frozen before the gradients grew does not scale every later
+step up with them (thinwire.optim.step_bound), on one process and over the real 1-bit
+exchange of two gloo ranks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from thinwire.comm.launch import spawn
+from thinwire.optim import OneBitAdam, OneBitLamb
+
+FREEZE = 6
+GROWTH_STEP = 10
+GROWTH = 30.0
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(512)), torch.nn.Parameter(torch.randn(64, 8))]
+
+
+def _grads(params: list[torch.nn.Parameter], t: int, rank: int) -> None:
+    """Gradients of a steady scale, GROWTH times larger from GROWTH_STEP on: a plateau
+    that ends after the freeze."""
+    g = torch.Generator().manual_seed(100 * t + rank)
+    scale = GROWTH if t >= GROWTH_STEP else 1.0
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+
+
+def _steps(name: str, bound: float | None, rank: int = 0, steps: int = 24) -> dict:
+    """Run ``steps`` steps; per step after the freeze, every layer's step length against
+    the uncompressed optimizer's (LAMB: lr * ||w||; Adam: the warmup's update norm)."""
+    params = _params()
+    cls = OneBitLamb if name == "lamb" else OneBitAdam
+    lr = 1e-2 if name == "lamb" else 1e-3
+    opt = cls(params, lr=lr, freeze_step=FREEZE, step_bound=bound)
+    ratios = []
+    warm = [0.0] * len(params)  # Adam: the warmup's step lengths, averaged as the bound does
+    for t in range(1, steps + 1):
+        _grads(params, t, rank)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        for i, (p, b) in enumerate(zip(params, before, strict=True)):
+            step = float((p.detach() - b).norm())
+            if t <= FREEZE:
+                warm[i] = step if t == 1 else 0.9 * warm[i] + 0.1 * step
+                continue
+            ratios.append(step / (lr * float(b.norm()) if name == "lamb" else warm[i]))
+    return {"max_ratio": max(ratios), "bounded": opt.bounded_steps}
+
+
+@pytest.mark.parametrize("name", ["lamb", "adam"])
+def test_one_process_steps_stay_bounded_when_the_gradients_grow(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="thinwire"):
+        bounded = _steps(name, 1.0)
+    free = _steps(name, None)
+    # Without the bound the steps grow with the gradients (30x); 1-bit LAMB's drift
+    # factor takes back at most 2x of it.
+    assert free["max_ratio"] > 5.0, free
+    assert free["bounded"] == 0
+    assert bounded["max_ratio"] <= 1.0 + 1e-3, bounded
+    assert bounded["bounded"] > 0
+    said = [r.getMessage() for r in caplog.records if "step bound" in r.getMessage()]
+    assert len(said) == 1 and "counted in bounded_steps" in said[0], said
+
+
+def test_a_looser_bound_allows_longer_steps() -> None:
+    loose = _steps("lamb", 3.0)
+    assert 1.5 < loose["max_ratio"] <= 3.0 + 1e-3, loose
+
+
+def test_steady_gradients_leave_lamb_unbounded() -> None:
+    """Before the gradients grow, 1-bit LAMB's steps are no longer than LAMB's: the bound
+    changes nothing while the frozen variance fits."""
+    res = _steps("lamb", 1.0, steps=GROWTH_STEP - 1)
+    assert res["bounded"] == 0 and res["max_ratio"] <= 1.0 + 1e-3, res
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), "1"])
+@pytest.mark.parametrize("cls", [OneBitLamb, OneBitAdam])
+def test_a_bad_bound_is_refused_in_one_line(cls: type, bad: object) -> None:
+    with pytest.raises((ValueError, TypeError), match="step_bound") as err:
+        cls(_params(), step_bound=bad)
+    assert "\n" not in str(err.value)
+
+
+def test_the_reference_and_the_count_survive_a_state_dict_round_trip() -> None:
+    params = _params()
+    opt = OneBitAdam(params, lr=1e-3, freeze_step=FREEZE)
+    for t in range(1, 16):
+        _grads(params, t, 0)
+        opt.step()
+    assert opt.bounded_steps > 0
+    copy = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    again = OneBitAdam(copy, lr=1e-3, freeze_step=FREEZE)
+    again.load_state_dict(opt.state_dict())
+    assert again.bounded_steps == opt.bounded_steps
+    for p, q in zip(params, copy, strict=True):
+        assert torch.equal(opt.state[p]["step_norm_ref"], again.state[q]["step_norm_ref"])
+    for t in range(16, 20):
+        _grads(params, t, 0)
+        opt.step()
+        _grads(copy, t, 0)
+        again.step()
+    for p, q in zip(params, copy, strict=True):
+        assert torch.equal(p, q)
+
+
+def _two_ranks(rank: int, world: int, name: str, bound: float | None) -> dict:
+    del world
+    return _steps(name, bound, rank=rank)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["lamb", "adam"])
+def test_two_ranks_over_the_1bit_exchange(name: str) -> None:
+    """The same over gloo: the 1-bit exchange's error rides in the momentum, and the
+    bound still holds every rank's steps to the uncompressed length."""
+    bounded = spawn(_two_ranks, 2, (name, 1.0), timeout_s=100)
+    free = spawn(_two_ranks, 2, (name, None), timeout_s=100)
+    assert all(r["max_ratio"] <= 1.0 + 1e-3 and r["bounded"] > 0 for r in bounded), bounded
+    assert all(r["max_ratio"] > 5.0 for r in free), free
