@@ -100,7 +100,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds-per-step", default=None, help="explicit speeds, one per worker")
     p.add_argument("--jitter", type=float, default=0.0, help="relative per-round time noise")
     p.add_argument("--calibrate", action="store_true", help="DyLU measures speeds (no declare)")
-    p.add_argument("--local-steps", type=int, default=50, help="H (default 50, the paper's)")
+    p.add_argument(
+        "--local-steps", type=int, default=d.local_steps, help=f"H (default {d.local_steps})"
+    )
     p.add_argument("--steps", type=int, default=500, help="inner steps per worker (budget)")
     p.add_argument("--outer-lr", type=float, default=None, help="default: each method's tuned")
     p.add_argument("--outer-momentum", type=float, default=None, help="default: tuned")
@@ -126,6 +128,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=t.lr, help="peak inner AdamW lr")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="per shard")
     p.add_argument("--data", default=None, help="text file or bundled corpus name")
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=d.pretrain_steps,
+        help="ordinary data-parallel steps before Local-SGD (once per seed, kept in --out)",
+    )
+    p.add_argument("--init-from", default=None, help="start from this model state file")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default: --seed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="append", default=[], metavar="[METHOD:]KEY=V1,V2")
@@ -266,6 +275,8 @@ def run_async(args: argparse.Namespace) -> int:
         min_lr_ratio=model.min_lr_ratio,
         compress=args.compress,
         compress_pull=args.compress_pull,
+        pretrain_steps=args.pretrain_steps,
+        init_from=args.init_from,
     )
     clock = SimClock(
         seconds_per_step=speeds,
@@ -304,8 +315,11 @@ def run_async(args: argparse.Namespace) -> int:
     }
     atomic_write_text(out / "results.json", json.dumps(blob, indent=1) + "\n")
     tables = format_tables(summary)
-    atomic_write_text(out / "table.md", f"`{command}`\n\n" + tables)
-    print(f"\nbyte-frequency loss of the data: {unigram:.4f}\n")
+    start = f"every method starts {base.start().describe()}"
+    atomic_write_text(
+        out / "table.md", f"`{command}`\n\n{start[0].upper()}{start[1:]}.\n\n" + tables
+    )
+    print(f"\n{start}; byte-frequency loss of the data: {unigram:.4f}\n")
     print(tables)
     best = {b for m in summary["best"].values() for b in m["runs"]}
     plots = _plot([r for r in runs if r["key"] in best], out)

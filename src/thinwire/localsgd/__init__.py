@@ -44,6 +44,7 @@ from thinwire.localsgd.dylu import SpeedTracker, dylu_steps
 from thinwire.localsgd.inner_state import InnerStateRule
 from thinwire.localsgd.methods import METHODS, TUNED, for_method, method_of
 from thinwire.localsgd.outer import AsyncBuffer, DelayedNesterov, Nesterov
+from thinwire.localsgd.pretrain import Start
 from thinwire.localsgd.push_guard import PushGuard
 from thinwire.localsgd.rejoin import rejoin_async
 from thinwire.localsgd.server import ServerCore, Work
@@ -71,6 +72,7 @@ __all__ = [
     "ServerCore",
     "SimClock",
     "SpeedTracker",
+    "Start",
     "Task",
     "Work",
     "dylu_steps",

@@ -110,6 +110,19 @@ def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalW
     )
 
 
+def _started(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> Task:
+    """``task`` from where ``cfg`` starts (:mod:`thinwire.localsgd.pretrain`). Every rank
+    runs a pretraining, at once: only the server's weights become theta (workers pull
+    theirs), but ranks that waited for it would wait at the transport's rendezvous, whose
+    timeout is not the pretraining's length. A start file is read by the server alone
+    (workers on other hosts need not hold it); a resumed run takes theta from its
+    checkpoint and only reads the data on after the pretraining."""
+    start = cfg.start()
+    if cfg.resume or (rank != 0 and not start.pretrain_steps):
+        return start.continued(task)
+    return start.apply(task, workers)
+
+
 def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
     """This rank's transport, with the run key; call on every rank of the launch's group.
 
@@ -224,6 +237,7 @@ def run_async(
         cfg.validate(workers)
         if rank == 0:  # it hosts the stores: garbage sent to them must not flood its stderr
             restore_log_level = quiet_store_warnings()
+        task = _started(task, cfg, rank, workers)
         transport, generated = open_transport(cfg)
         if rank != 0:
             worker = make_worker(task, cfg, rank, workers)

@@ -16,6 +16,7 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.compression import CODECS
 from thinwire.localsgd.inner_state import resolve_inner_momentum
 from thinwire.localsgd.methods import TUNED, method_of
+from thinwire.localsgd.pretrain import Start
 from thinwire.localsgd.push_guard import PushGuard
 from thinwire.localsgd.server import OUTER_CHOICES, STALENESS_CHOICES
 from thinwire.localsgd.shards import SAMPLING_CHOICES
@@ -127,6 +128,17 @@ class AsyncConfig:
     optimizer's lr constant."""
     grad_clip: float = 0.0
     """Clip each inner step's global gradient norm to this value; 0 disables clipping."""
+
+    # --- where the run starts -----------------------------------------------------------
+    pretrain_steps: int = 0
+    """Steps of ordinary synchronous data-parallel training (over the W shards, inner
+    optimizer and ``warmup_steps``) before Local-SGD begins; Local-SGD's shards then read
+    on after them. The regime Local-SGD is for, and the asynchronous paper's: its methods
+    start from 24k ordinary steps. 0: from scratch (or ``init_from``). See
+    :mod:`thinwire.localsgd.pretrain`."""
+    init_from: str | None = None
+    """Start from this model state file (``torch.save(model.state_dict())``, or a dict
+    with it under ``"model"``) instead; not together with ``pretrain_steps``."""
 
     # --- the wire -----------------------------------------------------------------------
     compress: str = "none"
@@ -268,6 +280,7 @@ class AsyncConfig:
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("resume needs the checkpoint_dir of the run to continue")
         self._check_admission()
+        self.start()  # pretrain-steps and init-from
 
     def _check_admission(self) -> None:
         if self.stop_after is not None and self.stop_after < 1:
@@ -348,6 +361,15 @@ class AsyncConfig:
             self.max_refused_pushes,
             lr_warmup=self.warmup_steps,
             min_lr_ratio=self.min_lr_ratio,
+        )
+
+    def start(self) -> Start:
+        """Where this run starts (:class:`~thinwire.localsgd.pretrain.Start`)."""
+        return Start(
+            pretrain_steps=self.pretrain_steps,
+            init_from=self.init_from,
+            warmup_steps=self.warmup_steps,
+            grad_clip=self.grad_clip,
         )
 
     def resolved_shards(self, workers: int) -> int:

@@ -199,6 +199,7 @@ def run_server(
         "compress": cfg.compress,
         "compress_pull": cfg.compress_pull,
         "sync": cfg.sync,
+        "start": cfg.start().describe(),
         "steps": core.steps_applied // workers,
         "inner_steps": core.steps_applied,
         "inner_steps_this_run": core.steps_applied - steps0,

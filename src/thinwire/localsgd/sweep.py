@@ -32,10 +32,13 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from thinwire.errors import ConfigError
-from thinwire.io import atomic_write_text
+from thinwire.io import atomic_save, atomic_write_text
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.methods import METHODS, for_method
+from thinwire.localsgd.pretrain import Start, load_start_state
 from thinwire.localsgd.task import Task
 from thinwire.localsgd.virtual_clock import SimClock, simulate, time_to_reach
 
@@ -165,6 +168,7 @@ def run_sweep(
         runs_dir = Path(out_dir) / "runs"
         runs_dir.mkdir(parents=True, exist_ok=True)
     tasks: dict[int, Task] = {}
+    starts: dict[tuple[int, Start], dict[str, torch.Tensor]] = {}
     runs = []
     for method, setting, cfg, seed in plan:
         key, digest = run_key(method, setting, seed), fingerprint(cfg, clock, seed, context)
@@ -174,7 +178,15 @@ def run_sweep(
         if not cached:
             if seed not in tasks:
                 tasks[seed] = task_for_seed(seed)
-            run = simulate(tasks[seed], replace(cfg, seed=seed), replace(clock, seed=seed))
+            start, state = cfg.start(), None
+            if start.pretrain_steps:
+                if (seed, start) not in starts:
+                    where = (runs_dir, seed, context)
+                    starts[seed, start] = _pretrained(tasks[seed], start, clock, where)
+                state = starts[seed, start]
+            run = simulate(
+                tasks[seed], replace(cfg, seed=seed), replace(clock, seed=seed), pretrained=state
+            )
             run |= {"method": method, "setting": setting, "seed": seed, "key": key}
             run["fingerprint"] = digest
             if path is not None:
@@ -183,6 +195,29 @@ def run_sweep(
         if on_run is not None:
             on_run(run, cached)
     return runs
+
+
+def _pretrained(
+    task: Task,
+    start: Start,
+    clock: SimClock,
+    where: tuple[Path | None, int, Mapping[str, Any] | None],
+) -> dict[str, torch.Tensor]:
+    """The pretrained weights of one seed's ``task``, computed once and kept beside the
+    runs (``runs/pretrained-seed<S>-<digest>.pt``), so a sweep resumed or widened later
+    does not pretrain again."""
+    runs_dir, seed, context = where
+    workers = len(clock.seconds_per_step)
+    if runs_dir is None:
+        return start.pretrained(task, workers)
+    blob = {"start": asdict(start), "workers": workers, "seed": seed, "context": context}
+    text = json.dumps(blob, sort_keys=True, default=repr)
+    path = runs_dir / f"pretrained-seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
+    if path.exists():
+        return load_start_state(path, task.model())
+    state = start.pretrained(task, workers)
+    atomic_save(state, path)
+    return state
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:

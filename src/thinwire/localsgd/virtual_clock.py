@@ -107,8 +107,16 @@ class SimClock:
 _POINT = ("steps", "updates", "time_s")  # a curve point's own keys, besides its metrics
 
 
-def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dict[str, Any]:
+def simulate(
+    task: Task,
+    cfg: AsyncConfig,
+    clock: SimClock | None = None,
+    pretrained: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """Run one simulated training of ``task``; returns its curve and summary (JSON-ready).
+
+    The run starts where ``cfg.start()`` says (:mod:`thinwire.localsgd.pretrain`);
+    ``pretrained`` is that start's weights if already computed (a sweep's other runs).
 
     Each curve point holds ``steps``, ``updates``, ``time_s`` and ``task.evaluate``'s
     metrics (``val_loss`` and, from a dict, the others by name); ``final_val_loss`` and
@@ -125,6 +133,8 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
     if task.evaluate is None:
         raise ConfigError("simulate needs task.evaluate: the curve it returns is of that metric")
     metric = task.evaluate
+    start = cfg.start()
+    task = start.apply(task, w_count, state=pretrained)
     model = task.model()
     sources = make_sources(task, cfg.resolved_shards(w_count))
     inner_momentum = cfg.resolved_inner_momentum()
@@ -214,6 +224,7 @@ def simulate(task: Task, cfg: AsyncConfig, clock: SimClock | None = None) -> dic
             "method": cfg.method,
         },
         "clock": asdict(clock),
+        "start": start.describe(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_val_loss": curve[-1]["val_loss"],
         "final_metrics": {k: v for k, v in curve[-1].items() if k not in _POINT},

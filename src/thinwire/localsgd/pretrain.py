@@ -1,0 +1,243 @@
+"""Where Local-SGD starts: from scratch, from N steps of ordinary training, or from a file.
+
+Local-SGD and its asynchronous variants are methods for the long middle of a training
+run. The asynchronous Local-SGD paper starts every method from a checkpoint of 24k steps
+of ordinary training; DiLoCo's outer lr 0.7 and momentum 0.9 were tuned there. From
+scratch, the first rounds move the model so far that outer momentum mostly amplifies
+noise, and short runs from scratch say little about the regime users run. A
+:class:`Start` is applied to a :class:`~thinwire.localsgd.Task`, so the simulator,
+``run_async`` and every entry point on a Task start alike::
+
+    start = Start(pretrain_steps=1000)            # or Start(init_from="base.pt")
+    task = start.apply(task, workers=4, seed=0)   # the pretrained Task
+    summary = run_async(task, cfg)                # summary["start"] says which
+
+* ``pretrain_steps=N``: ``N`` steps of ordinary synchronous data-parallel training of
+  ``task.model()`` with ``task.optimizer``, one batch per worker's shard per step
+  (gradients averaged: what DDP on ``workers`` ranks computes), the learning rate
+  warming up linearly over ``warmup_steps`` and then held at its peak. Done once, in
+  the calling process, before any worker starts.
+* ``init_from=PATH``: a file holding the model's ``state_dict`` (``torch.save``), or a
+  dict with it under ``"model"``; loaded with thinwire's plain-data loader, names and
+  shapes checked against ``task.model()`` in one line.
+
+The pretrained Task's shards continue where the pretraining left off: ``source(step)``
+of the Local-SGD phase reads the pretraining's ``source(N + step)``, so no batch of the
+pretraining is seen again as if it were new. A file gives no such offset (its data is
+not the Task's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from thinwire.errors import ConfigError
+from thinwire.localsgd.task import BatchSource, Task, make_sources, to_device
+
+__all__ = ["Start", "load_start_state", "pretrain"]
+
+ProgressFn = Callable[[int, float], None]
+"""Called after each pretraining step with ``(step, loss)``."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a Local-SGD run starts (see the module docstring); the default is scratch."""
+
+    pretrain_steps: int = 0
+    """Steps of ordinary data-parallel training before Local-SGD begins (0: none)."""
+    init_from: str | None = None
+    """A model state file to start from instead (not together with pretrain_steps)."""
+    warmup_steps: int = 0
+    """Linear lr warmup of the pretraining (then constant at the optimizer's lr)."""
+    grad_clip: float = 0.0
+    """Global gradient-norm clip of the pretraining (0: none)."""
+
+    def __post_init__(self) -> None:
+        for name in ("pretrain_steps", "warmup_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(
+                    f"{name.replace('_', '-')} must be an integer >= 0, got {value!r}"
+                )
+        if not isinstance(self.grad_clip, int | float) or not self.grad_clip >= 0:
+            raise ConfigError(f"grad-clip must be a number >= 0, got {self.grad_clip!r}")
+        if self.init_from is not None and self.pretrain_steps:
+            raise ConfigError(
+                "give init-from or pretrain-steps, not both: a file is already a trained start"
+            )
+        if self.init_from is not None and not str(self.init_from).strip():
+            raise ConfigError("init-from is an empty path")
+
+    @property
+    def from_scratch(self) -> bool:
+        return not self.pretrain_steps and self.init_from is None
+
+    def describe(self) -> str:
+        """One phrase for summaries and comparison tables."""
+        if self.init_from is not None:
+            return f"from {self.init_from}"
+        if self.pretrain_steps:
+            return f"after {self.pretrain_steps:,} steps of ordinary training"
+        return "from scratch"
+
+    def apply(
+        self,
+        task: Task,
+        workers: int,
+        progress: ProgressFn | None = None,
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> Task:
+        """``task`` starting here: its ``model()`` returns the pretrained (or loaded)
+        weights, and after a pretraining its shards continue where it left off. From
+        scratch, ``task`` itself. ``state``: this start's pretrained weights, computed
+        before (a sweep pretrains once per seed, not once per run)."""
+        if self.from_scratch:
+            return task
+        if self.init_from is not None:
+            state = load_start_state(Path(self.init_from), task.model())
+            offset = 0
+        else:
+            state = state if state is not None else self.pretrained(task, workers, progress)
+            offset = self.pretrain_steps
+        return _started(task, state, offset)
+
+    def pretrained(
+        self, task: Task, workers: int, progress: ProgressFn | None = None
+    ) -> dict[str, torch.Tensor]:
+        """This start's pretraining of ``task`` over ``workers`` shards: the weights."""
+        return pretrain(
+            task,
+            self.pretrain_steps,
+            workers,
+            warmup_steps=self.warmup_steps,
+            grad_clip=self.grad_clip,
+            progress=progress,
+        )
+
+    def continued(self, task: Task) -> Task:
+        """``task`` with its shards read on after the pretraining (its weights as they
+        are): what a resumed run, or a rank that does not need the weights, uses."""
+        if not self.pretrain_steps:
+            return task
+        return replace(task, shards=_offset_shards(task.shards, self.pretrain_steps))
+
+
+def pretrain(
+    task: Task,
+    steps: int,
+    workers: int,
+    *,
+    warmup_steps: int = 0,
+    grad_clip: float = 0.0,
+    progress: ProgressFn | None = None,
+) -> dict[str, torch.Tensor]:
+    """``steps`` steps of synchronous data-parallel training of a fresh ``task.model()``
+    over ``task.shards(workers)`` in this process; returns the model's ``state_dict``
+    (CPU tensors)."""
+    if workers < 1:
+        raise ConfigError(f"pretraining needs at least one worker's shard, got {workers}")
+    model = task.model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = task.optimizer(params)
+    peaks = [float(g["lr"]) for g in opt.param_groups]
+    sources: Sequence[BatchSource] = make_sources(task, workers)
+    device = params[0].device
+    model.train()
+    for step in range(steps):
+        ramp = (step + 1) / warmup_steps if step < warmup_steps else 1.0
+        for group, peak in zip(opt.param_groups, peaks, strict=True):
+            group["lr"] = peak * ramp
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for source in sources:
+            # Each shard's loss scaled by 1/W: the gradient DDP averages over W ranks.
+            loss = task.loss(model, to_device(source(step), device)) / len(sources)
+            loss.backward()
+            total += float(loss.detach())
+        if not torch.isfinite(torch.tensor(total)):
+            raise ConfigError(
+                f"pretraining diverged at step {step + 1} (loss {total}): lower the lr or "
+                "add warmup-steps"
+            )
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        if progress is not None:
+            progress(step + 1, total)
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def load_start_state(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model state in ``path``, checked against ``model``'s names and shapes (one-line
+    ``ConfigError`` naming the file and the first mismatch)."""
+    from thinwire.safeload import safe_load
+
+    blob = safe_load(path, "init-from file")
+    if isinstance(blob, dict) and isinstance(blob.get("model"), dict):
+        blob = blob["model"]
+    if not isinstance(blob, dict) or not all(torch.is_tensor(v) for v in blob.values()):
+        raise ConfigError(
+            f"init-from file {path} does not hold a model state_dict (name -> tensor)"
+        )
+    want = model.state_dict()
+    missing = [k for k in want if k not in blob]
+    extra = [k for k in blob if k not in want]
+    if missing or extra:
+        what = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the model lacks"
+        raise ConfigError(
+            f"init-from file {path} does not fit the model: it {what} "
+            f"({len(missing)} missing, {len(extra)} extra)"
+        )
+    for name, value in want.items():
+        if blob[name].shape != value.shape:
+            raise ConfigError(
+                f"init-from file {path} does not fit the model: {name!r} has shape "
+                f"{list(blob[name].shape)}, the model's is {list(value.shape)}"
+            )
+        if blob[name].is_floating_point() and not bool(torch.isfinite(blob[name]).all()):
+            raise ConfigError(f"init-from file {path}: {name!r} holds NaN or Inf")
+    return {k: blob[k] for k in want}
+
+
+class _Offset:
+    """A batch source read ``offset`` steps further on."""
+
+    def __init__(self, source: BatchSource, offset: int) -> None:
+        self.source, self.offset = source, offset
+
+    def __call__(self, step: int) -> Any:
+        return self.source(step + self.offset)
+
+
+class _SizedOffset(_Offset):
+    """The same, for a source with a size (shards are planned in proportion to it)."""
+
+    def __len__(self) -> int:
+        return len(self.source)  # type: ignore[arg-type]
+
+
+def _offset_shards(shards: Callable[[int], Sequence[BatchSource]], offset: int) -> Callable:
+    def offset_shards(n: int) -> list[Any]:
+        sources = list(shards(n))
+        return [(_SizedOffset if hasattr(s, "__len__") else _Offset)(s, offset) for s in sources]
+
+    return offset_shards
+
+
+def _started(task: Task, state: dict[str, torch.Tensor], offset: int) -> Task:
+    build = task.model
+
+    def model() -> nn.Module:
+        m = build()
+        m.load_state_dict(state)
+        return m
+
+    shards = _offset_shards(task.shards, offset) if offset else task.shards
+    return replace(task, model=model, shards=shards)
