@@ -258,3 +258,21 @@ def test_the_simulate_command_pretrains_and_says_so(
         assert main([*common, *flags, "--out", str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and said in err, err
+
+
+def test_the_train_command_maps_the_start_onto_asynchronous_local_sgd() -> None:
+    from thinwire.cli.main import build_parser
+    from thinwire.cli.train_config import config_from_args
+    from thinwire.train.async_task import async_config
+
+    flags = ["train", "--algo", "async-diloco", "--pretrain-steps", "50", "--out", "o"]
+    cfg = config_from_args(build_parser().parse_args(flags))
+    acfg = async_config(cfg)
+    assert acfg.pretrain_steps == 50 and acfg.start().describe().startswith("after 50 steps")
+    flags = ["train", "--algo", "async-diloco", "--init-from", "base.pt", "--out", "o"]
+    assert async_config(config_from_args(build_parser().parse_args(flags))).init_from == "base.pt"
+    # Another algorithm does not read them: the command line says so instead of ignoring it.
+    flags = ["train", "--algo", "diloco", "--pretrain-steps", "50", "--out", "o"]
+    assert config_from_args(build_parser().parse_args(flags)).unused_options() == [
+        "--pretrain-steps"
+    ]

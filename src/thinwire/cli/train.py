@@ -197,6 +197,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     ls.add_argument("--max-staleness", type=int, default=None, help="drop staler pushes")
     ls.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=None,
+        help="async-diloco: ordinary data-parallel steps before Local-SGD (default 0)",
+    )
+    ls.add_argument("--init-from", default=None, help="async-diloco: start from a state file")
+    ls.add_argument(
         "--shard-sampling",
         default=None,
         choices=("least-progress", "paper"),

@@ -98,6 +98,8 @@ def _from_flags(args: argparse.Namespace) -> TrainConfig:
         staleness=args.staleness,
         max_staleness=args.max_staleness,
         shard_sampling=args.shard_sampling,
+        pretrain_steps=args.pretrain_steps,
+        init_from=args.init_from,
         shard_layout=args.shard_layout,
         compress_pull=args.compress_pull,
         grace_s=args.grace,

@@ -58,6 +58,8 @@ _OPTIONAL = (
     "min_local_steps",
     "shard_sampling",
     "compress_pull",
+    "pretrain_steps",
+    "init_from",
 )
 """TrainConfig fields whose None means "AsyncConfig's default"."""
 

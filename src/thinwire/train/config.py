@@ -48,6 +48,8 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "dead_after_s": ("async-diloco",),
     "connect_timeout_s": ("async-diloco",),
     "link_timeout_s": ("async-diloco",),
+    "pretrain_steps": ("async-diloco",),
+    "init_from": ("async-diloco",),
 }
 """The algorithm-specific fields of :class:`TrainConfig` and the algorithms that read them;
 the others are read by every algorithm."""
@@ -298,6 +300,11 @@ class TrainConfig:
     """DyLU's floor on a round; see ``AsyncConfig.min_local_steps``."""
     shard_sampling: str | None = None
     """``least-progress`` or ``paper`` (``--shard-sampling``); see ``AsyncConfig``."""
+    pretrain_steps: int | None = None
+    """Ordinary data-parallel steps before Local-SGD begins (``--pretrain-steps``); see
+    ``AsyncConfig.pretrain_steps``."""
+    init_from: str | None = None
+    """Start from this model state file (``--init-from``); see ``AsyncConfig.init_from``."""
     compress_pull: str | None = None
     """Pull codec (``--compress-pull``); see ``AsyncConfig.compress_pull``."""
 
