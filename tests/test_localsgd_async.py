@@ -43,9 +43,13 @@ def _run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
 
 @pytest.mark.timeout(150)
 def test_async_run_completes(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path, outer="dn", dylu=True, slowdown=(1.0, 2.0), compress="bf16")
+    # From a short pretraining, as a long run would start (thinwire train's whole path).
+    cfg = _cfg(
+        tmp_path, outer="dn", dylu=True, slowdown=(1.0, 2.0), compress="bf16", pretrain_steps=4
+    )
     out = spawn(_run_rank, 3, (cfg,), timeout_s=120)
     summary = out[0]
+    assert summary["start"] == "after 4 steps of ordinary training"
     assert summary["inner_steps"] == cfg.steps * 2
     assert summary["updates_applied"] >= cfg.steps * 2 // cfg.local_steps
     assert summary["updates_rejected"] == 0

@@ -236,7 +236,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 def _summary(cfg: TrainConfig, world: int, s: dict[str, Any]) -> dict[str, Any]:
     wall = s["train_time_s"]
-    keys = ("workers", "outer", "dylu", "inner_momentum", "sync", "steps", "complete")
+    keys = ("workers", "outer", "dylu", "inner_momentum", "sync", "start", "steps", "complete")
     summary = {
         "algo": cfg.algo,
         "world_size": world,
