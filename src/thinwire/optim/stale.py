@@ -2,8 +2,9 @@
 
 1-bit Adam and 1-bit LAMB freeze Adam's second moment ``v`` and from then on step with
 ``u = m / (sqrt(v) + eps)``. If the gradients grow well past what ``v`` saw, every step
-grows with them and nothing in the compressed stage can shrink it back: 1-bit LAMB's
-drift factor is bounded to a factor of 2. The classic case is a plateau: a BERT
+grows with them, up to the step bound of :mod:`thinwire.optim.step_bound` (1-bit LAMB's
+drift factor alone can shrink them by a factor of 2 at most), and the frozen ``v`` no
+longer says which elements should move most. The classic case is a plateau: a BERT
 classifier on thinwire's model zoo sat at chance for its first ~45 steps, the automatic
 freeze capped the warmup there, the loss began to fall a few steps later, and the
 gradients (and the steps) grew many times over: the model collapsed to chance and
@@ -17,8 +18,9 @@ buffer, on every rank alike; the error feedback's residual adds at most about a 
 of 2 to the norm. When it stays above
 ``growth**2`` times the freeze's for ``patience`` steps in a row, the variance is stale:
 an automatic freeze goes back to its full-precision warmup (``v`` follows the gradients
-again) and freezes once more when the statistics settle, at most ``max_rewarmups``
-times; a fixed ``freeze_step`` is the user's choice and is kept, with one warning.
+again, lifted at once to cover the gradients of the first warmup step) and freezes once
+more when the statistics settle, at most ``max_rewarmups`` times; a fixed
+``freeze_step`` is the user's choice and is kept, with one warning.
 """
 
 from __future__ import annotations

@@ -43,15 +43,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("embedding", "adamw-onebit-hook"): _ADAM_HOOK,
     ("gpt2", "adamw-onebit-hook"): _ADAM_HOOK,
     ("gpt", "adamw-onebit-hook"): _ADAM_HOOK,
-    ("bert", "onebit-lamb"): (
-        "at LAMB's best lr here (2e-2) the compression stage destabilizes this model: "
-        "at 150 steps one seed of three collapsed after its second freeze (0.505; the "
-        "others 0.990, 0.978), at 300 steps seed 0 (0.642; its momentum grew 10.6x "
-        "within 36 steps of the freeze, and the return to the warmup came too late). At "
-        "lr 1e-2, 150 steps, 1-bit LAMB beats LAMB (0.913 against 0.847). At --size small "
-        "all three seeds collapse: a freeze during the few steps where the loss drops "
-        "breaks it (docs/benchmarks.md, the larger size)."
-    ),
     ("gpt2", "diloco"): _SHORT_LOCAL_SGD,
     ("gpt", "diloco"): _SHORT_LOCAL_SGD,
     ("gpt2", "async"): _SHORT_LOCAL_SGD,
