@@ -301,7 +301,16 @@ def run_async(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
-    runs = run_sweep(task_for_seed, base, clock, grid, seeds, out, on_run=report, context=context)
+
+    def pretraining(seed: int, start: Any) -> None:
+        print(
+            f"seed {seed}: starts {start.describe()} (computed once, kept in {out}/runs)",
+            flush=True,
+        )
+
+    runs = run_sweep(
+        task_for_seed, base, clock, grid, seeds, out, report, context, on_pretrain=pretraining
+    )
     summary = summarize_sweep(runs, args.target)
     unigram = TextData(args.data, model.gpt_config().seq_len, model.val_fraction).unigram_loss()
     command = "thinwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])

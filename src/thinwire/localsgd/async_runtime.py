@@ -120,7 +120,7 @@ def _started(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> Task:
     start = cfg.start()
     if cfg.resume or (rank != 0 and not start.pretrain_steps):
         return start.continued(task)
-    return start.apply(task, workers)
+    return start.apply(task, cfg.resolved_shards(workers))
 
 
 def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:

@@ -9,12 +9,13 @@ noise, and short runs from scratch say little about the regime users run. A
 ``run_async`` and every entry point on a Task start alike::
 
     start = Start(pretrain_steps=1000)            # or Start(init_from="base.pt")
-    task = start.apply(task, workers=4, seed=0)   # the pretrained Task
+    task = start.apply(task, shards=4)            # the pretrained Task
     summary = run_async(task, cfg)                # summary["start"] says which
 
 * ``pretrain_steps=N``: ``N`` steps of ordinary synchronous data-parallel training of
-  ``task.model()`` with ``task.optimizer``, one batch per worker's shard per step
-  (gradients averaged: what DDP on ``workers`` ranks computes), the learning rate
+  ``task.model()`` with ``task.optimizer``, one batch per shard per step (gradients
+  averaged: with one shard per worker, the default, what DDP on W ranks computes), the
+  learning rate
   warming up linearly over ``warmup_steps`` and then held at its peak. Done once, in
   the calling process, before any worker starts.
 * ``init_from=PATH``: a file holding the model's ``state_dict`` (``torch.save``), or a
@@ -90,13 +91,14 @@ class Start:
     def apply(
         self,
         task: Task,
-        workers: int,
+        shards: int,
         progress: ProgressFn | None = None,
         state: dict[str, torch.Tensor] | None = None,
     ) -> Task:
         """``task`` starting here: its ``model()`` returns the pretrained (or loaded)
         weights, and after a pretraining its shards continue where it left off. From
-        scratch, ``task`` itself. ``state``: this start's pretrained weights, computed
+        scratch, ``task`` itself. ``shards``: the run's shard count (one per worker by
+        default), each of which gives the pretraining one batch per step. ``state``: this start's pretrained weights, computed
         before (a sweep pretrains once per seed, not once per run)."""
         if self.from_scratch:
             return task
@@ -104,18 +106,18 @@ class Start:
             state = load_start_state(Path(self.init_from), task.model())
             offset = 0
         else:
-            state = state if state is not None else self.pretrained(task, workers, progress)
+            state = state if state is not None else self.pretrained(task, shards, progress)
             offset = self.pretrain_steps
         return _started(task, state, offset)
 
     def pretrained(
-        self, task: Task, workers: int, progress: ProgressFn | None = None
+        self, task: Task, shards: int, progress: ProgressFn | None = None
     ) -> dict[str, torch.Tensor]:
-        """This start's pretraining of ``task`` over ``workers`` shards: the weights."""
+        """This start's pretraining of ``task`` over ``shards`` shards: the weights."""
         return pretrain(
             task,
             self.pretrain_steps,
-            workers,
+            shards,
             warmup_steps=self.warmup_steps,
             grad_clip=self.grad_clip,
             progress=progress,
@@ -132,22 +134,22 @@ class Start:
 def pretrain(
     task: Task,
     steps: int,
-    workers: int,
+    shards: int,
     *,
     warmup_steps: int = 0,
     grad_clip: float = 0.0,
     progress: ProgressFn | None = None,
 ) -> dict[str, torch.Tensor]:
     """``steps`` steps of synchronous data-parallel training of a fresh ``task.model()``
-    over ``task.shards(workers)`` in this process; returns the model's ``state_dict``
-    (CPU tensors)."""
-    if workers < 1:
-        raise ConfigError(f"pretraining needs at least one worker's shard, got {workers}")
+    over ``task.shards(shards)`` in this process (each step one batch per shard, the
+    gradients averaged); returns the model's ``state_dict`` (CPU tensors)."""
+    if shards < 1:
+        raise ConfigError(f"pretraining needs at least one shard, got {shards}")
     model = task.model()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = task.optimizer(params)
     peaks = [float(g["lr"]) for g in opt.param_groups]
-    sources: Sequence[BatchSource] = make_sources(task, workers)
+    sources: Sequence[BatchSource] = make_sources(task, shards)
     device = params[0].device
     model.train()
     for step in range(steps):

@@ -144,13 +144,15 @@ def run_sweep(
     out_dir: Path | None = None,
     on_run: Callable[[dict[str, Any], bool], None] | None = None,
     context: Mapping[str, Any] | None = None,
+    on_pretrain: Callable[[int, Start], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every method x setting x seed, simulated; returns the runs (curves included).
 
     ``task_for_seed(seed)`` builds the task of one seed (its data order and initial
     parameters); the seed also seeds the clock's jitter and the server's shard sampler.
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
-    ``out_dir``. ``context``: what ``task_for_seed`` builds, as plain values (model,
+    ``out_dir``; ``on_pretrain(seed, start)`` before a seed's pretraining (when the
+    runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``). ``context``: what ``task_for_seed`` builds, as plain values (model,
     data, batch size, ...), so that a run cached from another task is not read back.
     Every configuration is validated before the first run.
     """
@@ -181,8 +183,11 @@ def run_sweep(
             start, state = cfg.start(), None
             if start.pretrain_steps:
                 if (seed, start) not in starts:
+                    if on_pretrain is not None:
+                        on_pretrain(seed, start)
+                    shards = cfg.resolved_shards(len(clock.seconds_per_step))
                     where = (runs_dir, seed, context)
-                    starts[seed, start] = _pretrained(tasks[seed], start, clock, where)
+                    starts[seed, start] = _pretrained(tasks[seed], start, shards, where)
                 state = starts[seed, start]
             run = simulate(
                 tasks[seed], replace(cfg, seed=seed), replace(clock, seed=seed), pretrained=state
@@ -200,22 +205,21 @@ def run_sweep(
 def _pretrained(
     task: Task,
     start: Start,
-    clock: SimClock,
+    shards: int,
     where: tuple[Path | None, int, Mapping[str, Any] | None],
 ) -> dict[str, torch.Tensor]:
     """The pretrained weights of one seed's ``task``, computed once and kept beside the
     runs (``runs/pretrained-seed<S>-<digest>.pt``), so a sweep resumed or widened later
     does not pretrain again."""
     runs_dir, seed, context = where
-    workers = len(clock.seconds_per_step)
     if runs_dir is None:
-        return start.pretrained(task, workers)
-    blob = {"start": asdict(start), "workers": workers, "seed": seed, "context": context}
+        return start.pretrained(task, shards)
+    blob = {"start": asdict(start), "shards": shards, "seed": seed, "context": context}
     text = json.dumps(blob, sort_keys=True, default=repr)
     path = runs_dir / f"pretrained-seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
     if path.exists():
         return load_start_state(path, task.model())
-    state = start.pretrained(task, workers)
+    state = start.pretrained(task, shards)
     atomic_save(state, path)
     return state
 

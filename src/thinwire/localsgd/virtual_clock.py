@@ -134,7 +134,7 @@ def simulate(
         raise ConfigError("simulate needs task.evaluate: the curve it returns is of that metric")
     metric = task.evaluate
     start = cfg.start()
-    task = start.apply(task, w_count, state=pretrained)
+    task = start.apply(task, cfg.resolved_shards(w_count), state=pretrained)
     model = task.model()
     sources = make_sources(task, cfg.resolved_shards(w_count))
     inner_momentum = cfg.resolved_inner_momentum()
