@@ -4,20 +4,18 @@ Local-SGD and its asynchronous variants are methods for the long middle of a tra
 run. The asynchronous Local-SGD paper starts every method from a checkpoint of 24k steps
 of ordinary training; DiLoCo's outer lr 0.7 and momentum 0.9 were tuned there. From
 scratch, the first rounds move the model so far that outer momentum mostly amplifies
-noise, and short runs from scratch say little about the regime users run. A
-:class:`Start` is applied to a :class:`~thinwire.localsgd.Task`, so the simulator,
-``run_async`` and every entry point on a Task start alike::
+noise, and short runs from scratch say little about the regime users run. The run's
+config says where it starts, and the simulator and ``run_async`` apply it; a
+:class:`Start` applies it to any :class:`~thinwire.localsgd.Task` for other uses::
 
-    start = Start(pretrain_steps=1000)            # or Start(init_from="base.pt")
-    task = start.apply(task, shards=4)            # the pretrained Task
+    cfg = AsyncConfig(pretrain_steps=1000)        # or init_from="base.pt"
     summary = run_async(task, cfg)                # summary["start"] says which
+    task = Start(pretrain_steps=1000).apply(task, shards=4)   # the pretrained Task
 
 * ``pretrain_steps=N``: ``N`` steps of ordinary synchronous data-parallel training of
   ``task.model()`` with ``task.optimizer``, one batch per shard per step (gradients
   averaged: with one shard per worker, the default, what DDP on W ranks computes), the
-  learning rate
-  warming up linearly over ``warmup_steps`` and then held at its peak. Done once, in
-  the calling process, before any worker starts.
+  learning rate warming up linearly over ``warmup_steps`` and then held at its peak.
 * ``init_from=PATH``: a file holding the model's ``state_dict`` (``torch.save``), or a
   dict with it under ``"model"``; loaded with thinwire's plain-data loader, names and
   shapes checked against ``task.model()`` in one line.
@@ -159,7 +157,7 @@ def pretrain(
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for source in sources:
-            # Each shard's loss scaled by 1/W: the gradient DDP averages over W ranks.
+            # Each shard's loss scaled by 1/S: the gradient DDP averages over S ranks.
             loss = task.loss(model, to_device(source(step), device)) / len(sources)
             loss.backward()
             total += float(loss.detach())
