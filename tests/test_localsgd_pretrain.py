@@ -217,16 +217,27 @@ def test_a_sweep_pretrains_once_per_seed_and_keeps_the_weights(
     base = AsyncConfig(steps=6, local_steps=3, warmup_steps=1, pretrain_steps=8)
     clock = SimClock(seconds_per_step=(1.0, 2.0), eval_points=2)
     grid = {"naive": {}, "dn": {"outer_lr": (0.2, 0.4)}}
-    runs = run_sweep(lambda seed: _task(), base, clock, grid, (0, 1), tmp_path)
+    steps: list[tuple[int, int]] = []
+
+    def on_pretrain(seed: int, start: Start) -> object:
+        assert start.pretrain_steps == 8
+        return lambda step, loss: steps.append((seed, step))
+
+    runs = run_sweep(
+        lambda seed: _task(), base, clock, grid, (0, 1), tmp_path, on_pretrain=on_pretrain
+    )
     assert len(runs) == 6 and calls == [8, 8]  # one pretraining per seed, not per run
+    assert steps == [(s, k) for s in (0, 1) for k in range(1, 9)]  # progress, step by step
     kept = sorted(p.name for p in (tmp_path / "runs").glob("pretrained-seed*.pt"))
     assert len(kept) == 2 and kept[0].startswith("pretrained-seed0-")
     assert {r["start"] for r in runs} == {"after 8 steps of ordinary training"}
     # A widened sweep in the same directory reads the kept weights: no new pretraining,
     # and the new run starts exactly where a fresh pretraining would have.
     grid["dn"]["outer_lr"] = (0.2, 0.4, 0.6)
-    wider = run_sweep(lambda seed: _task(), base, clock, grid, (0, 1), tmp_path)
-    assert calls == [8, 8] and len(wider) == 8
+    wider = run_sweep(
+        lambda seed: _task(), base, clock, grid, (0, 1), tmp_path, on_pretrain=on_pretrain
+    )
+    assert calls == [8, 8] and len(wider) == 8 and len(steps) == 16  # read back, not rerun
     fresh = simulate(_task(), for_method(replace(base, outer_lr=0.6), "dn"), clock)
     new = next(r for r in wider if r["setting"] == {"outer_lr": 0.6} and r["seed"] == 0)
     assert new["curve"] == fresh["curve"]

@@ -28,6 +28,7 @@ import json
 import math
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from thinwire.rundir import writable_dir
 from thinwire.train.async_task import gpt_task
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import SHARD_LAYOUTS, TextData
+from thinwire.train.metrics import Progress
 
 __all__ = ["format_tables", "register", "run_async"]
 
@@ -302,11 +304,21 @@ def run_async(args: argparse.Namespace) -> int:
     out = Path(args.out)
     context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
 
-    def pretraining(seed: int, start: Any) -> None:
+    def pretraining(seed: int, start: Any) -> Callable[[int, float], None]:
         print(
             f"seed {seed}: starts {start.describe()} (computed once, kept in {out}/runs)",
             flush=True,
         )
+        bar: list[Progress] = []  # made at the first step: a kept pretraining has none
+
+        def step(done: int, loss: float) -> None:
+            if not bar:
+                bar.append(Progress(start.pretrain_steps, 0, True, f"pretraining seed {seed}"))
+            bar[0].update(1, loss=f"{loss:.3f}")
+            if done == start.pretrain_steps:
+                bar[0].close()
+
+        return step
 
     runs = run_sweep(
         task_for_seed, base, clock, grid, seeds, out, report, context, on_pretrain=pretraining

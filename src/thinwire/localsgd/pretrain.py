@@ -39,7 +39,7 @@ from torch import nn
 from thinwire.errors import ConfigError
 from thinwire.localsgd.task import BatchSource, Task, make_sources, to_device
 
-__all__ = ["Start", "load_start_state", "pretrain"]
+__all__ = ["ProgressFn", "Start", "load_start_state", "pretrain"]
 
 ProgressFn = Callable[[int, float], None]
 """Called after each pretraining step with ``(step, loss)``."""

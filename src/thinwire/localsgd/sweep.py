@@ -38,7 +38,7 @@ from thinwire.errors import ConfigError
 from thinwire.io import atomic_save, atomic_write_text
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.methods import METHODS, for_method
-from thinwire.localsgd.pretrain import Start, load_start_state
+from thinwire.localsgd.pretrain import ProgressFn, Start, load_start_state
 from thinwire.localsgd.task import Task
 from thinwire.localsgd.virtual_clock import SimClock, simulate, time_to_reach
 
@@ -144,7 +144,7 @@ def run_sweep(
     out_dir: Path | None = None,
     on_run: Callable[[dict[str, Any], bool], None] | None = None,
     context: Mapping[str, Any] | None = None,
-    on_pretrain: Callable[[int, Start], None] | None = None,
+    on_pretrain: Callable[[int, Start], ProgressFn | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every method x setting x seed, simulated; returns the runs (curves included).
 
@@ -152,7 +152,8 @@ def run_sweep(
     parameters); the seed also seeds the clock's jitter and the server's shard sampler.
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
     ``out_dir``; ``on_pretrain(seed, start)`` before a seed's pretraining (when the
-    runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``). ``context``: what ``task_for_seed`` builds, as plain values (model,
+    runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``) may return
+    a callback that is called after every pretraining step with ``(step, loss)``. ``context``: what ``task_for_seed`` builds, as plain values (model,
     data, batch size, ...), so that a run cached from another task is not read back.
     Every configuration is validated before the first run.
     """
@@ -183,11 +184,10 @@ def run_sweep(
             start, state = cfg.start(), None
             if start.pretrain_steps:
                 if (seed, start) not in starts:
-                    if on_pretrain is not None:
-                        on_pretrain(seed, start)
+                    progress = on_pretrain(seed, start) if on_pretrain is not None else None
                     shards = cfg.resolved_shards(len(clock.seconds_per_step))
                     where = (runs_dir, seed, context)
-                    starts[seed, start] = _pretrained(tasks[seed], start, shards, where)
+                    starts[seed, start] = _pretrained(tasks[seed], start, shards, where, progress)
                 state = starts[seed, start]
             run = simulate(
                 tasks[seed], replace(cfg, seed=seed), replace(clock, seed=seed), pretrained=state
@@ -207,19 +207,20 @@ def _pretrained(
     start: Start,
     shards: int,
     where: tuple[Path | None, int, Mapping[str, Any] | None],
+    progress: ProgressFn | None,
 ) -> dict[str, torch.Tensor]:
     """The pretrained weights of one seed's ``task``, computed once and kept beside the
     runs (``runs/pretrained-seed<S>-<digest>.pt``), so a sweep resumed or widened later
     does not pretrain again."""
     runs_dir, seed, context = where
     if runs_dir is None:
-        return start.pretrained(task, shards)
+        return start.pretrained(task, shards, progress)
     blob = {"start": asdict(start), "shards": shards, "seed": seed, "context": context}
     text = json.dumps(blob, sort_keys=True, default=repr)
     path = runs_dir / f"pretrained-seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
     if path.exists():
         return load_start_state(path, task.model())
-    state = start.pretrained(task, shards)
+    state = start.pretrained(task, shards, progress)
     atomic_save(state, path)
     return state
 
