@@ -148,6 +148,7 @@ class OneBitAdam(TwoStageOptimizer):
         self.global_step += 1
         masks = momentum_masks(self.param_groups)
         shortened: list[torch.Tensor] = []
+        bounding = self._bounding()
         for p, view in zip(params, views, strict=True):
             group = groups[p]
             denom = self._frozen_denom(p, group)
@@ -161,7 +162,8 @@ class OneBitAdam(TwoStageOptimizer):
             u = m / denom
             if group["bias_correction"]:
                 u.div_(1 - group["betas"][0] ** self.global_step)
-            flag = bound_adam_update(self.state[p], u, group["step_bound"])
+            bound = group["step_bound"] if bounding else None
+            flag = bound_adam_update(self.state[p], u, bound)
             if flag is not None:
                 shortened.append(flag)
             self._apply(p, group, u)

@@ -227,6 +227,7 @@ class OneBitLamb(TwoStageOptimizer):
         t = self.global_step
         masks = momentum_masks(self.param_groups)
         coeffs, factors, bounded = [], [], False
+        bounding = self._bounding()
         largest = max(p.numel() for p in params)
         work = self._scratch(2 * largest, params[0].device)
         for p, view in zip(params, views, strict=True):
@@ -269,7 +270,10 @@ class OneBitLamb(TwoStageOptimizer):
             thr = group["factor_threshold"]
             f = min(max(f, last * (1 - thr)), last * (1 + thr))
             state["last_factor"] = f
-            coeff, shortened = bound_lamb_ratio(state["lamb_coeff_freeze"] * f, master, u, group)
+            bound = group["step_bound"] if bounding else None
+            coeff, shortened = bound_lamb_ratio(
+                state["lamb_coeff_freeze"] * f, master, u, group, bound
+            )
             bounded |= shortened
             master.add_(u, alpha=-group["lr"] * coeff)
             self._write_back(p, master)

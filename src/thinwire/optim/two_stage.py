@@ -45,7 +45,7 @@ from thinwire.optim.freeze import (
     relative_change,
 )
 from thinwire.optim.stale import StaleGuard
-from thinwire.optim.step_bound import check_step_bound
+from thinwire.optim.step_bound import ONSET, check_step_bound
 
 __all__ = ["TwoStageOptimizer"]
 
@@ -297,6 +297,13 @@ class TwoStageOptimizer(CommOptimizer):
 
     def _on_rewarm(self) -> None:
         """Called when a stale freeze is undone: drop what the compression stage built."""
+
+    def _bounding(self) -> bool:
+        """Whether the step bound applies to this compressed step: the exchanged momentum
+        has grown past ``ONSET`` times the first compressed step's norm
+        (:mod:`thinwire.optim.step_bound`)."""
+        ref = self.stale.reference
+        return ref > 0 and self.exchanged_energy > ONSET**2 * ref
 
     def _count_bounded(self, bounded: bool) -> None:
         """Count a compressed step the step bound shortened; say so once (INFO, rank 0)."""
