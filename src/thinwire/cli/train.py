@@ -116,6 +116,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
+    g.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=None,
+        help="start after this many steps of ordinary data-parallel AdamW (default 0)",
+    )
+    g.add_argument(
+        "--init-from", default=None, metavar="FILE", help="start from this model state file"
+    )
     m = p.add_argument_group("model")
     m.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
     m.add_argument("--seq-len", type=int, default=None)
@@ -196,13 +205,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="async-diloco: poly scales each push by (1 + staleness)^-1/2",
     )
     ls.add_argument("--max-staleness", type=int, default=None, help="drop staler pushes")
-    ls.add_argument(
-        "--pretrain-steps",
-        type=int,
-        default=None,
-        help="async-diloco: ordinary data-parallel steps before Local-SGD (default 0)",
-    )
-    ls.add_argument("--init-from", default=None, help="async-diloco: start from a state file")
     ls.add_argument(
         "--shard-sampling",
         default=None,
@@ -325,6 +327,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("algorithm", f"{s['algo']} on {who}"),
         ("steps / samples", f"{s['steps']} / {s['samples']:,}"),
         ("parameters", f"{s['parameters']:,}"),
+        ("start", s.get("start", "from scratch")),
         ("final val loss", f"{s['final_val_loss']:.4f}"),
         ("final val perplexity", f"{s['final_val_ppl']:.2f}"),
         ("throughput", f"{s['samples_per_s']:,.1f} samples/s"),

@@ -48,8 +48,6 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "dead_after_s": ("async-diloco",),
     "connect_timeout_s": ("async-diloco",),
     "link_timeout_s": ("async-diloco",),
-    "pretrain_steps": ("async-diloco",),
-    "init_from": ("async-diloco",),
 }
 """The algorithm-specific fields of :class:`TrainConfig` and the algorithms that read them;
 the others are read by every algorithm."""
@@ -191,6 +189,14 @@ class TrainConfig:
     """Share of the corpus (its end) held out for validation (*identity*)."""
     seed: int = 0
     """Seeds the initial weights and the batch sampler (*identity*)."""
+    pretrain_steps: int | None = None
+    """Start after this many steps of ordinary data-parallel AdamW (``--pretrain-steps``,
+    *identity*; None or 0: from scratch): where compression and Local-SGD are meant to
+    run, and where their defaults were tuned. See :mod:`thinwire.train.start` and, for
+    ``async-diloco``, ``AsyncConfig.pretrain_steps``."""
+    init_from: str | None = None
+    """Start from this model state file (``--init-from``, *identity*) instead; see
+    :mod:`thinwire.train.start`."""
 
     # --- optimisation ------------------------------------------------------------------
     steps: int = 300
@@ -300,11 +306,6 @@ class TrainConfig:
     """DyLU's floor on a round; see ``AsyncConfig.min_local_steps``."""
     shard_sampling: str | None = None
     """``least-progress`` or ``paper`` (``--shard-sampling``); see ``AsyncConfig``."""
-    pretrain_steps: int | None = None
-    """Ordinary data-parallel steps before Local-SGD begins (``--pretrain-steps``); see
-    ``AsyncConfig.pretrain_steps``."""
-    init_from: str | None = None
-    """Start from this model state file (``--init-from``); see ``AsyncConfig.init_from``."""
     compress_pull: str | None = None
     """Pull codec (``--compress-pull``); see ``AsyncConfig.compress_pull``."""
 
@@ -343,6 +344,8 @@ class TrainConfig:
         "val_fraction",
         "seed",
         "batch_size",
+        "pretrain_steps",
+        "init_from",
     )
 
     def gpt_config(self) -> GPTConfig:
@@ -404,6 +407,10 @@ class TrainConfig:
             raise ConfigError(
                 f"shard layout must be striped or contiguous, got {self.shard_layout!r}"
             )
+        if self.pretrain_steps is not None or self.init_from is not None:
+            from thinwire.localsgd.pretrain import Start
+
+            Start(pretrain_steps=self.pretrain_steps or 0, init_from=self.init_from)
         self._check_extra()
         self._check_device()
         self.gpt_config()

@@ -37,6 +37,7 @@ from thinwire.train.data import TextData
 from thinwire.train.guard import DivergenceGuard
 from thinwire.train.metrics import MetricsWriter, Progress
 from thinwire.train.model import GPT
+from thinwire.train.start import data_offset, run_start, start_of
 
 __all__ = ["evaluate", "lr_at", "parameter_digest", "pick_device", "train"]
 
@@ -193,7 +194,9 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         return finished  # resumed a finished run: nothing to do, nothing rewritten
     if start > 0 and rank == 0:
         ckpt.restore_model(model, out_dir, start, run_id)
+    begins = run_start(model, data, cfg, device) if start == 0 else start_of(cfg).describe()
     _broadcast_parameters(model)
+    offset = data_offset(cfg)
     strategy = make_strategy(model, cfg)
     elapsed = 0.0
     if start > 0:  # checked against the live objects first: a damaged file is one line
@@ -229,7 +232,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             if strategy.batch is not None:
                 x, y = strategy.batch(step)
             else:
-                x, y = data.batch(step, cfg.batch_size, rank, world)
+                x, y = data.batch(offset + step, cfg.batch_size, rank, world)
             t0 = time.perf_counter()
             _, loss = strategy.model(x.to(device), y.to(device))
             loss.backward()
@@ -301,6 +304,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         "steps": end,
         "samples": end * samples_per_step,
         "parameters": model.num_parameters(),
+        "start": begins,
         "final_val_loss": val_loss,
         "final_val_ppl": math.exp(min(val_loss, 50.0)),
         "train_time_s": elapsed,
@@ -337,7 +341,7 @@ def _rehearse_buckets(
     if strategy.batch is not None:
         x, y = strategy.batch(start)
     else:
-        x, y = data.batch(start, cfg.batch_size, get_rank(), get_world_size())
+        x, y = data.batch(data_offset(cfg) + start, cfg.batch_size, get_rank(), get_world_size())
 
     def forward_backward() -> None:
         _, loss = ddp(x[:1].to(device), y[:1].to(device))

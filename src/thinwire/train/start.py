@@ -1,0 +1,136 @@
+"""Where a run of the example trainer starts: from scratch, from a model file, or after
+N steps of ordinary training.
+
+Compression and Local-SGD are methods for the long middle of a training run, and both
+behave differently there than from random weights: 1-bit LAMB's automatic freeze reads
+Adam's second moment, which settles far sooner once the loss has stopped falling fast,
+and DiLoCo's outer momentum was tuned on a pretrained model. ``--pretrain-steps N`` (or
+``TrainConfig.pretrain_steps``) puts a run there::
+
+    thinwire train --algo onebit-lamb --pretrain-steps 1000 --steps 3000
+    thinwire train --algo diloco --init-from base.pt
+
+* ``pretrain_steps=N``: ``N`` steps of ordinary data-parallel AdamW on this run's ranks,
+  at AdamW's tuned peak lr (:data:`~thinwire.train.algorithms.DEFAULT_LR`, whatever
+  ``--lr`` the algorithm trains at, so that every algorithm of a comparison starts from
+  the same weights), the run's betas, weight decay and gradient clip, the learning rate
+  warming up over ``--warmup-steps`` and then held at its peak. The run's own algorithm
+  then starts
+  on those weights with a fresh optimizer and its own warmup and schedule, and reads the
+  training stream on from step ``N``: no batch of the pretraining comes back as new.
+  The pretraining's bytes are not counted in the run's (it is the same for every
+  algorithm compared).
+* ``init_from=PATH``: a file holding the model's ``state_dict``, or a dict with it
+  under ``"model"`` (a checkpoint's ``model.pt`` or the simulator's cached start); names
+  and shapes are checked against the model in one line.
+
+Only a fresh run starts: a resumed run's weights come from its checkpoint, so the start
+is part of the run's identity (``run.json``). The summary's ``"start"`` says which start
+a run used.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thinwire.comm.launch import rank as get_rank
+from thinwire.comm.launch import world_size as get_world_size
+from thinwire.errors import ConfigError
+from thinwire.localsgd.pretrain import Start, load_start_state
+from thinwire.train.algorithms import default_lr
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import TextData
+from thinwire.train.metrics import Progress
+
+__all__ = ["data_offset", "run_start", "start_of"]
+
+
+def start_of(cfg: TrainConfig) -> Start:
+    """The run's start, checked (a one-line ConfigError for a bad combination)."""
+    return Start(
+        pretrain_steps=cfg.pretrain_steps or 0,
+        init_from=cfg.init_from,
+        warmup_steps=cfg.warmup_steps,
+        grad_clip=cfg.grad_clip,
+    )
+
+
+def data_offset(cfg: TrainConfig) -> int:
+    """Training-stream steps the start used: the run reads its step ``s`` at ``s + this``."""
+    return cfg.pretrain_steps or 0
+
+
+def run_start(model: nn.Module, data: TextData, cfg: TrainConfig, device: torch.device) -> str:
+    """Bring ``model`` (fresh, the same on every rank) to the run's start, on every rank;
+    returns :meth:`Start.describe`. Call on every rank of the group, before the algorithm
+    wraps the model."""
+    start = start_of(cfg)
+    if start.init_from is not None:
+        # Every rank reads the file: the broadcast that follows must not wait on a read.
+        model.load_state_dict(load_start_state(Path(start.init_from), model))
+    elif start.pretrain_steps:
+        _pretrain(model, data, cfg, start, device)
+    return start.describe()
+
+
+def _pretrain(
+    model: nn.Module, data: TextData, cfg: TrainConfig, start: Start, device: torch.device
+) -> None:
+    rank, world = get_rank(), get_world_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    peak = default_lr("adamw")
+    opt = torch.optim.AdamW(params, lr=peak, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    bar = Progress(start.pretrain_steps, 0, cfg.progress and rank == 0, desc="pretraining")
+    loss = torch.zeros(())
+    try:
+        for step in range(start.pretrain_steps):
+            ramp = (step + 1) / start.warmup_steps if step < start.warmup_steps else 1.0
+            for group in opt.param_groups:
+                group["lr"] = peak * ramp
+            x, y = data.batch(step, cfg.batch_size, rank, world)
+            _, loss = model(x.to(device), y.to(device))
+            loss.backward()
+            _average_gradients(params, world)
+            if start.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), start.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            bar.update(1, loss=f"{float(loss.detach()):.3f}")
+    finally:
+        bar.close()
+    final = loss.detach().float().cpu().view(1)
+    if world > 1:
+        dist.all_reduce(final)  # every rank learns a divergence, so none is left waiting
+    if not torch.isfinite(final).all():
+        raise ConfigError(
+            f"pretraining diverged within its {start.pretrain_steps} steps (loss "
+            f"{float(final[0]) / world}): raise --warmup-steps or set --grad-clip"
+        )
+    if rank == 0:
+        print(
+            f"thinwire: {cfg.algo} starts {start.describe()} (AdamW, final loss "
+            f"{float(final[0]) / world:.3f})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _average_gradients(params: list[nn.Parameter], world: int) -> None:
+    """What DDP does, in one flat allreduce: no DDP wrapper is left hooked on the model
+    when the algorithm wraps it afterwards."""
+    if world == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
