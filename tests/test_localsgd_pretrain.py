@@ -279,11 +279,10 @@ def test_the_train_command_maps_the_start_onto_asynchronous_local_sgd() -> None:
     assert acfg.pretrain_steps == 50 and acfg.start().describe().startswith("after 50 steps")
     flags = ["train", "--algo", "async-diloco", "--init-from", "base.pt", "--out", "o"]
     assert async_config(config_from_args(build_parser().parse_args(flags))).init_from == "base.pt"
-    # Another algorithm does not read them: the command line says so instead of ignoring it.
+    # Synchronous DiLoCo starts there too (thinwire.train.start; tests/test_train_start.py).
     flags = ["train", "--algo", "diloco", "--pretrain-steps", "50", "--out", "o"]
-    assert config_from_args(build_parser().parse_args(flags)).unused_options() == [
-        "--pretrain-steps"
-    ]
+    cfg = config_from_args(build_parser().parse_args(flags))
+    assert cfg.pretrain_steps == 50 and cfg.unused_options() == []
 
 
 def test_the_pretraining_reads_every_shard_of_the_run() -> None:
