@@ -311,7 +311,7 @@ DEFAULT_LR: dict[str, float] = {
     "onebit-adam": 4e-3,
 }
 """Peak learning rate ``thinwire train`` uses when ``--lr`` is not given: the best of a
-short sweep on the tiny preset, 4 workers x 32 sequences (docs/benchmarks.md,
+short sweep on the tiny preset, 4 workers x 32 sequences (docs/results/optimizers.md,
 "Optimizers"). LAMB's trust ratio makes its step relative to the weight norm, hence ~10x
 Adam's. Algorithms not listed use :attr:`TrainConfig.lr`'s default."""
 
@@ -353,6 +353,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     :class:`ConfigError`, before any process starts."""
     cfg.validate()
     check_algorithm(cfg.algo)
+    from thinwire.localsgd.pretrain import Start
+
+    Start(pretrain_steps=cfg.pretrain_steps or 0, init_from=cfg.init_from)  # checks them
     if cfg.algo == "diloco":
         from thinwire.localsgd.diloco import COMPRESS_CHOICES
         from thinwire.localsgd.inner_state import resolve_inner_momentum

@@ -407,10 +407,6 @@ class TrainConfig:
             raise ConfigError(
                 f"shard layout must be striped or contiguous, got {self.shard_layout!r}"
             )
-        if self.pretrain_steps is not None or self.init_from is not None:
-            from thinwire.localsgd.pretrain import Start
-
-            Start(pretrain_steps=self.pretrain_steps or 0, init_from=self.init_from)
         self._check_extra()
         self._check_device()
         self.gpt_config()

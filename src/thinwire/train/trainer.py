@@ -167,6 +167,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             (:mod:`thinwire.train.guard`); the last good checkpoint is kept.
     """
     cfg.validate()
+    start_of(cfg)  # a bad start is one line before anything is claimed
     lock = _claim_out_dir(cfg)
     try:
         COUNTER.reset()  # this run's bytes only, also when one process trains several times
