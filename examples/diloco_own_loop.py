@@ -17,9 +17,9 @@ It prints the loss and the bytes each rank sent (``thinwire.comm.accounting``) a
 the fp32 gradient allreduce DDP would send on every step.
 
 Tuning: H = 20-50 to start (the paper uses up to 500 on large models). The outer lr
-defaults to thinwire's ``DEFAULT_OUTER_LR`` (0.3) with momentum 0.9: DiLoCo's 0.7 comes
+defaults to thinwire's ``DEFAULT_OUTER_LR`` (0.2) with momentum 0.9: DiLoCo's 0.7 comes
 from large models at large H, and on small models at H = 10 it stalled in thinwire's
-sweeps (docs/benchmarks.md). The outer step amplifies whatever the
+sweeps (docs/results/localsgd.md). The outer step amplifies whatever the
 inner steps do, so the inner lr wants to be a notch lower than for a single worker: on
 this task, inner AdamW at 1e-3 made the loss climb again after ~100 steps, 3e-4 did not. ``--compress bf16`` halves the bytes of
 each sync, ``onebit`` divides them by ~28 (see docs/localsgd.md).

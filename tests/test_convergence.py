@@ -1,6 +1,6 @@
 """Convergence of 1-bit LAMB against LAMB on real text, and the comparison tool that shows it.
 
-The distributed test is the CI-sized version of the evidence in ``docs/benchmarks.md``
+The distributed test is the CI-sized version of the evidence in ``docs/results/optimizers.md``
 (section "Optimizers: LAMB, 1-bit Adam, 1-bit LAMB"); the others check
 :mod:`thinwire.train.compare` in one process, where they run in seconds.
 """
@@ -59,8 +59,8 @@ def test_onebit_lamb_converges_like_lamb_with_a_sixth_of_the_bytes(tmp_path: Pat
 
     * 1-bit LAMB / LAMB: measured 0.975, 1.059, 1.039. Asserted <= 1.08: what the
       compression costs on a run this short (the variance is frozen after 20 steps); a
-      broken error feedback or momentum exchange costs far more. The issue's 2% goal is
-      met by the longer runs of docs/benchmarks.md.
+      broken error feedback or momentum exchange costs far more. The 2% goal is
+      met by the longer runs of docs/results/optimizers.md.
     * bytes: 1-bit LAMB / LAMB measured 0.159 (0.25 of the steps in fp16, half of LAMB's
       fp32 bytes, + 0.75 x ~1/32 + scale gathers); asserted in [0.14, 0.18]. The control
       sends what LAMB sends.

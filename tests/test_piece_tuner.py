@@ -83,7 +83,7 @@ def _drive_schemes(tuner: PieceTuner, seconds: dict[tuple[str, int], float], cal
 
 
 def test_fanout_is_tried_at_the_chosen_count_and_kept_when_clearly_faster() -> None:
-    # What 16 MiB on 4 hosts 10 ms apart measured (docs/benchmarks.md): the ring pays a
+    # What 16 MiB on 4 hosts 10 ms apart measured (docs/results/testbed.md): the ring pays a
     # round trip per step, the fan-out one for all.
     ring = {1: 0.199, 2: 0.193, 4: 0.265, 8: 0.427, 16: 0.819}
     times = {("ring", k): t for k, t in ring.items()} | {("fanout", 1): 0.170}

@@ -97,7 +97,7 @@ def test_round_trips_match_the_setting_per_host() -> None:
         far = rtt_row(0.035, run_probe(c, "rtt", args, timeout_s=60, server_rank=2)[0])
     for row in (near, far):
         for measured in (row.icmp_s, row.tcp_s):
-            # Loose for a shared machine; the sweep in docs/benchmarks.md is the real check.
+            # Loose for a shared machine; the sweep in docs/results/testbed.md is the real check.
             assert abs(measured - 2 * row.delay_s) < 0.05 * 2 * row.delay_s + 1e-3, row
 
 

@@ -1,7 +1,7 @@
 """The model zoo in CI: every thinwire piece, at its defaults, within 3% of its
 uncompressed baseline on models that are not thinwire's GPT (tiny sizes, one seed).
 
-The benchmark (docs/benchmarks.md, "The model zoo") runs the same code at three seeds
+The benchmark (docs/results/zoo.md, "The model zoo") runs the same code at three seeds
 and a larger size; this is the regression net that keeps a piece from silently breaking
 on a user's model again.
 """

@@ -1,4 +1,4 @@
-"""The convergence study behind docs/benchmarks.md, "1-bit optimizers at the defaults".
+"""The convergence study behind docs/results/optimizers.md, "The automatic freeze".
 
 Every run is ``thinwire train`` at its defaults (300 steps, 4 workers x 16 sequences, the
 automatic freeze, bf16 warmup exchange) apart from what the grid varies: the corpus

@@ -21,7 +21,7 @@ wire than its round trip, latency-bound (``R alpha`` plus half the wire) below. 
 ``alpha = 0`` this is the paper's ``T = W``. On the testbed (4 hosts, 100 Mbit/s,
 64 KiB-16 MiB at 0, 10 and 50 ms one way) it fits gloo's allreduce within 10%; the
 straight line ``W + 2 (n-1) alpha`` put a whole ring of round trips on top of every
-bucket's wire time and predicted DDP's step 48-79% too slow (docs/benchmarks.md, "What
+bucket's wire time and predicted DDP's step 48-79% too slow (docs/results/testbed.md, "What
 latency changes"). The reductions of the reduce-scatter, ``(n-1) * t_add(S/n)``, and
 the codec compute ``codec * S`` come on top.
 

@@ -49,7 +49,7 @@ DEMO_STEPS = TrainConfig.steps
 DEMO_LR = default_lr("onebit-lamb")
 """Peak lr of both demo runs: ``thinwire train``'s tuned default, which LAMB and 1-bit LAMB
 share (0.02). The demo runs both on ``thinwire train``'s defaults (300 steps, 4 workers x
-16 sequences, lr warmup 20 steps), the setting whose convergence docs/benchmarks.md checks
+16 sequences, lr warmup 20 steps), the setting whose convergence docs/results/optimizers.md checks
 on two corpora and three seeds ("The automatic freeze"). Shorter runs are not that
 setting: at 120 steps (lr 0.015, warmup 12, the freeze capped at step 36) 1-bit LAMB
 ended 3% above LAMB (2.652 against 2.573, loopback, seed 0)."""

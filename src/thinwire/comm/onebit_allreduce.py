@@ -118,7 +118,7 @@ class OneBitAllreduce:
             one step) or ``"auto"`` (default: on CPU, after the piece count, a few calls
             try the fan-out and keep it if it is more than 5% faster; the ring on
             CUDA). Same bytes, same result. With hosts 10-50 ms apart the fan-out was
-            11-26% faster, on a LAN within noise (docs/benchmarks.md, "What latency
+            11-26% faster, on a LAN within noise (docs/results/testbed.md, "What latency
             changes"). Every rank must pass the same.
 
     Raises (on every rank alike, nothing changed):

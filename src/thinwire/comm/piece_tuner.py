@@ -21,7 +21,7 @@ With ``schemes=("ring", "fanout")`` (the collective's ``phase2="auto"``) the tun
 tries phase 2 as a fan-out at the chosen count for ``trials`` calls and keeps it if it is
 clearly faster (by :data:`PREFER_FEWER`). On a LAN the two are within noise and the ring
 stays; with 10-50 ms between hosts the ring's W - 1 sequential steps, each a round trip
-with gloo, lose 11-26% (docs/benchmarks.md, "What latency changes"). The same runs show
+with gloo, lose 11-26% (docs/results/testbed.md, "What latency changes"). The same runs show
 why the count is measured rather than set: with latency every extra piece costs round
 trips (16 pieces took 4x as long as 2 at 50 ms), without it 8 pieces were the fastest.
 

@@ -20,7 +20,7 @@ gradients, every element of which has its block's magnitude. Adam's per-element 
 is lost, and it trains like momentum SGD with one step size per block: on thinwire's
 model zoo AdamW behind the 1-bit hook came within 3% of AdamW on the CNN, the MLP and
 BERT, and lost 12% accuracy on a bag-of-words model and 4.5-5.5% in loss on the two GPTs
-(docs/benchmarks.md, "The model zoo"). 1-bit Adam (:class:`thinwire.optim.OneBitAdam`)
+(docs/results/zoo.md, "The model zoo"). 1-bit Adam (:class:`thinwire.optim.OneBitAdam`)
 exists for exactly this case: it freezes the second moment after a full-precision
 warmup and sends the momentum at one bit per element (within 2% on all of them). The
 pairing is allowed, and says so in one warning line.

@@ -57,7 +57,7 @@ Larger chunks mean fewer Python-level ops (matters below ~64K); smaller ones mor
 DEFAULT_BLOCK = 256
 """Elements per scale of thinwire's 1-bit exchanges unless told otherwise: 1/8 bit per
 element of scales (28x fewer bytes than fp32, not 32x). Measured on the model zoo
-(docs/benchmarks.md, "The model zoo"): with one scale per buffer, 1-bit LAMB lost 7% of
+(docs/results/zoo.md, "The model zoo"): with one scale per buffer, 1-bit LAMB lost 7% of
 a bag-of-words model's accuracy and diverged on ReLU networks with dead units; with
 256, every zoo model came within 1% of its uncompressed baseline."""
 

@@ -24,7 +24,7 @@ by the 4 bytes of the fp32 scale; its message header says dtype ``uint8``
 (:data:`thinwire.localsgd.messages.DTYPES`).
 
 Tuning: 1-bit pushes cost loss that error feedback only partly wins back within a short
-run; measured on the tiny GPT in docs/benchmarks.md ("Compressed pushes"). ``bf16`` is
+run; measured on the tiny GPT in docs/results/localsgd.md ("Compressed pushes"). ``bf16`` is
 close to free. Pulls compressed to 1 bit make each worker start from a view of theta
 that lags by the residual; prefer ``bf16`` pulls unless the downlink is the bottleneck.
 """

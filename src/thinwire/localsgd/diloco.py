@@ -53,7 +53,7 @@ COMPRESS_CHOICES = ("none", *CAST_DTYPES, "onebit")
 """``none`` (fp32), the 16-bit casts (:mod:`thinwire.compress.cast`) and ``onebit``."""
 DEFAULT_OUTER_LR = TUNED["sync"].outer_lr
 """Outer lr of synchronous DiLoCo unless told otherwise: sync's tuned value, the best of
-the sweep on the tiny GPT at H = 10 (docs/benchmarks.md, "Tuning"), the same that
+the sweep on the tiny GPT at H = 10 (docs/results/localsgd.md, "Tuning the outer lr per method"), the same that
 ``thinwire train --algo diloco`` and the simulator's ``sync`` use. DiLoCo's 0.7 (tuned on
 150M-1B models at H = 500) stalled sync DiLoCo at the byte-frequency loss at H = 10."""
 
@@ -67,7 +67,7 @@ class DiLoCo:
         sync_every: H, inner steps per outer step. Larger H communicates less but lets
             replicas drift further; with lr-warmup, start around 20-50.
         outer_lr: outer Nesterov lr. The default, :data:`DEFAULT_OUTER_LR`, is the best
-            of a sweep on thinwire's small models (docs/benchmarks.md); DiLoCo's 0.7 stalled
+            of a sweep on thinwire's small models (docs/results/localsgd.md); DiLoCo's 0.7 stalled
             there at H = 10 with the first moment kept.
         outer_momentum: outer Nesterov momentum (0.9). 0 is plain SGD on the averaged
             pseudo-gradient; with ``outer_lr=1`` that is plain parameter averaging.

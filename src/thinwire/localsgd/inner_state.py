@@ -2,7 +2,7 @@
 
 One rule, set once per run and applied to every method of a comparison (synchronous
 DiLoCo, every asynchronous variant), since the rule alone moves the final loss by more
-than the methods differ (docs/benchmarks.md). The four rules:
+than the methods differ (docs/results/localsgd.md). The four rules:
 
 * ``keep``: the optimizer's state persists across rounds (DiLoCo's rule). A round of
   ``H_w`` steps then starts with momentum built from gradients taken at global
@@ -24,7 +24,7 @@ than the methods differ (docs/benchmarks.md). The four rules:
   coordinate however small its gradient. Rounds of 1-3 steps (DyLU at a small H) then
   become sign-noise; pair it with a DyLU floor (``min_local_steps`` of 5, the notebook's).
 
-Measured for sync DiLoCo and DN+DyLU (docs/benchmarks.md, "Inner-state ablation");
+Measured for sync DiLoCo and DN+DyLU (docs/results/localsgd.md, "Inner-state ablation");
 :data:`DEFAULT_INNER_STATE` says what was found and why the default is what it is.
 """
 
@@ -52,7 +52,7 @@ DEFAULT_INNER_STATE = "restart"
 """The rule a run uses unless told otherwise. Chosen over ``keep`` (which stalled sync
 DiLoCo and DyLU's short rounds at the former outer lr 0.7 with momentum) and ``round``
 (which damps every round's start). In the ablation at the tuned outer settings
-(docs/benchmarks.md, "Inner-state ablation": tiny GPT, H = 10, one or two seeds)
+(docs/results/localsgd.md, "Inner-state ablation": tiny GPT, H = 10, one or two seeds)
 ``fresh`` was 1.3-1.8% better than ``restart`` for both sync DiLoCo and DN+DyLU,
 ``keep`` level or better, and ``round`` 5.5% worse for DN+DyLU; the default stays until
 ``fresh``'s lead holds on more seeds and data. Try ``fresh``."""

@@ -21,7 +21,7 @@ shards, H, the budget) stays the same across methods, so a comparison is like-fo
 
 Outer lr and momentum left unset (None) on :class:`AsyncConfig` take the method's tuned
 value from :data:`TUNED`, measured with ``thinwire simulate async --sweep`` on the tiny GPT
-(docs/benchmarks.md, "Tuning the outer lr per method": bundled corpus, 4 workers at the
+(docs/results/localsgd.md, "Tuning the outer lr per method": bundled corpus, 4 workers at the
 ``very`` speeds, H = 10, 200 inner steps per worker, the ``restart`` inner-state rule,
 seeds 0 and 1; the evidence runs use other seeds). What the sweep showed:
 
@@ -87,7 +87,7 @@ TUNED: dict[str, Tuned] = {
     "dn": Tuned(0.3, 0.9),
     "dn-dylu": Tuned(0.5, 0.0),
 }
-"""Each method's outer lr and momentum, the best mean of the sweep (docs/benchmarks.md);
+"""Each method's outer lr and momentum, the best mean of the sweep (docs/results/localsgd.md);
 the module docstring gives the numbers behind each."""
 
 

@@ -19,7 +19,7 @@ here, and every 1500-byte frame would then cost two system calls per hop), both 
 ``virtio_net_hdr`` (``PACKET_VNET_HDR`` on the socket, ``IFF_VNET_HDR`` and
 ``TUNSETOFFLOAD`` on the TAP), so super-packets pass through whole and are segmented
 only where the kernel would anyway. That keeps the CPU cost per byte low (numbers in
-``docs/benchmarks.md``). With loss set, a host's link is made to carry single frames
+``docs/results/testbed.md``). With loss set, a host's link is made to carry single frames
 instead (``gso_max_segs 1`` on ``tw0``, a TAP without TSO), so a loss is one frame.
 
 Shaping. The rate limit comes before the delay in both directions: ``tbf`` on ``tw0``

@@ -5,7 +5,7 @@ round trips (:mod:`thinwire.testbed.latency`); :func:`sweep_rtt` does it over a 
 of delays, next to a cluster with no delay line at all (the LAN round trip, about 0.1
 ms, that every setting adds to). :func:`measure_bulk` sends bulk TCP for a while and
 sets the goodput beside what the link and the TCP window allow, with the delay line's
-CPU time. ``thinwire testbed check-latency`` prints them; ``docs/benchmarks.md`` has
+CPU time. ``thinwire testbed check-latency`` prints them; ``docs/results/testbed.md`` has
 the numbers of this machine.
 
 Tuning: use ``count`` >= 20 (medians); run on a quiet machine, since a busy one delays

@@ -49,7 +49,7 @@ class ZooTask:
 
     ``lr`` is the learning rate of each optimizer family at which the uncompressed
     baseline trains well on this task (a sweep of 3-4 values per family, at ``tiny``
-    size and 150 steps; docs/benchmarks.md, "The model zoo"); the compressed piece runs
+    size and 150 steps; docs/results/zoo.md, "The model zoo"); the compressed piece runs
     at the same value.
     """
 
