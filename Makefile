@@ -12,7 +12,7 @@ NATIVE_SRC := src/thinwire/compress/native.py
 DELAYLINE := $(VENV)/.thinwire-delayline
 DELAYLINE_SRC := src/thinwire/testbed/delayline.c
 
-.PHONY: demo test lint install native clean
+.PHONY: demo test check lint install native clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ demo: $(NATIVE) $(DELAYLINE)
 # of the command itself.
 test: $(NATIVE) $(DELAYLINE)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+# The fast lane: the unit tests (a declared timeout of at most 30 s) and one end-to-end
+# smoke per pillar (marked smoke), in a few minutes on 2 cores. `make test` runs everything.
+check: $(NATIVE) $(DELAYLINE)
+	$(PY) -m pytest -q --lane fast
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests tools examples

@@ -80,3 +80,40 @@ def interruptible() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+FAST_LANE_LIMIT_S = 30
+"""The fast lane (``make check``, ``pytest --lane fast``) keeps a test whose declared
+``timeout`` is at most this, and every test marked ``smoke``: the unit tests and one
+end-to-end smoke per pillar, in a few minutes on 2 cores. ``make test`` runs everything."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--lane",
+        choices=("full", "fast"),
+        default="full",
+        help="fast: unit tests and one smoke per pillar (make check); full: every test",
+    )
+
+
+def _declared_timeout(item: pytest.Item) -> float | None:
+    marker = item.get_closest_marker("timeout")
+    if marker is None:
+        return None
+    value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    return float(value) if value is not None else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--lane") != "fast":
+        return
+    keep, drop = [], []
+    for item in items:
+        timeout = _declared_timeout(item)
+        slow = item.get_closest_marker("slow") is not None or item.get_closest_marker("root")
+        long = slow or (timeout is not None and timeout > FAST_LANE_LIMIT_S)
+        (drop if long and item.get_closest_marker("smoke") is None else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

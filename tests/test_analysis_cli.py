@@ -17,6 +17,7 @@ def _golden() -> Path:
     return base / "data" / "training-bottleneck"
 
 
+@pytest.mark.smoke  # the fast lane's analyzer run
 @pytest.mark.timeout(120)
 def test_profile_simulate_report_chain(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     prof, sim, plots = tmp_path / "profile.json", tmp_path / "sim.json", tmp_path / "plots"

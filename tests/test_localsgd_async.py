@@ -41,6 +41,7 @@ def _run_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     return run(cfg)
 
 
+@pytest.mark.smoke  # the fast lane's Local-SGD run
 @pytest.mark.timeout(150)
 def test_async_run_completes(tmp_path: Path) -> None:
     # From a short pretraining, as a long run would start (thinwire train's whole path).

@@ -102,8 +102,14 @@ def test_every_algorithm_is_covered() -> None:
     assert covered == set(algorithm_names())
 
 
+SMOKE = "onebit-lamb"
+"""The fast lane's compression run: 1-bit LAMB through warmup, freeze, checkpoints, resume."""
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.smoke) if n == SMOKE else n for n in CASES]
+)
 def test_checkpoint_log_resume_is_exact(tmp_path: Path, name: str) -> None:
     straight, pieces = _configs(tmp_path, name)
     per_rank = spawn(_chain, 2, ([straight, *pieces],), timeout_s=220)
