@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from thinwire.comm.launch import spawn
 from thinwire.errors import ConfigError
 from thinwire.localsgd.pretrain import pretrain
 from thinwire.localsgd.task import Task
@@ -123,3 +124,25 @@ def test_a_resume_with_another_start_is_refused(tmp_path: Path) -> None:
 def test_every_algorithm_reads_the_start() -> None:
     for algo in ("adamw", "lamb", "onebit-lamb", "diloco", "async-diloco"):
         assert TrainConfig(algo=algo, pretrain_steps=10).unused_options() == []
+
+
+def _train_on_rank(rank: int, world: int, cfg: TrainConfig) -> dict:
+    return train(cfg)
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_start_from_rank_0s_file_and_a_wrong_path_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    cfg = tiny_config(tmp_path, algo="lamb", steps=2, pretrain_steps=PRETRAIN)
+    state = _reference(cfg)
+    path = tmp_path / "base.pt"
+    torch.save(state, path)
+    run = tiny_config(tmp_path / "b", algo="adamw", steps=2, init_from=str(path))
+    summaries = spawn(_train_on_rank, 2, (run,), timeout_s=150)
+    assert summaries[0]["param_sha256"] == summaries[1]["param_sha256"]
+    assert _first_val(run.out_dir) == pytest.approx(_val_loss(cfg, state), rel=1e-6)
+    wrong = tiny_config(tmp_path / "c", algo="adamw", steps=2, init_from=str(tmp_path / "x.pt"))
+    with pytest.raises(Exception, match=r"init-from file .*x\.pt is missing"):
+        spawn(_train_on_rank, 2, (wrong,), timeout_s=150)
+    assert not (tmp_path / "c" / "run" / "run.json").exists()  # a fixed path needs no --resume

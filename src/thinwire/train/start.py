@@ -21,8 +21,9 @@ and DiLoCo's outer momentum was tuned on a pretrained model. ``--pretrain-steps 
   The pretraining's bytes are not counted in the run's (it is the same for every
   algorithm compared).
 * ``init_from=PATH``: a file holding the model's ``state_dict``, or a dict with it
-  under ``"model"`` (a checkpoint's ``model.pt`` or the simulator's cached start); names
-  and shapes are checked against the model in one line.
+  under ``"model"`` (a checkpoint's ``model.pt`` or the simulator's cached start), read
+  on rank 0 alone (on several machines only the first needs it) and checked against
+  the model's names and shapes in one line before the run writes anything.
 
 Only a fresh run starts: a resumed run's weights come from its checkpoint, so the start
 is part of the run's identity (``run.json``). The summary's ``"start"`` says which start
@@ -47,7 +48,7 @@ from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
 from thinwire.train.metrics import Progress
 
-__all__ = ["data_offset", "run_start", "start_of"]
+__all__ = ["data_offset", "read_start_file", "run_start", "start_of"]
 
 
 def start_of(cfg: TrainConfig) -> Start:
@@ -65,14 +66,46 @@ def data_offset(cfg: TrainConfig) -> int:
     return cfg.pretrain_steps or 0
 
 
-def run_start(model: nn.Module, data: TextData, cfg: TrainConfig, device: torch.device) -> str:
-    """Bring ``model`` (fresh, the same on every rank) to the run's start, on every rank;
-    returns :meth:`Start.describe`. Call on every rank of the group, before the algorithm
-    wraps the model."""
+def read_start_file(cfg: TrainConfig, model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Rank 0 reads and checks ``cfg.init_from`` against ``model``; every rank learns of
+    an error (one line, raised everywhere, so no rank is left waiting). The weights on
+    rank 0, None elsewhere and without a file. Called before the run claims its output
+    directory's identity, so a wrong path leaves nothing behind to ``--resume``."""
+    if cfg.init_from is None:
+        return None
+    state, error = None, None
+    if get_rank() == 0:
+        try:
+            state = load_start_state(Path(cfg.init_from), model)
+        except ConfigError as exc:
+            error = str(exc)
+    if get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+    return state
+
+
+def run_start(
+    model: nn.Module,
+    data: TextData,
+    cfg: TrainConfig,
+    device: torch.device,
+    state: dict[str, torch.Tensor] | None = None,
+) -> str:
+    """Bring ``model`` (fresh, the same on every rank) to the run's start; returns
+    :meth:`Start.describe`. Call on every rank of the group, before the algorithm wraps
+    the model; the trainer then broadcasts rank 0's weights. ``state``: what
+    :func:`read_start_file` read before the run's identity was written (a fresh run);
+    a resumed run that had not saved a checkpoint yet reads the file here."""
     start = start_of(cfg)
     if start.init_from is not None:
-        # Every rank reads the file: the broadcast that follows must not wait on a read.
-        model.load_state_dict(load_start_state(Path(start.init_from), model))
+        if cfg.resume:  # the same on every rank: all of them take part in the read
+            state = read_start_file(cfg, model)
+        if state is not None:  # rank 0; the others receive its weights
+            model.load_state_dict(state)
     elif start.pretrain_steps:
         _pretrain(model, data, cfg, start, device)
     return start.describe()

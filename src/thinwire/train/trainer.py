@@ -37,7 +37,7 @@ from thinwire.train.data import TextData
 from thinwire.train.guard import DivergenceGuard
 from thinwire.train.metrics import MetricsWriter, Progress
 from thinwire.train.model import GPT
-from thinwire.train.start import data_offset, run_start, start_of
+from thinwire.train.start import data_offset, read_start_file, run_start, start_of
 
 __all__ = ["evaluate", "lr_at", "parameter_digest", "pick_device", "train"]
 
@@ -190,12 +190,14 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     data = TextData(cfg.data, gcfg.seq_len, cfg.val_fraction, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
+    # A fresh run's start file is checked before the run's identity is written.
+    state = None if cfg.resume else read_start_file(cfg, model)
     start, run_id, finished = _start_step(cfg, out_dir)
     if finished is not None:
         return finished  # resumed a finished run: nothing to do, nothing rewritten
     if start > 0 and rank == 0:
         ckpt.restore_model(model, out_dir, start, run_id)
-    begins = run_start(model, data, cfg, device) if start == 0 else start_of(cfg).describe()
+    begins = run_start(model, data, cfg, device, state) if start == 0 else start_of(cfg).describe()
     _broadcast_parameters(model)
     offset = data_offset(cfg)
     strategy = make_strategy(model, cfg)
