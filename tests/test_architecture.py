@@ -13,12 +13,16 @@ The rules this file checks, read from the source with :mod:`ast`:
   ``analysis -> testbed`` is fine, but ``thinwire.testbed`` never imports
   ``thinwire.analysis``.
 * The leaves are small shared modules that sit below every layer: ``thinwire``'s own
-  ``__init__``, ``errors``, ``io``, ``safeload``, ``rundir``, ``runlock`` and
-  ``plotting``. Every module may import them. They import only each other, besides the
+  ``__init__``, ``errors``, ``io``, ``safeload``, ``rundir``, ``runlock``,
+  ``plotting`` and ``units``. Every module may import them. They import only each other, besides the
   standard library and third-party packages. A new top-level module must be listed here
   as a leaf or a layer, or the test fails.
 * ``thinwire.__main__`` belongs to the CLI. No library module imports ``thinwire.cli``.
 * The packages (layers and leaves) import each other without cycles.
+* One parser of byte sizes: only :mod:`thinwire.units` holds a table of size units or a
+  function named like a size parser, so ``16MB`` means the same to every flag.
+* One table of dtype names: only :mod:`thinwire.compress.cast` spells two or more of
+  ``fp32``, ``fp16``, ``bf16`` in one collection; every other list derives from it.
 
 Every import counts: imports at module level and inside functions, relative ones
 (resolved), and those under ``if TYPE_CHECKING:``. An annotation that names a higher
@@ -33,6 +37,7 @@ that script's flags. Once every command lives under ``thinwire ...``, these shim
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,7 +64,7 @@ SAME_LAYER_ALLOWED: frozenset[tuple[str, str]] = frozenset(
 """The one allowed direction between packages that share a layer: (importer, imported)."""
 
 LEAVES: frozenset[str] = frozenset(
-    {"__init__", "errors", "io", "safeload", "rundir", "runlock", "plotting"}
+    {"__init__", "errors", "io", "safeload", "rundir", "runlock", "plotting", "units"}
 )
 """Shared modules below every layer: anyone may import them; they import only leaves."""
 
@@ -292,3 +297,117 @@ def test_layer_rule(src: str, dst: str, ok: bool) -> None:
 def test_cycle_finder() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# One size parser, one dtype table: the rules, read from the source with ast.
+
+SIZE_PARSER_MODULE = "thinwire.units"
+"""The one module that may read sizes like ``64MiB`` (see its docstring for the rule)."""
+
+SIZE_UNITS = frozenset({"k", "ki", "kib", "kb", "m", "mi", "mib", "mb", "g", "gi", "gib", "gb"})
+"""The spellings of a byte-size unit, lower case."""
+
+SIZE_PARSER_NAME = re.compile(r"_size|_?parse_\w*(size|bytes)\w*|\w*(size|bytes)_arg")
+"""Function names that say "I read a size": ``_size``, ``parse_size``, ``parse_bytes``,
+``_bytes_arg``, ... but not ``element_size``, ``set_buffer_size`` or a ``size`` property."""
+
+DTYPE_NAMES = frozenset({"fp32", "fp16", "bf16"})
+
+DTYPE_TABLE_MODULE = "thinwire.compress.cast"
+"""The one module that spells the dtype names in a collection."""
+
+
+def _is_unit(piece: str) -> bool:
+    return piece.strip().strip("()^$?:").strip().lower() in SIZE_UNITS
+
+
+def size_parsing(source: str) -> Iterator[tuple[int, str]]:
+    """(line, what) for each sign in ``source`` of its own byte-size parser.
+
+    Three signs, each one an old parser had: a function named like a size parser, a
+    dict with two or more unit keys (``{"k": 2**10, "m": 2**20}``), and a string that
+    lists units as a regex would (``"(k|kib|m|mib)"`` or ``"[kKmMgG]"``). Formatting
+    sizes (``fmt_bytes``'s ``("MiB", 2**20)`` pairs) is none of these.
+    """
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if SIZE_PARSER_NAME.fullmatch(node.name):
+                yield node.lineno, f"function {node.name}()"
+        elif isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            if sum(isinstance(k, str) and _is_unit(k) for k in keys) >= 2:
+                yield node.lineno, f"a dict of size units {keys}"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if sum(_is_unit(piece) for piece in node.value.split("|")) >= 2:
+                yield node.lineno, f"a regex of size units {node.value!r}"
+            for cls in re.findall(r"\[([A-Za-z]+)\]", node.value):
+                if set(cls.lower()) <= set("kmgib") and len(set(cls.lower()) & set("kmg")) >= 2:
+                    yield node.lineno, f"a regex class of size units [{cls}]"
+
+
+def dtype_tables(source: str) -> Iterator[tuple[int, list[str]]]:
+    """(line, names) for each tuple, list, set or dict (its keys) of ``source`` that
+    spells two or more of ``fp32``, ``fp16``, ``bf16``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            items: list[ast.expr | None] = list(node.elts)
+        elif isinstance(node, ast.Dict):
+            items = list(node.keys)
+        else:
+            continue
+        names = {i.value for i in items if isinstance(i, ast.Constant) and i.value in DTYPE_NAMES}
+        if len(names) >= 2:
+            yield node.lineno, sorted(names)
+
+
+def _scan(rule: str, owner: str, src: Path = SRC) -> list[str]:
+    found = []
+    for path in sorted((src / "thinwire").rglob("*.py")):
+        if module_name(path, src) == owner:
+            continue
+        text = path.read_text()
+        hits = size_parsing(text) if rule == "size" else dtype_tables(text)
+        found += [f"{path.relative_to(src)}:{line}: {what}" for line, what in hits]
+    return found
+
+
+def test_one_size_parser() -> None:
+    found = _scan("size", SIZE_PARSER_MODULE)
+    assert not found, (
+        "read byte sizes with thinwire.units.parse_size (or parse_count), not here:\n"
+        + "\n".join(found)
+    )
+
+
+def test_one_dtype_table() -> None:
+    found = _scan("dtype", DTYPE_TABLE_MODULE)
+    assert not found, (
+        "derive dtype names from thinwire.compress.cast.WIRE_DTYPES / CAST_DTYPES:\n"
+        + "\n".join(found)
+    )
+
+
+def test_size_rule_sees_each_kind_of_parser() -> None:
+    def kinds(source: str) -> int:
+        return len(list(size_parsing(source)))
+
+    assert kinds("def parse_size(text): pass") == 1
+    assert kinds("def _size(text): pass") == 1
+    assert kinds("U = {'': 1, 'k': 2**10, 'm': 2**20}") == 1
+    assert kinds("R = r'^([0-9]+)(|b|k|kib|m|mib)$'") == 1
+    assert kinds("R = r'(\\d+)([kKmMgG]?)'") == 1
+    # not parsers: sizes of tensors, a formatter's units, a table that mentions MiB
+    assert kinds("def element_size(t): pass\ndef set_buffer_size(n): pass") == 0
+    assert kinds("def size(self): pass\ndef to_bytes(self): pass") == 0
+    assert kinds("U = (('GiB', 2**30), ('MiB', 2**20))\nH = '| size | MiB per call |'") == 0
+    assert kinds("R = {'bit': 1, 'kbit': 10**3}\nS = '[a-z]'") == 0
+
+
+def test_dtype_rule_sees_tuples_lists_and_dict_keys() -> None:
+    def hits(source: str) -> int:
+        return len(list(dtype_tables(source)))
+
+    assert hits("C = ('fp32', 'fp16', 'bf16')") == 1
+    assert hits("ok = m in ['fp16', 'bf16']") == 1
+    assert hits("D = {'fp16': 1, 'bf16': 2}") == 1
+    assert hits("C = (*WIRE_DTYPES, 'onebit')\nx = m == 'fp32'") == 0

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.cli.bench import parse_size, size_range
+from thinwire.cli.bench import size_range
 from thinwire.cli.main import main
 from thinwire.comm import spawn
 from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.bench import METHODS, format_table, matrix_shape, run_allreduce_bench
 from thinwire.comm.onebit_allreduce import onebit_wire_bytes
 from thinwire.errors import ConfigError
+from thinwire.units import parse_size
 
 KEYS = {
     "method",
@@ -74,11 +75,12 @@ def test_matrix_shape() -> None:
 
 
 def test_sizes() -> None:
-    assert parse_size("4K") == parse_size("4KiB") == parse_size("4096") == 4096
-    assert parse_size("64MiB") == 64 * 2**20
+    f = "--min-size"
+    assert parse_size("4K", f) == parse_size("4KiB", f) == parse_size("4096", f) == 4096
+    assert parse_size("64MiB", f) == 64 * 2**20
     assert size_range(4096, 32768) == [4096, 8192, 16384, 32768]
     with pytest.raises(ConfigError, match="cannot read size '4 parsecs'"):
-        parse_size("4 parsecs")
+        parse_size("4 parsecs", "--min-size")
     with pytest.raises(ConfigError, match="power of two"):
         size_range(3000, 8192)
     with pytest.raises(ConfigError, match="larger than --max-size"):

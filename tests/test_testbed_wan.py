@@ -18,8 +18,8 @@ from thinwire.testbed.wan import (
     format_duration,
     parse_duration,
     parse_loss,
-    parse_size,
 )
+from thinwire.units import parse_size
 
 
 @pytest.mark.parametrize(
@@ -44,10 +44,10 @@ def test_parse_loss_and_size() -> None:
     for bad in ("101%", "-1%", "0.1", "x%", 1.5):
         with pytest.raises(ConfigError):
             parse_loss(bad)
-    assert parse_size("16MiB") == 16 * 2**20
-    assert parse_size("512k") == 512 * 2**10
+    assert parse_size("16MiB", "buffer") == 16 * 2**20
+    assert parse_size("512k", "buffer") == 512 * 2**10
     with pytest.raises(ConfigError):
-        parse_size("16 furlongs")
+        parse_size("16 furlongs", "buffer")
     assert format_duration(0.05) == "50ms" and format_duration(2e-4) == "200us"
 
 

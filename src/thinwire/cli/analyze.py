@@ -25,19 +25,9 @@ from thinwire.cli.analyze_validate import add_validate_verb
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.rundir import writable_dir, writable_file
+from thinwire.units import parse_size
 
 __all__ = ["register"]
-
-
-def _size(text: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    mult = units.get(t[-1:], 1)
-    try:
-        value = int(float(t[:-1] if t[-1:] in units else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 16M)") from None
-    return value
 
 
 def _write_json(data: dict[str, Any], path: str) -> Path:
@@ -119,15 +109,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from thinwire.analysis.fit import bench_link
     from thinwire.analysis.report import fmt_bytes, fmt_rate, fmt_time
 
-    if args.min_bytes < 4 or args.max_bytes < args.min_bytes:
-        raise ConfigError(
-            f"need 4 <= --min-bytes <= --max-bytes, got {args.min_bytes}, {args.max_bytes}"
-        )
-    check_bench_memory(args.max_bytes, args.workers)
+    low, high = parse_size(args.min_bytes, "--min-bytes"), parse_size(args.max_bytes, "--max-bytes")
+    if low < 4 or high < low:
+        raise ConfigError(f"need 4 <= --min-bytes <= --max-bytes, got {low}, {high}")
+    check_bench_memory(high, args.workers)
     writable_file(args.out)
     sizes = []
-    s = args.min_bytes
-    while s <= args.max_bytes:
+    s = low
+    while s <= high:
         sizes.append(s)
         s *= 2
     rows, fit = bench_link(sizes, workers=args.workers, warmup=args.warmup, iters=args.iters)
@@ -326,8 +315,16 @@ def register(subparsers: Any) -> None:
 
     be = verbs.add_parser("bench", help="measure allreduce times and fit latency + bandwidth")
     be.add_argument("--workers", type=int, default=2, help="local ranks if not under torchrun")
-    be.add_argument("--min-bytes", type=_size, default=4096)
-    be.add_argument("--max-bytes", type=_size, default=16 * 2**20)
+    # sizes are read by thinwire.units.parse_size when the verb runs, so that a bad one is
+    # the usual one-line error naming the flag
+    be.add_argument(
+        "--min-bytes",
+        default=4096,
+        help="smallest message: bytes or e.g. 4KiB, 1.5M (K/M/G 1024-based; default 4096)",
+    )
+    be.add_argument(
+        "--max-bytes", default=16 * 2**20, help="largest message, doubling up to it (default 16MiB)"
+    )
     be.add_argument("--warmup", type=int, default=3)
     be.add_argument("--iters", type=int, default=10)
     be.add_argument("-o", "--out", default="link.json")

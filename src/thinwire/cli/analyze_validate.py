@@ -12,6 +12,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from thinwire.units import parse_size
+
 __all__ = ["add_validate_verb"]
 
 
@@ -35,8 +37,12 @@ def add_validate_verb(verbs: Any) -> None:
     p.add_argument("--onebit-algo", default=d.onebit_algo)
     p.add_argument("--profile-steps", type=int, default=d.profile_steps)
     p.add_argument("--no-fit", action="store_true", help="nominal link rate, no latency")
-    p.add_argument("--fit-min-bytes", type=int, default=d.fit_min_bytes)
-    p.add_argument("--fit-max-bytes", type=int, default=d.fit_max_bytes)
+    p.add_argument(
+        "--fit-min-bytes",
+        default=d.fit_min_bytes,
+        help="smallest message of the link fit: bytes or e.g. 64KiB (K/M/G 1024-based)",
+    )
+    p.add_argument("--fit-max-bytes", default=d.fit_max_bytes, help="largest message of the fit")
     p.add_argument(
         "--delay", default=None, help="one-way delay between the hosts, e.g. 50ms (default none)"
     )
@@ -48,7 +54,6 @@ def add_validate_verb(verbs: Any) -> None:
     )
     p.add_argument(
         "--refit-min-bytes",
-        type=int,
         default=None,
         help="with --from-json: predict again, the link fitted from this size up",
     )
@@ -61,8 +66,12 @@ def _validate(args: argparse.Namespace) -> int:
     from thinwire.analysis.validate_report import format_table, read_result, write_result
 
     plot = Path(args.plot) if args.plot else None
+    # Zero passes the parser: ValidationConfig and the refit own the range of these sizes.
+    fit_min = parse_size(args.fit_min_bytes, "--fit-min-bytes", allow_zero=True)
+    fit_max = parse_size(args.fit_max_bytes, "--fit-max-bytes", allow_zero=True)
     if args.from_json and args.refit_min_bytes is not None:
-        result = repredict(Path(args.from_json).parent, args.refit_min_bytes)
+        refit_min = parse_size(args.refit_min_bytes, "--refit-min-bytes", allow_zero=True)
+        result = repredict(Path(args.from_json).parent, refit_min)
     elif args.from_json:
         result = read_result(Path(args.from_json))
     else:
@@ -77,8 +86,8 @@ def _validate(args: argparse.Namespace) -> int:
             onebit_algo=args.onebit_algo,
             profile_steps=args.profile_steps,
             fit=not args.no_fit,
-            fit_min_bytes=args.fit_min_bytes,
-            fit_max_bytes=args.fit_max_bytes,
+            fit_min_bytes=fit_min,
+            fit_max_bytes=fit_max,
             delay=args.delay,
             local_steps=args.local_steps,
         )

@@ -20,7 +20,6 @@ allreduce, in one process (:mod:`thinwire.comm.bench_packing`).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Any
 
@@ -31,28 +30,12 @@ from thinwire.comm.launch import init_from_env, launched_by_torchrun, local_cuda
 from thinwire.compress.packing import native_enabled
 from thinwire.errors import ConfigError
 from thinwire.rundir import writable_dir
+from thinwire.units import parse_count, parse_size
 
-__all__ = ["parse_size", "register", "size_range"]
+__all__ = ["register", "size_range"]
 
 MAX_SIZE = 256 * 2**20
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kib": 2**10,
-    "m": 2**20,
-    "mib": 2**20,
-    "g": 2**30,
-    "gib": 2**30,
-}
-
-
-def parse_size(text: str) -> int:
-    """'4K', '4KiB', '64M', '1G' or a plain byte count -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read size {text!r}; use e.g. 4096, 4K, 64MiB")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+"""The largest message ``bench allreduce`` times (256 MiB)."""
 
 
 def size_range(min_bytes: int, max_bytes: int) -> list[int]:
@@ -126,7 +109,8 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) 
 
 def run(args: argparse.Namespace) -> int:
     methods = _methods(args.methods)
-    sizes = size_range(parse_size(args.min_size), parse_size(args.max_size))
+    low, high = parse_size(args.min_size, "--min-size"), parse_size(args.max_size, "--max-size")
+    sizes = size_range(low, high)
     pieces = _pieces(args.pieces)
     if args.warmup < 1 or args.iters < 1:
         raise ConfigError(f"--warmup and --iters must be >= 1, got {args.warmup} and {args.iters}")
@@ -161,16 +145,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(text: str) -> int:
-    """'10M' -> 10_000_000 elements (decimal units, as element counts usually are)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", text)
-    if not m:
-        raise ConfigError(f"cannot read element count {text!r}; use e.g. 1000000, 10M")
-    return int(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]
-
-
 def run_packing(args: argparse.Namespace) -> int:
-    numels = [_count(t) for t in args.numel.split(",") if t.strip()]
+    # zero passes here so that it meets the "at least 8" message below, as it always did
+    numels = [
+        parse_count(t, "--numel", allow_zero=True) for t in args.numel.split(",") if t.strip()
+    ]
     if not numels or any(n < 8 for n in numels):
         raise ConfigError(f"--numel needs counts of at least 8 elements, got {args.numel!r}")
     if args.threads is not None:
@@ -218,7 +197,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=",".join(bench.METHODS),
         help=f"comma-separated subset of {','.join(bench.METHODS)} (default: all)",
     )
-    p.add_argument("--min-size", default="4KiB", help="smallest message (default 4KiB)")
+    p.add_argument(
+        "--min-size",
+        default="4KiB",
+        help="smallest message, a power of two: bytes or e.g. 4KiB, 1M (K/M/G are 1024-based; "
+        "default 4KiB)",
+    )
     p.add_argument(
         "--max-size", default="64MiB", help="largest message, at most 256MiB (default 64MiB)"
     )
@@ -250,7 +234,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "data, and one whole 1-bit allreduce without the network (in passes over memory)."
         ),
     )
-    q.add_argument("--numel", default="10M,100M", help="element counts (default 10M,100M)")
+    q.add_argument(
+        "--numel", default="10M,100M", help="element counts, K/M/G 1000-based (default 10M,100M)"
+    )
     q.add_argument("--repeats", type=int, default=5, help="timed calls per point (default 5)")
     q.add_argument("--world", type=int, default=4, help="ranks simulated in the 1-bit compute")
     q.add_argument("--threads", type=int, default=None, help="torch intra-op threads")

@@ -23,7 +23,9 @@ from typing import Any
 
 from thinwire.cli.train_config import config_from_args, track_explicit
 from thinwire.comm.launch import launched_by_torchrun
+from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.errors import ConfigError
+from thinwire.localsgd.compression import CODECS
 from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS
@@ -163,7 +165,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--grad-dtype",
         default=d.grad_dtype,
-        choices=("fp32", "fp16", "bf16"),
+        choices=tuple(WIRE_DTYPES),
         help="what averaged gradients travel as in lamb and in the 1-bit optimizers' warmup "
         "(default: bf16 for onebit-*, fp32 for lamb)",
     )
@@ -261,13 +263,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     ls.add_argument(
         "--compress",
         default=d.compress,
-        choices=("none", "fp16", "bf16", "onebit"),
+        choices=tuple(CODECS),
         help="pseudo-gradients (diloco: the allreduce; async-diloco: every push)",
     )
     ls.add_argument(
         "--compress-pull",
         default=None,
-        choices=("none", "fp16", "bf16", "onebit"),
+        choices=tuple(CODECS),
         help="async-diloco: theta to workers as a delta to their copy in this codec",
     )
     r = p.add_argument_group("reporting")

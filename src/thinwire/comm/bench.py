@@ -52,7 +52,7 @@ from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.comm.bench_packing import run_onebit_compute_bench, run_packing_bench
 from thinwire.comm.onebit_allreduce import OneBitAllreduce, onebit_wire_bytes
-from thinwire.compress.cast import BF16, FP16, CastCompressor
+from thinwire.compress.cast import CAST_DTYPES, WIRE_DTYPES, CastCompressor
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 
@@ -70,9 +70,7 @@ __all__ = [
 ]
 
 METHODS: tuple[str, ...] = (
-    "fp32",
-    "fp16",
-    "bf16",
+    *WIRE_DTYPES,  # fp32, then the 16-bit casts: the dtype names of thinwire.compress.cast
     "powersgd-r1",
     "powersgd-r4",
     "onebit",
@@ -155,8 +153,8 @@ def _make_op(
             all_reduce_mean_(buf, group, op_name="bench.fp32")
 
         return op, ring_allreduce_bytes(4 * n, w), None
-    if method in ("fp16", "bf16"):
-        codec: CastCompressor = FP16 if method == "fp16" else BF16
+    if method in CAST_DTYPES:
+        codec = CastCompressor(CAST_DTYPES[method])
 
         def op() -> None:
             message = codec.compress(x)

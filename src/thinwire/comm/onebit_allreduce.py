@@ -66,6 +66,7 @@ from thinwire.comm.onebit_exchange import (
 from thinwire.comm.onebit_math import average_signs_, unpack_rows_
 from thinwire.comm.onebit_pieces import PiecePlan, piece_views
 from thinwire.comm.piece_tuner import PieceTuner
+from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.compress.onebit import (
     DEFAULT_BLOCK,
     DEFAULT_CHUNK,
@@ -85,7 +86,8 @@ __all__ = [
     "onebit_wire_bytes",
 ]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPES = tuple(WIRE_DTYPES.values())
+"""What a 1-bit allreduce averages: the wire dtypes (fp32, fp16, bf16)."""
 
 
 class OneBitAllreduce:
@@ -269,7 +271,8 @@ class OneBitAllreduce:
     def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Return the compressed average of ``tensor`` over the group (into ``out`` if given)."""
         if tensor.dtype not in _DTYPES:
-            raise TypeError(f"1-bit allreduce takes float32/float16/bfloat16, got {tensor.dtype}")
+            names = "/".join(str(d).removeprefix("torch.") for d in _DTYPES)
+            raise TypeError(f"1-bit allreduce takes {names}, got {tensor.dtype}")
         if out is not None and out.shape != tensor.shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, input {tuple(tensor.shape)}")
         w = self.world_size

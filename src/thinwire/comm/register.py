@@ -40,8 +40,9 @@ from thinwire.compress.cast import WIRE_DTYPES, cast_name
 
 __all__ = ["HOOK_METHODS", "adaptive_optimizer", "register_comm_hook"]
 
-HOOK_METHODS = ("fp32", "fp16", "bf16", "onebit")
-"""What :func:`register_comm_hook` can put on the wire."""
+HOOK_METHODS: tuple[str, ...] = (*WIRE_DTYPES, "onebit")
+"""What :func:`register_comm_hook` can put on the wire: a dtype of
+:data:`thinwire.compress.cast.WIRE_DTYPES` (``fp32``, ``fp16``, ``bf16``) or ``onebit``."""
 
 _ADAPTIVE = (
     torch.optim.Adam,

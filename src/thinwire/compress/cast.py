@@ -5,8 +5,10 @@ Every 16-bit exchange in thinwire goes through this module: DiLoCo's outer allre
 (:mod:`thinwire.localsgd.compression`) and the DDP gradient hooks (``grad_dtype``,
 :func:`thinwire.comm.allreduce.average_bucket`). It holds
 
-* the one table of names, :data:`CAST_DTYPES` (and :data:`WIRE_DTYPES`, the same plus
-  ``fp32`` for exchanges that may also go uncompressed);
+* the one table of dtype names, :data:`WIRE_DTYPES` (``fp32``, ``fp16``, ``bf16``), and
+  its 16-bit part :data:`CAST_DTYPES`. Every list of these names elsewhere (argparse
+  ``choices``, the DDP hook methods, the benchmark's methods, the Local-SGD codecs, error
+  messages) is built from them, so a dtype added here reaches every one;
 * :func:`parse_cast`, a name to its dtype, or a one-line :class:`ConfigError`;
 * :func:`cast_name`, a dtype back to its name (for byte-accounting labels);
 * :func:`cast_encode` and :func:`cast_decode`, what a tensor becomes on the wire and back.
@@ -41,11 +43,17 @@ __all__ = [
     "parse_cast",
 ]
 
-CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
-"""The 16-bit wire dtypes by name: the one table every 16-bit exchange reads."""
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+"""The dtypes a full-precision or 16-bit exchange can travel in, by name: the one table
+of dtype names in thinwire (``--grad-dtype`` takes these names)."""
 
-WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, **CAST_DTYPES}
-"""The dtypes a full-precision or 16-bit exchange can travel in, by name."""
+CAST_DTYPES: dict[str, torch.dtype] = {n: d for n, d in WIRE_DTYPES.items() if d.itemsize == 2}
+"""The 16-bit wire dtypes by name (fp16, bf16): the ones the cast codec halves the bytes
+with, and what every 16-bit exchange reads."""
 
 
 def parse_cast(name: str, what: str = "cast", *, plain: str | None = None) -> torch.dtype:
@@ -107,7 +115,8 @@ class CastCompressor(Compressor):
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         if dtype not in CAST_DTYPES.values():
-            raise ValueError(f"CastCompressor dtype must be float16 or bfloat16, got {dtype}")
+            allowed = " or ".join(str(d).removeprefix("torch.") for d in CAST_DTYPES.values())
+            raise ValueError(f"CastCompressor dtype must be {allowed}, got {dtype}")
         self.dtype = dtype
         self.name = cast_name(dtype)
 

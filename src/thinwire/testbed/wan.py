@@ -23,7 +23,9 @@ Semantics (each host ``h`` has a delay ``D_h``, a jitter ``J_h`` and a loss ``P_
 * **Buffer.** Each direction of each host's delay line holds at most ``buffer_bytes``;
   a frame arriving at a full buffer is dropped (a router's tail drop). The rate times
   the time a frame is held there (``(D + J) / 2``) must fit, else ConfigError; the
-  default leaves a margin of four.
+  default leaves a margin of four. A buffer is a size as
+  :func:`thinwire.units.parse_size` reads it: ``64MiB`` (or ``64M``) is 64 * 2**20
+  bytes, ``64MB`` is 64 * 10**6.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from thinwire.errors import ConfigError
+from thinwire.units import parse_size
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
@@ -43,7 +46,6 @@ __all__ = [
     "format_duration",
     "parse_duration",
     "parse_loss",
-    "parse_size",
 ]
 
 MAX_DELAY_S = 10.0
@@ -67,8 +69,6 @@ MAX_BUFFER_BYTES = 2**31
 
 _DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(us|ms|s)$")
 _UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-_SIZE_RE = re.compile(r"^([0-9]+)(|b|k|kib|kb|m|mib|mb|g|gib|gb)$")
-_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
 Setting = float | str | None
 PerHost = Setting | Sequence[Setting] | Mapping[int, Setting]
@@ -123,16 +123,6 @@ def parse_loss(value: float | str) -> float:
     if not (0.0 <= p <= 1.0):
         raise ConfigError(f"loss {value!r} is out of range: use 0% to 100%")
     return p
-
-
-def parse_size(value: int | str, what: str = "buffer") -> int:
-    """Bytes from ``"16MiB"``, ``"512k"``, ``"1g"`` (binary units) or an int."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    m = _SIZE_RE.fullmatch(str(value).strip().lower())
-    if m is None:
-        raise ConfigError(f"{what} {value!r} is invalid: use bytes or e.g. 16MiB, 512KiB")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2)[:1]]
 
 
 def format_duration(seconds: float) -> str:
@@ -203,7 +193,7 @@ class WanConfig:
                 )
         if not any(h.active for h in links):
             if buffer is not None:
-                parse_size(buffer)  # still reject a malformed value
+                parse_size(buffer, "buffer")  # still reject a malformed value
             return None
         held = max((h.delay_s + h.jitter_s) / 2 for h in links)
         need = math.ceil(rate_bits / 8 * held) if rate_bits is not None else 0
@@ -211,7 +201,7 @@ class WanConfig:
             size = max(4 * need, MIN_DEFAULT_BUFFER_BYTES) if rate_bits else DEFAULT_BUFFER_BYTES
             size = min(size, MAX_DEFAULT_BUFFER_BYTES)
         else:
-            size = parse_size(buffer)
+            size = parse_size(buffer, "buffer")
             if not MIN_BUFFER_BYTES <= size <= MAX_BUFFER_BYTES:
                 raise ConfigError(f"buffer {buffer!r} is out of range: use 1MiB to 2GiB")
         if size < need:
