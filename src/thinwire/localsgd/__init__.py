@@ -30,7 +30,7 @@
   inner-state rule (:class:`InnerStateRule`, ``inner_state.py``), compressed pushes and
   pulls (``compression.py``).
 * The wire: ``messages.py`` (every message, by name), ``transport.py`` (links and the
-  store), ``server_loop.py`` / ``worker_loop.py`` (the two loops), ``server_run.py``
+  store), ``server_loop.py`` (with ``server_loop_state.py``, its state and settings, and ``server_links.py``, admitting and dropping links) / ``worker_loop.py`` (the two loops), ``server_run.py``
   (rank 0's run and checkpoint); admission: ``auth.py`` (the run's token and the seal on
   every message), ``keyshare.py`` (the run key to the launched workers).
 

@@ -2,11 +2,19 @@
 
 :func:`run_server` builds the global model from the user's factory, cuts the shard book
 from the user's batch sources, restores the server's state when resuming (or refuses to
-overwrite another run's checkpoint), serves (:func:`~thinwire.localsgd.server_loop.serve`)
-with evaluation and checkpoints on the configured intervals, and returns the run's
-summary: evaluation, updates applied and rejected, worker incarnations, bytes, and the
-trained parameters (``theta``, which :func:`~thinwire.localsgd.trained.load_trained`
-loads into a model).
+overwrite another run's checkpoint, :func:`_restore`), serves
+(:func:`~thinwire.localsgd.server_loop.serve`) with evaluation and checkpoints on the
+configured intervals, and returns the run's summary: evaluation, updates applied and
+rejected, worker incarnations, bytes, and the trained parameters (``theta``, which
+:func:`~thinwire.localsgd.trained.load_trained` loads into a model).
+
+The launch itself is one :class:`ServerRun`: the model and core it serves, what it
+restored, and the clock and bytes it started from. It turns the configuration into the
+loop's :class:`~thinwire.localsgd.server_loop.ServeSettings` (:meth:`ServerRun.settings`),
+is the loop's checkpoint hook (:meth:`ServerRun.save`), and builds the summary from the
+core and the loop's counters (:meth:`ServerRun.summary`: the run's settings, its
+progress, its clock and bytes, then the loop's counters), which
+:meth:`ServerRun.finish` completes with the final evaluation and how the run ended.
 
 Checkpoint: ``checkpoint_dir/localsgd_server.pt`` holds only tensors, numbers and
 strings, written to a temporary file and renamed into place, and read back with
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +51,7 @@ from thinwire.localsgd.auth import remove_token_file, write_token_file
 from thinwire.localsgd.compression import PullEncoder
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.server import ServerCore
-from thinwire.localsgd.server_loop import serve
+from thinwire.localsgd.server_loop import ServeSettings, serve
 from thinwire.localsgd.task import (
     Task,
     flat_parameters,
@@ -57,6 +66,7 @@ from thinwire.safeload import safe_load
 __all__ = [
     "SERVER_CHECKPOINT",
     "IncompleteRunError",
+    "ServerRun",
     "load_server_state",
     "run_server",
     "save_server_state",
@@ -64,6 +74,9 @@ __all__ = [
 
 SERVER_CHECKPOINT = "localsgd_server.pt"
 """The server's checkpoint file in :attr:`AsyncConfig.checkpoint_dir`."""
+
+Evaluate = Callable[[torch.Tensor], dict[str, float]]
+"""The server's evaluation of a theta: ``val_loss`` first, then any other metrics."""
 
 
 class IncompleteRunError(RuntimeError):
@@ -117,6 +130,30 @@ def run_server(
     sources = make_sources(task, cfg.resolved_shards(workers))
     core = ServerCore.from_config(flat_parameters(model), cfg, workers, shard_sizes(sources))
     ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
+    resumed, before = _restore(core, cfg, ckpt)
+    _stop_after(core, cfg, workers)
+    idle = resumed is not None and core.steps_applied >= core.total_steps
+    if on_start is not None:
+        on_start(resumed)
+    evaluate = _evaluator(task, model)
+    run = ServerRun(cfg, workers, model, core, transport, ckpt, before, idle, evaluate)
+    if token_to_keep is not None and cfg.checkpoint_dir:
+        write_token_file(cfg.checkpoint_dir, token_to_keep)
+    try:
+        ranks = list(range(1, workers + 1))
+        stats = serve(core, transport, ranks, shape_signature(model), run.settings(on_eval))
+    finally:
+        if token_to_keep is not None and cfg.checkpoint_dir:
+            remove_token_file(cfg.checkpoint_dir)
+    return run.finish(stats)
+
+
+def _restore(
+    core: ServerCore, cfg: AsyncConfig, ckpt: Path | None
+) -> tuple[int | None, dict[str, Any]]:
+    """Restore ``core`` from ``ckpt`` when resuming (or refuse to overwrite another run's
+    checkpoint); the inner steps restored (None: a fresh run) and the earlier launches'
+    clock and bytes (``elapsed_s``, ``comm_bytes``)."""
     resumed, before = None, {"elapsed_s": 0.0, "comm_bytes": 0}
     if cfg.resume and ckpt is not None:
         state = load_server_state(ckpt)
@@ -130,6 +167,11 @@ def run_server(
                 "it or choose another checkpoint directory"
             )
         ckpt.parent.mkdir(parents=True, exist_ok=True)
+    return resumed, before
+
+
+def _stop_after(core: ServerCore, cfg: AsyncConfig, workers: int) -> None:
+    """End this launch at ``cfg.stop_after`` steps per worker, if set."""
     if cfg.stop_after is not None:
         if core.steps_applied > cfg.stop_after * workers:
             raise ConfigError(
@@ -137,58 +179,168 @@ def run_server(
                 f"stop_after {cfg.stop_after}"
             )
         core.end_at(cfg.stop_after * workers)
-    idle = resumed is not None and core.steps_applied >= core.total_steps
-    if on_start is not None:
-        on_start(resumed)
-    evaluate: Callable[[torch.Tensor], dict[str, float]] | None = None
-    if task.evaluate is not None:
-        metric = task.evaluate
 
-        def evaluate_theta(theta: torch.Tensor) -> dict[str, float]:
-            return metrics_at(model, theta, metric)
 
-        evaluate = evaluate_theta
+def _evaluator(task: Task, model: torch.nn.Module) -> Evaluate | None:
+    """``task.evaluate`` of theta loaded into ``model``; None if the task has none."""
+    if task.evaluate is None:
+        return None
+    metric = task.evaluate
 
-    sent0, t0, steps0 = COUNTER.wire_bytes, time.monotonic(), core.steps_applied
+    def evaluate_theta(theta: torch.Tensor) -> dict[str, float]:
+        return metrics_at(model, theta, metric)
 
-    def totals() -> dict[str, Any]:
+    return evaluate_theta
+
+
+_FROM_LOOP = (
+    "dead_workers",
+    "evicted_workers",
+    "incarnations",
+    "joins",
+    "updates_by_incarnation",
+    "stale_messages",
+    "malformed_messages",
+    "unauthenticated_messages",
+    "refused_rejoins",
+    "push_bytes",  # pseudo-gradient payloads received
+)
+"""The summary's keys taken as they are from :func:`serve`'s counters, in order."""
+
+
+@dataclass
+class ServerRun:
+    """This launch of rank 0: the model and core it serves, what it restored, and the
+    clock and bytes it started from. Checkpoints (:meth:`save`) and the summary
+    (:meth:`summary`, :meth:`finish`) are built from it."""
+
+    cfg: AsyncConfig
+    workers: int
+    model: torch.nn.Module
+    core: ServerCore
+    transport: Transport
+    ckpt: Path | None
+    """The server's checkpoint file (None: no checkpoint directory, nothing kept)."""
+    before: dict[str, Any]
+    """Earlier launches' clock and bytes (``elapsed_s``, ``comm_bytes``)."""
+    idle: bool
+    """A resume found the budget already met: nothing is trained, evaluated or written."""
+    evaluate: Evaluate | None
+    sent0: int = field(init=False)
+    """Bytes this process had sent when the launch began serving."""
+    t0: float = field(init=False)
+    """When the launch began serving (``time.monotonic``)."""
+    steps0: int = field(init=False)
+    """Inner steps applied when the launch began serving (restored ones)."""
+
+    def __post_init__(self) -> None:
+        self.sent0, self.t0, self.steps0 = (
+            COUNTER.wire_bytes,
+            time.monotonic(),
+            self.core.steps_applied,
+        )
+
+    def totals(self) -> dict[str, Any]:
         # The whole run's clock and bytes: earlier launches' plus this one's.
         return {
-            "elapsed_s": before["elapsed_s"] + time.monotonic() - t0,
-            "comm_bytes": int(before["comm_bytes"])
+            "elapsed_s": self.before["elapsed_s"] + time.monotonic() - self.t0,
+            "comm_bytes": int(self.before["comm_bytes"])
             + COUNTER.wire_bytes
-            - sent0
-            + transport.bytes_received,
+            - self.sent0
+            + self.transport.bytes_received,
         }
 
-    def save(c: ServerCore) -> None:
-        assert ckpt is not None
-        save_server_state(c.state_dict() | {"run": totals()}, ckpt)
+    def save(self, core: ServerCore) -> None:
+        """The checkpoint hook: ``core``'s state and the run's totals, to :attr:`ckpt`."""
+        assert self.ckpt is not None
+        save_server_state(core.state_dict() | {"run": self.totals()}, self.ckpt)
 
-    if token_to_keep is not None and cfg.checkpoint_dir:
-        write_token_file(cfg.checkpoint_dir, token_to_keep)
-    try:
-        stats = serve(
-            core,
-            transport,
-            list(range(1, workers + 1)),
-            shape_signature(model),
-            evaluate=None if idle else evaluate,
+    def settings(self, on_eval: Callable[[dict[str, Any]], None] | None) -> ServeSettings:
+        """How :func:`serve` runs this launch, from :attr:`cfg`."""
+        cfg, workers = self.cfg, self.workers
+        return ServeSettings(
+            evaluate=None if self.idle else self.evaluate,
             eval_every_steps=cfg.eval_interval * workers,
             on_eval=on_eval,
-            checkpoint=None if ckpt is None or idle else save,
+            checkpoint=None if self.ckpt is None or self.idle else self.save,
             checkpoint_every_steps=cfg.checkpoint_interval * workers,
             dead_after_s=cfg.dead_after_s,
             hung_after_min_s=cfg.hung_after_s,
             hung_after_factor=cfg.hung_after_factor,
-            elapsed_s=before["elapsed_s"],
+            elapsed_s=self.before["elapsed_s"],
             pull=PullEncoder(cfg.compress_pull),
         )
-    finally:
-        if token_to_keep is not None and cfg.checkpoint_dir:
-            remove_token_file(cfg.checkpoint_dir)
-    run = before if idle else totals()
-    summary = {
+
+    def summary(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The run's summary from the core and ``stats`` (:func:`serve`'s counters),
+        before the final evaluation and how the run ended."""
+        run = self.before if self.idle else self.totals()
+        summary = _settings_summary(self.cfg, self.workers) | self._progress()
+        summary |= {
+            "train_time_s": run["elapsed_s"],
+            "comm_bytes": int(run["comm_bytes"]),
+            "comm_by_op": COUNTER.snapshot(),
+            # The global parameters as they end (the ones the final evaluation saw and the
+            # final checkpoint holds): the trained model, for load_trained. No copy: nothing
+            # changes theta once serving has ended.
+            "theta": self.core.theta.detach(),
+        }
+        summary |= {k: stats[k] for k in _FROM_LOOP}
+        pulled = summary["comm_by_op"].get("localsgd.pull", {})
+        summary["pull_bytes"] = pulled.get("payload_bytes", 0)
+        return summary
+
+    def _progress(self) -> dict[str, Any]:
+        """The summary's steps, updates and refusals."""
+        core, workers = self.core, self.workers
+        return {
+            "steps": core.steps_applied // workers,
+            "inner_steps": core.steps_applied,
+            "inner_steps_this_run": core.steps_applied - self.steps0,
+            "planned_inner_steps": core.planned_steps,
+            "complete": core.steps_applied >= core.planned_steps,
+            "updates_applied": core.updates_applied,
+            "updates_rejected": core.updates_rejected,
+            "pushes_refused": core.pushes_refused,
+            "push_refusals": dict(core.guard.refused),
+            "updates_dropped": core.updates_dropped,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+
+    def finish(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The summary, with the final evaluation and how the run ended (``already_done``,
+        ``stopped_after``); raises :class:`IncompleteRunError` if every worker is gone."""
+        core, workers = self.core, self.workers
+        summary = self.summary(stats)
+        if self.idle:
+            summary["already_done"] = True
+            if self.evaluate is not None:
+                metrics = self.evaluate(core.theta.detach())
+                summary["final_val_loss"], summary["final_metrics"] = metrics["val_loss"], metrics
+            return summary
+        if "val_loss" in stats:
+            summary["final_val_loss"] = stats["val_loss"]
+            summary["final_metrics"] = stats["metrics"]
+        if not summary["complete"] and core.steps_applied >= core.total_steps:
+            summary["stopped_after"] = core.steps_applied // workers
+        elif not summary["complete"]:
+            gone = ", ".join(str(w) for w in stats["dead_workers"])
+            raise IncompleteRunError(
+                f"the run is incomplete: every worker is gone (dead or stopped: {gone}) after "
+                f"{core.steps_applied // workers} of {self.cfg.steps} steps per worker; "
+                + (
+                    "the checkpoint keeps them: resume to finish it"
+                    if self.ckpt
+                    else "no checkpoint was kept"
+                ),
+                summary | {"incomplete": "every worker is gone"},
+            )
+        return summary
+
+
+def _settings_summary(cfg: AsyncConfig, workers: int) -> dict[str, Any]:
+    """The summary's account of how the run was set up."""
+    return {
         "workers": workers,
         "outer": cfg.outer,
         "method": cfg.method,
@@ -200,51 +352,4 @@ def run_server(
         "compress_pull": cfg.compress_pull,
         "sync": cfg.sync,
         "start": cfg.start().describe(),
-        "steps": core.steps_applied // workers,
-        "inner_steps": core.steps_applied,
-        "inner_steps_this_run": core.steps_applied - steps0,
-        "planned_inner_steps": core.planned_steps,
-        "complete": core.steps_applied >= core.planned_steps,
-        "updates_applied": core.updates_applied,
-        "updates_rejected": core.updates_rejected,
-        "pushes_refused": core.pushes_refused,
-        "push_refusals": dict(core.guard.refused),
-        "updates_dropped": core.updates_dropped,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "train_time_s": run["elapsed_s"],
-        "comm_bytes": int(run["comm_bytes"]),
-        "comm_by_op": COUNTER.snapshot(),
-        # The global parameters as they end (the ones the final evaluation saw and the
-        # final checkpoint holds): the trained model, for load_trained. No copy: nothing
-        # changes theta once serving has ended.
-        "theta": core.theta.detach(),
     }
-    kept = ("dead_workers", "evicted_workers", "incarnations", "joins", "updates_by_incarnation")
-    summary |= {k: stats[k] for k in kept}
-    counts = ("stale_messages", "malformed_messages", "unauthenticated_messages")
-    summary |= {k: stats[k] for k in (*counts, "refused_rejoins")}
-    summary["push_bytes"] = stats["push_bytes"]  # pseudo-gradient payloads received
-    summary["pull_bytes"] = summary["comm_by_op"].get("localsgd.pull", {}).get("payload_bytes", 0)
-    if idle:
-        summary["already_done"] = True
-        if evaluate is not None:
-            metrics = evaluate(core.theta.detach())
-            summary["final_val_loss"], summary["final_metrics"] = metrics["val_loss"], metrics
-        return summary
-    if "val_loss" in stats:
-        summary["final_val_loss"], summary["final_metrics"] = stats["val_loss"], stats["metrics"]
-    if not summary["complete"] and core.steps_applied >= core.total_steps:
-        summary["stopped_after"] = core.steps_applied // workers
-    elif not summary["complete"]:
-        gone = ", ".join(str(w) for w in stats["dead_workers"])
-        raise IncompleteRunError(
-            f"the run is incomplete: every worker is gone (dead or stopped: {gone}) after "
-            f"{core.steps_applied // workers} of {cfg.steps} steps per worker; "
-            + (
-                "the checkpoint keeps them: resume to finish it"
-                if ckpt
-                else "no checkpoint was kept"
-            ),
-            summary | {"incomplete": "every worker is gone"},
-        )
-    return summary
