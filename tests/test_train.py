@@ -179,3 +179,29 @@ def test_metrics_are_plain_numbers_or_a_clear_error(tmp_path: Path) -> None:
     writer.write({"step": 1, "loss": torch.tensor(3.0)})
     writer.close()
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 3.0}]
+
+
+@pytest.mark.timeout(60)
+def test_every_stage_switch_is_in_the_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen variance gone stale sends 1-bit LAMB back to its warmup, and it freezes
+    again: the metrics hold each switch, not only the first freeze."""
+    from thinwire.optim.stale import StaleGuard
+
+    real = StaleGuard.observe
+    calls = itertools.count()
+
+    def stale_once(self: StaleGuard, energy: float) -> float | None:
+        # the third compressed step reports a stale variance, once
+        return 10.0 if next(calls) == 2 else real(self, energy)
+
+    monkeypatch.setattr(StaleGuard, "observe", stale_once)
+    cfg = tiny_config(tmp_path, algo="onebit-lamb", steps=40, log_interval=1, freeze_cap=0.1)
+    summary = train(cfg)
+    events = [r for r in read_metrics(Path(cfg.out_dir) / "metrics.jsonl") if "event" in r]
+    kinds = [r["event"] for r in events]
+    assert kinds == ["freeze", "rewarm", "freeze"], kinds
+    first, rewarm, second = (r["step"] for r in events)
+    assert first < rewarm < second
+    assert summary["freeze_step"] == events[2]["freeze_step"]

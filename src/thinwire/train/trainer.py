@@ -248,9 +248,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
             step_s = time.perf_counter() - t0
             elapsed += step_s
             done = step + 1
-            if not compressing and getattr(strategy.optimizer, "compressing", False):
-                compressing = True
-                _announce_freeze(cfg, strategy.optimizer, done, samples_per_step, metrics)
+            if compressing != bool(getattr(strategy.optimizer, "compressing", False)):
+                # every switch, also a stale freeze undone and the second freeze after it
+                compressing = not compressing
+                _announce_stage(cfg, strategy.optimizer, done, samples_per_step, metrics)
 
             save = (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end
             if done % cfg.log_interval == 0 or done == end or save:  # the guard sees each save
@@ -353,10 +354,15 @@ def _rehearse_buckets(
     ddp.rehearse(forward_backward)
 
 
-def _announce_freeze(
+def _announce_stage(
     cfg: TrainConfig, opt: Any, done: int, samples_per_step: int, metrics: MetricsWriter
 ) -> None:
-    """One line on rank 0 and one metrics record when a 1-bit optimizer starts compressing."""
+    """One metrics record when a 1-bit optimizer switches stage, and one line on rank 0
+    when it starts compressing (the optimizer itself says why it went back to the
+    warmup: a frozen variance gone stale, :mod:`thinwire.optim.stale`)."""
+    if not opt.compressing:
+        metrics.write({"step": done, "samples": done * samples_per_step, "event": "rewarm"})
+        return
     rule = getattr(opt, "auto_freeze", None)
     why = rule.describe() if rule is not None else f"--freeze-step {opt.freeze_step}"
     record: dict[str, Any] = {
