@@ -23,20 +23,20 @@ $(STAMP): pyproject.toml
 # The compiled packing kernels, built once here so that no run compiles (about a minute).
 # A failed build is not fatal: packing then runs on pure torch and says so once per run.
 $(NATIVE): $(STAMP) $(NATIVE_SRC)
-	$(PY) -m thinwire native build packing || echo "thinwire: continuing without them"
+	$(PY) -m thinwire bench native build packing || echo "thinwire: continuing without them"
 	touch $(NATIVE)
 
 # The testbed's delay line (delay, jitter and loss), a small C program: about a second.
 # Without it the testbed still runs, only without --delay/--jitter/--loss.
 $(DELAYLINE): $(STAMP) $(DELAYLINE_SRC)
-	$(PY) -m thinwire native build delayline || echo "thinwire: testbed without delay, jitter, loss"
+	$(PY) -m thinwire bench native build delayline || echo "thinwire: testbed without delay, jitter, loss"
 	touch $(DELAYLINE)
 
 install: $(NATIVE) $(DELAYLINE)
 
 # Rebuild the kernels for this machine, showing the compiler command and its errors.
 native: $(STAMP)
-	$(PY) -m thinwire native build packing --force --verbose
+	$(PY) -m thinwire bench native build packing --force --verbose
 	touch $(NATIVE)
 
 demo: $(NATIVE) $(DELAYLINE)

@@ -19,7 +19,7 @@ The same factories work from the command line (the contract: a function returnin
 
     thinwire analyze profile --model examples/analyze_bert.py:bert_large --batch-size 1 \\
         --observe-ddp -o bert-large.json
-    thinwire analyze simulate bert-large.json --workers 64 --bandwidth-gbps 10 --buckets observed
+    thinwire analyze what-if bert-large.json --workers 64 --bandwidth-gbps 10 --buckets observed
 
 Profile on the hardware the job will run on: the prediction is only as good as the step
 time, and a CPU step is far slower than an accelerator's, which hides the network.

@@ -45,7 +45,7 @@ def test_profile_simulate_report_chain(tmp_path: Path, capsys: pytest.CaptureFix
         main(
             [
                 "analyze",
-                "simulate",
+                "what-if",
                 str(prof),
                 "--workers",
                 "4",
@@ -82,7 +82,7 @@ def test_profile_simulate_report_chain(tmp_path: Path, capsys: pytest.CaptureFix
         assert (plots / f"{name}.png").stat().st_size > 1000
     # A CPU profile trains with gloo: two collectives at once unless told NCCL.
     assert study["result"]["config"]["concurrency"] == 2
-    wan = ["analyze", "simulate", str(prof), "--workers", "4", "--bandwidth-gbps", "0.1"]
+    wan = ["analyze", "what-if", str(prof), "--workers", "4", "--bandwidth-gbps", "0.1"]
     wan += ["--rtt", "100ms", "--buckets", "observed", "--reduction", "none"]
     exposed = {}
     for backend in ("gloo", "nccl"):
@@ -101,7 +101,7 @@ def test_simulate_paper_log_via_cli(tmp_path: Path, capsys: pytest.CaptureFixtur
         main(
             [
                 "analyze",
-                "simulate",
+                "what-if",
                 str(_golden() / "resnet50.bk.log"),
                 "--workers",
                 "64",
@@ -140,7 +140,7 @@ def test_simulate_rejects_impossible_parameters(
     code = main(
         [
             "analyze",
-            "simulate",
+            "what-if",
             str(log),
             "--iteration-ms",
             "10",
@@ -159,7 +159,7 @@ def test_simulate_rejects_impossible_parameters(
 def test_malformed_inputs_name_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     log = tmp_path / "m.bk.log"
     log.write_text("c\n1\n2\n100,4000\n2x0,8000\n")
-    assert main(["analyze", "simulate", str(log), "--iteration-ms", "10"]) == 2
+    assert main(["analyze", "what-if", str(log), "--iteration-ms", "10"]) == 2
     assert f"{log}:5:" in capsys.readouterr().err
     bad = tmp_path / "sim.json"
     bad.write_text('{"format": "thinwire.profile/1"}')
@@ -171,9 +171,7 @@ def test_malformed_inputs_name_file_and_line(tmp_path: Path, capsys: pytest.Capt
     link.write_text(json.dumps({"format": "thinwire.link/1", "fit": fit}))
     prof = tmp_path / "p.bk.log"
     prof.write_text("c\n1\n2\n100,4000\n200,8000\n")
-    assert (
-        main(["analyze", "simulate", str(prof), "--iteration-ms", "10", "--link", str(link)]) == 2
-    )
+    assert main(["analyze", "what-if", str(prof), "--iteration-ms", "10", "--link", str(link)]) == 2
     assert "fit.onebit_latency must be a list of [bytes > 0, seconds >= 0] pairs" in (
         capsys.readouterr().err
     )
@@ -187,7 +185,7 @@ def test_bench_fits_a_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
         main(
             [
                 "analyze",
-                "bench",
+                "fit",
                 "--workers",
                 "2",
                 "--min-bytes",
@@ -217,7 +215,7 @@ def test_bench_fits_a_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     profile = ["analyze", "profile", "--model", "tiny", "--batch-size", "2", "--warmup", "1"]
     assert main([*profile, "--steps", "1", "-o", str(prof)]) == 0
     sim = tmp_path / "sim.json"
-    argv = ["analyze", "simulate", str(prof), "--workers", "4", "--link", str(out)]
+    argv = ["analyze", "what-if", str(prof), "--workers", "4", "--link", str(out)]
     assert main([*argv, "--scheme", "onebit", "-o", str(sim)]) == 0
     config = json.loads(sim.read_text())["result"]["config"]
     assert config["onebit_latency"] == fit["onebit_latency"]

@@ -12,7 +12,7 @@ from thinwire.cli.main import main as thinwire
 
 
 def main(args: list[str]) -> int:
-    return thinwire(["compare-async", *args])
+    return thinwire(["compare", "--async", *args])
 
 
 SMALL = TINY_FLAGS

@@ -111,7 +111,7 @@ def test_unwritable_out_of_every_command(
     commands = [
         ["train", *SMALL, "--steps", "2", "--out", bad],
         ["demo", "--steps", "2", "--out", bad, "--no-testbed"],
-        ["simulate", "async", "--steps", "2", "--out", bad],
+        ["simulate", "--steps", "2", "--out", bad],
         ["bench", "allreduce", "--workers", "2", "--out", bad],
         ["analyze", "report", str(tmp_path / "absent.json"), "--plots", bad],
         ["testbed", "run", "--logs", bad, "--", "true"],
@@ -128,7 +128,7 @@ def test_analyze_output_that_is_a_directory_or_under_a_file(
     afile = tmp_path / "afile"
     afile.write_text("x")
     for out in (tmp_path, afile / "p.json"):
-        for verb in (["profile", "--steps", "1"], ["bench"]):
+        for verb in (["profile", "--steps", "1"], ["fit"]):
             err = _error(["analyze", *verb, "-o", str(out)], capsys)
             assert "is a directory" in err or "is a file" in err, err
 
@@ -160,16 +160,16 @@ def test_analyze_json_inputs(
     bad.write_bytes(content)
     prof = _profile(tmp_path)
     out = str(tmp_path / "s.json")
-    assert message in _error(["analyze", "simulate", str(bad), "-o", out], capsys)
+    assert message in _error(["analyze", "what-if", str(bad), "-o", out], capsys)
     assert message in _error(["analyze", "report", str(bad)], capsys)
-    link = ["analyze", "simulate", str(prof), "--link", str(bad), "-o", out]
+    link = ["analyze", "what-if", str(prof), "--link", str(bad), "-o", out]
     assert message in _error(link, capsys)
 
 
 def test_analyze_wrongly_typed_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prof = _profile(tmp_path)
     sim = tmp_path / "sim.json"
-    assert main(["analyze", "simulate", str(prof), "--reduction", "none", "-o", str(sim)]) == 0
+    assert main(["analyze", "what-if", str(prof), "--reduction", "none", "-o", str(sim)]) == 0
     capsys.readouterr()
     good = json.loads(sim.read_text())
     for key in ("profile", "result", "needed", "alternatives", "sweeps", "buckets", "target"):
@@ -181,12 +181,12 @@ def test_analyze_wrongly_typed_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     for fit in (None, {"bandwidth_gbps": "fast", "alpha_per_message_s": 0}, {}):
         link = tmp_path / "link.json"
         link.write_text(json.dumps({"format": "thinwire.link/1", "fit": fit}))
-        args = ["analyze", "simulate", str(prof), "--link", str(link), "-o", str(sim)]
+        args = ["analyze", "what-if", str(prof), "--link", str(link), "-o", str(sim)]
         assert "fit" in _error(args, capsys)
     raw = json.loads(prof.read_text())
     for meta in ("x", {"onebit_codec_s_per_byte": "y"}, {"add_cost": 3}):
         (tmp_path / "p.json").write_text(json.dumps(raw | {"meta": meta}))
-        args = ["analyze", "simulate", str(tmp_path / "p.json"), "-o", str(sim)]
+        args = ["analyze", "what-if", str(tmp_path / "p.json"), "-o", str(sim)]
         assert "meta" in _error(args, capsys)
 
 
@@ -198,7 +198,7 @@ def test_a_model_with_nothing_to_communicate(
     for params in ([], [ParamTiming("frozen", 0, 4000, ready_s=None)]):
         prof = _profile(tmp_path, params)
         sim = tmp_path / "s.json"
-        assert main(["analyze", "simulate", str(prof), "--reduction", "none", "-o", str(sim)]) == 0
+        assert main(["analyze", "what-if", str(prof), "--reduction", "none", "-o", str(sim)]) == 0
         out = capsys.readouterr().out
         assert "nothing to communicate" in out and "scaling factor" not in out
         assert main(["analyze", "report", str(sim)]) == 0
@@ -211,7 +211,7 @@ def test_memory_estimates_refuse_absurd_sizes(
     out = str(tmp_path / "p.json")
     err = _error(["analyze", "profile", "--batch-size", "100000", "-o", out], capsys)
     assert "GiB of memory" in err and "smaller --batch-size" in err
-    err = _error(["analyze", "bench", "--max-bytes", "65536G", "-o", out], capsys)
+    err = _error(["analyze", "fit", "--max-bytes", "65536G", "-o", out], capsys)
     assert "GiB of memory" in err and "smaller --max-bytes" in err
     assert not Path(out).exists()
 
@@ -229,7 +229,7 @@ def test_memory_estimates_refuse_absurd_sizes(
 def test_simulate_async_nonsense(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
-    args = ["simulate", "async", "--steps", "2", *flags, "--out", str(tmp_path / "s")]
+    args = ["simulate", "--steps", "2", *flags, "--out", str(tmp_path / "s")]
     assert message in _error(args, capsys)
 
 

@@ -283,6 +283,6 @@ def test_failed_build_says_why_and_leaves_nothing(
         native.build()
     from thinwire.cli.main import main as thinwire
 
-    assert thinwire(["native", "build", "packing"]) == 1
+    assert thinwire(["bench", "native", "build", "packing"]) == 1
     assert native.load() is None and native.unavailable_reason() == "not built for this machine"
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no half-written library

@@ -5,8 +5,8 @@ A seeded generator (no new dependency, the same cases on every run) mutates vali
 at two levels: the JSON tree (a value swapped for another type, a key dropped or added,
 a list emptied, a number made huge, negative or non-finite) and the bytes (truncated, a
 byte flipped, invalid UTF-8, nesting deeper than the parser allows). Each mutant goes
-through the command a user would run, in-process: ``analyze simulate`` for profiles and
-``.bk.log`` files, ``analyze report`` for simulations, ``simulate --link`` for link fits.
+through the command a user would run, in-process: ``analyze what-if`` for profiles and
+``.bk.log`` files, ``analyze report`` for simulations, ``what-if --link`` for link fits.
 """
 
 from __future__ import annotations
@@ -149,10 +149,10 @@ def test_any_profile_simulates_or_is_one_line(
 ) -> None:
     path, out = tmp_path / "p.json", tmp_path / "s.json"
     path.write_text(json.dumps(PROFILE))
-    assert main(["analyze", "simulate", str(path), "--workers", "4", "-o", str(out)]) == 0
+    assert main(["analyze", "what-if", str(path), "--workers", "4", "-o", str(out)]) == 0
     for seed in SEEDS:
         path.write_bytes(_mutant(PROFILE, seed))
-        argv = ["analyze", "simulate", str(path), "--workers", "4", "-o", str(out)]
+        argv = ["analyze", "what-if", str(path), "--workers", "4", "-o", str(out)]
         _holds(argv, capsys, f"profile mutant {seed}")
 
 
@@ -162,7 +162,7 @@ def test_any_simulation_reports_or_is_one_line(
 ) -> None:
     prof, sim = tmp_path / "p.json", tmp_path / "s.json"
     prof.write_text(json.dumps(PROFILE))
-    assert main(["analyze", "simulate", str(prof), "--workers", "4", "-o", str(sim)]) == 0
+    assert main(["analyze", "what-if", str(prof), "--workers", "4", "-o", str(sim)]) == 0
     valid = json.loads(sim.read_text())
     capsys.readouterr()
     for seed in SEEDS:
@@ -178,7 +178,7 @@ def test_any_link_fit_is_used_or_is_one_line(
     prof.write_text(json.dumps(PROFILE))
     for seed in SEEDS:
         link.write_bytes(_mutant(LINK, seed))
-        argv = ["analyze", "simulate", str(prof), "--workers", "4", "--link", str(link)]
+        argv = ["analyze", "what-if", str(prof), "--workers", "4", "--link", str(link)]
         _holds([*argv, "-o", str(out)], capsys, f"link mutant {seed}")
 
 
@@ -190,7 +190,7 @@ def test_any_bklog_simulates_or_is_one_line(
     rows = "".join(f"{90.5 * i:.3f},{4096 * (i + 1)}\n" for i in range(12))
     valid = f"comment\n1\n12\n{rows}"
     path.write_text(valid)
-    argv = ["analyze", "simulate", str(path), "--workers", "4", "--iteration-ms", "50"]
+    argv = ["analyze", "what-if", str(path), "--workers", "4", "--iteration-ms", "50"]
     assert main([*argv, "-o", str(out)]) == 0
     for seed in SEEDS:
         path.write_bytes(_mutate_bytes(valid, random.Random(seed)))

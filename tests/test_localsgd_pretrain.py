@@ -248,7 +248,7 @@ def test_the_simulate_command_pretrains_and_says_so(
 ) -> None:
     from thinwire.cli.main import main
 
-    common = ["simulate", "async", "--methods", "dn", "--seconds-per-step", "1,3"]
+    common = ["simulate", "--methods", "dn", "--seconds-per-step", "1,3"]
     common += ["--local-steps", "2", "--steps", "4", "--model", "tiny", "--batch-size", "2"]
     common += ["--eval-points", "2"]
     out = tmp_path / "sim"

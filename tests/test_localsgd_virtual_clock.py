@@ -157,7 +157,6 @@ def test_cli_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
     rc = main(
         [
             "simulate",
-            "async",
             "--methods",
             "sync,dn",
             "--seconds-per-step",
@@ -185,11 +184,11 @@ def test_cli_writes_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
     assert blob["summary"]["best"]["sync"]["loss_vs_sync"] == 1.0
     assert (tmp_path / "loss_vs_time.png").exists()
     assert "speed-up" in capsys.readouterr().out
-    assert main(["simulate", "async", "--seconds-per-step", "1,x", "--out", str(tmp_path)]) == 2
+    assert main(["simulate", "--seconds-per-step", "1,x", "--out", str(tmp_path)]) == 2
 
 
 def test_cli_inner_momentum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["simulate", "async", "--inner-momentum", "reset", "--out", str(tmp_path)])
+    rc = main(["simulate", "--inner-momentum", "reset", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "unknown inner-state rule 'reset'" in err

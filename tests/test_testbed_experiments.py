@@ -185,13 +185,13 @@ def test_onebit_lamb_on_two_hosts(tmp_path: Path) -> None:
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 @pytest.mark.timeout(180)
 def test_testbed_compare_is_the_comparison_driver_on_hosts(tmp_path: Path) -> None:
-    """``thinwire testbed compare``: the one driver, its runs on 2 hosts, ratios against
+    """``thinwire compare --testbed``: the one driver, its runs on 2 hosts, ratios against
     the first, the stages split at the 1-bit run's freeze, NIC bytes, one figure."""
     from thinwire.cli.main import main
 
     tiny = TINY_FLAGS
     out = tmp_path / "cmp"
-    argv = ["testbed", "compare", "--algos", "lamb", "onebit-lamb@freeze_step=3", "--hosts", "2"]
+    argv = ["compare", "--testbed", "--algos", "lamb", "onebit-lamb@freeze_step=3", "--hosts", "2"]
     argv += ["--rates", "1gbit", "--steps", "8", "--batch-size", "2", "--warmup-steps", "2"]
     argv += ["--eval-interval", "4", "--eval-sequences", "4", "--checkpoint-interval", "0"]
     assert main([*argv, *tiny, "--out", str(out)]) == 0

@@ -129,7 +129,7 @@ def test_analyze_simulate_takes_a_measured_round_trip(
 ) -> None:
     log = tmp_path / "m.bk.log"
     log.write_text("c\n1\n2\n100,4000\n200,8000\n")
-    base = ["analyze", "simulate", str(log), "--iteration-ms", "10", "--reduction", "none"]
+    base = ["analyze", "what-if", str(log), "--iteration-ms", "10", "--reduction", "none"]
     base += ["--workers", "4", "--bandwidth-gbps", "1"]
     sims = {}
     for name, extra in (

@@ -149,8 +149,8 @@ def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["bench", "allreduce", "--max-size=-64MiB"], "--max-size: size '-64MiB' is negative"),
         (["bench", "allreduce", "--max-size", "0"], "--max-size: size '0' is zero"),
         (["bench", "packing", "--numel", "10M,1e6"], "--numel: cannot read element count '1e6'"),
-        (["analyze", "bench", "--max-bytes", "nan"], "--max-bytes: size 'nan' is not a finite"),
-        (["analyze", "bench", "--min-bytes", "0.5"], "--min-bytes: size '0.5' is 0.5 bytes"),
+        (["analyze", "fit", "--max-bytes", "nan"], "--max-bytes: size 'nan' is not a finite"),
+        (["analyze", "fit", "--min-bytes", "0.5"], "--min-bytes: size '0.5' is 0.5 bytes"),
         (
             ["analyze", "validate", "--fit-min-bytes", "64KiBs"],
             "--fit-min-bytes: cannot read size '64KiBs'",
@@ -172,7 +172,7 @@ def test_analyze_bench_takes_decimals_and_si_units(
 ) -> None:
     # the memory check, which runs before any rank starts, names the size it was given
     out = str(tmp_path / "link.json")
-    err = _one_line_error(["analyze", "bench", "--max-bytes", "16384GB", "-o", out], capsys)
+    err = _one_line_error(["analyze", "fit", "--max-bytes", "16384GB", "-o", out], capsys)
     assert "smaller --max-bytes" in err and "16,384,000,000,000 bytes" in err
-    err = _one_line_error(["analyze", "bench", "--max-bytes", "65536.5G", "-o", out], capsys)
+    err = _one_line_error(["analyze", "fit", "--max-bytes", "65536.5G", "-o", out], capsys)
     assert f"{65536 * GIB + GIB // 2:,} bytes" in err

@@ -12,7 +12,7 @@ need a quiet machine (root, the delay line built: ``make install``)::
 The other questions are answered by thinwire's own commands on a delayed testbed::
 
     # step times of DDP, PowerSGD and 1-bit LAMB at 50 ms (run it without --delay too)
-    thinwire testbed compare --algos adamw adamw-powersgd onebit-lamb --hosts 4 \\
+    thinwire compare --testbed --algos adamw adamw-powersgd onebit-lamb --hosts 4 \\
         --rates 100mbit --model tiny --steps 40 --delay 50ms --out runs/wan/steps-50ms
 
     # the analyzer's predicted step against the measured one, fp32 DDP, 1-bit, DiLoCo
@@ -20,13 +20,13 @@ The other questions are answered by thinwire's own commands on a delayed testbed
 
     # asynchronous Local-SGD (DN + DyLU) against synchronous DiLoCo, 5 hosts, the
     # slowest worker's host far away
-    thinwire compare-async --methods sync,dn-dylu --hosts 5 \\
+    thinwire compare --async --methods sync,dn-dylu --testbed --hosts 5 \\
         --rate 100mbit --delay 10ms,10ms,10ms,10ms,150ms --out runs/wan/async
 
 What it needs and costs (estimates on the 2-core machine): ``pieces`` ~2 min per delay
 (5 piece counts x (2 warm-up + 5 timed calls) of 16 MiB at 100 Mbit/s, 4 hosts); the
 comparison ~2-5 min per algorithm and delay at 40 steps of the tiny model;
-``compare-async`` ~5-10 min per method.
+``compare --async`` ~5-10 min per method.
 """
 
 from __future__ import annotations

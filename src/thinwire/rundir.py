@@ -5,7 +5,7 @@ written (a file where a directory should be, no permission, a read-only or full 
 system) fails in one line before minutes of work, not with a traceback after them:
 
 * :func:`writable_dir` for an output directory (``thinwire train --out``,
-  ``bench allreduce --out``, ``simulate async --out``, ``testbed run --logs``);
+  ``bench allreduce --out``, ``simulate --out``, ``testbed run --logs``);
 * :func:`writable_file` for an output file (``analyze ... -o FILE``).
 
 :func:`existing_run` and :func:`refuse_existing_run` keep a new run from overwriting

@@ -1,7 +1,7 @@
 """Byte sizes and element counts as the command line takes them: ``64MiB``, ``1.5M``, ``10M``.
 
 This is the one parser of sizes in thinwire. Every flag that takes a number of bytes
-(``bench allreduce --min-size/--max-size``, ``analyze bench --min-bytes/--max-bytes``,
+(``bench allreduce --min-size/--max-size``, ``analyze fit --min-bytes/--max-bytes``,
 the testbed's ``--buffer``) reads it with :func:`parse_size`, so a spelling means the
 same thing everywhere.
 

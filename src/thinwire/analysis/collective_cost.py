@@ -30,7 +30,7 @@ about ``2 (n-1)/n * S/32`` bytes per worker (the implementation's own count, wit
 padding, scales and metadata) and three collectives in sequence (metadata, phase 1,
 phase 2), each one step over a WAN (the collective sends phase 2 and the metadata as a
 fan-out there), so ``3 alpha`` plus the wire, the same reductions and the codec. Its
-all_to_alls are not ring messages, though: where ``analyze bench`` measured the call
+all_to_alls are not ring messages, though: where ``analyze fit`` measured the call
 (``NetworkConfig.onebit_latency``, per message size), :func:`onebit_wait` of it replaces
 ``3 alpha``.
 
@@ -118,7 +118,7 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
         # The implementation's own count: padded sign bits of both phases + scales/meta.
         wire = float(onebit_wire_bytes(math.ceil(nbytes / 4), n, cfg.onebit_block))
         network = 8 * wire / cfg.bandwidth_bps
-        if cfg.onebit_latency:  # measured on the link (analyze bench)
+        if cfg.onebit_latency:  # measured on the link (analyze fit)
             latency = onebit_wait(cfg.onebit_latency, nbytes)
         else:  # three one-step collectives in sequence
             latency = ONEBIT_COLLECTIVES * cfg.alpha_s

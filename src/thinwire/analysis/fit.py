@@ -42,7 +42,7 @@ __all__ = ["LinkFit", "bench_link", "fit_link"]
 
 @dataclass(frozen=True)
 class LinkFit:
-    """A fitted link: what ``analyze simulate --link`` reads."""
+    """A fitted link: what ``analyze what-if --link`` reads."""
 
     alpha_s: float
     """Latency of a small allreduce: its ``2 (n-1)`` messages' round trips together."""

@@ -1,9 +1,9 @@
 """The files the network analysis reads and writes, checked as they are read.
 
-* ``thinwire.link/1``: a fitted link (``thinwire analyze bench``): ``{"format":
+* ``thinwire.link/1``: a fitted link (``thinwire analyze fit``): ``{"format":
   "thinwire.link/1", "fit": {...}, "rows": [...]}``; :func:`link_document` builds it,
   :func:`load_link` reads its ``fit`` back.
-* a simulation (``thinwire analyze simulate``, format
+* a simulation (``thinwire analyze what-if``, format
   :data:`~thinwire.analysis.study.SIMULATION_FORMAT`): :func:`load_study`.
 * the cost of adding gradients, from a profile or a vec-add table: :func:`reduction_cost`.
 
@@ -84,14 +84,14 @@ def read_json(path: str | Path, what: str) -> Any:
 
 
 def load_link(path: str) -> dict[str, Any]:
-    """The ``fit`` of a ``thinwire.link/1`` file (``thinwire analyze bench``), checked."""
+    """The ``fit`` of a ``thinwire.link/1`` file (``thinwire analyze fit``), checked."""
     data = read_json(path, "link fit")
     if not isinstance(data, dict) or data.get("format") != LINK_FORMAT:
-        raise ConfigError(f"{path}:1: not a thinwire link fit (run thinwire analyze bench)")
+        raise ConfigError(f"{path}:1: not a thinwire link fit (run thinwire analyze fit)")
     fit = data.get("fit")
     if not isinstance(fit, dict):
         raise ConfigError(
-            f"{path}: the link fit lacks its 'fit' object; re-run thinwire analyze bench"
+            f"{path}: the link fit lacks its 'fit' object; re-run thinwire analyze fit"
         )
     for key in ("bandwidth_gbps", "alpha_per_message_s"):
         value = fit.get(key)
@@ -139,13 +139,13 @@ def reduction_cost(choice: str, profile_path: Path, meta: dict[str, Any]) -> Any
 
 
 def load_study(path: str) -> dict[str, Any]:
-    """A ``thinwire analyze simulate`` result, with its top-level fields checked."""
+    """A ``thinwire analyze what-if`` result, with its top-level fields checked."""
     from thinwire.analysis.study import SIMULATION_FORMAT
 
     data = read_json(path, "simulation")
     if not isinstance(data, dict) or data.get("format") != SIMULATION_FORMAT:
         raise ConfigError(
-            f"{path}:1: not a thinwire simulation (run thinwire analyze simulate first)"
+            f"{path}:1: not a thinwire simulation (run thinwire analyze what-if first)"
         )
     types = {
         "profile": dict,
@@ -158,7 +158,7 @@ def load_study(path: str) -> dict[str, Any]:
     }
     for key, kind in types.items():
         if key not in data:
-            raise ConfigError(f"{path}: simulation lacks {key!r}; re-run thinwire analyze simulate")
+            raise ConfigError(f"{path}: simulation lacks {key!r}; re-run thinwire analyze what-if")
         if not isinstance(data[key], kind) or isinstance(data[key], bool):
             raise ConfigError(
                 f"{path}: simulation field {key!r} has the wrong type; re-run thinwire analyze "

@@ -31,7 +31,7 @@ short, for a ring of ``S`` bytes on links of ``B`` bit/s with latency ``alpha``:
 ``c`` divides only the network term. ``alpha = 0``, ``codec = 0``, one channel and the
 paper's vector-add table reproduce the paper. The 1-bit allreduce sends about
 ``2 (n-1)/n * S/32`` bytes in three one-step collectives (``3 alpha``, or the wait
-``analyze bench`` measured); overlapped it is the 1-bit comm hook
+``analyze fit`` measured); overlapped it is the 1-bit comm hook
 (:mod:`thinwire.comm.onebit_hook`: one thread, so one channel whatever ``concurrency``), with
 ``overlap=False`` 1-bit Adam/LAMB's one exchange after backward. ``localsgd``: workers
 step alone and all-reduce the model every ``local_steps`` = H steps, after the step
@@ -88,7 +88,7 @@ class NetworkConfig:
     workers: int = 8
     """Data-parallel workers n (>= 1). The paper's clusters: 16, 32, 64 GPUs."""
     bandwidth_gbps: float = 10.0
-    """Per-worker link rate B in Gbit/s (> 0). Use the fitted rate of ``analyze bench``."""
+    """Per-worker link rate B in Gbit/s (> 0). Use the fitted rate of ``analyze fit``."""
     alpha_s: float = 0.0
     """Latency per message in seconds (>= 0): with gloo a round trip between hosts. A
     small ring waits for ``2 (n-1)`` of them, overlapped with its wire time."""
@@ -112,7 +112,7 @@ class NetworkConfig:
     """Link rate between the workers of one node (NVLink ~ 800-2400, PCIe ~ 100-250)."""
     onebit_latency: tuple[tuple[float, float], ...] = ()
     """(message bytes, seconds >= 0): what a 1-bit allreduce call waited on the network
-    beyond its wire time, per size (``analyze bench`` measures it:
+    beyond its wire time, per size (``analyze fit`` measures it:
     ``LinkFit.onebit_latency``). Empty: three messages' latency, ``3 * alpha`` (its
     three one-step collectives)."""
     onebit_block: int | None = DEFAULT_BLOCK

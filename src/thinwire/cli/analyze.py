@@ -4,11 +4,13 @@ Four verbs, each writing the JSON the next one reads::
 
     thinwire analyze profile --model small --batch-size 8 -o profile.json
     thinwire analyze profile --model mypkg.models:make_bert -o profile.json   # your model
-    thinwire analyze bench --workers 2 -o link.json            # optional: fit a link
-    thinwire analyze simulate profile.json --workers 4 --bandwidth-gbps 1 -o sim.json
+    thinwire analyze fit --workers 2 -o link.json              # optional: fit a link
+    thinwire analyze what-if profile.json --workers 4 --bandwidth-gbps 1 -o sim.json
     thinwire analyze report sim.json --plots plots/
 
-``simulate`` also reads the paper's ``.bk.log`` profiles directly.
+``what-if`` also reads the paper's ``.bk.log`` profiles directly. ``validate`` checks the
+prediction against steps measured on the testbed. ``analyze bench`` and ``analyze
+simulate``, the old spellings of ``fit`` and ``what-if``, still work.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from thinwire.analysis.formats import link_document, load_link, load_study, reduction_cost
 from thinwire.analysis.memory import check_bench_memory, check_profile_memory
 from thinwire.cli.analyze_validate import add_validate_verb
+from thinwire.cli.parser import add_moved
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.rundir import writable_dir, writable_file
@@ -105,7 +108,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _cmd_fit(args: argparse.Namespace) -> int:
     from thinwire.analysis.fit import bench_link
     from thinwire.analysis.report import fmt_bytes, fmt_rate, fmt_time
 
@@ -140,7 +143,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
+def _cmd_what_if(args: argparse.Namespace) -> int:
     from thinwire.analysis.bklog import read_bklog
     from thinwire.analysis.buckets import make_buckets
     from thinwire.analysis.costs import measure_codec_cost
@@ -253,7 +256,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         # Deeper fields than load_study checks: a file edited by hand, or of another version.
         raise ConfigError(
             f"{args.simulation}: malformed simulation ({type(exc).__name__}: {exc}); re-run "
-            "thinwire analyze simulate"
+            "thinwire analyze what-if"
         ) from None
     print(text)
     if args.plots:
@@ -275,17 +278,34 @@ def _number(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``thinwire analyze profile|bench|simulate|report``."""
+    """Add ``thinwire analyze validate|profile|fit|what-if|report``, and ``bench`` and
+    ``simulate``, the hidden old spellings of ``fit`` and ``what-if``."""
     p = subparsers.add_parser(
         "analyze",
-        help="is the network the bottleneck? profile, simulate, report",
+        help="is the network the bottleneck? profile, fit, what-if, report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     add_validate_verb(verbs)
+    _add_profile_arguments(
+        verbs.add_parser("profile", help="time one worker's step and gradient ready times")
+    )
+    fit_help = "measure allreduce times and fit latency + bandwidth"
+    _add_fit_arguments(verbs.add_parser("fit", help=fit_help, description=fit_help))
+    _add_fit_arguments(add_moved(verbs, "bench", "thinwire analyze fit", description=fit_help))
+    what_if_help = "predict the step on another network"
+    _add_what_if_arguments(verbs.add_parser("what-if", help=what_if_help, description=what_if_help))
+    _add_what_if_arguments(
+        add_moved(verbs, "simulate", "thinwire analyze what-if", description=what_if_help)
+    )
+    rp = verbs.add_parser("report", help="the one-screen answer, and plots")
+    rp.add_argument("simulation", help="sim.json from 'analyze what-if'")
+    rp.add_argument("--plots", metavar="DIR", help="write the four PNG figures here")
+    rp.set_defaults(func=_cmd_report)
 
-    pr = verbs.add_parser("profile", help="time one worker's step and gradient ready times")
+
+def _add_profile_arguments(pr: argparse.ArgumentParser) -> None:
     pr.add_argument(
         "--model",
         default="tiny",
@@ -313,7 +333,9 @@ def register(subparsers: Any) -> None:
     pr.add_argument("-o", "--out", default="profile.json")
     pr.set_defaults(func=_cmd_profile)
 
-    be = verbs.add_parser("bench", help="measure allreduce times and fit latency + bandwidth")
+
+def _add_fit_arguments(be: argparse.ArgumentParser) -> None:
+    """``analyze fit`` (old spelling: ``analyze bench``)."""
     be.add_argument("--workers", type=int, default=2, help="local ranks if not under torchrun")
     # sizes are read by thinwire.units.parse_size when the verb runs, so that a bad one is
     # the usual one-line error naming the flag
@@ -328,9 +350,12 @@ def register(subparsers: Any) -> None:
     be.add_argument("--warmup", type=int, default=3)
     be.add_argument("--iters", type=int, default=10)
     be.add_argument("-o", "--out", default="link.json")
-    be.set_defaults(func=_cmd_bench)
+    be.set_defaults(func=_cmd_fit)
 
-    si = verbs.add_parser("simulate", help="predict the step on another network")
+
+def _add_what_if_arguments(si: argparse.ArgumentParser) -> None:
+    """``analyze what-if`` (old spelling: ``analyze simulate``): the network, then how the
+    gradients are sent (:func:`_add_sending_arguments`)."""
     si.add_argument("profile", help="profile.json from 'analyze profile', or a paper .bk.log")
     si.add_argument("--workers", type=int, default=8, help="data-parallel workers n (>= 1)")
     si.add_argument(
@@ -361,7 +386,19 @@ def register(subparsers: Any) -> None:
     si.add_argument(
         "--intra-node-gbps", type=_number, default=800.0, help="link rate inside a node"
     )
-    si.add_argument("--link", help="link.json from 'analyze bench' (bandwidth and alpha)")
+    si.add_argument("--link", help="link.json from 'analyze fit' (bandwidth and alpha)")
+    _add_sending_arguments(si)
+    si.add_argument(
+        "--iteration-ms", type=float, default=None, help="override the single-worker iteration time"
+    )
+    si.add_argument("--target", type=float, default=0.9, help="target scaling factor (0, 1]")
+    si.add_argument("-o", "--out", default="sim.json")
+    si.set_defaults(func=_cmd_what_if)
+
+
+def _add_sending_arguments(si: argparse.ArgumentParser) -> None:
+    """The what-if options of how gradients are sent: compression, scheme, buckets, and
+    the costs of the adds and of the codec."""
     si.add_argument(
         "--compression",
         type=_number,
@@ -409,14 +446,3 @@ def register(subparsers: Any) -> None:
         help="charge the compute of thinwire's 1-bit allreduce (measured at profile "
         "time, else now)",
     )
-    si.add_argument(
-        "--iteration-ms", type=float, default=None, help="override the single-worker iteration time"
-    )
-    si.add_argument("--target", type=float, default=0.9, help="target scaling factor (0, 1]")
-    si.add_argument("-o", "--out", default="sim.json")
-    si.set_defaults(func=_cmd_simulate)
-
-    rp = verbs.add_parser("report", help="the one-screen answer, and plots")
-    rp.add_argument("simulation", help="sim.json from 'analyze simulate'")
-    rp.add_argument("--plots", metavar="DIR", help="write the four PNG figures here")
-    rp.set_defaults(func=_cmd_report)

@@ -15,6 +15,10 @@ allreduce, in one process (:mod:`thinwire.comm.bench_packing`).
 
 ``thinwire bench zoo`` holds every piece to its uncompressed baseline on a zoo of models
 (:mod:`thinwire.cli.bench_zoo`).
+
+``thinwire bench native build|status`` builds (or says whether it built) what thinwire
+compiles for this machine: the packing kernels and the testbed's delay line
+(:mod:`thinwire.cli.native`; ``thinwire native`` is its old spelling).
 """
 
 from __future__ import annotations
@@ -180,8 +184,23 @@ def run_packing(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="measure collectives")
+    """Add ``thinwire bench allreduce|packing|zoo|native``, and ``native``, the hidden old
+    spelling of ``bench native``, to the top-level commands."""
+    from thinwire.cli.bench_zoo import add_parser
+    from thinwire.cli.native import add_native_parser
+
+    parser = subparsers.add_parser(
+        "bench", help="measure collectives, packing, the zoo; build native kernels"
+    )
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    _add_allreduce(sub)
+    _add_packing(sub)
+    add_parser(sub)
+    add_native_parser(sub)
+    add_native_parser(subparsers, moved_to="thinwire bench native")
+
+
+def _add_allreduce(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "allreduce",
         help="time allreduce methods over message sizes (nccl-tests style)",
@@ -226,6 +245,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=run)
 
+
+def _add_packing(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser(
         "packing",
         help="bit packing vs numpy, and the compute cost of one 1-bit allreduce",
@@ -247,7 +268,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="wall time, or process CPU time (robust on a busy shared machine)",
     )
     q.set_defaults(func=run_packing)
-
-    from thinwire.cli.bench_zoo import add_parser
-
-    add_parser(sub)

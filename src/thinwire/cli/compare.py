@@ -1,27 +1,45 @@
-"""``thinwire compare``: several algorithms on the same settings, side by side.
+"""``thinwire compare``: every comparison, on the same settings, side by side.
 
-Takes every ``thinwire train`` option (``--lr``, ``--model``, ``--freeze-step``,
-``--config FILE``, ...) as the shared base of the runs and ``--algos`` as the run specs
-(``ALGO`` or ``ALGO@key=value,...``); prints the comparison table and writes
-``comparison.json`` and ``comparison.png`` to ``--out``. Without ``--lr`` (on the command
-line or in the file), each algorithm trains at its own tuned peak lr.
+Two choices make the mode, and each mode has options of its own (``--help`` after the
+mode's flags lists them):
+
+* what: synchronous training algorithms (the default): ``--algos`` run specs (``ALGO``
+  or ``ALGO@key=value,...``) over every ``thinwire train`` option (``--lr``, ``--model``,
+  ``--freeze-step``, ``--config FILE``, ...) as the shared base of the runs; or
+  ``--async``: asynchronous Local-SGD methods against sync DiLoCo, ``--methods
+  sync,naive,dn,dn-dylu`` with ``--slowdown`` factors per worker (what ``thinwire compare
+  --async --help`` lists);
+* where: local processes (the default), or ``--testbed``: emulated hosts joined by
+  rate-limited links, with ``--hosts``, ``--rates``, ``--delay``, ``--jitter``, ``--loss``
+  ... (needs root; ``thinwire compare --testbed --help``).
+
+Prints the comparison table. Synchronous algorithms write ``comparison.json`` and
+``comparison.png`` to ``--out`` (on the testbed, one of each per round, and
+``compare.json``); without ``--lr`` (on the command line or in the file), each algorithm
+trains at its own tuned peak lr.
 
 Examples::
 
     thinwire compare --algos lamb onebit-lamb --workers 4 --steps 300
     thinwire compare --algos lamb@lr=0.01 lamb@lr=0.02 onebit-lamb --out runs/sweep
-
-``thinwire testbed compare`` takes the same options and runs on emulated hosts joined by
-slow links (see :mod:`thinwire.cli.testbed_tools`).
+    thinwire compare --testbed --algos lamb onebit-lamb --hosts 4 --rates 100mbit,1gbit
+    thinwire compare --testbed --algos adamw onebit-lamb --rates 100mbit --delay 50ms
+    thinwire compare --async --methods sync,naive,dn,dn-dylu --steps 200 \\
+        --slowdown 1,1.29,2.6,5.74 --out runs/async
+    thinwire compare --async --methods sync,dn-dylu --testbed --rate 100mbit \\
+        --delay 10ms,10ms,10ms,10ms,150ms
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+from argparse import ArgumentParser
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from thinwire.cli.parser import CommandParser, add_moved
 from thinwire.cli.train import add_train_arguments
 from thinwire.cli.train_config import EXPLICIT, config_from_args
 from thinwire.train.compare import compare, parse_run_spec, tuned_lrs
@@ -32,8 +50,9 @@ from thinwire.train.config_file import read_config_file
 __all__ = ["add_compare_arguments", "base_and_lrs", "register"]
 
 
-def add_compare_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``thinwire train`` options plus the run specs and the comparison's own."""
+def add_compare_arguments(p: ArgumentParser) -> None:
+    """The ``thinwire train`` options plus the run specs and the comparison's own: the
+    options of ``thinwire compare`` (without ``--async``)."""
     add_train_arguments(p)
     p.add_argument(
         "--algos",
@@ -60,16 +79,65 @@ def base_and_lrs(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, float
     return base, None if lr_given else tuned_lrs(args.algos)
 
 
+def _mode_parser(
+    prog: str, description: str | None, add_arguments: Callable[[ArgumentParser], None]
+) -> ArgumentParser:
+    """The parser of one mode of ``thinwire compare``, e.g. ``thinwire compare --async``."""
+    p = CommandParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        conflict_handler="resolve",  # --algos replaces --algo, --hosts replaces --workers
+    )
+    add_arguments(p)
+    return p
+
+
 def register(sub: Any) -> None:
+    """Add ``thinwire compare`` with its modes, and ``compare-async``, the hidden old
+    spelling of ``compare --async``."""
+    # imported here, not at the top: testbed_tools imports this module for its options
+    from thinwire.cli import async_compare, testbed_tools
+
     p = sub.add_parser(
         "compare",
-        help="train several algorithms on the same settings and compare loss, bytes, time",
+        help="compare algorithms (or --async methods), locally or on --testbed",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         conflict_handler="resolve",  # --algos replaces train's --algo
     )
+    # created first so that the help lists the modes before the many training options
+    modes = p.add_argument_group("modes (each with options of its own: add --help)")
     add_compare_arguments(p)
     p.set_defaults(func=_main)
+    p.add_switch(
+        "--async",
+        _mode_parser(
+            f"{p.prog} --async",
+            async_compare.__doc__,
+            async_compare.add_async_compare_arguments,
+        ),
+        help="asynchronous Local-SGD methods (--methods) instead of --algos",
+        group=modes,
+    )
+    p.add_switch(
+        "--testbed",
+        _mode_parser(
+            f"{p.prog} --testbed",
+            testbed_tools.TESTBED_COMPARE_DOC,
+            testbed_tools.add_testbed_compare_arguments,
+        ),
+        help="on emulated hosts joined by rate-limited links (needs root)",
+        group=modes,
+    )
+    old = add_moved(
+        sub,
+        "compare-async",
+        "thinwire compare --async",
+        description=async_compare.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    async_compare.add_async_compare_arguments(old)
 
 
 def _main(args: argparse.Namespace) -> int:

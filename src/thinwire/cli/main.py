@@ -1,7 +1,9 @@
 """The ``thinwire`` command: one subcommand per module listed in :data:`SUBCOMMANDS`.
 
 Each subcommand module exposes ``register(subparsers) -> None``, which adds its parser
-and sets ``func`` (``func(args) -> int``) as a default. Bad input raises
+and sets ``func`` (``func(args) -> int``) as a default. It also adds the old spellings
+that now lead to its command, hidden from the help (:func:`thinwire.cli.parser.add_moved`:
+``compare-async`` is ``compare --async``, ``native`` is ``bench native``). Bad input raises
 :class:`thinwire.ConfigError`; it is printed as one line and the exit status is 2. A run
 that diverged (:class:`thinwire.DivergedError`) exits with status 3, an interrupted one
 with 130, any other failure with 1.
@@ -17,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from thinwire import __version__
+from thinwire.cli.parser import CommandParser
 from thinwire.comm.launch import DistributedError
 from thinwire.errors import ConfigError, DivergedError
 
@@ -25,23 +28,25 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 SUBCOMMANDS: tuple[str, ...] = (
     "thinwire.cli.train",
     "thinwire.cli.compare",
-    "thinwire.cli.async_compare",
     "thinwire.cli.demo",
     "thinwire.cli.testbed",
     "thinwire.cli.analyze",
     "thinwire.cli.bench",
     "thinwire.cli.simulate",
-    "thinwire.cli.native",
 )
+"""The modules of the top-level commands, in the order ``thinwire --help`` lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The whole command tree; every parser in it is a :class:`CommandParser`."""
+    parser = CommandParser(
         prog="thinwire",
         description="Train across machines joined by slow or uneven networks.",
     )
     parser.add_argument("--version", action="version", version=f"thinwire {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)
     return parser

@@ -1,4 +1,4 @@
-"""``thinwire native build|status``: what thinwire compiles for this machine.
+"""``thinwire bench native build|status``: what thinwire compiles for this machine.
 
 Two pieces, each optional, each built once at set-up (``make install`` builds both):
 
@@ -7,8 +7,9 @@ Two pieces, each optional, each built once at set-up (``make install`` builds bo
 * ``delayline``: the testbed's delay line, a small C program for ``--delay``,
   ``--jitter`` and ``--loss`` (about a second; without it the testbed runs without them).
 
-``thinwire native build`` builds both, ``thinwire native build packing`` one of them;
-the exit status is 1 when one failed.
+``thinwire bench native build`` builds both, ``thinwire bench native build packing`` one
+of them; the exit status is 1 when one failed. ``thinwire native ...``, the old spelling,
+still works.
 """
 
 from __future__ import annotations
@@ -20,20 +21,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from thinwire.cli.parser import add_moved
 from thinwire.errors import ConfigError
 
-__all__ = ["register"]
+__all__ = ["add_native_parser"]
 
 TARGETS = ("packing", "delayline")
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "native",
-        help="build or inspect what thinwire compiles for this machine",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def add_native_parser(sub: Any, moved_to: str | None = None) -> None:
+    """Add ``native build|status`` to ``sub``: ``thinwire bench``'s verbs, or, with
+    ``moved_to``, the top-level commands as the hidden old spelling."""
+    kwargs: dict[str, Any] = dict(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    if moved_to is None:
+        p = sub.add_parser(
+            "native", help="build or inspect what thinwire compiles for this machine", **kwargs
+        )
+    else:
+        p = add_moved(sub, "native", moved_to, **kwargs)
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     b = verbs.add_parser("build", help="compile them (skipped if built); exit 1 if one fails")
     b.add_argument(

@@ -1,4 +1,4 @@
-"""``thinwire simulate async``: heterogeneous Local-SGD workers on a virtual clock.
+"""``thinwire simulate``: heterogeneous asynchronous Local-SGD workers on a virtual clock.
 
 Runs the paper's methods (sync DiLoCo, naive async, Poly, PolyThres, the async buffer,
 Delayed Nesterov, DN+DyLU) on the same inner-step budget and seeds, each at its tuned
@@ -7,7 +7,7 @@ loss (mean and sd over the seeds, ratio to sync) and the simulated time to reach
 final loss. ``--sweep`` tunes: every method runs every setting of its grid on every seed,
 and the best setting per method is reported with the whole grid::
 
-    thinwire simulate async --methods sync,naive,dn,dn-dylu --seeds 0,1,2 \\
+    thinwire simulate --methods sync,naive,dn,dn-dylu --seeds 0,1,2 \\
         --sweep outer-lr=0.1,0.2,0.3,0.5 --sweep naive:outer-lr=0.01,0.02,0.05,0.1
 
 Every method uses the same inner-state rule (``--inner-state``), shards and H. Writes
@@ -18,7 +18,8 @@ rerun reads those back instead of computing them again (an interrupted sweep res
 The simulator takes the same pieces as a real run: thinwire's GPT and text shards as a
 :class:`thinwire.localsgd.Task` (built by :func:`thinwire.train.async_task.gpt_task`),
 one :class:`thinwire.localsgd.AsyncConfig` per method and a
-:class:`thinwire.localsgd.SimClock`.
+:class:`thinwire.localsgd.SimClock`. ``thinwire compare --async`` runs the same methods
+for real. ``thinwire simulate async ...``, the old spelling, still works.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from thinwire.cli.parser import add_moved
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.localsgd import METHODS, AsyncConfig, SimClock
@@ -48,7 +50,7 @@ from thinwire.train.config import TrainConfig
 from thinwire.train.data import SHARD_LAYOUTS, TextData
 from thinwire.train.metrics import Progress
 
-__all__ = ["format_tables", "register", "run_async"]
+__all__ = ["add_simulate_arguments", "format_tables", "register", "run_async"]
 
 DEFAULT_METHODS = ("sync", "naive", "dn", "dn-dylu")
 
@@ -83,14 +85,22 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("simulate", help="simulate Local-SGD on a virtual clock")
-    sub = parser.add_subparsers(dest="simulate_command", required=True, metavar="WHAT")
-    p = sub.add_parser(
-        "async",
-        help="the paper's asynchronous Local-SGD methods against sync DiLoCo, tuned",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    """Add ``thinwire simulate``, and under it ``async``, its hidden old spelling."""
+    doc = dict(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "simulate",
+        help="asynchronous Local-SGD methods on a virtual clock",
+        **doc,
     )
+    add_simulate_arguments(parser)
+    # Hidden: help=SUPPRESS keeps the old verb out of the usage line as well. The options
+    # come again under it, because argparse hands everything after "async" to its parser.
+    old = parser.add_subparsers(dest="simulate_command", required=False, help=argparse.SUPPRESS)
+    add_simulate_arguments(add_moved(old, "async", "thinwire simulate", **doc))
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``thinwire simulate``; ``func`` is :func:`run_async`."""
     d, t = AsyncConfig(), TrainConfig()
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"of {METHODS}")
     p.add_argument(

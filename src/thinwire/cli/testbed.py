@@ -1,6 +1,7 @@
 """``thinwire testbed up|down|status|run``: an emulated slow network on this machine.
 
-(``compare``, ``sweep`` and ``probe`` measure on it: :mod:`thinwire.cli.testbed_tools`.)
+(``sweep`` and ``probe`` measure on it: :mod:`thinwire.cli.testbed_tools`; ``thinwire
+compare --testbed`` compares training algorithms on it.)
 
 Examples::
 

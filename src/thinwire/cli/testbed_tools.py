@@ -1,10 +1,6 @@
-"""``thinwire testbed compare|sweep|probe``: measurements on the emulated network.
+"""``thinwire testbed sweep|probe|latency-probe``: measurements on the emulated network,
+and the options of ``thinwire compare --testbed`` (:data:`TESTBED_COMPARE_DOC`).
 
-* ``compare``: the options of ``thinwire compare`` (every ``thinwire train`` option,
-  ``--algos`` run specs), on ``--hosts`` emulated hosts at each of ``--rates``, ``--repeats``
-  rounds per rate; prints one table row per run and writes ``compare.json`` and each
-  round's ``comparison.json``/``comparison.png`` under ``--out``
-  (:func:`thinwire.testbed.experiments.compare_on_testbed`).
 * ``sweep``: the fp32 ring allreduce's bus bandwidth per rate and message size
   (:func:`thinwire.testbed.sweep.sweep`).
 * ``probe``: what ``sweep`` runs on every host; run it yourself under ``thinwire testbed
@@ -12,12 +8,8 @@
 * ``latency-probe rtt|udp|bulk``: what ``check-latency`` runs on the hosts (host 0
   measures, host 1 serves; :mod:`thinwire.testbed.latency`).
 
-Examples::
+Example::
 
-    thinwire testbed compare --algos lamb onebit-lamb adamw-powersgd --hosts 4 \\
-        --rates 100mbit,1gbit --model small --batch-size 8 --steps 80 --out runs/e2e
-    thinwire testbed compare --algos adamw adamw-powersgd onebit-lamb --rates 100mbit \\
-        --delay 50ms --out runs/wan        # hosts 50 ms apart (100 ms round trips)
     thinwire testbed sweep --hosts 4 --rates 100mbit,1gbit --mib 1,8,32 --plot sweep.png
 """
 
@@ -30,11 +22,37 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.cli.compare import add_compare_arguments, base_and_lrs
+from thinwire.cli.parser import add_moved
 from thinwire.cli.wan_args import add_wan_arguments, wan_options
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 
-__all__ = ["add_verbs"]
+__all__ = [
+    "TESTBED_COMPARE_DOC",
+    "add_testbed_compare_arguments",
+    "add_verbs",
+    "run_testbed_compare",
+]
+
+TESTBED_COMPARE_DOC = """\
+``thinwire compare --testbed``: training algorithms end to end on emulated hosts.
+
+The options of ``thinwire compare`` (every ``thinwire train`` option, ``--algos`` run
+specs), on ``--hosts`` emulated hosts joined by links of each of ``--rates``, ``--repeats``
+rounds per rate, with the wide-area options (``--delay``, ``--jitter``, ``--loss``,
+``--host-delay H=V``, ...); needs root. Prints one table row per run and writes
+``compare.json`` and each round's ``comparison.json``/``comparison.png`` under ``--out``
+(:func:`thinwire.testbed.experiments.compare_on_testbed`).
+
+Examples::
+
+    thinwire compare --testbed --algos lamb onebit-lamb adamw-powersgd --hosts 4 \\
+        --rates 100mbit,1gbit --model small --batch-size 8 --steps 80 --out runs/e2e
+    thinwire compare --testbed --algos adamw adamw-powersgd onebit-lamb --rates 100mbit \\
+        --delay 50ms --out runs/wan        # hosts 50 ms apart (100 ms round trips)
+
+Its old spelling, ``thinwire testbed compare``, still works.
+"""
 
 
 def _comma_list(text: str) -> list[str]:
@@ -51,23 +69,32 @@ def _sizes(text: str) -> list[float]:
     return sizes
 
 
+def add_testbed_compare_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``thinwire compare --testbed``: ``thinwire compare``'s, with hosts
+    in place of local workers, the link rates, and the wide-area options. ``p`` needs
+    ``conflict_handler="resolve"``: ``--hosts`` takes over ``--workers``."""
+    add_compare_arguments(p)
+    p.add_argument(
+        "--hosts", "--workers", dest="workers", type=int, default=4, help="emulated hosts"
+    )
+    p.add_argument("--rates", type=_comma_list, default=["100mbit"], help="comma list")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of all runs per rate")
+    add_wan_arguments(p)
+    p.set_defaults(func=run_testbed_compare)
+
+
 def add_verbs(verbs: Any) -> None:
-    """Add ``compare``, ``sweep`` and ``probe`` to ``thinwire testbed``'s verbs."""
-    cmp = verbs.add_parser(
+    """Add ``sweep``, ``probe`` and ``latency-probe`` to ``thinwire testbed``'s verbs, and
+    ``compare``, the hidden old spelling of ``thinwire compare --testbed``."""
+    cmp = add_moved(
+        verbs,
         "compare",
-        help="compare training algorithms end to end on emulated hosts, per link rate",
-        description=__doc__,
+        "thinwire compare --testbed",
+        description=TESTBED_COMPARE_DOC,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         conflict_handler="resolve",  # --algos replaces --algo, --hosts replaces --workers
     )
-    add_compare_arguments(cmp)
-    cmp.add_argument(
-        "--hosts", "--workers", dest="workers", type=int, default=4, help="emulated hosts"
-    )
-    cmp.add_argument("--rates", type=_comma_list, default=["100mbit"], help="comma list")
-    cmp.add_argument("--repeats", type=int, default=1, help="rounds of all runs per rate")
-    add_wan_arguments(cmp)
-    cmp.set_defaults(func=_compare)
+    add_testbed_compare_arguments(cmp)
 
     sw = verbs.add_parser("sweep", help="fp32 allreduce bus bandwidth per rate and size")
     sw.add_argument("--hosts", type=int, default=4)
@@ -96,7 +123,8 @@ def add_verbs(verbs: Any) -> None:
     lp.set_defaults(func=_latency_probe)
 
 
-def _compare(args: argparse.Namespace) -> int:
+def run_testbed_compare(args: argparse.Namespace) -> int:
+    """Compare ``args.algos`` on emulated hosts at each rate; print the table."""
     from thinwire.testbed.experiments import compare_on_testbed, format_table
 
     out = Path(args.out or "runs/testbed-compare")
@@ -113,7 +141,7 @@ def _compare(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         lrs=lrs,
         overwrite=args.overwrite,
-        command=shlex.join(["thinwire", *getattr(args, "argv", ["testbed", "compare"])]),
+        command=shlex.join(["thinwire", *getattr(args, "argv", ["compare", "--testbed"])]),
         cluster_options=wan_options(args, args.workers),
     )
     print(format_table(rows))

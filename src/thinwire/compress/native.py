@@ -10,8 +10,8 @@ precomputed 8-value row per byte. Output is bit-identical to the pure path
 
 Building is a set-up step, never a side effect of a run::
 
-    thinwire native build     # what `make install` runs
-    thinwire native status    # built? where? why not?
+    thinwire bench native build     # what `make install` runs
+    thinwire bench native status    # built? where? why not?
 
 It calls the C++ compiler (``$CXX``, else ``c++``) directly on torch's and Python's
 headers (no ninja, no setuptools), for the machine it runs on (``-march=native``), in

@@ -84,7 +84,7 @@ def use_native(enabled: bool | None = True) -> bool:
             are built for this machine (else pure torch, announced once); False uses pure
             torch; None returns to the default set by :data:`NATIVE_ENV`.
 
-    Nothing is compiled here: ``thinwire native build`` (which
+    Nothing is compiled here: ``thinwire bench native build`` (which
     ``make install`` runs) builds the kernels. The output is bit-identical on either
     path; only the speed differs.
     """
@@ -105,13 +105,13 @@ def _load_native(required: bool) -> ModuleType | None:
         if required:
             raise ConfigError(
                 f"{NATIVE_ENV}=1 but the native packing kernels are unavailable: {reason}; "
-                "build them with `thinwire native build`"
+                "build them with `thinwire bench native build`"
             )
         if not _ANNOUNCED:  # once per process, not per call
             _ANNOUNCED.append(reason)
             _log.warning(
                 "thinwire: packing on CPU uses pure torch (slower): the native kernels are "
-                "%s; build them with `thinwire native build` "
+                "%s; build them with `thinwire bench native build` "
                 "(`make install` does), or set %s=0 to choose pure torch",
                 reason,
                 NATIVE_ENV,

@@ -20,7 +20,7 @@ A method is only a choice of server settings: :func:`for_method` sets them on a 
 shards, H, the budget) stays the same across methods, so a comparison is like-for-like.
 
 Outer lr and momentum left unset (None) on :class:`AsyncConfig` take the method's tuned
-value from :data:`TUNED`, measured with ``thinwire simulate async --sweep`` on the tiny GPT
+value from :data:`TUNED`, measured with ``thinwire simulate --sweep`` on the tiny GPT
 (docs/results/localsgd.md, "Tuning the outer lr per method": bundled corpus, 4 workers at the
 ``very`` speeds, H = 10, 200 inner steps per worker, the ``restart`` inner-state rule,
 seeds 0 and 1; the evidence runs use other seeds). What the sweep showed:

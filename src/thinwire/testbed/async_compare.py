@@ -1,6 +1,6 @@
 """The paper's asynchronous methods end to end: real processes, or hosts on a slow network.
 
-The simulator (``thinwire simulate async``) compares methods on a virtual clock; this runs
+The simulator (``thinwire simulate``) compares methods on a virtual clock; this runs
 the same comparison for real, with ``thinwire train --algo async-diloco`` (1 server + W
 workers, ``--slowdown`` stretching each worker's steps to emulate uneven machines), and
 reports what wall-clock time buys: each method's final validation loss, its training time
@@ -8,10 +8,10 @@ for the same inner-step budget, and the time it took to reach synchronous DiLoCo
 loss (sync DiLoCo runs through the server's sync barrier, ``--sync``, since it needs the
 same slowdowns)::
 
-    thinwire compare-async --methods sync,naive,dn,dn-dylu \\
+    thinwire compare --async --methods sync,naive,dn,dn-dylu \\
         --steps 200 --local-steps 10 --slowdown 1,1.29,2.6,5.74 --out runs/async-real
-    thinwire compare-async ... --hosts 5 --rate 100mbit   # testbed (root)
-    thinwire compare-async ... --hosts 5 --rate 100mbit \\
+    thinwire compare --async ... --hosts 5 --rate 100mbit   # testbed (root)
+    thinwire compare --async ... --hosts 5 --rate 100mbit \\
         --delay 10ms,10ms,10ms,10ms,150ms      # host 4 (the slowest worker) far away
 
 Each method runs at its tuned outer lr and momentum unless ``--`` passes other

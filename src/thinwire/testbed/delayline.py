@@ -35,8 +35,8 @@ counters (JSON lines on exit and on SIGUSR1) go to ``/run/thinwire-testbed/ID.de
 
 Building is a set-up step (``make install`` runs it), never a side effect of a run::
 
-    thinwire native build delayline     # about a second with cc
-    thinwire native status
+    thinwire bench native build delayline     # about a second with cc
+    thinwire bench native status
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def require_built() -> Path:
     if not os.access(path, os.X_OK):
         raise ConfigError(
             "the testbed's delay line is not built (needed for delay, jitter and loss): run "
-            "'thinwire native build delayline' or 'make install'"
+            "'thinwire bench native build delayline' or 'make install'"
         )
     return path
 

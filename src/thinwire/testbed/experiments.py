@@ -20,7 +20,7 @@ Python::
 
 Shell::
 
-    thinwire testbed compare --algos lamb onebit-lamb adamw-powersgd --hosts 4 \\
+    thinwire compare --testbed --algos lamb onebit-lamb adamw-powersgd --hosts 4 \\
         --rates 100mbit,1gbit,unlimited --model small --batch-size 8 --steps 80 \\
         --freeze-step 16 --out runs/e2e
 

@@ -1,7 +1,7 @@
 """Run several algorithms on the same settings and compare them: loss, bytes, time.
 
 This is the one comparison driver: ``thinwire compare`` (local workers over loopback),
-``thinwire testbed compare`` (emulated hosts on slow links, one
+``thinwire compare --testbed`` (emulated hosts on slow links, one
 :func:`~thinwire.testbed.experiments.on_cluster` runner per rate) and ``thinwire demo``
 all call :func:`compare`; only the *runner* that trains the configs differs.
 
