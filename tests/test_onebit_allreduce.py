@@ -203,19 +203,22 @@ def _converge_body(rank: int, world: int) -> tuple[float, float, bool]:
             first_error = (out - truth).abs().max().item()
         total += out
     avg_error = (total / steps - truth).abs().max().item()
-    # In-place form on a copy gives the same result as the returned form.
+    # In-place form on a copy gives the same result as the returned form; a side number
+    # travels exactly beside the bits and comes back averaged over the ranks.
     again = xs[rank].clone()
     ref = OneBitAllreduce()(xs[rank])
-    OneBitAllreduce()(again, out=again)
-    return first_error, avg_error, torch.equal(again, ref)
+    side = OneBitAllreduce()
+    side(again, out=again, side=torch.tensor(0.1 + 3.0 * rank))
+    return first_error, avg_error, torch.equal(again, ref), side.side_mean
 
 
 @pytest.mark.timeout(180)
 def test_running_average_converges_to_true_mean() -> None:
-    for first_error, avg_error, inplace_ok in spawn(_converge_body, 2, timeout_s=170):
+    for first_error, avg_error, inplace_ok, side in spawn(_converge_body, 2, timeout_s=170):
         assert first_error > 0.3  # one call alone is a coarse approximation
         assert avg_error < 0.05 * first_error  # error feedback removes the bias over time
         assert inplace_ok
+        assert side == pytest.approx(1.6, abs=1e-12)  # (0.1 + 3.1) / 2, fp64 on the wire
 
 
 def _bad_input_body(rank: int, world: int) -> dict:
@@ -388,11 +391,11 @@ def test_compute_only_matches_reference_for_identical_ranks() -> None:
 
 def test_wire_bytes_formula() -> None:
     assert onebit_wire_bytes(1000, 1) == 0
-    # 4 ranks, 1024 elements, one scale: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 60
+    # 4 ranks, 1024 elements, one scale: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 68
     # bytes of metadata and server scale.
-    assert onebit_wire_bytes(1024, 4, block=None) == 192 + 180
+    assert onebit_wire_bytes(1024, 4, block=None) == 192 + 204
     # Blocks of 256: 4 scales (16 bytes) travel beside the signs in both phases.
-    assert onebit_wire_bytes(1024, 4, block=256) == 2 * 3 * (128 + 16) // 4 + 3 * 56
+    assert onebit_wire_bytes(1024, 4, block=256) == 2 * 3 * (128 + 16) // 4 + 3 * 64
     n = 16 * 2**20
     fp32_ring = 2 * 3 * 4 * n // 4
     assert fp32_ring / onebit_wire_bytes(n, 4, block=None) == pytest.approx(32, rel=1e-3)

@@ -148,6 +148,8 @@ class OneBitAllreduce:
         self._bufs: dict[str, torch.Tensor] = {}
         self._scratch: PackerScratch | None = None
         self._last_seconds = 0.0  # this rank's time for its previous successful call
+        self.side_mean = 0.0
+        """The last call's ``side`` numbers, averaged over the ranks."""
 
     @classmethod
     def compute_only(
@@ -268,8 +270,18 @@ class OneBitAllreduce:
 
     # ------------------------------------------------------------------ the call
 
-    def __call__(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Return the compressed average of ``tensor`` over the group (into ``out`` if given)."""
+    def __call__(
+        self,
+        tensor: torch.Tensor,
+        out: torch.Tensor | None = None,
+        side: torch.Tensor | float = 0.0,
+    ) -> torch.Tensor:
+        """Return the compressed average of ``tensor`` over the group (into ``out`` if given).
+
+        ``side``: one number of this rank's that travels exactly, in the metadata that
+        already goes ahead of the bits (no extra message); its average over the ranks is
+        left in :attr:`side_mean`, alike on every rank.
+        """
         if tensor.dtype not in _DTYPES:
             names = "/".join(str(d).removeprefix("torch.") for d in _DTYPES)
             raise TypeError(f"1-bit allreduce takes {names}, got {tensor.dtype}")
@@ -277,6 +289,7 @@ class OneBitAllreduce:
             raise ValueError(f"out has shape {tuple(out.shape)}, input {tuple(tensor.shape)}")
         w = self.world_size
         if w == 1:
+            self.side_mean = float(side)
             if out is None or out is tensor:
                 return tensor
             return out.copy_(tensor)
@@ -323,6 +336,7 @@ class OneBitAllreduce:
                 scale.new_tensor(self._plan.meta()[0], dtype=torch.float64),
                 scale.new_tensor(self._plan.meta()[1], dtype=torch.float64),
                 scale.new_tensor(block or 0, dtype=torch.float64),
+                torch.as_tensor(side, dtype=torch.float64, device=scale.device).reshape(()),
             ]
         )
         # The metadata travels like the previous call's phase 2 (every rank knows that
@@ -332,6 +346,7 @@ class OneBitAllreduce:
         if ours:  # packing overlaps the tiny gather; the bits are only sent if all is well
             pack_signs(b["work"], out=b["send"], scratch=scratch.bools)
         metas = wait_meta().cpu()
+        self.side_mean = float(metas[:, 7].sum()) / w  # summed in rank order: alike everywhere
         try:
             check_metas(metas, n)
         except (ValueError, FloatingPointError):

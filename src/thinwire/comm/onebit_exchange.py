@@ -42,10 +42,12 @@ __all__ = [
     "onebit_wire_bytes",
 ]
 
-META_BYTES = 56
+META_BYTES = 64
 """Per rank, before phase 1, as fp64: scale (with blocks: the sum of the block scales),
 length, length the state was built for, seconds the previous call took, fixed piece
-count (0: tuned), tuner's call count (-1: none), elements per scale (0: one scale)."""
+count (0: tuned), tuner's call count (-1: none), elements per scale (0: one scale), and
+the caller's side number (averaged over the ranks and handed back; the 1-bit optimizers
+send how large their local gradients are, see :mod:`thinwire.optim.stale`)."""
 SCALE_BYTES = 4
 """Per rank, phase 2: one fp32 scale, ahead of the packed segment."""
 PHASE2_SCHEMES = ("ring", "fanout")
@@ -81,8 +83,8 @@ def onebit_wire_bytes(numel: int, world_size: int, block: int | None = DEFAULT_B
     """Analytical bytes one rank sends per call for ``numel`` elements.
 
     ``2 (W-1)/W * N/8`` for the sign bits of both phases (``N`` padded) plus the scale
-    exchanges: ``(W-1) * (48 + 4)`` with one scale, ``(W-1) * 48 + 2 (W-1)/W * 4 N/B``
-    with a scale per block of ``B``; 0 for a single rank.
+    exchanges: ``(W-1) * (M + 4)`` with one scale, ``(W-1) * M + 2 (W-1)/W * 4 N/B``
+    with a scale per block of ``B`` (``M`` = :data:`META_BYTES`); 0 for a single rank.
     """
     if world_size <= 1:
         return 0
@@ -103,7 +105,7 @@ def _describe(pieces: int, calls: int) -> str:
 
 
 def check_metas(metas: torch.Tensor, n: int) -> None:
-    """Raise, on every rank alike, if the gathered metadata (``[W, 7]``) shows ranks that
+    """Raise, on every rank alike, if the gathered metadata (``[W, 8]``) shows ranks that
     disagree on the length, the buffers' length, the piece plan or the elements per
     scale, or a non-finite scale.
     """

@@ -166,6 +166,8 @@ class CommOptimizer(torch.optim.Optimizer):
         self._onebit_state: dict[str, Any] | None = None  # loaded before that step
         self.exchanged_energy = 0.0
         """``||x||^2`` of the buffer the last compressed step exchanged (after the exchange)."""
+        self.exchanged_side = 0.0
+        """The last compressed step's ``side`` number, averaged over the ranks."""
         for p in self._params():
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters")
@@ -315,14 +317,17 @@ class CommOptimizer(torch.optim.Optimizer):
         self,
         params: list[torch.Tensor],
         fill: Callable[[torch.Tensor, torch.Tensor], None],
+        side: Callable[[], torch.Tensor | float] | None = None,
     ) -> list[torch.Tensor] | None:
         """Exchange one value per element of ``params`` in ONE 1-bit compressed allreduce.
 
         ``fill(p, view)`` writes parameter ``p``'s share into ``view`` (a slice of one
         flat fp32 buffer shaped like ``p``); the buffer is averaged across the ranks with
         error feedback (:class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`) and the
-        averaged views are returned in order. Returns None, with every error buffer and
-        every optimizer state untouched, if any rank's buffer held NaN/Inf.
+        averaged views are returned in order. ``side()``, read once every view is
+        filled, is one number that travels exactly beside the bits; its average over the
+        ranks is left in :attr:`exchanged_side`. Returns None, with every error buffer
+        and every optimizer state untouched, if any rank's buffer held NaN/Inf.
         """
         from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
 
@@ -339,13 +344,17 @@ class CommOptimizer(torch.optim.Optimizer):
             fill(p, view)
             views.append(view)
             offset += p.numel()
+        value = side() if side is not None else 0.0
         if self.world_size > 1:
             try:
-                self._onebit(flat, out=flat)
+                self._onebit(flat, out=flat, side=value)
             except NonFiniteError:
                 return None
+            self.exchanged_side = self._onebit.side_mean
         elif not bool(torch.isfinite(flat).all()):
             return None
+        else:
+            self.exchanged_side = float(value)
         # What was exchanged keeps its energy through the 1-bit code (RMS block scales):
         # a gauge of the step's size that every rank reads alike.
         self.exchanged_energy = float(torch.linalg.vector_norm(flat)) ** 2

@@ -213,14 +213,16 @@ class OneBitLamb(TwoStageOptimizer):
         def fill(p: torch.Tensor, view: torch.Tensor) -> None:
             group, state = groups[p], self.state[p]
             b1 = group["betas"][0]
+            denom = self._frozen_denom(p, group)
+            self._gauge_gradient(p, view, denom)
             torch.mul(state["exp_avg"], b1, out=view)
             if p.grad is not None:
                 view.add_(p.grad.float(), alpha=1 - b1)
             if group["precondition"]:
-                view.div_(self._frozen_denom(p, group))
+                view.div_(denom)
             view.mul_(state["scaling_coeff"])
 
-        views = self._compressed_average(params, fill)
+        views = self._compressed_average(params, fill, lambda: self._gauge)
         if views is None:
             return False
         self.global_step += 1

@@ -124,6 +124,7 @@ class TwoStageOptimizer(CommOptimizer):
         (:mod:`thinwire.optim.step_bound`)."""
         self._lift_variance = False  # the next warmup step follows a stale freeze
         self._saved_in_warmup = False
+        self._gauge: torch.Tensor | float = 0.0  # this step's gradient gauge (stale.py)
 
     @property
     def compressing(self) -> bool:
@@ -147,9 +148,10 @@ class TwoStageOptimizer(CommOptimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.compressing:
+            self._gauge = 0.0
             ok = self._compression_step()
             if ok:
-                self._watch_staleness(self.exchanged_energy)
+                self._watch_staleness(self.exchanged_side)
         else:
             ok = self._warmup_step()
             if ok:
@@ -247,20 +249,25 @@ class TwoStageOptimizer(CommOptimizer):
                 f"; {floor}" if floor else "",
             )
 
+    def _gauge_gradient(self, p: torch.Tensor, view: torch.Tensor, denom: torch.Tensor) -> None:
+        """Add ``||g / d||^2`` of this rank's gradient of ``p`` to the step's gauge of
+        :mod:`thinwire.optim.stale` (``view`` is scratch here: call before filling it)."""
+        if p.grad is not None:
+            torch.div(p.grad, denom, out=view)
+            self._gauge = self._gauge + torch.linalg.vector_norm(view).square()
+
     def _watch_staleness(self, energy: float) -> None:
-        """Feed one compressed step's exchanged energy; on a stale variance, go back to
-        the warmup (automatic freeze) or warn once (a fixed freeze_step)."""
-        if not self.stale.reference > 0:
-            self.stale.arm(energy)  # the first compressed step: no residual yet
-            return
+        """Feed one compressed step's gradient gauge (averaged over the ranks); on a stale
+        variance, go back to the warmup (automatic freeze) or warn once (a fixed
+        freeze_step)."""
         growth = self.stale.observe(energy)
         if growth is None:
             return
         name, t, rule = type(self).__name__, self.global_step, self.auto_freeze
         why = (
-            f"the frozen variance went stale at step {t}: the momentum it preconditions "
-            f"grew {growth:.1f}x since the freeze at step {self.freeze_step} (the gradients "
-            "outgrew it, e.g. the loss began to fall after a plateau)"
+            f"the frozen variance went stale at step {t}: the gradients grew {growth:.1f}x "
+            f"since the freeze at step {self.freeze_step} (e.g. the loss began to fall after "
+            "a plateau)"
         )
         if rule is None or self.stale.rewarmups >= self.stale.max_rewarmups:
             if not self.stale.warned and self.rank == 0:
@@ -300,11 +307,10 @@ class TwoStageOptimizer(CommOptimizer):
         """Called when a stale freeze is undone: drop what the compression stage built."""
 
     def _bounding(self) -> bool:
-        """Whether the step bound applies to this compressed step: the exchanged momentum
-        has grown past ``ONSET`` times the first compressed step's norm
-        (:mod:`thinwire.optim.step_bound`)."""
-        ref = self.stale.reference
-        return ref > 0 and self.exchanged_energy > ONSET**2 * ref
+        """Whether the step bound applies to this compressed step: the gradients have grown
+        past ``ONSET`` times their size at the first compressed step, by the stale guard's
+        gauge with this step's in (:mod:`thinwire.optim.step_bound`)."""
+        return self.stale.growth_with(self.exchanged_side) > ONSET
 
     def _count_bounded(self, bounded: bool) -> None:
         """Count a compressed step the step bound shortened; say so once (INFO, rank 0)."""
