@@ -411,3 +411,165 @@ def test_dtype_rule_sees_tuples_lists_and_dict_keys() -> None:
     assert hits("ok = m in ['fp16', 'bf16']") == 1
     assert hits("D = {'fp16': 1, 'bf16': 2}") == 1
     assert hits("C = (*WIRE_DTYPES, 'onebit')\nx = m == 'fp32'") == 0
+
+
+# Small functions: no function over MAX_FUNCTION_LINES lines, none that takes more than
+# MAX_PARAMETERS parameters. Read from the source with ast, like the rules above.
+
+MAX_FUNCTION_LINES = 80
+"""The most lines a function may span, from its ``def`` to its last line (decorators
+not counted, nested functions counted with the function that holds them). Past this a
+function does several things; split it where the logic has seams, into named helpers."""
+
+MAX_PARAMETERS = 8
+"""The most parameters a function may take: positional, keyword-only, ``*args`` and
+``**kwargs`` each count one; ``self`` and ``cls`` do not. A function that needs more
+takes a settings object (a frozen dataclass). The ``__init__`` a ``@dataclass``
+generates is not in the source, so its fields never count."""
+
+_OPTIMIZER = "an optimizer takes its hyperparameters as keywords, as torch.optim's do"
+_ENTRY_POINT = "a public entry point whose keywords are documented API"
+
+KEYWORD_API: dict[str, str] = {
+    "thinwire.optim.lamb:Lamb.__init__": _OPTIMIZER,
+    "thinwire.optim.onebit_adam:OneBitAdam.__init__": _OPTIMIZER,
+    "thinwire.optim.onebit_lamb:OneBitLamb.__init__": _OPTIMIZER,
+    "thinwire.localsgd.diloco:DiLoCo.__init__": (
+        "a public wrapper that takes its inner and outer hyperparameters as keywords"
+    ),
+    "thinwire.localsgd.worker:LocalWorker.__init__": (
+        "a public class (thinwire.localsgd) whose keywords the docs show, inner_momentum=..."
+    ),
+    "thinwire.testbed.cluster:Cluster.__init__": (
+        "a public class whose constructor keywords (rate, delay, loss, ...) are documented API"
+    ),
+    "thinwire.train.compare:compare": _ENTRY_POINT,
+    "thinwire.testbed.experiments:compare_on_testbed": _ENTRY_POINT + " (compare on a testbed)",
+    "thinwire.localsgd.sweep:run_sweep": _ENTRY_POINT,
+    "thinwire.analysis.study:run_study": _ENTRY_POINT + " (thinwire.analysis)",
+    "thinwire.analysis.colocated:profile_processes": (
+        "a public function docs/analysis.md points users to; its keywords are its API"
+    ),
+}
+"""Functions allowed more than MAX_PARAMETERS parameters, each with its reason: public
+APIs that users call with keywords, which a settings object would break. Internal
+functions are fixed instead (a settings dataclass), never listed here. An entry whose
+function no longer needs it fails the test, so the list stays true."""
+
+
+def _n_parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+    return n - 1 if names and names[0] in ("self", "cls") else n
+
+
+def function_sizes(source: str) -> Iterator[tuple[str, int, int, int]]:
+    """(qualified name, line, lines, parameters) of every function in ``source``,
+    methods and nested functions included (``Class.method``, ``outer.inner``)."""
+
+    def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, int, int, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = prefix + child.name
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                yield name, child.lineno, lines, _n_parameters(child)
+                yield from visit(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                yield from visit(child, prefix + child.name + ".")
+            else:
+                yield from visit(child, prefix)
+
+    return visit(ast.parse(source), "")
+
+
+def all_function_sizes(src: Path = SRC) -> list[tuple[str, str, int, int, int]]:
+    """(``module:name``, path, line, lines, parameters) for every function of thinwire."""
+    out = []
+    for path in sorted((src / "thinwire").rglob("*.py")):
+        mod = module_name(path, src)
+        rel = str(path.relative_to(src))
+        for name, line, lines, params in function_sizes(path.read_text()):
+            out.append((f"{mod}:{name}", rel, line, lines, params))
+    return out
+
+
+def long_function_problems(
+    sizes: list[tuple[str, str, int, int, int]], limit: int = MAX_FUNCTION_LINES
+) -> list[str]:
+    """Functions over ``limit`` lines, one line each ("path:line name size")."""
+    return [
+        f"{path}:{line} {key.split(':', 1)[1]} {lines} lines (the most is {limit})"
+        for key, path, line, lines, _ in sizes
+        if lines > limit
+    ]
+
+
+def parameter_problems(
+    sizes: list[tuple[str, str, int, int, int]],
+    allowed_keys: dict[str, str],
+    limit: int = MAX_PARAMETERS,
+) -> list[str]:
+    """Functions with too many parameters, and allowlist entries that no longer need to be."""
+    bad = []
+    seen = set()
+    for key, path, line, _, params in sizes:
+        where = f"{path}:{line} {key.split(':', 1)[1]} {params} parameters"
+        if key in allowed_keys:
+            seen.add(key)
+            if params <= limit:
+                bad.append(f"{where}: few enough now, take it off KEYWORD_API")
+        elif params > limit:
+            bad.append(f"{where} (the most is {limit})")
+    bad += [f"{key}: in KEYWORD_API but not found" for key in sorted(set(allowed_keys) - seen)]
+    return bad
+
+
+def test_functions_are_short() -> None:
+    bad = long_function_problems(all_function_sizes())
+    assert not bad, (
+        f"functions over {MAX_FUNCTION_LINES} lines; split them into named helpers:\n"
+        + "\n".join(bad)
+    )
+
+
+def test_functions_take_few_parameters() -> None:
+    bad = parameter_problems(all_function_sizes(), KEYWORD_API)
+    assert not bad, (
+        f"functions with more than {MAX_PARAMETERS} parameters; pass a settings object:\n"
+        + "\n".join(bad)
+    )
+
+
+def test_size_rules_see_methods_nested_functions_and_every_kind_of_parameter() -> None:
+    source = (
+        "class A:\n"
+        "    def m(self, a, /, b, *c, d, **e):\n"
+        "        def inner(x):\n"
+        "            return x\n"
+        "        return inner\n"
+        "    @classmethod\n"
+        "    def k(cls):\n"
+        "        pass\n"
+        "def f(a, b=1):\n"
+        "    pass\n"
+    )
+    assert list(function_sizes(source)) == [
+        ("A.m", 2, 4, 5),
+        ("A.m.inner", 3, 2, 1),
+        ("A.k", 7, 2, 0),
+        ("f", 9, 2, 2),
+    ]
+    sizes = [
+        ("m:long", "m.py", 1, 81, 9),
+        ("m:short", "m.py", 5, 80, 8),
+        ("m:listed", "m.py", 9, 20, 12),
+        ("m:needless", "m.py", 12, 20, 3),
+    ]
+    assert long_function_problems(sizes) == ["m.py:1 long 81 lines (the most is 80)"]
+    allowed = {"m:listed": "why", "m:needless": "why", "m:gone": "why"}
+    assert parameter_problems(sizes, allowed) == [
+        "m.py:1 long 9 parameters (the most is 8)",
+        "m.py:12 needless 3 parameters: few enough now, take it off KEYWORD_API",
+        "m:gone: in KEYWORD_API but not found",
+    ]

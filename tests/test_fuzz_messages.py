@@ -204,7 +204,7 @@ def test_published_run_settings_parse_or_refuse_in_one_line(seed: int) -> None:
 
 
 def _core() -> ServerCore:
-    return ServerCore(
+    return ServerCore.of(
         torch.linspace(-1, 1, 6),
         workers=3,
         local_steps=4,

@@ -18,7 +18,7 @@ from thinwire.localsgd.shards import SyncSchedule
 
 def _core(**kw: Any) -> ServerCore:
     args = dict(workers=2, local_steps=4, total_steps=1000, shard_sizes=[10, 10])
-    core = ServerCore(torch.zeros(3), **(args | kw))
+    core = ServerCore.of(torch.zeros(3), **(args | kw))
     for w in range(1, core.workers + 1):
         core.join(w, 0.0)
     return core

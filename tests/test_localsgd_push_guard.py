@@ -20,7 +20,7 @@ from thinwire.localsgd.server import ServerCore
 def _core(guard: PushGuard | None = None, **kw: object) -> ServerCore:
     args: dict = dict(workers=2, local_steps=4, total_steps=64, shard_sizes=[50, 50])
     args.update(kw)
-    return ServerCore(torch.linspace(-1, 1, 6), guard=guard, **args)
+    return ServerCore.of(torch.linspace(-1, 1, 6), guard=guard, **args)
 
 
 def _round(core: ServerCore, worker: int, now: float = 0.0) -> int:

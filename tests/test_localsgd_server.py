@@ -10,7 +10,7 @@ from thinwire.localsgd.server import ServerCore
 def _core(**kw: object) -> ServerCore:
     args: dict = dict(workers=2, local_steps=4, total_steps=32, shard_sizes=[50, 50])
     args.update(kw)
-    return ServerCore(torch.zeros(6), **args)
+    return ServerCore.of(torch.zeros(6), **args)
 
 
 def test_stale_update_from_before_a_restored_checkpoint_is_rejected() -> None:

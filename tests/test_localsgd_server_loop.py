@@ -83,7 +83,7 @@ class ScriptedTransport:
 
 
 def _core(total_steps: int = 8) -> ServerCore:
-    return ServerCore(
+    return ServerCore.of(
         torch.zeros(NUMEL), workers=2, local_steps=2, total_steps=total_steps, shard_sizes=[9, 9]
     )
 

@@ -27,7 +27,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,44 +84,50 @@ def merge_profiles(profiles: Sequence[Profile]) -> Profile:
     return merged
 
 
-def _profile_worker(
-    rank: int,
-    barrier: Any,
-    model: str,
-    batch_size: int,
-    warmup: int,
-    steps: int,
-    threads: int,
-    hosts: int,
-    observe: bool,
-    own_session: bool,
-    onebit_algo: str | None,
-    path: str,
-) -> None:
+@dataclass(frozen=True)
+class _ProfileJob:
+    """What each process of :func:`profile_processes` profiles, and how: its arguments
+    (see there), sent to the fresh processes in one piece."""
+
+    model: str
+    batch_size: int
+    threads: int
+    hosts: int
+    warmup: int
+    steps: int
+    observe_ddp: bool
+    own_session: bool
+    onebit_algo: str | None
+
+
+def _profile_worker(rank: int, barrier: Any, job: _ProfileJob, path: str) -> None:
     import torch
 
     from thinwire.analysis.costs import measure_codec_cost
     from thinwire.analysis.measure import profile_gpt
     from thinwire.analysis.profile import save_profile
 
+    model, batch_size, warmup, steps = job.model, job.batch_size, job.warmup, job.steps
     # A session of its own, as every testbed host gets: with the kernel's autogroup
     # scheduling (on by default on desktop and many cloud kernels) CPU time is shared
     # fairly between sessions, so processes left in one session would split one share.
-    if own_session:
+    if job.own_session:
         os.setsid()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(job.threads)
     # Observing DDP's buckets makes a one-rank process group; only one process does it,
     # before the barrier, so the timed steps of all processes start together.
     observed = None
-    if observe and rank == 0:
+    if job.observe_ddp and rank == 0:
         observed = profile_gpt(model, batch_size, warmup=0, steps=1, observe_ddp=True)
     barrier.wait()
     prof = profile_gpt(model, batch_size, warmup=warmup, steps=steps)
     barrier.wait()  # the codec is timed under the same sharing as the steps
-    prof.meta["onebit_codec_s_per_byte"] = measure_codec_cost(world_size=hosts)
-    if onebit_algo is not None:  # its compression-stage update, instead of AdamW's
+    prof.meta["onebit_codec_s_per_byte"] = measure_codec_cost(world_size=job.hosts)
+    if job.onebit_algo is not None:  # its compression-stage update, instead of AdamW's
         barrier.wait()
-        extra = profile_gpt(model, batch_size, warmup=warmup, steps=steps, optimizer=onebit_algo)
+        extra = profile_gpt(
+            model, batch_size, warmup=warmup, steps=steps, optimizer=job.onebit_algo
+        )
         prof.meta["onebit_optimizer_s"] = extra.optimizer_s
     if observed is not None:
         prof.observed_buckets = observed.observed_buckets
@@ -165,24 +171,16 @@ def profile_processes(
     Raises:
         RuntimeError: a process failed or did not finish within ``timeout_s``.
     """
+    job = _ProfileJob(
+        model, batch_size, threads, hosts, warmup, steps, observe_ddp, own_session, onebit_algo
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(processes)
     paths = [str(out_dir / f"profile-{i}.json") for i in range(processes)]
-    args = (
-        barrier,
-        model,
-        batch_size,
-        warmup,
-        steps,
-        threads,
-        hosts,
-        observe_ddp,
-        own_session,
-        onebit_algo,
-    )
     procs = [
-        ctx.Process(target=_profile_worker, args=(i, *args, paths[i])) for i in range(processes)
+        ctx.Process(target=_profile_worker, args=(i, barrier, job, paths[i]))
+        for i in range(processes)
     ]
     for p in procs:
         p.start()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -108,61 +109,93 @@ def profile_model(
         for i, (_, p) in enumerate(named)
         if p.requires_grad
     ]
-    fwd, bwd, opt, it = [], [], [], []
-    ready: list[list[float]] = [[] for _ in named]
-    seen = [0] * len(named)
+    times = _StepTimes.of(len(named))
     try:
         for step in range(warmup + steps):
             marks.clear()
-            t0 = clock.mark()
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ConfigError("loss_fn must return a scalar tensor")
-            t1 = clock.mark()
-            if loss.requires_grad:
-                loss.backward()
-            t2 = clock.mark()
-            if optimizer is not None:
-                optimizer.step()
-            t3 = clock.mark()
+            t0, t1, t2, t3 = _timed_step(model, batch, loss_fn, optimizer, clock)
             if step < warmup:
                 continue
-            fwd.append(clock.since(t0, t1))
-            bwd.append(clock.since(t1, t2))
-            opt.append(clock.since(t2, t3))
-            it.append(clock.since(t0, t3))
-            for i, m in marks.items():
-                ready[i].append(max(0.0, clock.since(t1, m)))
-                seen[i] += 1
+            times.add(clock, marks, t0, t1, t2, t3)
     finally:
         for h in handles:
             h.remove()
-    params = [
-        ParamTiming(
-            name=n,
-            index=i,
-            nbytes=p.numel() * p.element_size(),
-            dtype=str(p.dtype).replace("torch.", ""),
-            # A gradient seen in only some steps is treated as ready in the median step.
-            ready_s=float(np.median(ready[i])) if seen[i] else None,
-        )
-        for i, (n, p) in enumerate(named)
-    ]
     return Profile(
         model=name or type(model).__name__,
-        iteration_s=float(np.median(it)),
-        backward_s=float(np.median(bwd)),
-        forward_s=float(np.median(fwd)),
-        optimizer_s=float(np.median(opt)),
-        params=params,
+        iteration_s=float(np.median(times.it)),
+        backward_s=float(np.median(times.bwd)),
+        forward_s=float(np.median(times.fwd)),
+        optimizer_s=float(np.median(times.opt)),
+        params=times.params(named),
         source="measured",
         device=str(device),
         batch_size=batch_size,
         steps=steps,
         meta={"threads": torch.get_num_threads(), "torch": torch.__version__},
     )
+
+
+def _timed_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    clock: _Clock,
+) -> tuple[Any, Any, Any, Any]:
+    """One training step; the clock's marks at its start, after the forward pass, after
+    the backward pass and after the optimizer step."""
+    t0 = clock.mark()
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError("loss_fn must return a scalar tensor")
+    t1 = clock.mark()
+    if loss.requires_grad:
+        loss.backward()
+    t2 = clock.mark()
+    if optimizer is not None:
+        optimizer.step()
+    t3 = clock.mark()
+    return t0, t1, t2, t3
+
+
+@dataclass
+class _StepTimes:
+    """The times of the measured steps, and when each parameter's gradient was ready."""
+
+    fwd: list[float]
+    bwd: list[float]
+    opt: list[float]
+    it: list[float]
+    ready: list[list[float]]
+    seen: list[int]
+
+    @classmethod
+    def of(cls, n_params: int) -> _StepTimes:
+        return cls([], [], [], [], [[] for _ in range(n_params)], [0] * n_params)
+
+    def add(self, clock: _Clock, marks: dict[int, Any], t0: Any, t1: Any, t2: Any, t3: Any) -> None:
+        self.fwd.append(clock.since(t0, t1))
+        self.bwd.append(clock.since(t1, t2))
+        self.opt.append(clock.since(t2, t3))
+        self.it.append(clock.since(t0, t3))
+        for i, m in marks.items():
+            self.ready[i].append(max(0.0, clock.since(t1, m)))
+            self.seen[i] += 1
+
+    def params(self, named: list[tuple[str, nn.Parameter]]) -> list[ParamTiming]:
+        return [
+            ParamTiming(
+                name=n,
+                index=i,
+                nbytes=p.numel() * p.element_size(),
+                dtype=str(p.dtype).replace("torch.", ""),
+                # A gradient seen in only some steps is treated as ready in the median step.
+                ready_s=float(np.median(self.ready[i])) if self.seen[i] else None,
+            )
+            for i, (n, p) in enumerate(named)
+        ]
 
 
 def observe_ddp_buckets(

@@ -48,11 +48,26 @@ def write_plots(study: dict[str, Any], out_dir: str | Path) -> list[Path]:
     plt = _pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sw, res, target = study["sweeps"], study["result"], study["target"]
-    cfg = res["config"]
     title = f"{study['profile']['model']}"
+    figures = (
+        ("sf_vs_bandwidth.png", _sf_vs_bandwidth),
+        ("sf_vs_compression.png", _sf_vs_compression),
+        ("sf_heatmap.png", _sf_heatmap),
+        ("gantt.png", _gantt),
+    )
     paths = []
+    for name, draw in figures:
+        fig = draw(plt, study, title)
+        paths.append(out / name)
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
 
+
+def _sf_vs_bandwidth(plt: Any, study: dict[str, Any], title: str) -> Any:
+    """Scaling factor vs link rate, one line per worker count."""
+    sw, target, cfg = study["sweeps"], study["target"], study["result"]["config"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for n, row in zip(sw["workers"], sw["sf_by_workers_gbps"], strict=True):
         ax.plot(
@@ -73,11 +88,12 @@ def write_plots(study: dict[str, Any], out_dir: str | Path) -> list[Path]:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(out / "sf_vs_bandwidth.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    return fig
 
+
+def _sf_vs_compression(plt: Any, study: dict[str, Any], title: str) -> Any:
+    """Scaling factor vs compression ratio, one line per link rate, and the target."""
+    sw, target, cfg = study["sweeps"], study["target"], study["result"]["config"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     grid = sw["sf_by_gbps_ratio"]
     for i in _lines_to_plot(sw["gbps"], cfg["bandwidth_gbps"]):
@@ -100,11 +116,13 @@ def write_plots(study: dict[str, Any], out_dir: str | Path) -> list[Path]:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths.append(out / "sf_vs_compression.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    return fig
 
+
+def _sf_heatmap(plt: Any, study: dict[str, Any], title: str) -> Any:
+    """Scaling factor over (link rate, compression ratio)."""
+    sw, cfg = study["sweeps"], study["result"]["config"]
+    grid = sw["sf_by_gbps_ratio"]
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     im = ax.imshow(grid, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="viridis")
     ax.set_xticks(range(len(sw["ratios"])), [f"{r:g}" for r in sw["ratios"]], fontsize=7)
@@ -126,11 +144,14 @@ def write_plots(study: dict[str, Any], out_dir: str | Path) -> list[Path]:
         title=f"{title}: scaling factor, {cfg['workers']} workers",
     )
     fig.colorbar(im, ax=ax, label="scaling factor")
-    paths.append(out / "sf_heatmap.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    return fig
 
+
+def _gantt(plt: Any, study: dict[str, Any], title: str) -> Any:
+    """The simulated step: backward compute with the moments buckets become ready, and
+    the allreduce of each bucket on the channel."""
+    res = study["result"]
+    cfg = res["config"]
     fig, ax = plt.subplots(figsize=(7.2, 3.0))
     ms = 1e3
     bk = res["backward_s"] * ms
@@ -163,8 +184,4 @@ def write_plots(study: dict[str, Any], out_dir: str | Path) -> list[Path]:
         title=f"{title}: {cfg['workers']} workers at {cfg['bandwidth_gbps']:g} Gbit/s, "
         f"{cfg['scheme']}",
     )
-    paths.append(out / "gantt.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
+    return fig

@@ -138,9 +138,15 @@ def recommend(study: dict[str, Any]) -> tuple[str, str]:
 
 def render_report(study: dict[str, Any]) -> str:
     """The one-screen text report of a study."""
-    p, res, need = study["profile"], study["result"], study["needed"]
-    cfg, br = res["config"], res.get("breakdown", {})
-    b = study["buckets"]
+    lines = _setting_lines(study)
+    lines += _prediction_lines(study["result"])
+    lines += _advice_lines(study)
+    lines += _needs_lines(study)
+    return "\n".join(lines)
+
+
+def _scheme_name(cfg: dict[str, Any]) -> str:
+    """The configured scheme in words (``ring allreduce with 2x compression``)."""
     scheme = {"ring": "ring allreduce", "onebit": "1-bit allreduce", "localsgd": "Local-SGD"}[
         cfg["scheme"]
     ]
@@ -148,6 +154,13 @@ def render_report(study: dict[str, Any]) -> str:
         scheme += f" with {cfg['compression']:g}x compression"
     if cfg["scheme"] == "localsgd":
         scheme += f", H={cfg['local_steps']}"
+    return scheme
+
+
+def _setting_lines(study: dict[str, Any]) -> list[str]:
+    """The title line, and what was measured and how reductions are priced."""
+    p, cfg, b = study["profile"], study["result"]["config"], study["buckets"]
+    scheme = _scheme_name(cfg)
     parts = [
         f"forward {fmt_time(p['forward_s'])}" if p.get("forward_s") else None,
         f"backward {fmt_time(p['backward_s'])}",
@@ -175,7 +188,13 @@ def render_report(study: dict[str, Any]) -> str:
         )
     if p["grad_bytes"] == 0:
         lines.append("            no gradient ever became ready: there is nothing to communicate")
-    lines += [
+    return lines
+
+
+def _prediction_lines(res: dict[str, Any]) -> list[str]:
+    """The predicted step, scaling factor and channel time."""
+    br = res.get("breakdown", {})
+    return [
         f"predicted   step {fmt_time(res['step_s'])} = compute {fmt_time(res['iteration_s'])}"
         f" + exposed communication {fmt_time(res['exposed_s'])}",
         f"            scaling factor {_pct(res['scaling_factor'])}, link busy "
@@ -187,6 +206,11 @@ def render_report(study: dict[str, Any]) -> str:
         else "            channel time: none",
         "",
     ]
+
+
+def _advice_lines(study: dict[str, Any]) -> list[str]:
+    """The verdict and the fix (with a better DDP bucket cap, if one helps), wrapped."""
+    res = study["result"]
     verdict, advice = recommend(study)
     caps = study.get("bucket_caps") or []
     best = max(caps, key=lambda c: c["scaling_factor"], default=None)
@@ -195,18 +219,25 @@ def render_report(study: dict[str, Any]) -> str:
             f" Tuning alone helps too: DDP with bucket_cap_mb={best['cap_mb']:g} predicts SF "
             f"{_pct(best['scaling_factor'])} (smaller buckets start during the backward pass)."
         )
+    lines: list[str] = []
     for label, text in (("verdict", verdict), ("fix", advice)):
         lines += textwrap.wrap(
             text, width=WIDTH, initial_indent=f"{label:12s}", subsequent_indent=" " * 12
         )
     lines.append("")
+    return lines
+
+
+def _needs_lines(study: dict[str, Any]) -> list[str]:
+    """What would reach the target, and how the alternatives fare on this network."""
+    need = study["needed"]
     c, bw, h = need["compression"], need["bandwidth_gbps"], need["local_steps"]
     needs = [
         f"compression >= {c:.2f}x" if c is not None else "no compression ratio suffices",
         f"bandwidth >= {fmt_rate(bw)}" if bw is not None else "no bandwidth suffices",
         f"Local-SGD H >= {h}" if h is not None else "no Local-SGD period suffices",
     ]
-    lines.append(f"to reach SF {_pct(study['target'])}: " + ", or ".join(needs))
+    lines = [f"to reach SF {_pct(study['target'])}: " + ", or ".join(needs)]
     lines.append(
         f"            (infinite compression would give SF {_pct(need['infinite_compression_sf'])})"
     )
@@ -216,4 +247,4 @@ def render_report(study: dict[str, Any]) -> str:
             f"  {a['name']:40s} {fmt_time(a['step_s']):>10s} {_pct(a['scaling_factor']):>7s} "
             f"{fmt_bytes(a['wire_bytes']):>11s}"
         )
-    return "\n".join(lines)
+    return lines

@@ -133,6 +133,45 @@ def run_study(
     need_c = required_compression(profile, buckets, ring, target, add)
     need_b = required_bandwidth(profile, buckets, ring, target, add)
     need_h = required_local_steps(profile, buckets, ring, target, add)
+    sweeps = _sweeps(profile, buckets, cfg, add, workers_sweep, gbps_sweep, ratio_sweep)
+    return {
+        "format": SIMULATION_FORMAT,
+        "profile": profile.summary(),
+        "buckets": {
+            "kind": bucket_kind,
+            "count": len(buckets),
+            "nbytes": [b.nbytes for b in buckets],
+            "ready_s": [b.ready_s for b in buckets],
+        },
+        "reduction": add.source,
+        "target": target,
+        "result": base.to_json(events=True),
+        "needed": {
+            "compression": need_c,
+            "bandwidth_gbps": need_b,
+            "local_steps": need_h,
+            "infinite_compression_sf": _sf(
+                profile, buckets, replace(ring, compression=math.inf), add
+            ),
+        },
+        "alternatives": _alternatives(profile, buckets, cfg, add, need_h, onebit_codec_s_per_byte),
+        "onebit_codec_s_per_byte": onebit_codec_s_per_byte,
+        "bucket_caps": _cap_sweep(profile, cfg, add) if bucket_kind in ("ddp", "observed") else [],
+        "sweeps": sweeps,
+    }
+
+
+def _sweeps(
+    profile: Profile,
+    buckets: list[Bucket],
+    cfg: NetworkConfig,
+    add: AddCost,
+    workers_sweep: list[int] | None,
+    gbps_sweep: list[float] | None,
+    ratio_sweep: list[float] | None,
+) -> dict[str, Any]:
+    """The study's grids: scaling factor by workers and bandwidth, and (as a ring) by
+    bandwidth and compression ratio; the standard grids where none is given."""
     g = cfg.workers_per_node
     # With nodes of g workers, only whole nodes make a cluster.
     workers = sorted({w for w in (workers_sweep or STANDARD_WORKERS) if w % g == 0} | {cfg.workers})
@@ -157,33 +196,9 @@ def run_study(
         for b in gbps
     ]
     return {
-        "format": SIMULATION_FORMAT,
-        "profile": profile.summary(),
-        "buckets": {
-            "kind": bucket_kind,
-            "count": len(buckets),
-            "nbytes": [b.nbytes for b in buckets],
-            "ready_s": [b.ready_s for b in buckets],
-        },
-        "reduction": add.source,
-        "target": target,
-        "result": base.to_json(events=True),
-        "needed": {
-            "compression": need_c,
-            "bandwidth_gbps": need_b,
-            "local_steps": need_h,
-            "infinite_compression_sf": _sf(
-                profile, buckets, replace(ring, compression=math.inf), add
-            ),
-        },
-        "alternatives": _alternatives(profile, buckets, cfg, add, need_h, onebit_codec_s_per_byte),
-        "onebit_codec_s_per_byte": onebit_codec_s_per_byte,
-        "bucket_caps": _cap_sweep(profile, cfg, add) if bucket_kind in ("ddp", "observed") else [],
-        "sweeps": {
-            "workers": workers,
-            "gbps": gbps,
-            "ratios": ratios,
-            "sf_by_workers_gbps": by_bw,
-            "sf_by_gbps_ratio": grid,
-        },
+        "workers": workers,
+        "gbps": gbps,
+        "ratios": ratios,
+        "sf_by_workers_gbps": by_bw,
+        "sf_by_gbps_ratio": grid,
     }

@@ -62,7 +62,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thinwire.analysis.colocated import host_threads, merge_profiles, profile_processes
 from thinwire.analysis.fit import fit_link
@@ -86,6 +86,9 @@ from thinwire.analysis.validate_report import (
     write_result,
 )
 from thinwire.errors import ConfigError
+
+if TYPE_CHECKING:
+    from thinwire.train.config import TrainConfig
 
 # The names below stay importable from here, where earlier releases defined them.
 __all__ = [
@@ -158,72 +161,17 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str, Any]:
     from thinwire.testbed.cluster import Cluster
-    from thinwire.testbed.experiments import train_on_testbed
     from thinwire.testbed.rates import format_rate, parse_rate
-    from thinwire.train.config import TrainConfig
 
     rate_bits = parse_rate(rate)
-    threads = host_threads(cfg.hosts)
-    prof_args = dict(warmup=cfg.profile_warmup, steps=cfg.profile_steps, timeout_s=cfg.timeout_s)
     load: dict[str, float] = {}
-
-    def profile(point: int) -> dict[str, Profile]:
-        # Both profiles at one moment: the paper's one worker, and the testbed's sharing.
-        got = {}
-        for kind, procs in (("alone", 1), ("colocated", cfg.hosts)):
-            load[f"profile-{point}-{kind}"] = os.getloadavg()[0]
-            got[kind] = profile_processes(
-                cfg.model,
-                cfg.batch_size,
-                procs,
-                threads,
-                cfg.hosts,
-                out_dir / f"profile-{point}-{kind}",
-                observe_ddp=point == 0 and procs == 1,
-                onebit_algo=cfg.onebit_algo,
-                **prof_args,  # type: ignore[arg-type]
-            )
-        return got
-
-    train_cfg = TrainConfig(
-        model=cfg.model,
-        batch_size=cfg.batch_size,
-        steps=cfg.steps,
-        freeze_step=cfg.freeze_step,
-        warmup_steps=min(10, cfg.steps),
-        eval_interval=cfg.steps,
-        eval_sequences=8,
-        checkpoint_interval=0,
-        grad_dtype="fp32",
-        local_steps=cfg.local_steps or 10,
-    )
-    runs: dict[str, Any] = {}
-    algos = cfg.algos
     with Cluster(cfg.hosts, rate, delay=cfg.delay) as cluster:
         link = Link.nominal(float(rate_bits), cfg.rtt_s)  # type: ignore[arg-type]
         fit_info: dict[str, Any] | None = None
         if cfg.fit:
             load["fit"] = os.getloadavg()[0]
             link, fit_info = _fit_on_cluster(cluster, cfg, out_dir)
-        # Other work on a shared machine changes the compute time within minutes, so
-        # every run is sandwiched between profiles and predicted from their mean.
-        points = [profile(0)]
-        for algo in algos:
-            load[algo] = os.getloadavg()[0]
-            res = train_on_testbed(
-                replace(train_cfg, algo=algo),
-                cfg.hosts,
-                rate,
-                out_dir / algo,
-                cluster=cluster,
-                timeout_s=cfg.timeout_s,
-            )
-            runs[algo] = {
-                "records": _records(out_dir / algo),
-                "testbed": res["testbed"],
-                "first_compressing_step": res["stages"]["first_compressing_step"],
-            }
-            points.append(profile(len(points)))
+        runs, points = _train_between_profiles(cfg, rate, out_dir, cluster, load)
     load["end"] = os.getloadavg()[0]
     records = {algo: r["records"] for algo, r in runs.items()}
     rows = _predict_rows(cfg, float(rate_bits), points, records, link)  # type: ignore[arg-type]
@@ -243,6 +191,79 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
         ],
         "runs": {a: {k: v for k, v in r.items() if k != "records"} for a, r in runs.items()},
     }
+
+
+def _train_between_profiles(
+    cfg: ValidationConfig, rate: str, out_dir: Path, cluster: Any, load: dict[str, float]
+) -> tuple[dict[str, Any], list[dict[str, Profile]]]:
+    """Train each of ``cfg.algos`` on the cluster, with profiles before the first run and
+    after each one; the runs and the profiles, and the machine's load in ``load``."""
+    from thinwire.testbed.experiments import train_on_testbed
+
+    train_cfg = _train_config(cfg)
+    runs: dict[str, Any] = {}
+    # Other work on a shared machine changes the compute time within minutes, so
+    # every run is sandwiched between profiles and predicted from their mean.
+    points = [_profile_point(cfg, out_dir, 0, load)]
+    for algo in cfg.algos:
+        load[algo] = os.getloadavg()[0]
+        res = train_on_testbed(
+            replace(train_cfg, algo=algo),
+            cfg.hosts,
+            rate,
+            out_dir / algo,
+            cluster=cluster,
+            timeout_s=cfg.timeout_s,
+        )
+        runs[algo] = {
+            "records": _records(out_dir / algo),
+            "testbed": res["testbed"],
+            "first_compressing_step": res["stages"]["first_compressing_step"],
+        }
+        points.append(_profile_point(cfg, out_dir, len(points), load))
+    return runs, points
+
+
+def _profile_point(
+    cfg: ValidationConfig, out_dir: Path, point: int, load: dict[str, float]
+) -> dict[str, Profile]:
+    """The profiles of one point in time (the first one also observes DDP's buckets)."""
+    threads = host_threads(cfg.hosts)
+    prof_args = dict(warmup=cfg.profile_warmup, steps=cfg.profile_steps, timeout_s=cfg.timeout_s)
+    # Both profiles at one moment: the paper's one worker, and the testbed's sharing.
+    got = {}
+    for kind, procs in (("alone", 1), ("colocated", cfg.hosts)):
+        load[f"profile-{point}-{kind}"] = os.getloadavg()[0]
+        got[kind] = profile_processes(
+            cfg.model,
+            cfg.batch_size,
+            procs,
+            threads,
+            cfg.hosts,
+            out_dir / f"profile-{point}-{kind}",
+            observe_ddp=point == 0 and procs == 1,
+            onebit_algo=cfg.onebit_algo,
+            **prof_args,  # type: ignore[arg-type]
+        )
+    return got
+
+
+def _train_config(cfg: ValidationConfig) -> TrainConfig:
+    """The trainer's settings of every run (its ``algo`` set per run)."""
+    from thinwire.train.config import TrainConfig
+
+    return TrainConfig(
+        model=cfg.model,
+        batch_size=cfg.batch_size,
+        steps=cfg.steps,
+        freeze_step=cfg.freeze_step,
+        warmup_steps=min(10, cfg.steps),
+        eval_interval=cfg.steps,
+        eval_sequences=8,
+        checkpoint_interval=0,
+        grad_dtype="fp32",
+        local_steps=cfg.local_steps or 10,
+    )
 
 
 def _settled_step(records: list[dict[str, Any]], first: int) -> int:

@@ -144,65 +144,14 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_what_if(args: argparse.Namespace) -> int:
-    from thinwire.analysis.bklog import read_bklog
     from thinwire.analysis.buckets import make_buckets
-    from thinwire.analysis.costs import measure_codec_cost
-    from thinwire.analysis.network_model import BACKEND_CONCURRENCY, NetworkConfig
-    from thinwire.analysis.profile import load_profile
     from thinwire.analysis.report import fmt_rate, fmt_time
     from thinwire.analysis.study import run_study
 
     writable_file(args.out)
     path = Path(args.profile)
-    cpu = False
-    if path.name.endswith(".bk.log"):
-        it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
-        prof = read_bklog(path, iteration_s=it)
-    else:
-        prof = load_profile(path)
-        cpu = prof.device == "cpu"
-        if args.iteration_ms is not None:
-            if not args.iteration_ms > 0:
-                raise ConfigError(f"--iteration-ms must be > 0, got {args.iteration_ms}")
-            prof.iteration_s = args.iteration_ms / 1e3
-    bandwidth, alpha, onebit_latency = args.bandwidth_gbps, args.alpha_us, ()
-    if args.rtt is not None:
-        if alpha is not None:
-            raise ConfigError("give --rtt or --alpha-us, not both (they set the same term)")
-        from thinwire.testbed.wan import parse_duration
-
-        # gloo sends a message only once its receiver has announced the buffer, so each
-        # ring message costs a round trip, not a one-way latency (docs/testbed.md).
-        alpha = parse_duration(args.rtt, "--rtt") * 1e6
-    if args.link:
-        fit = load_link(args.link)
-        bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
-        alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
-        onebit_latency = tuple((float(s), float(w)) for s, w in fit.get("onebit_latency", []))
-    codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
-    saved = prof.meta.get("onebit_codec_s_per_byte")
-    onebit_codec = float(saved) if saved is not None else None
-    if args.measure_codec:
-        if onebit_codec is None:
-            onebit_codec = measure_codec_cost(world_size=4)
-        codec = onebit_codec
-    cfg = NetworkConfig(
-        workers=args.workers,
-        workers_per_node=args.workers_per_node,
-        intra_node_gbps=args.intra_node_gbps,
-        bandwidth_gbps=bandwidth if bandwidth is not None else 10.0,
-        alpha_s=(alpha or 0.0) * 1e-6,
-        compression=args.compression,
-        codec_s_per_byte=codec,
-        overlap=not args.no_overlap,
-        scheme=args.scheme,
-        local_steps=args.local_steps,
-        # a CPU profile trains with gloo, a GPU one (and the paper's logs) with NCCL
-        onebit_latency=onebit_latency,
-        concurrency=BACKEND_CONCURRENCY[
-            args.backend if args.backend != "auto" else "gloo" if cpu else "nccl"
-        ],
-    )
+    prof, cpu = _what_if_profile(args, path)
+    cfg, onebit_codec = _what_if_network(args, prof, cpu)
     buckets = make_buckets(
         prof,
         args.buckets,
@@ -242,6 +191,73 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
     out = _write_json(study, args.out)
     print(f"wrote {out}")
     return 0
+
+
+def _what_if_profile(args: argparse.Namespace, path: Path) -> tuple[Any, bool]:
+    """The profile (a thinwire profile or a paper's ``.bk.log``), with ``--iteration-ms``
+    applied, and whether it was taken on CPU."""
+    from thinwire.analysis.bklog import read_bklog
+    from thinwire.analysis.profile import load_profile
+
+    cpu = False
+    if path.name.endswith(".bk.log"):
+        it = args.iteration_ms / 1e3 if args.iteration_ms is not None else None
+        prof = read_bklog(path, iteration_s=it)
+    else:
+        prof = load_profile(path)
+        cpu = prof.device == "cpu"
+        if args.iteration_ms is not None:
+            if not args.iteration_ms > 0:
+                raise ConfigError(f"--iteration-ms must be > 0, got {args.iteration_ms}")
+            prof.iteration_s = args.iteration_ms / 1e3
+    return prof, cpu
+
+
+def _what_if_network(args: argparse.Namespace, prof: Any, cpu: bool) -> tuple[Any, float | None]:
+    """The network to model (flags, then a fitted ``--link``), and the 1-bit codec's
+    measured cost per byte (None when unknown)."""
+    from thinwire.analysis.costs import measure_codec_cost
+    from thinwire.analysis.network_model import BACKEND_CONCURRENCY, NetworkConfig
+
+    bandwidth, alpha, onebit_latency = args.bandwidth_gbps, args.alpha_us, ()
+    if args.rtt is not None:
+        if alpha is not None:
+            raise ConfigError("give --rtt or --alpha-us, not both (they set the same term)")
+        from thinwire.testbed.wan import parse_duration
+
+        # gloo sends a message only once its receiver has announced the buffer, so each
+        # ring message costs a round trip, not a one-way latency (docs/testbed.md).
+        alpha = parse_duration(args.rtt, "--rtt") * 1e6
+    if args.link:
+        fit = load_link(args.link)
+        bandwidth = bandwidth if bandwidth is not None else float(fit["bandwidth_gbps"])
+        alpha = alpha if alpha is not None else float(fit["alpha_per_message_s"]) * 1e6
+        onebit_latency = tuple((float(s), float(w)) for s, w in fit.get("onebit_latency", []))
+    codec = args.codec_ns_per_byte * 1e-9 if args.codec_ns_per_byte is not None else 0.0
+    saved = prof.meta.get("onebit_codec_s_per_byte")
+    onebit_codec = float(saved) if saved is not None else None
+    if args.measure_codec:
+        if onebit_codec is None:
+            onebit_codec = measure_codec_cost(world_size=4)
+        codec = onebit_codec
+    cfg = NetworkConfig(
+        workers=args.workers,
+        workers_per_node=args.workers_per_node,
+        intra_node_gbps=args.intra_node_gbps,
+        bandwidth_gbps=bandwidth if bandwidth is not None else 10.0,
+        alpha_s=(alpha or 0.0) * 1e-6,
+        compression=args.compression,
+        codec_s_per_byte=codec,
+        overlap=not args.no_overlap,
+        scheme=args.scheme,
+        local_steps=args.local_steps,
+        # a CPU profile trains with gloo, a GPU one (and the paper's logs) with NCCL
+        onebit_latency=onebit_latency,
+        concurrency=BACKEND_CONCURRENCY[
+            args.backend if args.backend != "auto" else "gloo" if cpu else "nccl"
+        ],
+    )
+    return cfg, onebit_codec
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

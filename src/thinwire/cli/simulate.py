@@ -25,6 +25,7 @@ for real. ``thinwire simulate async ...``, the old spelling, still works.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shlex
@@ -241,14 +242,7 @@ def _plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
 
 
 def run_async(args: argparse.Namespace) -> int:
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods:
-        raise ConfigError(
-            f"--methods needs at least one of {', '.join(METHODS)}, got {args.methods!r}"
-        )
-    for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    methods = _methods(args)
     speeds = (
         _floats(args.seconds_per_step, "--seconds-per-step")
         if args.seconds_per_step
@@ -262,6 +256,40 @@ def run_async(args: argparse.Namespace) -> int:
     if not 0.0 <= args.c <= 1.0 / len(speeds):
         raise ConfigError(f"--c must be in [0, 1/W] = [0, {1 / len(speeds):.4g}], got {args.c}")
     torch.set_num_threads(args.threads)
+    model, base, clock = _configs(args, speeds)
+    grid = parse_grid(args.sweep, methods)
+
+    def task_for_seed(seed: int) -> Any:
+        cfg = TrainConfig(**{**model.to_dict(), "seed": seed})
+        return gpt_task(cfg, TextData(args.data, cfg.gpt_config().seq_len, cfg.val_fraction, seed))
+
+    out = Path(args.out)
+    context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
+    pretraining = functools.partial(_pretraining, out)
+    runs = run_sweep(
+        task_for_seed, base, clock, grid, seeds, out, _report, context, on_pretrain=pretraining
+    )
+    _write_results(args, runs, speeds, seeds, model, base)
+    return 0
+
+
+def _methods(args: argparse.Namespace) -> list[str]:
+    """``--methods`` as a list of known method names."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError(
+            f"--methods needs at least one of {', '.join(METHODS)}, got {args.methods!r}"
+        )
+    for m in methods:
+        if m not in METHODS:
+            raise ConfigError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    return methods
+
+
+def _configs(
+    args: argparse.Namespace, speeds: tuple[float, ...]
+) -> tuple[TrainConfig, AsyncConfig, SimClock]:
+    """The task's settings, the methods' shared async settings and the virtual clock."""
     model = TrainConfig(
         model=args.model,
         batch_size=args.batch_size,
@@ -297,42 +325,47 @@ def run_async(args: argparse.Namespace) -> int:
         declare_speeds=not args.calibrate,
     )
     clock.validate()
-    grid = parse_grid(args.sweep, methods)
+    return model, base, clock
 
-    def task_for_seed(seed: int) -> Any:
-        cfg = TrainConfig(**{**model.to_dict(), "seed": seed})
-        return gpt_task(cfg, TextData(args.data, cfg.gpt_config().seq_len, cfg.val_fraction, seed))
 
-    def report(run: dict[str, Any], cached: bool) -> None:
-        print(
-            f"{run['method']:9s} {_setting(run['setting']):32s} seed {run['seed']}  final val "
-            f"loss {run['final_val_loss']:.4f}  updates {run['updates']:5d}  simulated "
-            f"{run['sim_time_s']:8.1f} s" + ("  (read back)" if cached else ""),
-            flush=True,
-        )
-
-    out = Path(args.out)
-    context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
-
-    def pretraining(seed: int, start: Any) -> Callable[[int, float], None]:
-        print(
-            f"seed {seed}: starts {start.describe()} (computed once, kept in {out}/runs)",
-            flush=True,
-        )
-        bar: list[Progress] = []  # made at the first step: a kept pretraining has none
-
-        def step(done: int, loss: float) -> None:
-            if not bar:
-                bar.append(Progress(start.pretrain_steps, 0, True, f"pretraining seed {seed}"))
-            bar[0].update(1, loss=f"{loss:.3f}")
-            if done == start.pretrain_steps:
-                bar[0].close()
-
-        return step
-
-    runs = run_sweep(
-        task_for_seed, base, clock, grid, seeds, out, report, context, on_pretrain=pretraining
+def _report(run: dict[str, Any], cached: bool) -> None:
+    """One line per finished (or read back) run."""
+    print(
+        f"{run['method']:9s} {_setting(run['setting']):32s} seed {run['seed']}  final val "
+        f"loss {run['final_val_loss']:.4f}  updates {run['updates']:5d}  simulated "
+        f"{run['sim_time_s']:8.1f} s" + ("  (read back)" if cached else ""),
+        flush=True,
     )
+
+
+def _pretraining(out: Path, seed: int, start: Any) -> Callable[[int, float], None]:
+    """Say where seed ``seed`` starts; the returned callback shows its pretraining."""
+    print(
+        f"seed {seed}: starts {start.describe()} (computed once, kept in {out}/runs)",
+        flush=True,
+    )
+    bar: list[Progress] = []  # made at the first step: a kept pretraining has none
+
+    def step(done: int, loss: float) -> None:
+        if not bar:
+            bar.append(Progress(start.pretrain_steps, 0, True, f"pretraining seed {seed}"))
+        bar[0].update(1, loss=f"{loss:.3f}")
+        if done == start.pretrain_steps:
+            bar[0].close()
+
+    return step
+
+
+def _write_results(
+    args: argparse.Namespace,
+    runs: list[dict[str, Any]],
+    speeds: tuple[float, ...],
+    seeds: tuple[int, ...],
+    model: TrainConfig,
+    base: AsyncConfig,
+) -> None:
+    """``results.json``, ``table.md`` and the plots in ``--out``; the tables on stdout."""
+    out = Path(args.out)
     summary = summarize_sweep(runs, args.target)
     unigram = TextData(args.data, model.gpt_config().seq_len, model.val_fraction).unigram_loss()
     command = "thinwire " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -355,4 +388,3 @@ def run_async(args: argparse.Namespace) -> int:
     best = {b for m in summary["best"].values() for b in m["runs"]}
     plots = _plot([r for r in runs if r["key"] in best], out)
     print(f"wrote {out / 'results.json'}, {out / 'table.md'}" + "".join(f", {p}" for p in plots))
-    return 0

@@ -88,8 +88,20 @@ def freeze_step_arg(text: str) -> int | str:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``thinwire train`` (shared with ``thinwire demo``)."""
     d = TrainConfig()
+    _add_run_arguments(p.add_argument_group("run"), d)
+    _add_model_arguments(p.add_argument_group("model"), d)
+    _add_optimizer_arguments(p.add_argument_group("optimizer"), d)
+    ls = p.add_argument_group("local SGD")
+    _add_local_sgd_arguments(ls, d)
+    _add_async_arguments(ls, d)
+    _add_round_state_arguments(ls, d)
+    _add_reporting_arguments(p.add_argument_group("reporting"), d)
+    track_explicit(p)
+
+
+def _add_run_arguments(g: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """What to train, on what, for how long, and where it starts."""
     algos = "; ".join(f"{n}: {ALGORITHMS.get(n, RUNNERS.get(n))[1]}" for n in algorithm_names())
-    g = p.add_argument_group("run")
     g.add_argument(
         "--config",
         default=None,
@@ -127,13 +139,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--init-from", default=None, metavar="FILE", help="start from this model state file"
     )
-    m = p.add_argument_group("model")
+
+
+def _add_model_arguments(m: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """The model's size."""
     m.add_argument("--model", default=d.model, help=f"preset: {', '.join(PRESETS)}")
     m.add_argument("--seq-len", type=int, default=None)
     m.add_argument("--n-layer", type=int, default=None)
     m.add_argument("--n-head", type=int, default=None)
     m.add_argument("--n-embd", type=int, default=None)
-    o = p.add_argument_group("optimizer")
+
+
+def _add_optimizer_arguments(o: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """The inner optimizer and the 1-bit optimizers' warmup."""
     o.add_argument(
         "--lr", type=float, default=None, help="peak learning rate (default: tuned per algorithm)"
     )
@@ -176,7 +194,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="1-bit optimizers: compress the momentum divided by the frozen sqrt(v) instead "
         "of the raw momentum (default: on for onebit-adam, off for onebit-lamb)",
     )
-    ls = p.add_argument_group("local SGD")
+
+
+def _add_local_sgd_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """Local SGD's rounds, outer step, DyLU and staleness."""
     ls.add_argument(
         "--local-steps", type=int, default=d.local_steps, help="inner steps H per round"
     )
@@ -207,6 +228,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="async-diloco: poly scales each push by (1 + staleness)^-1/2",
     )
     ls.add_argument("--max-staleness", type=int, default=None, help="drop staler pushes")
+
+
+def _add_async_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """Data shards, slow workers and the asynchronous server."""
     ls.add_argument(
         "--shard-sampling",
         default=None,
@@ -250,6 +275,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="async-diloco: heartbeat silence after which the server drops a worker as dead "
         "(default 10); a rejoin of a worker waits for this",
     )
+
+
+def _add_round_state_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """What the inner optimizer keeps between rounds, and what travels compressed."""
     ls.add_argument(
         "--inner-state",
         "--inner-momentum",
@@ -272,7 +301,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         choices=tuple(CODECS),
         help="async-diloco: theta to workers as a delta to their copy in this codec",
     )
-    r = p.add_argument_group("reporting")
+
+
+def _add_reporting_arguments(r: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """Logs, evaluation, checkpoints and the run's deadline."""
     r.add_argument("--eval-interval", type=int, default=d.eval_interval)
     r.add_argument("--eval-sequences", type=int, default=d.eval_sequences)
     r.add_argument("--log-interval", type=int, default=d.log_interval)
@@ -282,7 +314,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds before a stuck run is stopped"
     )
-    track_explicit(p)
 
 
 def register(sub: Any) -> None:

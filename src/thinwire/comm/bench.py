@@ -229,6 +229,36 @@ def _validate(methods: Sequence[str], sizes_bytes: Sequence[int], warmup: int, i
         raise ConfigError(f"need warmup >= 0 and iters >= 1, got {warmup} and {iters}")
 
 
+def _ops_at_size(
+    methods: Sequence[str],
+    x: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    pieces: int | None,
+    w: int,
+) -> tuple[dict[str, Callable[[], None]], dict[str, int], dict[str, OneBitAllreduce]]:
+    """Each method's call on ``x`` and its wire bytes, the 1-bit allreduces tuned (and
+    ``onebit-compute``, their compute-only twin, among the ops)."""
+    ops: dict[str, Callable[[], None]] = {}
+    wires: dict[str, int] = {}
+    onebits: dict[str, OneBitAllreduce] = {}
+    for method in methods:
+        ops[method], wires[method], made = _make_op(method, x, group, pieces)
+        if made is not None:
+            onebits[method] = made
+    for method, made in onebits.items():
+        # Untimed: the calls that tune the piece count (the same choice on every rank).
+        while not made.tuned:
+            ops[method]()
+    onebit = next(iter(onebits.values()), None)
+    if onebit is not None:
+        # The compute-only twin runs at the collective's count, so that time - compute
+        # splits the very call that was timed.
+        local = OneBitAllreduce.compute_only(w, pieces=onebit.pieces_in_use)
+        local_out = torch.empty_like(x)
+        ops["onebit-compute"] = lambda: local(x, out=local_out)
+    return ops, wires, onebits
+
+
 def run_allreduce_bench(
     methods: Sequence[str],
     sizes_bytes: Sequence[int],
@@ -269,24 +299,7 @@ def run_allreduce_bench(
     for size in sizes_bytes:
         n = size // 4
         x = torch.randn(n, generator=gen).to(device)
-        ops: dict[str, Callable[[], None]] = {}
-        wires: dict[str, int] = {}
-        onebits: dict[str, OneBitAllreduce] = {}
-        for method in methods:
-            ops[method], wires[method], made = _make_op(method, x, group, pieces)
-            if made is not None:
-                onebits[method] = made
-        for method, made in onebits.items():
-            # Untimed: the calls that tune the piece count (the same choice on every rank).
-            while not made.tuned:
-                ops[method]()
-        onebit = next(iter(onebits.values()), None)
-        if onebit is not None:
-            # The compute-only twin runs at the collective's count, so that time - compute
-            # splits the very call that was timed.
-            local = OneBitAllreduce.compute_only(w, pieces=onebit.pieces_in_use)
-            local_out = torch.empty_like(x)
-            ops["onebit-compute"] = lambda: local(x, out=local_out)  # noqa: B023
+        ops, wires, onebits = _ops_at_size(methods, x, group, pieces, w)
         times = _time_interleaved(ops, warmup, iters, group, device)
         for method in methods:
             t = statistics.median(times[method])

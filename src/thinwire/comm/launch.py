@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -147,42 +148,46 @@ def _decode(data: bytes, rank: int) -> Any:
         ) from None
 
 
-def _worker(
-    local_rank: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    nprocs: int,
-    backend: str,
-    master_addr: str,
-    master_port: int,
-    timeout_s: float,
-    results: Any,
-    env: dict[str, str],
-    launcher_pid: int,
-) -> None:
+@dataclass(frozen=True)
+class _Launch:
+    """What every rank of one :func:`spawn` starts with (sent to the fresh interpreters)."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    nprocs: int
+    backend: str
+    master_addr: str
+    master_port: int
+    timeout_s: float
+    env: dict[str, str]
+    launcher_pid: int
+
+
+def _worker(local_rank: int, launch: _Launch, results: Any) -> None:
+    nprocs = launch.nprocs
     set_process_name(f"thinwire-rank{local_rank}")
-    tie_to_parent(launcher_pid)  # a killed launcher takes its ranks with it
-    os.environ.update(env)
+    tie_to_parent(launch.launcher_pid)  # a killed launcher takes its ranks with it
+    os.environ.update(launch.env)
     os.environ.update(
         {
             "RANK": str(local_rank),
             "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(nprocs),
             "LOCAL_WORLD_SIZE": str(nprocs),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
+            "MASTER_ADDR": launch.master_addr,
+            "MASTER_PORT": str(launch.master_port),
         }
     )
     torch.set_num_threads(_threads_per_rank(nprocs))
     try:
         dist.init_process_group(
-            backend=backend,
+            backend=launch.backend,
             init_method="env://",
             rank=local_rank,
             world_size=nprocs,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=launch.timeout_s),
         )
-        out = fn(local_rank, nprocs, *args)
+        out = launch.fn(local_rank, nprocs, *launch.args)
         results.put((local_rank, True, _encode(out)))
     except SystemExit:
         raise  # stopped by the launcher, or orphaned: nobody waits for a report
@@ -243,88 +248,107 @@ def spawn(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port(master_addr)
-    launcher = os.getpid()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                r,
-                fn,
-                args,
-                nprocs,
-                backend,
-                master_addr,
-                port,
-                timeout_s,
-                results,
-                env or {},
-                launcher,
-            ),
-            daemon=False,
-            name=f"thinwire-rank{r}",
-        )
-        for r in range(nprocs)
-    ]
-    tolerated = set(may_fail)
-    failed: set[int] = set()
+    launch = _Launch(
+        fn, args, nprocs, backend, master_addr, port, timeout_s, env or {}, os.getpid()
+    )
+    ranks = _Ranks(launch, may_fail)
+    ranks.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        ranks.collect(deadline)
+    finally:
+        ranks.close()
+    return [ranks.outputs.get(r) for r in range(nprocs)]
 
-    def tolerate(rank: int, why: str) -> bool:
-        if rank not in tolerated:
+
+class _Ranks:
+    """The processes of one :func:`spawn` and what they have reported so far."""
+
+    def __init__(self, launch: _Launch, may_fail: Collection[int]) -> None:
+        ctx = mp.get_context("spawn")
+        self.launch = launch
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, launch, self.results),
+                daemon=False,
+                name=f"thinwire-rank{r}",
+            )
+            for r in range(launch.nprocs)
+        ]
+        self.tolerated = set(may_fail)
+        self.failed: set[int] = set()
+        self.outputs: dict[int, Any] = {}
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+
+    def pending(self) -> bool:
+        """Some rank has neither reported nor failed in a tolerated way."""
+        return len(self.outputs) + len(self.failed) < self.launch.nprocs
+
+    def tolerate(self, rank: int, why: str) -> bool:
+        """True (and one line on stderr, once) when ``rank`` may fail."""
+        if rank not in self.tolerated:
             return False
-        if rank not in failed:
-            failed.add(rank)
+        if rank not in self.failed:
+            self.failed.add(rank)
             print(
                 f"thinwire: rank {rank} {why}; the run continues without it "
-                f"(MASTER_ADDR={master_addr} MASTER_PORT={port})",
+                f"(MASTER_ADDR={self.launch.master_addr} MASTER_PORT={self.launch.master_port})",
                 file=sys.stderr,
             )
         return True
 
-    for p in procs:
-        p.start()
-    outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outputs) + len(failed) < nprocs:
+    def collect(self, deadline: float) -> None:
+        """Wait for every rank's report; raise as :func:`spawn` says."""
+        while self.pending():
             try:
-                r, ok, payload = results.get(timeout=0.1)
+                r, ok, payload = self.results.get(timeout=0.1)
             except queue.Empty:
-                dead = [
-                    i
-                    for i, p in enumerate(procs)
-                    if i not in outputs
-                    and i not in failed
-                    and p.exitcode is not None
-                    and p.exitcode != 0
-                ]
-                for i in dead:
-                    why = f"exited with code {procs[i].exitcode} before reporting"
-                    if not tolerate(i, why):
-                        raise DistributedError(f"rank {i} {why}") from None
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(nprocs)) - set(outputs))
-                    raise DistributedError(
-                        f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                    ) from None
+                self._check_silent(deadline)
                 continue
             if not ok:
                 msg, tb = _decode(payload, r)
-                if not tolerate(r, f"failed: {msg}"):
-                    _blame_the_dead(procs, r, msg, set(outputs) | failed | tolerated)
+                if not self.tolerate(r, f"failed: {msg}"):
+                    accounted = set(self.outputs) | self.failed | self.tolerated
+                    _blame_the_dead(self.procs, r, msg, accounted)
                     raise DistributedError(f"rank {r} failed: {msg}\n{tb}")
                 continue
-            outputs[r] = _decode(payload, r)
-    finally:
-        for p in procs:
-            if p.is_alive() and len(outputs) + len(failed) < nprocs:
+            self.outputs[r] = _decode(payload, r)
+
+    def _check_silent(self, deadline: float) -> None:
+        """No report came: a rank that died without one, or the deadline, ends the run."""
+        procs = self.procs
+        dead = [
+            i
+            for i, p in enumerate(procs)
+            if i not in self.outputs
+            and i not in self.failed
+            and p.exitcode is not None
+            and p.exitcode != 0
+        ]
+        for i in dead:
+            why = f"exited with code {procs[i].exitcode} before reporting"
+            if not self.tolerate(i, why):
+                raise DistributedError(f"rank {i} {why}") from None
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(self.launch.nprocs)) - set(self.outputs))
+            raise DistributedError(
+                f"ranks {missing} did not finish within {self.launch.timeout_s:.0f} s"
+            ) from None
+
+    def close(self) -> None:
+        """Terminate the ranks still running (unless all reported), reap every one."""
+        for p in self.procs:
+            if p.is_alive() and self.pending():
                 p.terminate()
-        for p in procs:
+        for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
-        results.close()
-    return [outputs.get(r) for r in range(nprocs)]
+        self.results.close()

@@ -90,6 +90,15 @@ _DTYPES = tuple(WIRE_DTYPES.values())
 """What a 1-bit allreduce averages: the wire dtypes (fp32, fp16, bf16)."""
 
 
+def _check_call(tensor: torch.Tensor, out: torch.Tensor | None) -> None:
+    """A dtype the allreduce averages, and an ``out`` of the input's shape."""
+    if tensor.dtype not in _DTYPES:
+        names = "/".join(str(d).removeprefix("torch.") for d in _DTYPES)
+        raise TypeError(f"1-bit allreduce takes {names}, got {tensor.dtype}")
+    if out is not None and out.shape != tensor.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, input {tuple(tensor.shape)}")
+
+
 class OneBitAllreduce:
     """Averages a tensor across ranks with 1-bit compression and error feedback.
 
@@ -282,11 +291,7 @@ class OneBitAllreduce:
         already goes ahead of the bits (no extra message); its average over the ranks is
         left in :attr:`side_mean`, alike on every rank.
         """
-        if tensor.dtype not in _DTYPES:
-            names = "/".join(str(d).removeprefix("torch.") for d in _DTYPES)
-            raise TypeError(f"1-bit allreduce takes {names}, got {tensor.dtype}")
-        if out is not None and out.shape != tensor.shape:
-            raise ValueError(f"out has shape {tuple(out.shape)}, input {tuple(tensor.shape)}")
+        _check_call(tensor, out)
         w = self.world_size
         if w == 1:
             self.side_mean = float(side)
@@ -296,24 +301,51 @@ class OneBitAllreduce:
 
         started = time.perf_counter()
         n = tensor.numel()
-        fresh = self.numel is None
-        if fresh:
-            self._allocate(n, tensor.device)
-        elif self._bufs["work"].device != tensor.device:
-            self._bufs = {k: v.to(tensor.device) for k, v in self._bufs.items()}
-            self._scratch = self._scratch.to(tensor.device)
-            self._new_tuner(tensor.device)
-        b, scratch, block = self._bufs, self._scratch, self.block
+        fresh = self._ready_for(n, tensor.device)
         # Reported to every rank's piece tuner; stays 0 (unknown) if this call raises.
         previous, self._last_seconds = self._last_seconds, 0.0
         ours = self.numel == n
         _, seg, real = self._layout(n)
-        sb = onebit_scale_bytes(n, w, block)  # scales ahead of a segment's bits, phase 1
+        sb = onebit_scale_bytes(n, w, self.block)  # scales ahead of a segment's bits, phase 1
         seg8 = seg // 8
 
+        scale, scales = self._compensate(tensor, ours)
+        metas = self._gather_meta(scale, n, previous, fresh, ours, side)
+        cuts, recvs, waits = self._phase1(metas, scale, scales, n, seg8, sb)
+        y = self._server_average(metas, recvs, waits, cuts, sb, real)
+        gathered, waits, scales2, sb2 = self._phase2(y, cuts, sb, real)
+
+        # All ranks passed every check: commit both error updates by swapping buffers.
+        self._swap("worker_error", "work")
+        self._swap("server_error", "server_work")
+
+        out = self._unpack_output(tensor, out, gathered, waits, scales2, cuts, sb2, seg8)
+        self._last_seconds = time.perf_counter() - started
+        return out
+
+    # The steps of a call, in order; each works in the buffers of :meth:`_allocate`.
+
+    def _ready_for(self, n: int, device: torch.device) -> bool:
+        """Allocate the buffers on the first call, or move them to ``device``; True when
+        this call allocated them (a first call that fails must leave none behind)."""
+        if self.numel is None:
+            self._allocate(n, device)
+            return True
+        if self._bufs["work"].device != device:
+            self._bufs = {k: v.to(device) for k, v in self._bufs.items()}
+            self._scratch = self._scratch.to(device)
+            self._new_tuner(device)
+        return False
+
+    def _compensate(
+        self, tensor: torch.Tensor, ours: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step 1: ``x = input + worker_error`` and its scale (with blocks, the sum of the
+        block scales, and the scales themselves)."""
         # Step 1 into the work buffer, so the error is untouched until everything passed.
         # With blocks, the metadata carries the sum of this rank's block scales: NaN or
         # Inf in any block shows there, on every rank, before a bit is sent.
+        b, block, n = self._bufs, self.block, tensor.numel()
         scales: torch.Tensor | None = None
         if ours:
             shape = tensor.shape
@@ -327,6 +359,19 @@ class OneBitAllreduce:
                 scale = scales.sum()
         else:
             scale = torch.zeros((), device=tensor.device)
+        return scale, scales
+
+    def _gather_meta(
+        self,
+        scale: torch.Tensor,
+        n: int,
+        previous: float,
+        fresh: bool,
+        ours: bool,
+        side: torch.Tensor | float,
+    ) -> torch.Tensor:
+        """Every rank's metadata (scale, length, ...), checked alike on every rank; the
+        sign bits are packed while it travels."""
         meta = torch.stack(
             [
                 scale.double(),
@@ -335,7 +380,7 @@ class OneBitAllreduce:
                 scale.new_tensor(previous, dtype=torch.float64),
                 scale.new_tensor(self._plan.meta()[0], dtype=torch.float64),
                 scale.new_tensor(self._plan.meta()[1], dtype=torch.float64),
-                scale.new_tensor(block or 0, dtype=torch.float64),
+                scale.new_tensor(self.block or 0, dtype=torch.float64),
                 torch.as_tensor(side, dtype=torch.float64, device=scale.device).reshape(()),
             ]
         )
@@ -344,16 +389,30 @@ class OneBitAllreduce:
         self._exchange.phase2 = self._plan.scheme
         wait_meta = self._exchange.start_meta(meta)
         if ours:  # packing overlaps the tiny gather; the bits are only sent if all is well
-            pack_signs(b["work"], out=b["send"], scratch=scratch.bools)
+            pack_signs(self._bufs["work"], out=self._bufs["send"], scratch=self._scratch.bools)
         metas = wait_meta().cpu()
-        self.side_mean = float(metas[:, 7].sum()) / w  # summed in rank order: alike everywhere
+        # Summed in rank order: alike on every rank.
+        self.side_mean = float(metas[:, 7].sum()) / self.world_size
         try:
             check_metas(metas, n)
         except (ValueError, FloatingPointError):
             if fresh:  # a first call that fails leaves no buffers behind
                 self.reset()
             raise
+        return metas
 
+    def _phase1(
+        self,
+        metas: torch.Tensor,
+        scale: torch.Tensor,
+        scales: torch.Tensor | None,
+        n: int,
+        seg8: int,
+        sb: int,
+    ) -> tuple[list[int], list[torch.Tensor], list[Any]]:
+        """Start phase 1 and compute the next worker error while it travels; returns the
+        piece cuts, the receive views and the waits."""
+        b, block, w = self._bufs, self.block, self.world_size
         # Phase 1: every rank's sign bits for segment r go to rank r, in pieces (with
         # block scales, segment r's scales ride ahead of its bits, in the first piece).
         # While they travel, the next worker error x - s*sign(x) is computed in the work
@@ -386,15 +445,27 @@ class OneBitAllreduce:
             b["send"],
             scale if block is None else scales,
             n,
-            scratch.index_of(b["send"]),
+            self._scratch.index_of(b["send"]),
             self.chunk,
             block,
         )
+        return cuts, recvs, waits
 
+    def _server_average(
+        self,
+        metas: torch.Tensor,
+        recvs: list[torch.Tensor],
+        waits: list[Any],
+        cuts: list[int],
+        sb: int,
+        real: int,
+    ) -> torch.Tensor:
+        """The server's ``y`` for this rank's segment, piece by piece as phase 1 lands."""
         # Server: y = mean_i(s_i * sign_i) + server_error over segment r.
+        b, block, scratch = self._bufs, self.block, self._scratch
         y = b["server_work"]
         if block is None:
-            rank_scales = metas[:, 0].to(device=tensor.device, dtype=torch.float32)
+            rank_scales = metas[:, 0].to(device=y.device, dtype=torch.float32)
         for j, wait in enumerate(waits):
             wait()
             lo, hi = 8 * cuts[j], 8 * cuts[j + 1]
@@ -409,12 +480,21 @@ class OneBitAllreduce:
             if hi > real:  # padding stays exactly zero
                 y[max(lo, real) : hi].zero_()
             y[lo:hi].add_(b["server_error"][lo:hi])
+        return y
+
+    def _phase2(
+        self, y: torch.Tensor, cuts: list[int], sb: int, real: int
+    ) -> tuple[list[torch.Tensor], list[Any], torch.Tensor, int]:
+        """Pack ``y``, start phase 2, compute the next server error while it travels, and
+        check every rank's server scale; returns the gathered views, the waits, the
+        scales and their bytes per message."""
+        b, block, w = self._bufs, self.block, self.world_size
         sb2 = SCALE_BYTES if block is None else sb
         scale2 = rms_scale(y, real).reshape(1) if block is None else block_scales(y, real, block)
         message = b["message"]
         message[:sb2].copy_(scale2.view(torch.uint8))
         seg_bits = message[sb2:]
-        pack_signs(y, out=seg_bits, scratch=scratch.bools)
+        pack_signs(y, out=seg_bits, scratch=self._scratch.bools)
 
         # Phase 2: every rank gets every segment and its scales (the scales ride in the
         # first piece, so unpacking can start as soon as that piece lands); meanwhile the
@@ -425,7 +505,7 @@ class OneBitAllreduce:
             [g.view(-1) for g in gathered],
             [message[msg_cuts[j] : msg_cuts[j + 1]] for j in range(len(gathered))],
         )
-        index = scratch.index_of(seg_bits)
+        index = self._scratch.index_of(seg_bits)
         server_scale = scale2.reshape(()) if block is None else scale2
         subtract_signs_(y, seg_bits, server_scale, real, index, self.chunk, block)
         waits[0]()
@@ -441,24 +521,32 @@ class OneBitAllreduce:
             )
         if block is None:
             scales2 = scales2.reshape(w)
+        return gathered, waits, scales2, sb2
 
-        # All ranks passed every check: commit both error updates by swapping buffers.
-        self._swap("worker_error", "work")
-        self._swap("server_error", "server_work")
-
+    def _unpack_output(
+        self,
+        tensor: torch.Tensor,
+        out: torch.Tensor | None,
+        gathered: list[torch.Tensor],
+        waits: list[Any],
+        scales2: torch.Tensor,
+        cuts: list[int],
+        sb2: int,
+        seg8: int,
+    ) -> torch.Tensor:
+        """The average into ``out`` (new if None), unpacked as phase 2's pieces land."""
         # Output: segment r is s2_r * sign, unpacked piece by piece as the pieces land.
         # The old error buffer is free scratch now.
         if out is None:
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         direct = out.dtype == torch.float32 and out.is_contiguous()
-        dst = out.view(-1) if direct else b["work"][:n]
+        dst = out.view(-1) if direct else self._bufs["work"][: tensor.numel()]
         for j, wait in enumerate(waits):
             wait()
             bits = gathered[j][:, sb2:] if j == 0 else gathered[j]
-            unpack_rows_(dst, bits, scales2, cuts[j], seg8, scratch, block)
+            unpack_rows_(dst, bits, scales2, cuts[j], seg8, self._scratch, self.block)
         if not direct:
             out.copy_(dst.view(out.shape))
-        self._last_seconds = time.perf_counter() - started
         return out
 
     def _swap(self, err: str, work: str) -> None:

@@ -79,7 +79,7 @@ from thinwire.localsgd.server_run import run_server
 from thinwire.localsgd.task import Task, make_sources
 from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
-from thinwire.localsgd.worker_loop import work_loop
+from thinwire.localsgd.worker_loop import LoopSettings, work_loop
 
 __all__ = ["make_worker", "open_transport", "run_async", "worker_state_path"]
 
@@ -222,15 +222,8 @@ def run_async(
             (the checkpoint keeps what was done; its ``summary`` says so, and carries
             that ``theta``).
     """
-    created = False
+    created = _join_group()
     restore_log_level = None
-    if not dist.is_initialized():
-        if not init_from_env():
-            raise ConfigError(
-                "run_async needs a process group of 2 or more ranks: launch with torchrun, "
-                "or with thinwire.comm.launch.spawn"
-            )
-        created = True
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         workers = world - 1
@@ -240,16 +233,7 @@ def run_async(
         task = _started(task, cfg, rank, workers)
         transport, generated = open_transport(cfg)
         if rank != 0:
-            worker = make_worker(task, cfg, rank, workers)
-            return work_loop(
-                worker,
-                transport,
-                compress=cfg.compress,
-                heartbeat_s=cfg.heartbeat_s,
-                max_restarts=cfg.max_restarts,
-                state_path=worker_state_path(cfg, rank),
-                resume=cfg.resume,
-            )
+            return _work(task, cfg, rank, workers, transport)
         try:
             return run_server(
                 task,
@@ -270,3 +254,29 @@ def run_async(
                 restore_log_level()  # no store of ours is listening any more
         # A caller's process group outlives the run, and its store keeps listening: the
         # level stays raised for as long as this process hosts it.
+
+
+def _join_group() -> bool:
+    """Join the process group torchrun's environment describes, unless there is one
+    already; True when this call created it (and the run leaves it again)."""
+    if dist.is_initialized():
+        return False
+    if not init_from_env():
+        raise ConfigError(
+            "run_async needs a process group of 2 or more ranks: launch with torchrun, "
+            "or with thinwire.comm.launch.spawn"
+        )
+    return True
+
+
+def _work(task: Task, cfg: AsyncConfig, rank: int, workers: int, transport: Transport) -> Any:
+    """Worker ``rank``'s part of :func:`run_async`: rounds until the server says stop."""
+    worker = make_worker(task, cfg, rank, workers)
+    settings = LoopSettings(
+        compress=cfg.compress,
+        heartbeat_s=cfg.heartbeat_s,
+        max_restarts=cfg.max_restarts,
+        state_path=worker_state_path(cfg, rank),
+        resume=cfg.resume,
+    )
+    return work_loop(worker, transport, settings)

@@ -24,9 +24,11 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.async_runtime import make_worker
 from thinwire.localsgd.auth import RunKey, read_token
 from thinwire.localsgd.config import AsyncConfig
+from thinwire.localsgd.messages import RunInfo
 from thinwire.localsgd.task import Task, shape_signature
 from thinwire.localsgd.transport import Transport
-from thinwire.localsgd.worker_loop import work_loop
+from thinwire.localsgd.worker import LocalWorker
+from thinwire.localsgd.worker_loop import LoopSettings, work_loop
 
 __all__ = ["rejoin_async"]
 
@@ -64,17 +66,7 @@ def rejoin_async(
             After the hello: the server refused it (its worker is alive, or its model
             differs).
     """
-    host = host or os.environ.get("MASTER_ADDR")
-    port = port or os.environ.get("MASTER_PORT")
-    if not host or not port:
-        raise ConfigError(
-            "rejoining needs the run's store address: set MASTER_ADDR and MASTER_PORT to "
-            "those of the run's rank 0"
-        )
-    try:
-        port = int(port)
-    except ValueError:
-        raise ConfigError(f"MASTER_PORT must be a port number, got {port!r}") from None
+    host, port = _store_address(host, port)
     if rank < 1:
         raise ConfigError(
             f"cannot rejoin as rank {rank}: rank 0 is the server (restart the whole run with "
@@ -100,6 +92,36 @@ def rejoin_async(
         )
     cfg.validate(info.workers)
     worker = make_worker(task, cfg, rank, info.workers)
+    _check_like_the_run(worker, info)
+    settings = LoopSettings(
+        compress=cfg.compress,
+        heartbeat_s=cfg.heartbeat_s,
+        max_restarts=cfg.max_restarts,
+        late=True,
+        force=force,
+    )
+    out = work_loop(worker, transport, settings)
+    return out | {"worker": rank, "incarnation": transport.incarnation}
+
+
+def _store_address(host: str | None, port: int | str | None) -> tuple[str, int]:
+    """The run's store address: the arguments, else ``MASTER_ADDR:MASTER_PORT``."""
+    host = host or os.environ.get("MASTER_ADDR")
+    port = port or os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ConfigError(
+            "rejoining needs the run's store address: set MASTER_ADDR and MASTER_PORT to "
+            "those of the run's rank 0"
+        )
+    try:
+        port = int(port)
+    except ValueError:
+        raise ConfigError(f"MASTER_PORT must be a port number, got {port!r}") from None
+    return host, port
+
+
+def _check_like_the_run(worker: LocalWorker, info: RunInfo) -> None:
+    """The rejoining worker's model and shard count are the run's (before its hello)."""
     numel, crc = shape_signature(worker.model)
     if (numel, crc) != (info.numel, info.checksum):
         raise ConfigError(
@@ -111,13 +133,3 @@ def rejoin_async(
             f"this worker cuts the data into {len(worker.shards)} shards, the run into "
             f"{info.shards}; rejoin with the run's shard count (--shards)"
         )
-    out = work_loop(
-        worker,
-        transport,
-        compress=cfg.compress,
-        heartbeat_s=cfg.heartbeat_s,
-        max_restarts=cfg.max_restarts,
-        late=True,
-        force=force,
-    )
-    return out | {"worker": rank, "incarnation": transport.incarnation}

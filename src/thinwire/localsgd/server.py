@@ -47,6 +47,7 @@ Mechanics (Liu et al., 2024, https://arxiv.org/abs/2401.09135):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,14 +63,14 @@ from thinwire.localsgd.shards import ShardBook
 if TYPE_CHECKING:
     from thinwire.localsgd.config import AsyncConfig
 
-__all__ = ["OUTER_CHOICES", "STALENESS_CHOICES", "ServerCore", "Work"]
+__all__ = ["OUTER_CHOICES", "STALENESS_CHOICES", "ServerCore", "ServerSettings", "Work"]
 
 
-class ServerCore:
-    """Global model (``model``), roster (``roster``) and budget of one asynchronous run.
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a :class:`ServerCore` is built with (besides the initial theta).
 
     Args:
-        theta: initial global parameters, flattened (copied).
         workers: W, the number of workers the run is planned for (DN's N by default).
         local_steps: H, inner steps per round (of the fastest worker under DyLU).
         total_steps: inner-step budget of the whole run, summed over workers.
@@ -91,71 +92,92 @@ class ServerCore:
         guard: the checks every push must pass (default: :class:`PushGuard` defaults).
     """
 
-    def __init__(
-        self,
-        theta: torch.Tensor,
-        *,
-        workers: int,
-        local_steps: int,
-        total_steps: int,
-        shard_sizes: list[int],
-        outer: str = "dn",
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        buffer_size: int | None = None,
-        c: float = 0.0,
-        dylu: bool = False,
-        grace_s: float = 0.0,
-        sync: bool = False,
-        dylu_ema: float = 0.5,
-        staleness: str = "none",
-        max_staleness: int | None = None,
-        speeds: dict[int, float] | None = None,
-        calibration_steps: int = 0,
-        min_local_steps: int = 1,
-        shard_sampling: str = "least-progress",
-        seed: int = 0,
-        guard: PushGuard | None = None,
-    ) -> None:
-        if workers < 1:
-            raise ConfigError(f"asynchronous Local-SGD needs >= 1 worker, got {workers}")
-        if local_steps < 1:
-            raise ConfigError(f"local steps H must be >= 1, got {local_steps}")
-        if total_steps < 1:
-            raise ConfigError(f"total inner steps must be >= 1, got {total_steps}")
-        if grace_s < 0 or not math.isfinite(grace_s):
-            raise ConfigError(f"grace period must be a finite number >= 0, got {grace_s}")
+    workers: int
+    local_steps: int
+    total_steps: int
+    shard_sizes: list[int]
+    outer: str = "dn"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    buffer_size: int | None = None
+    c: float = 0.0
+    dylu: bool = False
+    grace_s: float = 0.0
+    sync: bool = False
+    dylu_ema: float = 0.5
+    staleness: str = "none"
+    max_staleness: int | None = None
+    speeds: dict[int, float] | None = None
+    calibration_steps: int = 0
+    min_local_steps: int = 1
+    shard_sampling: str = "least-progress"
+    seed: int = 0
+    guard: PushGuard | None = None
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` for settings no run can have."""
+        if self.workers < 1:
+            raise ConfigError(f"asynchronous Local-SGD needs >= 1 worker, got {self.workers}")
+        if self.local_steps < 1:
+            raise ConfigError(f"local steps H must be >= 1, got {self.local_steps}")
+        if self.total_steps < 1:
+            raise ConfigError(f"total inner steps must be >= 1, got {self.total_steps}")
+        if self.grace_s < 0 or not math.isfinite(self.grace_s):
+            raise ConfigError(f"grace period must be a finite number >= 0, got {self.grace_s}")
+
+
+class ServerCore:
+    """Global model (``model``), roster (``roster``) and budget of one asynchronous run.
+
+    Args:
+        theta: initial global parameters, flattened (copied).
+        settings: everything else (:class:`ServerSettings`). :meth:`of` takes them as
+            keywords, :meth:`from_config` from an
+            :class:`~thinwire.localsgd.config.AsyncConfig`.
+    """
+
+    def __init__(self, theta: torch.Tensor, settings: ServerSettings) -> None:
+        settings.check()
+        s = settings
         self.model = GlobalModel(
             theta,
-            buffer_size=workers if buffer_size is None else buffer_size,
-            outer=outer,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            c=c,
-            staleness=staleness,
-            max_staleness=max_staleness,
+            buffer_size=s.workers if s.buffer_size is None else s.buffer_size,
+            outer=s.outer,
+            outer_lr=s.outer_lr,
+            outer_momentum=s.outer_momentum,
+            c=s.c,
+            staleness=s.staleness,
+            max_staleness=s.max_staleness,
         )
         self.theta, self.opt = self.model.theta, self.model.opt  # the model's, for reading
-        self.workers = workers
-        self.local_steps = local_steps
-        self.total_steps = total_steps
-        self.use_dylu = dylu
-        self.sync = sync
-        self.calibration_steps = min(calibration_steps, local_steps)
-        self.speeds = SpeedTracker(local_steps, ema=dylu_ema, min_steps=min_local_steps)
-        if speeds:
-            self.speeds.declare(speeds)
-        self.shards = ShardBook(shard_sizes, total_steps, sampling=shard_sampling, seed=seed)
+        self.workers = s.workers
+        self.local_steps = s.local_steps
+        self.total_steps = s.total_steps
+        self.use_dylu = s.dylu
+        self.sync = s.sync
+        self.calibration_steps = min(s.calibration_steps, s.local_steps)
+        self.speeds = SpeedTracker(s.local_steps, ema=s.dylu_ema, min_steps=s.min_local_steps)
+        if s.speeds:
+            self.speeds.declare(s.speeds)
+        self.shards = ShardBook(
+            s.shard_sizes, s.total_steps, sampling=s.shard_sampling, seed=s.seed
+        )
         self.epoch = 0
         self.steps_assigned = 0
         self.updates_rejected = 0
-        self.roster = Roster(grace_s)
+        self.roster = Roster(s.grace_s)
         # The roster's own containers, which it only ever changes in place: live workers
         # and their rounds, and those dead, sent home, or evicted for their pushes.
         self.live, self.dead = self.roster.live, self.roster.dead
         self.retired, self.evicted = self.roster.retired, self.roster.evicted
-        self.planned_steps = total_steps  # the whole run's budget; total_steps: this launch's
-        self.guard = guard or PushGuard()
+        self.planned_steps = s.total_steps  # the whole run's budget; total_steps: this launch's
+        self.guard = s.guard or PushGuard()
+
+    @classmethod
+    def of(cls, theta: torch.Tensor, **settings: Any) -> ServerCore:
+        """``ServerCore.of(theta, workers=..., local_steps=..., ...)``: the settings of
+        :class:`ServerSettings` as keywords."""
+        return cls(theta, ServerSettings(**settings))
 
     @classmethod
     def from_config(
@@ -172,7 +194,7 @@ class ServerCore:
         declared = speeds
         if declared is None and cfg.speeds is not None:
             declared = {w: float(s) for w, s in enumerate(cfg.speeds, start=1)}
-        return cls(
+        return cls.of(
             theta,
             workers=workers,
             local_steps=cfg.local_steps,

@@ -100,6 +100,10 @@ def _bytes(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().view(torch.uint8).numpy())
 
 
+LINK_TIMEOUTS: dict[str, float] = {"connect_timeout_s": 120.0, "timeout_s": 1800.0}
+"""The timeouts a :class:`Transport` takes as keywords, with their defaults."""
+
+
 class Transport:
     """Sealed header+payload messages between a server rank and worker ranks.
 
@@ -114,8 +118,9 @@ class Transport:
         address: the local address this process's link sockets listen on.
         server: the server's rank.
         op_prefix: accounting name prefix.
-        connect_timeout_s: how long opening a link may take (see the module docstring).
-        timeout_s: how long any later send or receive on a link may take.
+        timeouts: ``connect_timeout_s``, how long opening a link may take (see the module
+            docstring), and ``timeout_s``, how long any later send or receive on a link
+            may take (defaults: :data:`LINK_TIMEOUTS`).
     """
 
     def __init__(
@@ -128,9 +133,12 @@ class Transport:
         address: str = "127.0.0.1",
         server: int = 0,
         op_prefix: str = "localsgd",
-        connect_timeout_s: float = 120.0,
-        timeout_s: float = 1800.0,
+        **timeouts: float,
     ) -> None:
+        unknown = sorted(set(timeouts) - set(LINK_TIMEOUTS))
+        if unknown:
+            raise TypeError(f"Transport() got unexpected keyword argument(s) {unknown}")
+        seconds = LINK_TIMEOUTS | timeouts
         self.run_id = run_id
         self._root = store  # the server's store lives as long as its transport
         self.store = dist.PrefixStore(f"{NAMESPACE}/{run_id}/", store)
@@ -139,8 +147,8 @@ class Transport:
         self.address = address
         self.server = server
         self.op_prefix = op_prefix
-        self.connect_timeout = timedelta(seconds=connect_timeout_s)
-        self.timeout = timedelta(seconds=timeout_s)
+        self.connect_timeout = timedelta(seconds=seconds["connect_timeout_s"])
+        self.timeout = timedelta(seconds=seconds["timeout_s"])
         self.bytes_received = 0
         self._incarnation: int | None = None
         self._links: dict[int, dist.ProcessGroupGloo] = {}  # peer rank -> its pair group

@@ -124,120 +124,149 @@ def simulate(
     """
     clock = clock or SimClock()
     clock.validate()
-    w_count = len(clock.seconds_per_step)
-    cfg.validate(w_count)
+    cfg.validate(len(clock.seconds_per_step))
     if cfg.slowdown is not None:
         raise ConfigError(
             "the simulator's speeds come from SimClock.seconds_per_step, not slowdown"
         )
     if task.evaluate is None:
         raise ConfigError("simulate needs task.evaluate: the curve it returns is of that metric")
-    metric = task.evaluate
-    start = cfg.start()
-    task = start.apply(task, cfg.resolved_shards(w_count), state=pretrained)
-    model = task.model()
-    sources = make_sources(task, cfg.resolved_shards(w_count))
-    inner_momentum = cfg.resolved_inner_momentum()
-    total = cfg.steps * w_count
-    declared = None
-    if clock.declare_speeds and cfg.speeds is None:
-        declared = dict(enumerate(clock.seconds_per_step, start=1))
-    core = ServerCore.from_config(
-        flat_parameters(model), cfg, w_count, shard_sizes(sources), speeds=declared
-    )
-    # The batch sources are shared: by contract a batch depends only on (shard, step).
-    workers = {
-        w: LocalWorker(
-            task.model(),
-            task.optimizer,
-            sources,
-            task.loss,
-            warmup_steps=cfg.warmup_steps,
-            min_lr_ratio=cfg.min_lr_ratio,
-            grad_clip=cfg.grad_clip,
-            inner_momentum=inner_momentum,
+    sim = _Simulation(task, cfg, clock, pretrained)
+    return sim.summary(sim.run())
+
+
+class _Simulation:
+    """One simulated run: the server, the workers with their codecs, the rounds in flight
+    (a heap by virtual finish time) and the curve of evaluations."""
+
+    def __init__(
+        self,
+        task: Task,
+        cfg: AsyncConfig,
+        clock: SimClock,
+        pretrained: dict[str, torch.Tensor] | None,
+    ) -> None:
+        w_count = len(clock.seconds_per_step)
+        self.cfg, self.clock, self.metric = cfg, clock, task.evaluate
+        self.start = cfg.start()
+        task = self.start.apply(task, cfg.resolved_shards(w_count), state=pretrained)
+        self.model = task.model()
+        sources = make_sources(task, cfg.resolved_shards(w_count))
+        self.inner_momentum = cfg.resolved_inner_momentum()
+        self.total = cfg.steps * w_count
+        declared = None
+        if clock.declare_speeds and cfg.speeds is None:
+            declared = dict(enumerate(clock.seconds_per_step, start=1))
+        self.core = ServerCore.from_config(
+            flat_parameters(self.model), cfg, w_count, shard_sizes(sources), speeds=declared
         )
-        for w in range(1, w_count + 1)
-    }
-    push = {w: PushEncoder(cfg.compress) for w in workers}
-    pull, views = PullEncoder(cfg.compress_pull), {w: PullDecoder() for w in workers}
-    wire = {"push_bytes": 0, "pull_bytes": 0}
-    spw = dict(zip(workers, clock.seconds_per_step, strict=True))
-    jitter_rng = torch.Generator().manual_seed(clock.seed + 7919)
-    curve: list[dict[str, float]] = []
+        # The batch sources are shared: by contract a batch depends only on (shard, step).
+        self.workers = {
+            w: LocalWorker(
+                task.model(),
+                task.optimizer,
+                sources,
+                task.loss,
+                warmup_steps=cfg.warmup_steps,
+                min_lr_ratio=cfg.min_lr_ratio,
+                grad_clip=cfg.grad_clip,
+                inner_momentum=self.inner_momentum,
+            )
+            for w in range(1, w_count + 1)
+        }
+        self.push = {w: PushEncoder(cfg.compress) for w in self.workers}
+        self.pull = PullEncoder(cfg.compress_pull)
+        self.views = {w: PullDecoder() for w in self.workers}
+        self.wire = {"push_bytes": 0, "pull_bytes": 0}
+        self.spw = dict(zip(self.workers, clock.seconds_per_step, strict=True))
+        self.jitter_rng = torch.Generator().manual_seed(clock.seed + 7919)
+        self.curve: list[dict[str, float]] = []
+        self.events: list[tuple[float, int, int, Any, Any, float]] = []
+        self.seq = 0
 
-    def record(now: float) -> None:
-        metrics = metrics_at(model, core.theta.detach(), metric)  # val_loss, then the rest
+    def record(self, now: float) -> None:
+        core = self.core
+        metrics = metrics_at(self.model, core.theta.detach(), self.metric)  # val_loss, ...
         point = {"steps": core.steps_applied, "updates": core.updates_applied, "time_s": now}
-        curve.append(point | metrics)
+        self.curve.append(point | metrics)
 
-    events: list[tuple[float, int, int, Any, Any, float]] = []
-    seq = 0
-
-    def dispatch(now: float) -> None:
-        nonlocal seq
+    def dispatch(self, now: float) -> None:
+        """Hand a round to every worker the server says is due, and run it at once; its
+        result waits in the heap until its virtual finish time."""
+        core, wire = self.core, self.wire
         for w in core.due(now):
             work = core.work_for(w, now)
             if work is None or work.stop:
                 continue
-            is_delta, payload = pull.encode(w, core.theta.detach())
+            is_delta, payload = self.pull.encode(w, core.theta.detach())
             wire["pull_bytes"] += payload.numel() * payload.element_size()
-            theta = views[w].delta(payload) if is_delta else views[w].whole(payload)
-            result = workers[w].run_round(theta, work)
-            sent = push[w].encode(result.pseudo_grad)  # as on the wire, error feedback too
+            theta = self.views[w].delta(payload) if is_delta else self.views[w].whole(payload)
+            result = self.workers[w].run_round(theta, work)
+            sent = self.push[w].encode(result.pseudo_grad)  # as on the wire, error feedback too
             wire["push_bytes"] += sent.numel() * sent.element_size()
             result.pseudo_grad = decode(sent, result.pseudo_grad.numel())
             factor = 1.0
-            if clock.jitter > 0:
-                factor = math.exp(clock.jitter * float(torch.randn((), generator=jitter_rng)))
-            seconds = spw[w] * factor  # this round's virtual seconds per step
-            heapq.heappush(events, (now + work.steps * seconds, seq, w, work, result, seconds))
-            seq += 1
+            if self.clock.jitter > 0:
+                noise = float(torch.randn((), generator=self.jitter_rng))
+                factor = math.exp(self.clock.jitter * noise)
+            seconds = self.spw[w] * factor  # this round's virtual seconds per step
+            finish = now + work.steps * seconds
+            heapq.heappush(self.events, (finish, self.seq, w, work, result, seconds))
+            self.seq += 1
 
-    record(0.0)
-    every = total / clock.eval_points
-    next_eval = every
-    for w in workers:
-        core.join(w, 0.0)
-    now = 0.0
-    dispatch(now)
-    while events or core.wake_at() is not None:
-        deadline = core.wake_at()
-        if deadline is not None and (not events or deadline < events[0][0]):
-            now = deadline
-        else:
-            now, _, w, work, result, seconds = heapq.heappop(events)
-            core.submit(w, work.epoch, result.pseudo_grad, work.steps, seconds, now, work.version)
-            if core.steps_applied >= next_eval - 1e-9:
-                while next_eval <= core.steps_applied + 1e-9:
-                    next_eval += every
-                record(now)
-        dispatch(now)
-    if curve[-1]["steps"] != core.steps_applied:
-        record(now)
-    return {
-        "config": asdict(cfg)
-        | {
-            "inner_momentum": inner_momentum,
-            "outer_lr": cfg.resolved_outer_lr(),
-            "outer_momentum": cfg.resolved_outer_momentum(),
-            "method": cfg.method,
-        },
-        "clock": asdict(clock),
-        "start": start.describe(),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "final_val_loss": curve[-1]["val_loss"],
-        "final_metrics": {k: v for k, v in curve[-1].items() if k not in _POINT},
-        "inner_steps": core.steps_applied,
-        "updates": core.updates_applied,
-        "updates_dropped": core.updates_dropped,
-        "staleness": {str(k): v for k, v in sorted(core.staleness_seen.items())},
-        "sim_time_s": now,
-        "shard_steps": list(core.shards.clock),
-        "shard_planned": list(core.shards.planned),
-        **wire,
-        "curve": curve,
-    }
+    def run(self) -> float:
+        """Play the run out in virtual time; returns the time it ended."""
+        core, events = self.core, self.events
+        self.record(0.0)
+        every = self.total / self.clock.eval_points
+        next_eval = every
+        for w in self.workers:
+            core.join(w, 0.0)
+        now = 0.0
+        self.dispatch(now)
+        while events or core.wake_at() is not None:
+            deadline = core.wake_at()
+            if deadline is not None and (not events or deadline < events[0][0]):
+                now = deadline
+            else:
+                now, _, w, work, result, seconds = heapq.heappop(events)
+                core.submit(
+                    w, work.epoch, result.pseudo_grad, work.steps, seconds, now, work.version
+                )
+                if core.steps_applied >= next_eval - 1e-9:
+                    while next_eval <= core.steps_applied + 1e-9:
+                        next_eval += every
+                    self.record(now)
+            self.dispatch(now)
+        if self.curve[-1]["steps"] != core.steps_applied:
+            self.record(now)
+        return now
+
+    def summary(self, now: float) -> dict[str, Any]:
+        cfg, core, curve = self.cfg, self.core, self.curve
+        return {
+            "config": asdict(cfg)
+            | {
+                "inner_momentum": self.inner_momentum,
+                "outer_lr": cfg.resolved_outer_lr(),
+                "outer_momentum": cfg.resolved_outer_momentum(),
+                "method": cfg.method,
+            },
+            "clock": asdict(self.clock),
+            "start": self.start.describe(),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "final_val_loss": curve[-1]["val_loss"],
+            "final_metrics": {k: v for k, v in curve[-1].items() if k not in _POINT},
+            "inner_steps": core.steps_applied,
+            "updates": core.updates_applied,
+            "updates_dropped": core.updates_dropped,
+            "staleness": {str(k): v for k, v in sorted(core.staleness_seen.items())},
+            "sim_time_s": now,
+            "shard_steps": list(core.shards.clock),
+            "shard_planned": list(core.shards.planned),
+            **self.wire,
+            "curve": curve,
+        }
 
 
 def time_to_reach(curve: list[dict[str, float]], target: float) -> float | None:

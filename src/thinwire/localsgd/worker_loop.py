@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from thinwire.localsgd.transport import Transport
 from thinwire.localsgd.worker import LocalWorker
 from thinwire.safeload import safe_load
 
-__all__ = ["load_worker_state", "save_worker_state", "work_loop"]
+__all__ = ["LoopSettings", "load_worker_state", "save_worker_state", "work_loop"]
 
 
 def save_worker_state(
@@ -77,39 +78,53 @@ def load_worker_state(
     return True
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """How :func:`work_loop` runs a worker (the defaults: a worker of a fresh run)."""
+
+    server: int = 0
+    """The server's rank."""
+    compress: str | torch.dtype = "none"
+    """The push codec (``none``, ``fp16``, ``bf16``, ``onebit``; a dtype names the cast)."""
+    heartbeat_s: float = 0.5
+    """Seconds between the background thread's heartbeats."""
+    max_restarts: int = 3
+    """How many times a round that raised is abandoned and the worker joins again."""
+    late: bool = False
+    """This process joins a running run (see :func:`thinwire.localsgd.rejoin_async`), so
+    a model mismatch turns only this worker away instead of stopping the run."""
+    force: bool = False
+    """Replace its rank even if the server considers that worker alive."""
+    state_path: Path | None = None
+    """Where the worker keeps its inner state across a stop (see the module docstring)."""
+    resume: bool = False
+    """Load the state kept at ``state_path``."""
+
+
 def work_loop(
     worker: LocalWorker,
     transport: Transport,
+    settings: LoopSettings | None = None,
     *,
-    server: int = 0,
-    compress: str | torch.dtype = "none",
     on_round: Callable[[int], None] | None = None,
-    heartbeat_s: float = 0.5,
-    max_restarts: int = 3,
-    late: bool = False,
-    force: bool = False,
-    state_path: Path | None = None,
-    resume: bool = False,
 ) -> dict[str, Any]:
     """Run ``worker`` for the server until it says stop; returns rounds, steps, restarts
     (and ``state_restored``: whether a kept state was loaded).
 
     A background thread bumps the worker's heartbeat every ``heartbeat_s`` seconds. A
     round that raises is abandoned; the worker resets its inner optimizer and joins
-    again, at most ``max_restarts`` times. ``compress``: the push codec (``none``,
-    ``fp16``, ``bf16``, ``onebit``; a dtype names the cast). Pulls are decoded as the
-    server's header says (theta whole, or a delta to this worker's copy).
-    ``late``: this process joins a running run (see
-    :func:`thinwire.localsgd.rejoin_async`), so a model mismatch turns only this worker
-    away instead of stopping the run; ``force``: it replaces its rank even if the server
-    considers that worker alive. The worker's link to the server is opened by its hello
-    and closed when the loop returns or raises. ``state_path``: where the worker keeps
-    its inner state across a stop (see the module docstring); ``resume``: load it.
+    again, at most ``max_restarts`` times (both in ``settings``, :class:`LoopSettings`).
+    Pulls are decoded as the server's header says (theta whole, or a delta to this
+    worker's copy). The worker's link to the server is opened by its hello and closed
+    when the loop returns or raises. ``on_round``: called with the rounds done after
+    each round.
 
     Raises:
         ConfigError: the server turned this worker away (another model, a rejoin of a
             live worker, too many refused pushes), with the reason in one line.
     """
+    st = settings or LoopSettings()
+    heartbeat_s, compress = st.heartbeat_s, st.compress
     stop_beating = threading.Event()
 
     def beat() -> None:
@@ -124,9 +139,11 @@ def work_loop(
     transport.beat()
     threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
     try:
-        hello = Hello(*shape_signature(worker.model), late, force)
-        keep = _Keeper(state_path, resume, transport.rank)
-        return _rounds(worker, transport, server, compress, on_round, max_restarts, hello, keep)
+        hello = Hello(*shape_signature(worker.model), st.late, st.force)
+        keep = _Keeper(st.state_path, st.resume, transport.rank)
+        return _rounds(
+            worker, transport, st.server, compress, on_round, st.max_restarts, hello, keep
+        )
     finally:
         stop_beating.set()
         transport.close()

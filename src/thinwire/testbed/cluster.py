@@ -306,13 +306,7 @@ class Cluster:
         A failing host never makes this hang: the rest are stopped after ``grace_s``.
         On Ctrl-C every host is stopped before the exception propagates.
         """
-        if not self._is_up:
-            raise ConfigError("the cluster is not up: use 'with Cluster(...)' or call up()")
-        argv = [str(a) for a in argv]
-        if not argv or not argv[0]:
-            raise ConfigError("no command given to run on the hosts")
-        if shutil.which(argv[0], path=(env or {}).get("PATH", os.environ.get("PATH"))) is None:
-            raise ConfigError(f"command {argv[0]!r} not found")
+        argv = self._checked_command(argv, env)
         out_dir = Path(
             log_dir
             if log_dir is not None
@@ -326,40 +320,10 @@ class Cluster:
         before = self.counters()
         procs: list[subprocess.Popen[bytes]] = []
         logs = [out_dir / f"host{i}.log" for i in range(self.hosts)]
-        terminated = [False] * self.hosts
-        timed_out = False
         t0 = time.monotonic()
         try:
-            for i, ns in enumerate(self.namespaces):
-                host_env = {**base_env, **self.host_env(i)}
-                with open(logs[i], "wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            ["ip", "netns", "exec", ns, *self._argv_for(argv, i)],
-                            env=host_env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            # Own process group per host: torchrun's children and
-                            # shell pipelines are stopped along with the host.
-                            start_new_session=True,
-                        )
-                    )
-            first_failure: float | None = None
-            while any(p.poll() is None for p in procs):
-                now = time.monotonic()
-                if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
-                    first_failure = now
-                stop = first_failure is not None and now - first_failure > grace_s
-                if timeout_s is not None and now - t0 > timeout_s:
-                    timed_out = stop = True
-                if stop:
-                    for i, p in enumerate(procs):
-                        if p.poll() is None:
-                            terminated[i] = True
-                    _stop(procs)
-                    break
-                time.sleep(0.05)
+            self._start_hosts(argv, base_env, logs, procs)
+            timed_out, terminated = _wait_for_hosts(procs, t0, timeout_s, grace_s)
         except BaseException:
             # Ctrl-C or an error while starting: no host may outlive this call.
             _stop(procs)
@@ -387,6 +351,67 @@ class Cluster:
         )
         atomic_write_text(out_dir / "summary.json", json.dumps(result.to_dict(), indent=2))
         return result
+
+    def _checked_command(self, argv: Sequence[str], env: Mapping[str, str] | None) -> list[str]:
+        """``argv`` as strings, once the cluster is up and its command exists."""
+        if not self._is_up:
+            raise ConfigError("the cluster is not up: use 'with Cluster(...)' or call up()")
+        argv = [str(a) for a in argv]
+        if not argv or not argv[0]:
+            raise ConfigError("no command given to run on the hosts")
+        if shutil.which(argv[0], path=(env or {}).get("PATH", os.environ.get("PATH"))) is None:
+            raise ConfigError(f"command {argv[0]!r} not found")
+        return argv
+
+    def _start_hosts(
+        self,
+        argv: list[str],
+        base_env: dict[str, str],
+        logs: list[Path],
+        procs: list[subprocess.Popen[bytes]],
+    ) -> None:
+        """Start ``argv`` in every host's namespace, appending each process to ``procs``
+        as it starts (so a failure part way stops those already running)."""
+        for i, ns in enumerate(self.namespaces):
+            host_env = {**base_env, **self.host_env(i)}
+            with open(logs[i], "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", ns, *self._argv_for(argv, i)],
+                        env=host_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        # Own process group per host: torchrun's children and
+                        # shell pipelines are stopped along with the host.
+                        start_new_session=True,
+                    )
+                )
+
+
+def _wait_for_hosts(
+    procs: list[subprocess.Popen[bytes]], t0: float, timeout_s: float | None, grace_s: float
+) -> tuple[bool, list[bool]]:
+    """Wait until every host exits, or stop them all ``grace_s`` after the first failure
+    or at the timeout; returns whether it timed out, and which hosts were stopped."""
+    terminated = [False] * len(procs)
+    timed_out = False
+    first_failure: float | None = None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+            first_failure = now
+        stop = first_failure is not None and now - first_failure > grace_s
+        if timeout_s is not None and now - t0 > timeout_s:
+            timed_out = stop = True
+        if stop:
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    terminated[i] = True
+            _stop(procs)
+            break
+        time.sleep(0.05)
+    return timed_out, terminated
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:

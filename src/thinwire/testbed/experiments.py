@@ -63,6 +63,7 @@ from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.rates import format_rate, parse_rate
+from thinwire.testbed.results import RunResult
 from thinwire.train.algorithms import check_algorithm
 from thinwire.train.compare import Runner, compare
 from thinwire.train.compare_report import plot_comparison
@@ -151,6 +152,16 @@ def train_on_testbed(
             c.close()
     if not res.ok:
         raise RuntimeError(f"training failed on the testbed ({cfg.algo}); logs:\n{res.summary()}")
+    result = _measured(cfg, out_dir, res, argv, load_before)
+    atomic_write_text(out_dir / "testbed_run.json", json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _measured(
+    cfg: TrainConfig, out_dir: Path, res: RunResult, argv: list[str], load_before: float
+) -> dict[str, Any]:
+    """What :func:`train_on_testbed` returns: rank 0's summary, the hosts' NIC counters
+    (``res``) beside the accounted bytes, and the stages read from ``metrics.jsonl``."""
     summary = json.loads((out_dir / "summary.json").read_text())
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x]
     world = int(summary["world_size"])
@@ -179,7 +190,6 @@ def train_on_testbed(
         "stages": stage_times(records, _split_step(cfg, summary), cfg.batch_size * world),
         "final_train_loss": final_train_loss(records),
     }
-    atomic_write_text(out_dir / "testbed_run.json", json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -273,14 +283,7 @@ def compare_on_testbed(
     rate and round. Writes ``out_dir/compare.json`` (the rows) and returns the rows;
     ``plot`` also gets the first round's figure.
     """
-    if not algos:
-        raise ConfigError("no algorithms to compare")
-    if repeats < 1:
-        raise ConfigError(f"repeats must be >= 1, got {repeats}")
-    for spec in algos:
-        check_algorithm(spec.partition("@")[0])
-    for rate in rates:
-        parse_rate(rate)  # a typo fails before the first cluster comes up
+    _check_comparison(algos, rates, repeats)
     out_dir = Path(out_dir)
     rows: list[dict[str, Any]] = []
     for rate in rates:
@@ -306,20 +309,39 @@ def compare_on_testbed(
                         **(cluster_options or {}),
                     },
                 )
-                for name, run in result["runs"].items():
-                    row = _row(name, run, rep)
-                    print(
-                        f"{label} round {rep} {name}: {row['samples_per_s']:.2f} samples/s, "
-                        f"{row['wall_s']:.0f} s wall, load "
-                        f"{row['load_avg_1min'][0]:.1f}->{row['load_avg_1min'][1]:.1f}",
-                        flush=True,
-                    )
-                    rows.append(row)
+                rows += _round_rows(result, label, rep)
                 if plot is not None:
                     plot_comparison(result, round_dir / "comparison.png")
                     if (rate, rep) == (rates[0], 0):
                         plot_comparison(result, plot)
                 atomic_write_text(out_dir / "compare.json", json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+def _check_comparison(algos: Sequence[str], rates: Sequence[str], repeats: int) -> None:
+    """Every algorithm and rate is known, before the first cluster comes up."""
+    if not algos:
+        raise ConfigError("no algorithms to compare")
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    for spec in algos:
+        check_algorithm(spec.partition("@")[0])
+    for rate in rates:
+        parse_rate(rate)  # a typo fails before the first cluster comes up
+
+
+def _round_rows(result: dict[str, Any], label: str, rep: int) -> list[dict[str, Any]]:
+    """The rows of one round at rate ``label``, each also printed in one line."""
+    rows = []
+    for name, run in result["runs"].items():
+        row = _row(name, run, rep)
+        print(
+            f"{label} round {rep} {name}: {row['samples_per_s']:.2f} samples/s, "
+            f"{row['wall_s']:.0f} s wall, load "
+            f"{row['load_avg_1min'][0]:.1f}->{row['load_avg_1min'][1]:.1f}",
+            flush=True,
+        )
+        rows.append(row)
     return rows
 
 

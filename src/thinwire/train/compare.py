@@ -198,43 +198,12 @@ def compare(
             :func:`thinwire.testbed.experiments.on_cluster`).
         where: a description of where the runs trained, stored with the result.
     """
-    if not algos:
-        raise ConfigError("compare: give at least one algorithm")
-    if workers < 1:
-        raise ConfigError(f"workers must be >= 1, got {workers}")
-    if len(set(algos)) != len(algos):
-        raise ConfigError(f"compare: duplicate run specs in {algos}")
-    reference = reference or algos[0]
-    if reference not in algos:
-        raise ConfigError(f"compare: reference {reference!r} is not one of the runs {algos}")
-    overrides = overrides or {}
-    unknown = set(overrides) - set(algos)
-    if unknown:
-        raise ConfigError(f"compare: overrides for runs that are not compared: {sorted(unknown)}")
+    reference = _check_specs(algos, workers, reference, overrides or {})
     out_dir = Path(out_dir)
-    configs: dict[str, TrainConfig] = {}
-    for label in algos:
-        algo, spec = parse_run_spec(label)
-        cfg = dataclasses.replace(base, algo=algo, resume=False, stop_after=None, progress=False)
-        if lrs is not None and algo in lrs:
-            cfg.lr = lrs[algo]
-        for key, value in {**spec, **overrides.get(label, {})}.items():
-            if key not in _FIELDS or key in _FIXED:
-                raise ConfigError(f"compare: {key!r} cannot be overridden per run")
-            setattr(cfg, key, value)
-        cfg.out_dir = str(_run_dir(out_dir, label))
-        cfg.validate()
-        if not overwrite and existing_run(cfg.out_dir):
-            raise ConfigError(
-                f"compare: {cfg.out_dir} already holds a run; pass --overwrite or another --out"
-            )
-        busy = runlock.holder(cfg.out_dir)
-        if busy is not None:  # never clear a directory a live run is writing
-            raise ConfigError(
-                f"compare: {cfg.out_dir} is in use by a run in progress (pid {busy.get('pid')})"
-            )
-        configs[label] = cfg
-
+    configs = {
+        label: _run_config(label, base, lrs, (overrides or {}).get(label, {}), out_dir, overwrite)
+        for label in algos
+    }
     for cfg in configs.values():
         if overwrite:
             _clear_run(Path(cfg.out_dir))
@@ -244,14 +213,7 @@ def compare(
         for (label, cfg), summary in zip(configs.items(), summaries, strict=True)
     }
     _stages(runs)
-    ref = runs[reference]
-    for r in runs.values():
-        r["loss_ratio"] = r["final_val_loss"] / ref["final_val_loss"]
-        # None when this run sent nothing (one worker): no ratio to speak of
-        r["bytes_reduction"] = ref["comm_bytes"] / r["comm_bytes"] if r["comm_bytes"] else None
-        r["speedup"] = r["samples_per_s"] / ref["samples_per_s"]
-        a, b = (x["stages"]["compression"].get("samples_per_s") for x in (r, ref))
-        r["compression_speedup"] = a / b if a and b else None
+    _ratios(runs, runs[reference])
     result = {
         "date": datetime.date.today().isoformat(),
         "command": command,
@@ -264,6 +226,68 @@ def compare(
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "comparison.json", json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _check_specs(
+    algos: list[str], workers: int, reference: str | None, overrides: dict[str, dict[str, Any]]
+) -> str:
+    """The comparison's arguments make sense together; returns the reference label."""
+    if not algos:
+        raise ConfigError("compare: give at least one algorithm")
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {workers}")
+    if len(set(algos)) != len(algos):
+        raise ConfigError(f"compare: duplicate run specs in {algos}")
+    reference = reference or algos[0]
+    if reference not in algos:
+        raise ConfigError(f"compare: reference {reference!r} is not one of the runs {algos}")
+    unknown = set(overrides) - set(algos)
+    if unknown:
+        raise ConfigError(f"compare: overrides for runs that are not compared: {sorted(unknown)}")
+    return reference
+
+
+def _run_config(
+    label: str,
+    base: TrainConfig,
+    lrs: Mapping[str, float] | None,
+    overrides: dict[str, Any],
+    out_dir: Path,
+    overwrite: bool,
+) -> TrainConfig:
+    """The settings of run spec ``label``: ``base``, its tuned lr, the spec's own
+    settings and ``overrides``, in ``out_dir``'s sub-directory for it (checked free)."""
+    algo, spec = parse_run_spec(label)
+    cfg = dataclasses.replace(base, algo=algo, resume=False, stop_after=None, progress=False)
+    if lrs is not None and algo in lrs:
+        cfg.lr = lrs[algo]
+    for key, value in {**spec, **overrides}.items():
+        if key not in _FIELDS or key in _FIXED:
+            raise ConfigError(f"compare: {key!r} cannot be overridden per run")
+        setattr(cfg, key, value)
+    cfg.out_dir = str(_run_dir(out_dir, label))
+    cfg.validate()
+    if not overwrite and existing_run(cfg.out_dir):
+        raise ConfigError(
+            f"compare: {cfg.out_dir} already holds a run; pass --overwrite or another --out"
+        )
+    busy = runlock.holder(cfg.out_dir)
+    if busy is not None:  # never clear a directory a live run is writing
+        raise ConfigError(
+            f"compare: {cfg.out_dir} is in use by a run in progress (pid {busy.get('pid')})"
+        )
+    return cfg
+
+
+def _ratios(runs: dict[str, dict[str, Any]], ref: dict[str, Any]) -> None:
+    """Each run's loss, bytes and speed as ratios to the reference run ``ref``."""
+    for r in runs.values():
+        r["loss_ratio"] = r["final_val_loss"] / ref["final_val_loss"]
+        # None when this run sent nothing (one worker): no ratio to speak of
+        r["bytes_reduction"] = ref["comm_bytes"] / r["comm_bytes"] if r["comm_bytes"] else None
+        r["speedup"] = r["samples_per_s"] / ref["samples_per_s"]
+        a, b = (x["stages"]["compression"].get("samples_per_s") for x in (r, ref))
+        r["compression_speedup"] = a / b if a and b else None
 
 
 def _run_record(cfg: TrainConfig, summary: dict[str, Any]) -> dict[str, Any]:

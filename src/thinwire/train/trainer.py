@@ -14,6 +14,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,9 +181,64 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             lock.release()
 
 
+@dataclass
+class _Run:
+    """One rank's run as the loop sees it: what it was built from, and its counters."""
+
+    cfg: TrainConfig
+    device: torch.device
+    rank: int
+    world: int
+    data: TextData
+    model: GPT
+    strategy: Any
+    metrics: MetricsWriter
+    progress: Progress
+    guard: DivergenceGuard
+    start: int
+    run_id: str | None
+    begins: Any
+    offset: int
+    elapsed: float
+    last_bytes: int
+    val_loss: float = float("nan")
+    start_elapsed: float = 0.0
+    last_step: int = 0
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.cfg.batch_size * self.world
+
+
 def _train(cfg: TrainConfig) -> dict[str, Any]:
+    run = _set_up(cfg, pick_device(cfg))
+    if isinstance(run, dict):
+        return run  # resumed a finished run: nothing to do, nothing rewritten
+
+    # --- the loop ------------------------------------------------------------------------
+    run.model.train()
+    end = min(cfg.steps, cfg.stop_after or cfg.steps)
+    if 0 < run.start < end:
+        _rehearse_buckets(run.strategy, run.data, cfg, run.start, run.device)
+    compressing = bool(getattr(run.strategy.optimizer, "compressing", False))
+    try:
+        for step in range(run.start, end):
+            compressing = _step(run, step, end, compressing)
+            run.progress.update(1)
+    finally:
+        run.progress.close()
+        run.metrics.close()
+    return _summarize(run, end)
+
+
+def _set_up(cfg: TrainConfig, device: torch.device) -> _Run | dict[str, Any]:
+    """Data, model, algorithm and the run's books on this rank, evaluated at step 0 when
+    the run starts there; a resumed run with nothing left to do returns its summary."""
     rank, world = get_rank(), get_world_size()
-    device = pick_device(cfg)
     out_dir = Path(cfg.out_dir)
 
     # --- data, model, algorithm --------------------------------------------------------
@@ -194,7 +250,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     state = None if cfg.resume else read_start_file(cfg, model)
     start, run_id, finished = _start_step(cfg, out_dir)
     if finished is not None:
-        return finished  # resumed a finished run: nothing to do, nothing rewritten
+        return finished
     if start > 0 and rank == 0:
         ckpt.restore_model(model, out_dir, start, run_id)
     begins = run_start(model, data, cfg, device, state) if start == 0 else start_of(cfg).describe()
@@ -209,109 +265,131 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         out_dir, rank == 0, resume_step=start if start > 0 else None, tensorboard=cfg.tensorboard
     )
     progress = Progress(cfg.steps, start, cfg.progress and rank == 0, desc=cfg.algo)
-    samples_per_step = cfg.batch_size * world
-    run_start_elapsed = elapsed
-    last_bytes, last_step = COUNTER.wire_bytes_excluding(TRAINER_OPS), start
-    val_loss = float("nan")
-    guard = DivergenceGuard(math.log(gcfg.vocab_size), last_checkpoint=start or None)
+    run = _Run(
+        cfg=cfg,
+        device=device,
+        rank=rank,
+        world=world,
+        data=data,
+        model=model,
+        strategy=strategy,
+        metrics=metrics,
+        progress=progress,
+        guard=DivergenceGuard(math.log(gcfg.vocab_size), last_checkpoint=start or None),
+        start=start,
+        run_id=run_id,
+        begins=begins,
+        offset=offset,
+        elapsed=elapsed,
+        start_elapsed=elapsed,
+        last_bytes=COUNTER.wire_bytes_excluding(TRAINER_OPS),
+        last_step=start,
+    )
     if start == 0:
-        val_loss = evaluate(model, data, cfg, device)
+        run.val_loss = evaluate(model, data, cfg, device)
         metrics.write(
-            {"step": 0, "samples": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss)}
+            {"step": 0, "samples": 0, "val_loss": run.val_loss, "val_ppl": math.exp(run.val_loss)}
         )
+    return run
 
-    # --- the loop ------------------------------------------------------------------------
-    model.train()
-    end = min(cfg.steps, cfg.stop_after or cfg.steps)
-    if 0 < start < end:
-        _rehearse_buckets(strategy, data, cfg, start, device)
-    compressing = bool(getattr(strategy.optimizer, "compressing", False))
-    try:
-        for step in range(start, end):
-            lr = strategy.lr_at(step) if strategy.lr_at is not None else lr_at(step, cfg)
-            if strategy.scale_lr:
-                for group in strategy.optimizer.param_groups:
-                    group["lr"] = lr
-            if strategy.batch is not None:
-                x, y = strategy.batch(step)
-            else:
-                x, y = data.batch(offset + step, cfg.batch_size, rank, world)
-            t0 = time.perf_counter()
-            _, loss = strategy.model(x.to(device), y.to(device))
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            strategy.optimizer.step()
-            strategy.optimizer.zero_grad(set_to_none=True)
-            if strategy.after_step is not None:
-                strategy.after_step(step + 1)
-            step_s = time.perf_counter() - t0
-            elapsed += step_s
-            done = step + 1
-            if compressing != bool(getattr(strategy.optimizer, "compressing", False)):
-                # every switch, also a stale freeze undone and the second freeze after it
-                compressing = not compressing
-                _announce_stage(cfg, strategy.optimizer, done, samples_per_step, metrics)
 
-            save = (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end
-            if done % cfg.log_interval == 0 or done == end or save:  # the guard sees each save
-                mean_loss = (
-                    float(_all_reduce_sum(loss.detach().float().cpu().view(1), "loss")) / world
-                )
-                comm = COUNTER.wire_bytes_excluding(TRAINER_OPS)
-                rec: dict[str, Any] = {
-                    "step": done,
-                    "samples": done * samples_per_step,
-                    "loss": mean_loss,
-                    "lr": lr,
-                    "time_s": elapsed,
-                    "step_s": step_s,
-                    "comm_bytes": comm,
-                    "comm_bytes_per_step": (comm - last_bytes) / (done - last_step),
-                }
-                last_bytes, last_step = comm, done
-                if strategy.metrics is not None:
-                    rec.update(strategy.metrics())
-                metrics.write(rec)
-                guard.check_train(done, mean_loss, rec.get("skipped_steps"))
-                progress.update(
-                    0, loss=f"{mean_loss:.3f}", sps=f"{rec['samples'] / max(elapsed, 1e-9):.0f}"
-                )
-            if done % cfg.eval_interval == 0 or done == end:
-                val_loss = evaluate(model, data, cfg, device)
-                metrics.write(
-                    {
-                        "step": done,
-                        "samples": done * samples_per_step,
-                        "val_loss": val_loss,
-                        "val_ppl": math.exp(min(val_loss, 50.0)),
-                    }
-                )
-                guard.check_val(done, val_loss)
-            if save:
-                _save(cfg, out_dir, done, rank, model, strategy, elapsed, run_id)
-                guard.saved(done)
-            progress.update(1)
-    finally:
-        progress.close()
-        metrics.close()
+def _step(run: _Run, step: int, end: int, compressing: bool) -> bool:
+    """Train step ``step`` (0-based), then log, evaluate and save as due; returns whether
+    the optimizer compresses now."""
+    cfg, strategy = run.cfg, run.strategy
+    lr = strategy.lr_at(step) if strategy.lr_at is not None else lr_at(step, cfg)
+    if strategy.scale_lr:
+        for group in strategy.optimizer.param_groups:
+            group["lr"] = lr
+    if strategy.batch is not None:
+        x, y = strategy.batch(step)
+    else:
+        x, y = run.data.batch(run.offset + step, cfg.batch_size, run.rank, run.world)
+    t0 = time.perf_counter()
+    _, loss = strategy.model(x.to(run.device), y.to(run.device))
+    loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    strategy.optimizer.step()
+    strategy.optimizer.zero_grad(set_to_none=True)
+    if strategy.after_step is not None:
+        strategy.after_step(step + 1)
+    step_s = time.perf_counter() - t0
+    run.elapsed += step_s
+    done = step + 1
+    if compressing != bool(getattr(strategy.optimizer, "compressing", False)):
+        # every switch, also a stale freeze undone and the second freeze after it
+        compressing = not compressing
+        _announce_stage(cfg, strategy.optimizer, done, run.samples_per_step, run.metrics)
 
-    # --- summary -------------------------------------------------------------------------
-    trained = (end - start) * samples_per_step
-    run_time = elapsed - run_start_elapsed
-    if end <= start:  # resumed at its end, its summary lost: rebuild it from the checkpoint
-        val_loss = evaluate(model, data, cfg, device)
-        trained, run_time = end * samples_per_step, elapsed
+    save = (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == end
+    if done % cfg.log_interval == 0 or done == end or save:  # the guard sees each save
+        _log_train(run, done, loss, lr, step_s)
+    if done % cfg.eval_interval == 0 or done == end:
+        _log_val(run, done)
+    if save:
+        _save(cfg, run.out_dir, done, run.rank, run.model, strategy, run.elapsed, run.run_id)
+        run.guard.saved(done)
+    return compressing
+
+
+def _log_train(run: _Run, done: int, loss: torch.Tensor, lr: float, step_s: float) -> None:
+    """The training record of step ``done``: the loss averaged over ranks, time, bytes."""
+    mean_loss = float(_all_reduce_sum(loss.detach().float().cpu().view(1), "loss")) / run.world
+    comm = COUNTER.wire_bytes_excluding(TRAINER_OPS)
+    rec: dict[str, Any] = {
+        "step": done,
+        "samples": done * run.samples_per_step,
+        "loss": mean_loss,
+        "lr": lr,
+        "time_s": run.elapsed,
+        "step_s": step_s,
+        "comm_bytes": comm,
+        "comm_bytes_per_step": (comm - run.last_bytes) / (done - run.last_step),
+    }
+    run.last_bytes, run.last_step = comm, done
+    if run.strategy.metrics is not None:
+        rec.update(run.strategy.metrics())
+    run.metrics.write(rec)
+    run.guard.check_train(done, mean_loss, rec.get("skipped_steps"))
+    run.progress.update(
+        0, loss=f"{mean_loss:.3f}", sps=f"{rec['samples'] / max(run.elapsed, 1e-9):.0f}"
+    )
+
+
+def _log_val(run: _Run, done: int) -> None:
+    """Evaluate after step ``done`` and record it."""
+    run.val_loss = evaluate(run.model, run.data, run.cfg, run.device)
+    run.metrics.write(
+        {
+            "step": done,
+            "samples": done * run.samples_per_step,
+            "val_loss": run.val_loss,
+            "val_ppl": math.exp(min(run.val_loss, 50.0)),
+        }
+    )
+    run.guard.check_val(done, run.val_loss)
+
+
+def _summarize(run: _Run, end: int) -> dict[str, Any]:
+    """The run's summary, written to ``summary.json`` by rank 0."""
+    model, strategy, samples_per_step = run.model, run.strategy, run.samples_per_step
+    trained = (end - run.start) * samples_per_step
+    run_time = run.elapsed - run.start_elapsed
+    val_loss = run.val_loss
+    if end <= run.start:  # resumed at its end, its summary lost: rebuild it from the checkpoint
+        val_loss = evaluate(model, run.data, run.cfg, run.device)
+        trained, run_time = end * samples_per_step, run.elapsed
     summary = {
-        "algo": cfg.algo,
-        "world_size": world,
+        "algo": run.cfg.algo,
+        "world_size": run.world,
         "steps": end,
         "samples": end * samples_per_step,
         "parameters": model.num_parameters(),
-        "start": begins,
+        "start": run.begins,
         "final_val_loss": val_loss,
         "final_val_ppl": math.exp(min(val_loss, 50.0)),
-        "train_time_s": elapsed,
+        "train_time_s": run.elapsed,
         "samples_per_s": trained / run_time if run_time > 0 else float("nan"),
         "comm_bytes": COUNTER.wire_bytes_excluding(TRAINER_OPS),
         "comm_by_op": COUNTER.snapshot(),
@@ -320,10 +398,10 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         if getattr(strategy.optimizer, "compressing", False)
         else None,
         "param_sha256": parameter_digest(model),
-        "out_dir": str(out_dir),
+        "out_dir": str(run.out_dir),
     }
-    if rank == 0:
-        atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if run.rank == 0:
+        atomic_write_text(run.out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

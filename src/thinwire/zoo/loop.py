@@ -129,59 +129,28 @@ def train_piece(
     fields for ``async``), on top of thinwire's defaults; ``{"lr": ...}`` replaces the
     task's tuned learning rate.
     """
-    from thinwire.comm.register import register_comm_hook
-    from thinwire.optim import Lamb, OneBitAdam, OneBitLamb
-
     if piece not in BASELINES:
         raise ValueError(f"unknown zoo piece {piece!r}; choose from {', '.join(PIECES)}")
     opts = dict(options or {})
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     lr = opts.pop("lr", task.lr["lamb" if "lamb" in piece else "adam"])
     capture = _Capture()
     logger = logging.getLogger("thinwire")
     logger.addHandler(capture)
     COUNTER.reset()
-    model: nn.Module | None = None
-    net: nn.Module | None = None
-    opt: Any = None
-    hook: Any = None
-    diloco: Any = None
+    w = _Wiring()
     compressed = 0
     start = time.perf_counter()
     try:
         if piece in ASYNC_PIECES:
-            model, _ = _train_async(task, size, steps, batch_size, seed, lr, opts)
+            w.model, _ = _train_async(task, size, steps, batch_size, seed, lr, opts)
         else:
-            model = _build(task, size, seed)
-            if piece == "diloco":
-                from thinwire.localsgd import DiLoCo
-
-                net = model
-                opt = torch.optim.AdamW(model.parameters(), lr=lr)
-                diloco = DiLoCo(model, opt, **({"sync_every": 10} | opts))
-                diloco.__enter__()
-            elif piece in ("adamw", "adamw-onebit-hook"):
-                net = nn.parallel.DistributedDataParallel(model)
-                opt = torch.optim.AdamW(model.parameters(), lr=lr)
-                method = "fp32" if piece == "adamw" else "onebit"
-                hook = register_comm_hook(net, method, optimizer=opt, **opts)
-            else:
-                net = nn.parallel.DistributedDataParallel(model)
-                cls = {"lamb": Lamb, "onebit-lamb": OneBitLamb, "onebit-adam": OneBitAdam}
-                if piece != "lamb":
-                    opts.setdefault("total_steps", steps)
-                opt = cls[piece](model.parameters(), lr=lr, **opts)
-                opt.register_ddp(net)
-            for step in range(steps):
-                loss = task.loss(net, task.batch(seed, step, rank, world, batch_size))
-                loss.backward()
-                compressed += int(getattr(opt, "compressing", False))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if diloco is not None:
-                diloco.__exit__(None, None, None)
+            _wire(w, task, piece, size, seed, lr, opts, steps)
+            compressed = _train_steps(w, task, steps, seed, batch_size)
+            if w.diloco is not None:
+                w.diloco.__exit__(None, None, None)
         seconds = time.perf_counter() - start
-        metrics = task.evaluate(model, seed) if model is not None and rank == 0 else {}
+        metrics = task.evaluate(w.model, seed) if w.model is not None and rank == 0 else {}
         return PieceResult(
             model=task.name,
             piece=piece,
@@ -189,16 +158,78 @@ def train_piece(
             steps=steps,
             metrics=metrics,
             wire_bytes=COUNTER.wire_bytes,
-            skipped_steps=int(getattr(opt, "skipped_steps", 0)),
+            skipped_steps=int(getattr(w.opt, "skipped_steps", 0)),
             seconds=seconds,
-            freeze_step=getattr(opt, "freeze_step", None),
+            freeze_step=getattr(w.opt, "freeze_step", None),
             compressed_steps=compressed,
             notes=capture.lines,
         )
     finally:
         logger.removeHandler(capture)
-        if hasattr(hook, "close"):
-            hook.close()
+        if hasattr(w.hook, "close"):
+            w.hook.close()
         # Free what holds the group before it is torn down (see docs/reliability.md).
-        net = opt = model = hook = diloco = None
+        w.net = w.opt = w.model = w.hook = w.diloco = None
         gc.collect()
+
+
+@dataclass
+class _Wiring:
+    """What one piece is wired from. The helpers keep these objects here, never in
+    locals of their own, so that :func:`train_piece` frees them all before the group is
+    torn down, also when a helper raises."""
+
+    model: nn.Module | None = None
+    net: nn.Module | None = None
+    opt: Any = None
+    hook: Any = None
+    diloco: Any = None
+
+
+def _wire(
+    w: _Wiring,
+    task: ZooTask,
+    piece: str,
+    size: str,
+    seed: int,
+    lr: float,
+    opts: dict[str, Any],
+    steps: int,
+) -> None:
+    """Build the model and wire ``piece`` into it the way a user would, into ``w``."""
+    from thinwire.comm.register import register_comm_hook
+    from thinwire.optim import Lamb, OneBitAdam, OneBitLamb
+
+    w.model = _build(task, size, seed)
+    if piece == "diloco":
+        from thinwire.localsgd import DiLoCo
+
+        w.net = w.model
+        w.opt = torch.optim.AdamW(w.model.parameters(), lr=lr)
+        w.diloco = DiLoCo(w.model, w.opt, **({"sync_every": 10} | opts))
+        w.diloco.__enter__()
+    elif piece in ("adamw", "adamw-onebit-hook"):
+        w.net = nn.parallel.DistributedDataParallel(w.model)
+        w.opt = torch.optim.AdamW(w.model.parameters(), lr=lr)
+        method = "fp32" if piece == "adamw" else "onebit"
+        w.hook = register_comm_hook(w.net, method, optimizer=w.opt, **opts)
+    else:
+        w.net = nn.parallel.DistributedDataParallel(w.model)
+        cls = {"lamb": Lamb, "onebit-lamb": OneBitLamb, "onebit-adam": OneBitAdam}
+        if piece != "lamb":
+            opts.setdefault("total_steps", steps)
+        w.opt = cls[piece](w.model.parameters(), lr=lr, **opts)
+        w.opt.register_ddp(w.net)
+
+
+def _train_steps(w: _Wiring, task: ZooTask, steps: int, seed: int, batch_size: int) -> int:
+    """The user's loop over ``steps`` batches; returns the steps taken compressing."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    compressed = 0
+    for step in range(steps):
+        loss = task.loss(w.net, task.batch(seed, step, rank, world, batch_size))
+        loss.backward()
+        compressed += int(getattr(w.opt, "compressing", False))
+        w.opt.step()
+        w.opt.zero_grad(set_to_none=True)
+    return compressed
