@@ -208,7 +208,7 @@ def _converge_body(rank: int, world: int) -> tuple[float, float, bool]:
     again = xs[rank].clone()
     ref = OneBitAllreduce()(xs[rank])
     side = OneBitAllreduce()
-    side(again, out=again, side=torch.tensor(0.1 + 3.0 * rank))
+    side(again, out=again, side=torch.tensor(0.1 + 3.0 * rank, dtype=torch.float64))
     return first_error, avg_error, torch.equal(again, ref), side.side_mean
 
 

@@ -102,8 +102,9 @@ def _drift_run(cls: type, growth: float) -> int:
 
 @pytest.mark.parametrize("cls", [OneBitLamb, OneBitAdam])
 def test_growth_within_the_onset_is_not_bounded(cls: type) -> None:
-    """Gradients 1.5x larger after the freeze stay under ONSET (2x) their size at the
-    first compressed step: even a tight bound leaves those steps alone. 30x opens it."""
+    """Gradients 1.5x larger after the freeze stay under ONSET (2x), by either onset (the
+    gradients' growth or the momentum's): even a tight bound leaves those steps alone.
+    30x opens it."""
     assert _drift_run(cls, 1.5) == 0
     assert _drift_run(cls, GROWTH) > 0
 
@@ -203,3 +204,23 @@ def test_the_exchanges_own_noise_does_not_switch_the_bound_on() -> None:
     assert onebit["bounded"] == 0, onebit
     # The mean of the last 10 batches: 1-bit LAMB 0.58, LAMB 0.55 (0.79 with the old gauge).
     assert onebit["loss"] < 1.1 * lamb["loss"], (onebit, lamb)
+
+
+def test_the_gradient_gauge_follows_the_norm_not_single_batches() -> None:
+    from thinwire.optim.step_bound import GradientGauge
+
+    gauge = GradientGauge()
+    assert gauge.growth_with(100.0) == 1.0  # not armed
+    gauge.observe(1.0)  # the first compressed step arms it
+    assert gauge.reference == 1.0
+    # One batch 31x larger moves the EMA (0.9, of the norm) by 3x, not 9x.
+    assert gauge.growth_with(31.0**2) == pytest.approx(4.0)
+    gauge.observe(31.0**2)
+    gauge.observe(0.0)
+    assert gauge.growth_with(0.0) == pytest.approx(3.24)  # and it fades
+    gauge.arm()  # a new freeze waits for its first compressed step again
+    assert gauge.reference == 0.0 and gauge.growth_with(5.0) == 1.0
+    again = GradientGauge()
+    gauge.observe(4.0)
+    again.load_state_dict(gauge.state_dict())
+    assert again == gauge

@@ -86,6 +86,14 @@ class OneBitAdam(TwoStageOptimizer):
     paper's 1-bit Adam is ``freeze_step=N, bias_correction=False, precondition=False``.
     """
 
+    onset_reads_gradients = False
+    """The step bound switches on when the exchanged momentum has grown 2x since the
+    freeze. Measured on the model zoo's BERT at the larger size (seeds 0-2): with the
+    gradients' growth as the onset (1-bit LAMB's) 1-bit Adam ended at 0.858, 0.997, 0.987
+    (AdamW 0.986): at the plateau's end the gradients turn coherent, the momentum and the
+    steps grow while the gradients' norm hardly does; with the momentum, 0.984 on
+    average."""
+
     def __init__(
         self,
         params: Iterable[Any],

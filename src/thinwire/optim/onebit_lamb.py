@@ -101,6 +101,13 @@ class OneBitLamb(TwoStageOptimizer):
     latter is derived, not saved) plus one work buffer of twice the largest parameter.
     """
 
+    onset_reads_gradients = True
+    """The step bound switches on when the gradients have grown 2x since the freeze
+    (:class:`~thinwire.optim.step_bound.GradientGauge`), not the exchanged momentum: its
+    reference, LAMB's ratio on the same update, shrinks with the 1-bit noise in that
+    update, so a bound switched on by that noise shortens good steps (a ReLU MLP with
+    dead units ended at 0.75 against LAMB's 0.49; 0.50 with the gradients)."""
+
     def __init__(
         self,
         params: Iterable[Any],

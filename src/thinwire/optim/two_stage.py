@@ -45,7 +45,7 @@ from thinwire.optim.freeze import (
     relative_change,
 )
 from thinwire.optim.stale import StaleGuard
-from thinwire.optim.step_bound import ONSET, check_step_bound
+from thinwire.optim.step_bound import ONSET, GradientGauge, check_step_bound
 
 __all__ = ["TwoStageOptimizer"]
 
@@ -60,6 +60,10 @@ class TwoStageOptimizer(CommOptimizer):
     advances :attr:`global_step` itself when it applies an update. A subclass that needs
     to prepare for compression (e.g. copy ``v``) overrides :meth:`_on_freeze`.
     """
+
+    onset_reads_gradients = False
+    """What switches the step bound on: the gradients' growth (:class:`GradientGauge`) or
+    the exchanged momentum's (the stale guard's measure; see the subclasses)."""
 
     def __init__(
         self,
@@ -124,7 +128,9 @@ class TwoStageOptimizer(CommOptimizer):
         (:mod:`thinwire.optim.step_bound`)."""
         self._lift_variance = False  # the next warmup step follows a stale freeze
         self._saved_in_warmup = False
-        self._gauge: torch.Tensor | float = 0.0  # this step's gradient gauge (stale.py)
+        self.gauge = GradientGauge()
+        """How much the gradients grew since the freeze (the step bound's onset)."""
+        self._gauge: torch.Tensor | float = 0.0  # this step's sum of ||g / d||^2
 
     @property
     def compressing(self) -> bool:
@@ -151,7 +157,8 @@ class TwoStageOptimizer(CommOptimizer):
             self._gauge = 0.0
             ok = self._compression_step()
             if ok:
-                self._watch_staleness(self.exchanged_side)
+                self.gauge.observe(self.exchanged_side)
+                self._watch_staleness(self.exchanged_energy)
         else:
             ok = self._warmup_step()
             if ok:
@@ -239,6 +246,7 @@ class TwoStageOptimizer(CommOptimizer):
         self._on_freeze()
         self._freeze_denominators()
         self.stale.arm(0.0)  # armed by the first compressed step's exchange
+        self.gauge.arm()
         if self.rank == 0:
             floor = self.floor_report.describe() if self.floor_report is not None else ""
             _log.info(
@@ -250,24 +258,27 @@ class TwoStageOptimizer(CommOptimizer):
             )
 
     def _gauge_gradient(self, p: torch.Tensor, view: torch.Tensor, denom: torch.Tensor) -> None:
-        """Add ``||g / d||^2`` of this rank's gradient of ``p`` to the step's gauge of
-        :mod:`thinwire.optim.stale` (``view`` is scratch here: call before filling it)."""
+        """Add ``||g / d||^2`` of this rank's gradient of ``p`` to the step's
+        :class:`~thinwire.optim.step_bound.GradientGauge` number (``view`` is scratch
+        here: call before filling it)."""
         if p.grad is not None:
             torch.div(p.grad, denom, out=view)
             self._gauge = self._gauge + torch.linalg.vector_norm(view).square()
 
     def _watch_staleness(self, energy: float) -> None:
-        """Feed one compressed step's gradient gauge (averaged over the ranks); on a stale
-        variance, go back to the warmup (automatic freeze) or warn once (a fixed
-        freeze_step)."""
+        """Feed one compressed step's exchanged energy; on a stale variance, go back to
+        the warmup (automatic freeze) or warn once (a fixed freeze_step)."""
+        if not self.stale.reference > 0:
+            self.stale.arm(energy)  # the first compressed step: no residual yet
+            return
         growth = self.stale.observe(energy)
         if growth is None:
             return
         name, t, rule = type(self).__name__, self.global_step, self.auto_freeze
         why = (
-            f"the frozen variance went stale at step {t}: the gradients grew {growth:.1f}x "
-            f"since the freeze at step {self.freeze_step} (e.g. the loss began to fall after "
-            "a plateau)"
+            f"the frozen variance went stale at step {t}: the momentum it preconditions "
+            f"grew {growth:.1f}x since the freeze at step {self.freeze_step} (the gradients "
+            "outgrew it, e.g. the loss began to fall after a plateau)"
         )
         if rule is None or self.stale.rewarmups >= self.stale.max_rewarmups:
             if not self.stale.warned and self.rank == 0:
@@ -294,6 +305,7 @@ class TwoStageOptimizer(CommOptimizer):
         self._on_rewarm()
         self._lift_variance = True
         self.stale.arm(0.0)
+        self.gauge.arm()
         if self.rank == 0:
             _log.warning(
                 "%s: %s; back to the full-precision warmup, to freeze again once the "
@@ -307,10 +319,14 @@ class TwoStageOptimizer(CommOptimizer):
         """Called when a stale freeze is undone: drop what the compression stage built."""
 
     def _bounding(self) -> bool:
-        """Whether the step bound applies to this compressed step: the gradients have grown
-        past ``ONSET`` times their size at the first compressed step, by the stale guard's
-        gauge with this step's in (:mod:`thinwire.optim.step_bound`)."""
-        return self.stale.growth_with(self.exchanged_side) > ONSET
+        """Whether the step bound applies to this compressed step: past ``ONSET`` times the
+        first compressed step's size, of the gradients (:attr:`onset_reads_gradients`,
+        this step's number included) or of the exchanged momentum
+        (:mod:`thinwire.optim.step_bound`)."""
+        if self.onset_reads_gradients:
+            return self.gauge.growth_with(self.exchanged_side) > ONSET
+        ref = self.stale.reference
+        return ref > 0 and self.exchanged_energy > ONSET**2 * ref
 
     def _count_bounded(self, bounded: bool) -> None:
         """Count a compressed step the step bound shortened; say so once (INFO, rank 0)."""
@@ -444,6 +460,7 @@ class TwoStageOptimizer(CommOptimizer):
         extra["bounded_steps"] = self.bounded_steps
         extra["lift_variance"] = int(self._lift_variance)
         extra |= {f"stale_{k}": v for k, v in self.stale.state_dict().items()}
+        extra |= {f"gauge_{k}": v for k, v in self.gauge.state_dict().items()}
         if self.auto_freeze is not None:
             extra |= {f"auto_freeze_{k}": v for k, v in self.auto_freeze.state_dict().items()}
             extra |= {f"freeze_signal_{k}": v for k, v in self.freeze_signals.items()}
@@ -455,6 +472,10 @@ class TwoStageOptimizer(CommOptimizer):
         self.bounded_steps = int(extra.get("bounded_steps", 0))
         self._lift_variance = bool(extra.get("lift_variance", 0))
         stale = {k[len("stale_") :]: v for k, v in extra.items() if k.startswith("stale_")}
+        gauge = {k[len("gauge_") :]: v for k, v in extra.items() if k.startswith("gauge_")}
+        self.gauge = GradientGauge()
+        if gauge:  # states saved before the gauge existed start it unarmed
+            self.gauge.load_state_dict(gauge)
         self.stale = StaleGuard()
         if stale:  # states saved before the guard existed start it unarmed
             self.stale.load_state_dict(stale)
