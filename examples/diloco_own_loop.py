@@ -36,7 +36,7 @@ from torch import nn
 
 from thinwire.comm.accounting import COUNTER, ring_allreduce_bytes
 from thinwire.localsgd import DiLoCo
-from thinwire.localsgd.diloco import DEFAULT_OUTER_LR
+from thinwire.localsgd.algorithm.diloco import DEFAULT_OUTER_LR
 
 
 def batches(rank: int, batch_size: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -19,6 +19,10 @@ The rules this file checks, read from the source with :mod:`ast`:
   as a leaf or a layer, or the test fails.
 * ``thinwire.__main__`` belongs to the CLI. No library module imports ``thinwire.cli``.
 * The packages (layers and leaves) import each other without cycles.
+* Inside ``thinwire.localsgd``, the algorithm (``localsgd/algorithm/``) never imports the
+  runtime (``localsgd/runtime/``), nor do the modules both halves share (``config``,
+  ``task``, ``messages``); the package's ``__init__`` re-exports the runtime, so neither
+  imports it either. Every module of the package is in one of these parts.
 * One parser of byte sizes: only :mod:`thinwire.units` holds a table of size units or a
   function named like a size parser, so ``16MB`` means the same to every flag.
 * One table of dtype names: only :mod:`thinwire.compress.cast` spells two or more of
@@ -299,6 +303,105 @@ def test_cycle_finder() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+# Inside thinwire.localsgd: the algorithm (the math and the rules) never imports the
+# runtime (the processes and the wire), so the simulator and any new runtime reuse it whole.
+
+LOCALSGD_SHARED: frozenset[str] = frozenset(
+    {"thinwire.localsgd.config", "thinwire.localsgd.messages", "thinwire.localsgd.task"}
+)
+"""The modules of ``thinwire.localsgd`` that both halves use: the settings, the user's
+task, the messages. Like the algorithm, they never import the runtime."""
+
+
+def localsgd_part(module: str) -> str | None:
+    """Where a module sits in ``thinwire.localsgd``: ``algorithm``, ``runtime``, ``shared``
+    (:data:`LOCALSGD_SHARED`), ``api`` (the package's ``__init__``, which re-exports both
+    halves) or ``unplaced`` (any other module); None outside the package."""
+    parts = module.split(".")
+    if parts[:2] != ["thinwire", "localsgd"]:
+        return None
+    if len(parts) == 2:
+        return "api"
+    if parts[2] in ("algorithm", "runtime"):
+        return parts[2]
+    return "shared" if module in LOCALSGD_SHARED else "unplaced"
+
+
+def localsgd_problems(imports: list[tuple[str, str, int]]) -> list[str]:
+    """The imports by which the algorithm or a shared module reaches the runtime, directly
+    or through the package's ``__init__``, one line each ("importer:line imports x")."""
+    return [
+        f"{src}:{line} imports {dst}"
+        for src, dst, line in imports
+        if localsgd_part(src) in ("algorithm", "shared")
+        and localsgd_part(dst) in ("runtime", "api")
+    ]
+
+
+def test_every_localsgd_module_has_a_part() -> None:
+    modules = {module_name(p) for p in (SRC / "thinwire" / "localsgd").rglob("*.py")}
+    unplaced = sorted(m for m in modules if localsgd_part(m) == "unplaced")
+    assert not unplaced, (
+        "move these into localsgd/algorithm/ or localsgd/runtime/, or list them in "
+        f"LOCALSGD_SHARED: {unplaced}"
+    )
+    assert sorted(LOCALSGD_SHARED - modules) == []
+    assert {localsgd_part(m) for m in modules} == {"algorithm", "runtime", "shared", "api"}
+
+
+def test_localsgd_algorithm_never_imports_the_runtime() -> None:
+    bad = localsgd_problems(all_imports())
+    assert not bad, (
+        "the algorithm (and the modules both halves share) must not import the runtime:\n"
+        + "\n".join(bad)
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "part"),
+    [
+        ("thinwire.localsgd", "api"),
+        ("thinwire.localsgd.algorithm", "algorithm"),
+        ("thinwire.localsgd.algorithm.server_core", "algorithm"),
+        ("thinwire.localsgd.runtime.server_loop", "runtime"),
+        ("thinwire.localsgd.config", "shared"),
+        ("thinwire.localsgd.server", "unplaced"),
+        ("thinwire.train.trainer", None),
+    ],
+)
+def test_localsgd_part(module: str, part: str | None) -> None:
+    assert localsgd_part(module) == part
+
+
+def test_localsgd_rule_sees_relative_function_level_and_package_imports(
+    tmp_path: Path,
+) -> None:
+    src = _fake_tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "localsgd/__init__.py": "from thinwire.localsgd.runtime.launch import run\n",
+            "localsgd/config.py": "from thinwire.localsgd.algorithm.outer import Outer\n",
+            "localsgd/algorithm/__init__.py": "",
+            "localsgd/algorithm/core.py": (
+                "from thinwire.localsgd.config import Config\n"
+                "from thinwire.localsgd.messages import Work\n"
+                "def f():\n"
+                "    from ..runtime.transport import Transport\n"
+                "    from thinwire.localsgd import run\n"
+            ),
+            "localsgd/runtime/__init__.py": "",
+            "localsgd/runtime/launch.py": "from thinwire.localsgd.algorithm.core import f\n",
+            "localsgd/task.py": "import thinwire.localsgd.runtime.launch\n",
+        },
+    )
+    assert localsgd_problems(all_imports(src)) == [
+        "thinwire.localsgd.algorithm.core:4 imports thinwire.localsgd.runtime.transport",
+        "thinwire.localsgd.algorithm.core:5 imports thinwire.localsgd",
+        "thinwire.localsgd.task:1 imports thinwire.localsgd.runtime.launch",
+    ]
+
+
 # One size parser, one dtype table: the rules, read from the source with ast.
 
 SIZE_PARSER_MODULE = "thinwire.units"
@@ -434,10 +537,10 @@ KEYWORD_API: dict[str, str] = {
     "thinwire.optim.lamb:Lamb.__init__": _OPTIMIZER,
     "thinwire.optim.onebit_adam:OneBitAdam.__init__": _OPTIMIZER,
     "thinwire.optim.onebit_lamb:OneBitLamb.__init__": _OPTIMIZER,
-    "thinwire.localsgd.diloco:DiLoCo.__init__": (
+    "thinwire.localsgd.algorithm.diloco:DiLoCo.__init__": (
         "a public wrapper that takes its inner and outer hyperparameters as keywords"
     ),
-    "thinwire.localsgd.worker:LocalWorker.__init__": (
+    "thinwire.localsgd.algorithm.worker_core:LocalWorker.__init__": (
         "a public class (thinwire.localsgd) whose keywords the docs show, inner_momentum=..."
     ),
     "thinwire.testbed.cluster:Cluster.__init__": (
@@ -445,7 +548,7 @@ KEYWORD_API: dict[str, str] = {
     ),
     "thinwire.train.compare:compare": _ENTRY_POINT,
     "thinwire.testbed.experiments:compare_on_testbed": _ENTRY_POINT + " (compare on a testbed)",
-    "thinwire.localsgd.sweep:run_sweep": _ENTRY_POINT,
+    "thinwire.localsgd.algorithm.sweep:run_sweep": _ENTRY_POINT,
     "thinwire.analysis.study:run_study": _ENTRY_POINT + " (thinwire.analysis)",
     "thinwire.analysis.colocated:profile_processes": (
         "a public function docs/analysis.md points users to; its keywords are its API"

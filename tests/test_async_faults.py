@@ -38,10 +38,10 @@ from conftest import TINY_FLAGS, tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port, spawn
 from thinwire.localsgd import AsyncConfig, Task, run_async
-from thinwire.localsgd.async_runtime import make_worker, open_transport
-from thinwire.localsgd.auth import Channel, RunKey
 from thinwire.localsgd.messages import Hello, Update, pack_queued
-from thinwire.localsgd.worker_loop import work_loop
+from thinwire.localsgd.runtime.auth import Channel, RunKey
+from thinwire.localsgd.runtime.launch import make_worker, open_transport
+from thinwire.localsgd.runtime.worker_loop import work_loop
 from thinwire.train.async_task import async_config, gpt_task, run
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics
@@ -502,7 +502,7 @@ def test_sync_stop_and_resume_is_bit_identical_to_a_straight_run(tmp_path: Path)
 
 # --- token holders that push twice, or from another epoch: stopped, never waited for --------
 def _misbehaving(rank: int, world: int, stopped: Any) -> Any:
-    from thinwire.localsgd.transport import Transport
+    from thinwire.localsgd.runtime.transport import Transport
 
     task = Task(
         model=_mlp,

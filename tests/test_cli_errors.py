@@ -320,7 +320,7 @@ def test_a_rank_without_peers_fails_at_the_join_deadline(tmp_path: Path) -> None
 def test_token_files_that_are_not_tokens_are_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: Callable[[Path], object], message: str
 ) -> None:
-    from thinwire.localsgd.auth import TOKEN_ENV, TOKEN_FILE_ENV, read_token
+    from thinwire.localsgd.runtime.auth import TOKEN_ENV, TOKEN_FILE_ENV, read_token
 
     path = tmp_path / "token"
     make(path)
@@ -334,7 +334,7 @@ def test_token_files_that_are_not_tokens_are_one_line(
 
 
 def test_a_token_that_is_not_utf8_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    from thinwire.localsgd.auth import TOKEN_ENV, read_token
+    from thinwire.localsgd.runtime.auth import TOKEN_ENV, read_token
 
     # How Python shows an environment value holding the byte 0xff (surrogateescape).
     monkeypatch.setenv(TOKEN_ENV, "a" * 20 + "\udcff")

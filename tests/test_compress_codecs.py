@@ -171,7 +171,8 @@ def test_cast_encode_decode(dtype: torch.dtype) -> None:
 
 def test_every_16_bit_exchange_reads_the_one_table() -> None:
     from thinwire.comm import allreduce
-    from thinwire.localsgd import compression, diloco, messages
+    from thinwire.localsgd import messages
+    from thinwire.localsgd.algorithm import compression, diloco
 
     assert allreduce.WIRE_DTYPES is WIRE_DTYPES
     assert diloco.COMPRESS_CHOICES == ("none", "fp16", "bf16", "onebit")

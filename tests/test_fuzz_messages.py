@@ -19,7 +19,8 @@ import struct
 import pytest
 import torch
 
-from thinwire.localsgd.auth import TRAILER_LEN, AuthError, Channel, Keyring, RunKey
+from thinwire.localsgd.algorithm.push_guard import REASONS, PushGuard
+from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.messages import (
     DTYPES,
     HEADER_LEN,
@@ -35,8 +36,7 @@ from thinwire.localsgd.messages import (
     pack_queued,
     unpack_queued,
 )
-from thinwire.localsgd.push_guard import REASONS, PushGuard
-from thinwire.localsgd.server import ServerCore
+from thinwire.localsgd.runtime.auth import TRAILER_LEN, AuthError, Channel, Keyring, RunKey
 
 _SEEDS = range(4)
 _CASES = 500  # per seed: four seeds of every test run in well under a second each

@@ -370,7 +370,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_localsgd_imports_neither_the_trainer_nor_the_cli() -> None:
-    files = sorted((_SRC / "localsgd").glob("*.py"))
+    files = sorted((_SRC / "localsgd").rglob("*.py"))
     assert len(files) > 10
     for path in files:
         bad = {n for n in _imports(path) if n.startswith(("thinwire.train", "thinwire.cli"))}
@@ -379,7 +379,7 @@ def test_localsgd_imports_neither_the_trainer_nor_the_cli() -> None:
     # And at run time: importing every module of the package loads neither.
     code = (
         "import importlib, pkgutil, sys, thinwire.localsgd as p\n"
-        "for m in pkgutil.iter_modules(p.__path__): importlib.import_module(f'{p.__name__}.{m.name}')\n"
+        "for m in pkgutil.walk_packages(p.__path__, f'{p.__name__}.'): importlib.import_module(m.name)\n"
         "print(sorted(n for n in sys.modules if n.startswith(('thinwire.train', 'thinwire.cli'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,12 +18,12 @@ import torch.multiprocessing as mp
 from conftest import tiny_async_config
 from thinwire.comm.launch import DistributedError, free_port, spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import make_worker, open_transport
-from thinwire.localsgd.inner_state import resolve_inner_momentum
-from thinwire.localsgd.server import Work
+from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
+from thinwire.localsgd.algorithm.server_core import Work
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
+from thinwire.localsgd.runtime.launch import make_worker, open_transport
+from thinwire.localsgd.runtime.worker_loop import work_loop
 from thinwire.localsgd.task import shape_signature
-from thinwire.localsgd.worker import LocalWorker
-from thinwire.localsgd.worker_loop import work_loop
 from thinwire.train.async_task import async_config, check_async_config, gpt_loss, gpt_task, run
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from thinwire.comm.bind import bound_store
 from thinwire.comm.launch import spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.auth import (
+from thinwire.localsgd.messages import Hello, Update, Work, pack_queued
+from thinwire.localsgd.runtime.auth import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
     AuthError,
@@ -32,9 +33,8 @@ from thinwire.localsgd.auth import (
     remove_token_file,
     write_token_file,
 )
-from thinwire.localsgd.keyshare import share_run_key
-from thinwire.localsgd.messages import Hello, Update, Work, pack_queued
-from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.runtime.keyshare import share_run_key
+from thinwire.localsgd.runtime.transport import Transport
 
 _TOKEN = b"correct horse battery staple"
 _KEY = RunKey.from_token(_TOKEN)
@@ -288,14 +288,14 @@ def test_the_run_key_reaches_every_rank_and_a_failure_reaches_all() -> None:
 def _open(rank: int, world: int, worker_token: str | None) -> dict[str, Any]:
     from unittest import mock
 
-    from thinwire.localsgd.async_runtime import open_transport
     from thinwire.localsgd.config import AsyncConfig
+    from thinwire.localsgd.runtime.launch import open_transport
 
     os.environ.pop("THINWIRE_RUN_TOKEN", None)
     if rank > 0 and worker_token:
         os.environ["THINWIRE_RUN_TOKEN"] = worker_token
     # As under NCCL: the exchange then runs on a gloo group of its own.
-    with mock.patch("thinwire.localsgd.async_runtime.dist.get_backend", return_value="nccl"):
+    with mock.patch("thinwire.localsgd.runtime.launch.dist.get_backend", return_value="nccl"):
         try:
             transport, generated = open_transport(AsyncConfig())
         except ConfigError as exc:

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_async_config
 from thinwire.comm.launch import spawn
 from thinwire.compress import OneBitCompressor, packed_numel
-from thinwire.localsgd.compression import PullDecoder, PullEncoder, PushEncoder, decode
+from thinwire.localsgd.algorithm.compression import PullDecoder, PullEncoder, PushEncoder, decode
 from thinwire.train.async_task import run
 from thinwire.train.config import TrainConfig
 

@@ -13,7 +13,7 @@ from torch import nn
 from thinwire.comm import COUNTER
 from thinwire.comm.launch import spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.diloco import DiLoCo
+from thinwire.localsgd.algorithm.diloco import DiLoCo
 from thinwire.train.algorithms import make_strategy
 from thinwire.train.config import TrainConfig
 

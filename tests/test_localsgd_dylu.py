@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.dylu import SpeedTracker, dylu_steps
+from thinwire.localsgd.algorithm.dylu import SpeedTracker, dylu_steps
 
 
 def test_dylu_steps_for_the_papers_toy_speeds() -> None:

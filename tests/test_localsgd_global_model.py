@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.global_model import GlobalModel
+from thinwire.localsgd.algorithm.global_model import GlobalModel
 
 
 def _model(**kw: object) -> GlobalModel:

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.launch import free_port
-from thinwire.localsgd.auth import AuthError, RunKey
 from thinwire.localsgd.messages import (
     HEADER_LEN,
     Envelope,
@@ -28,7 +27,8 @@ from thinwire.localsgd.messages import (
     pack_queued,
     unpack_queued,
 )
-from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.runtime.auth import AuthError, RunKey
+from thinwire.localsgd.runtime.transport import Transport
 
 _MESSAGES = [
     Hello(numel=437_760, checksum=2**32 - 1),

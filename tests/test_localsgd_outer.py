@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.outer import DelayedNesterov, Nesterov
+from thinwire.localsgd.algorithm.outer import DelayedNesterov, Nesterov
 
 
 def _apply(opt: torch.optim.Optimizer, p: torch.Tensor, grads: list[torch.Tensor]) -> None:

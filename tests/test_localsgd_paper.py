@@ -11,9 +11,9 @@ import torch
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, ServerCore
-from thinwire.localsgd.methods import METHODS, TUNED, for_method, method_of
-from thinwire.localsgd.outer import AsyncBuffer, DelayedNesterov
-from thinwire.localsgd.shards import SyncSchedule
+from thinwire.localsgd.algorithm.methods import METHODS, TUNED, for_method, method_of
+from thinwire.localsgd.algorithm.outer import AsyncBuffer, DelayedNesterov
+from thinwire.localsgd.algorithm.shards import SyncSchedule
 
 
 def _core(**kw: Any) -> ServerCore:

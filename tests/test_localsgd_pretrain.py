@@ -1,4 +1,4 @@
-"""Where Local-SGD starts (thinwire.localsgd.pretrain): N steps of ordinary training, or a
+"""Where Local-SGD starts (thinwire.localsgd.algorithm.pretrain): N steps of ordinary training, or a
 file, then the simulator from there; bad start files are refused in one line."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, SimClock, Task, for_method, simulate
-from thinwire.localsgd.pretrain import Start, load_start_state, pretrain
+from thinwire.localsgd.algorithm.pretrain import Start, load_start_state, pretrain
 
 _W = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
 
@@ -203,8 +203,8 @@ def test_run_async_starts_from_a_file(tmp_path: Path) -> None:
 def test_a_sweep_pretrains_once_per_seed_and_keeps_the_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from thinwire.localsgd import pretrain as module
     from thinwire.localsgd import run_sweep
+    from thinwire.localsgd.algorithm import pretrain as module
 
     calls = []
     real = module.pretrain

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.push_guard import PushGuard
-from thinwire.localsgd.server import ServerCore
+from thinwire.localsgd.algorithm.push_guard import PushGuard
+from thinwire.localsgd.algorithm.server_core import ServerCore
 
 
 def _core(guard: PushGuard | None = None, **kw: object) -> ServerCore:

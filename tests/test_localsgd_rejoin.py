@@ -26,12 +26,12 @@ from conftest import TINY_FLAGS, tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import make_worker, open_transport
-from thinwire.localsgd.auth import RunKey, read_token
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.messages import Hello, RunInfo, Work
-from thinwire.localsgd.transport import Transport
-from thinwire.localsgd.worker import LocalWorker
-from thinwire.localsgd.worker_loop import work_loop
+from thinwire.localsgd.runtime.auth import RunKey, read_token
+from thinwire.localsgd.runtime.launch import make_worker, open_transport
+from thinwire.localsgd.runtime.transport import Transport
+from thinwire.localsgd.runtime.worker_loop import work_loop
 from thinwire.train.async_task import async_config, gpt_task, rejoin, run
 from thinwire.train.config import TrainConfig
 

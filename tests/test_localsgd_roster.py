@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from thinwire.localsgd.roster import Roster
+from thinwire.localsgd.algorithm.roster import Roster
 
 
 def test_admit_tells_a_return_from_the_dead_and_clears_the_past() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from thinwire.localsgd.server import ServerCore
+from thinwire.localsgd.algorithm.server_core import ServerCore
 
 
 def _core(**kw: object) -> ServerCore:

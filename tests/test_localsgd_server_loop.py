@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.messages import Envelope, Hello, Message, Refused, Update, Why, Work
-from thinwire.localsgd.server import ServerCore
-from thinwire.localsgd.server_loop import ServerLoop, ServeSettings, serve
-from thinwire.localsgd.server_loop_state import LoopState
+from thinwire.localsgd.runtime.server_loop import ServerLoop, ServeSettings, serve
+from thinwire.localsgd.runtime.server_loop_state import LoopState
 
 NUMEL, CRC = 6, 77
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.shards import ShardBook, inner_lr
+from thinwire.localsgd.algorithm.shards import ShardBook, inner_lr
 
 
 def test_least_progress_shard_and_lr_clock() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinwire.localsgd.run_store import quiet_store_warnings
+from thinwire.localsgd.runtime.run_store import quiet_store_warnings
 
 
 def _level() -> ctypes.c_int:

@@ -1,4 +1,4 @@
-"""``thinwire.localsgd.sweep``: a grid of simulated runs that resumes from its files and
+"""``thinwire.localsgd.algorithm.sweep``: a grid of simulated runs that resumes from its files and
 never reads back a run made with other settings."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from test_localsgd_api import _task
 from thinwire.localsgd import AsyncConfig, SimClock
-from thinwire.localsgd.sweep import parse_grid, run_sweep, summarize_sweep
+from thinwire.localsgd.algorithm.sweep import parse_grid, run_sweep, summarize_sweep
 
 
 @pytest.mark.timeout(120)

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from thinwire.comm.accounting import COUNTER
 from thinwire.comm.bind import bound_store
 from thinwire.errors import ConfigError
-from thinwire.localsgd.auth import RunKey
 from thinwire.localsgd.messages import Hello, RunInfo, Update, Work
-from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.runtime.auth import RunKey
+from thinwire.localsgd.runtime.transport import Transport
 
 _KEY = RunKey.from_token(b"a transport test token, long enough")
 _T = {"connect_timeout_s": 10.0, "timeout_s": 10.0}

@@ -14,10 +14,10 @@ import torch
 from thinwire.cli.main import main
 from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, SimClock, for_method, simulate
-from thinwire.localsgd.inner_state import restart_first_moment_
-from thinwire.localsgd.server import Work
-from thinwire.localsgd.virtual_clock import time_to_reach
-from thinwire.localsgd.worker import LocalWorker
+from thinwire.localsgd.algorithm.inner_state import restart_first_moment_
+from thinwire.localsgd.algorithm.server_core import Work
+from thinwire.localsgd.algorithm.virtual_clock import time_to_reach
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.train.async_task import gpt_loss, gpt_task
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from thinwire.localsgd.compression import PushEncoder
+from thinwire.localsgd.algorithm.compression import PushEncoder
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.messages import Work
-from thinwire.localsgd.worker import LocalWorker
-from thinwire.localsgd.worker_loop import load_worker_state, save_worker_state
+from thinwire.localsgd.runtime.worker_loop import load_worker_state, save_worker_state
 
 
 def _worker() -> LocalWorker:

@@ -97,7 +97,7 @@ def test_resume_refuses_a_planted_checkpoint_file(
 def test_async_resume_refuses_a_planted_server_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """localsgd_server.pt goes through the same loader (localsgd/server_run.py calls
+    """localsgd_server.pt goes through the same loader (localsgd/runtime/server_process.py calls
     thinwire.train.checkpoint.safe_load): a planted one stops the resume, runs nothing."""
     out = tmp_path / "async"
     out.mkdir()

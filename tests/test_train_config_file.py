@@ -159,3 +159,29 @@ def test_print_config_is_a_config_file(tmp_path: Path, capsys: pytest.CaptureFix
     path = tmp_path / "p.json"
     path.write_text(capsys.readouterr().out)
     assert _config("--config", str(path)) == _config("--algo", "onebit-adam", "--steps", "50")
+
+
+def test_a_trained_start_picks_lambs_trained_lr_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from thinwire.cli.compare import base_and_lrs
+    from thinwire.train.algorithms import TRAINED_LR
+
+    assert TRAINED_LR["lamb"] < default_lr("lamb")  # the long tier's lr is lower
+    assert _config("--algo", "lamb", "--pretrain-steps", "10").lr == TRAINED_LR["lamb"]
+    assert _config("--algo", "lamb").lr == default_lr("lamb")  # from scratch: unchanged
+    assert _config("--algo", "adamw", "--pretrain-steps", "10").lr == default_lr("adamw")
+    assert _config("--algo", "lamb", "--pretrain-steps", "10", "--lr", "0.003").lr == 0.003
+    path = tmp_path / "run.toml"
+    path.write_text('algo = "onebit-lamb"\npretrain_steps = 10\n')
+    assert _config("--config", str(path)).lr == TRAINED_LR["onebit-lamb"]
+    # compare: each algorithm at its trained-start lr, with one line per algorithm.
+    argv = ["compare", "--algos", "lamb", "onebit-lamb@freeze_step=5", "adamw"]
+    args = build_parser().parse_args([*argv, "--pretrain-steps", "10"])
+    _, lrs = base_and_lrs(args)
+    assert lrs == {"lamb": 0.01, "onebit-lamb": 0.01, "adamw": default_lr("adamw")}
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 2 and all("starts from a trained model" in line for line in said)
+    _, lrs = base_and_lrs(build_parser().parse_args(argv))
+    assert lrs is not None and lrs["lamb"] == default_lr("lamb")
+    assert capsys.readouterr().err == ""

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_config
 from thinwire.comm.launch import spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd.pretrain import pretrain
+from thinwire.localsgd.algorithm.pretrain import pretrain
 from thinwire.localsgd.task import Task
 from thinwire.train.algorithms import default_lr
 from thinwire.train.async_task import gpt_loss, gpt_task
@@ -41,7 +41,7 @@ def _val_loss(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> float:
 
 
 def _reference(cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """The same pretraining by thinwire.localsgd.pretrain: one shard, the trainer's own
+    """The same pretraining by thinwire.localsgd.algorithm.pretrain: one shard, the trainer's own
     training stream, AdamW at AdamW's tuned lr."""
     data = TextData(cfg.data, cfg.gpt_config().seq_len, cfg.val_fraction, cfg.seed)
     adamw = TrainConfig(**{**cfg.to_dict(), "lr": default_lr("adamw")})

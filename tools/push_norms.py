@@ -16,7 +16,7 @@ import argparse
 from typing import Any
 
 from thinwire.localsgd import SimClock, for_method, simulate
-from thinwire.localsgd import push_guard as pg
+from thinwire.localsgd.algorithm import push_guard as pg
 from thinwire.train.async_task import async_config, gpt_task
 from thinwire.train.config import TrainConfig
 

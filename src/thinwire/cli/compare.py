@@ -41,11 +41,10 @@ from typing import Any
 
 from thinwire.cli.parser import CommandParser, add_moved
 from thinwire.cli.train import add_train_arguments
-from thinwire.cli.train_config import EXPLICIT, config_from_args
+from thinwire.cli.train_config import config_from_args, lr_given, note_trained_lr
 from thinwire.train.compare import compare, parse_run_spec, tuned_lrs
 from thinwire.train.compare_report import format_comparison, plot_comparison
 from thinwire.train.config import TrainConfig
-from thinwire.train.config_file import read_config_file
 
 __all__ = ["add_compare_arguments", "base_and_lrs", "register"]
 
@@ -73,10 +72,10 @@ def base_and_lrs(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, float
     the user gave, for every run)."""
     args.algo = parse_run_spec(args.algos[0])[0]  # config_from_args wants one algorithm
     base = config_from_args(args)
-    lr_given = "lr" in getattr(args, EXPLICIT, ()) or (
-        args.config is not None and "lr" in read_config_file(args.config)
-    )
-    return base, None if lr_given else tuned_lrs(args.algos)
+    if lr_given(args):
+        return base, None
+    note_trained_lr((parse_run_spec(spec)[0] for spec in args.algos), base)
+    return base, tuned_lrs(args.algos, bool(base.pretrain_steps or base.init_from))
 
 
 def _mode_parser(

@@ -40,11 +40,11 @@ from thinwire.cli.parser import add_moved
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.localsgd import METHODS, AsyncConfig, SimClock
-from thinwire.localsgd.compression import CODECS
-from thinwire.localsgd.inner_state import INNER_MOMENTUM
-from thinwire.localsgd.shards import SAMPLING_CHOICES
-from thinwire.localsgd.sweep import parse_grid, run_sweep, summarize_sweep
-from thinwire.localsgd.virtual_clock import HETEROGENEITY
+from thinwire.localsgd.algorithm.compression import CODECS
+from thinwire.localsgd.algorithm.inner_state import INNER_MOMENTUM
+from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
+from thinwire.localsgd.algorithm.sweep import parse_grid, run_sweep, summarize_sweep
+from thinwire.localsgd.algorithm.virtual_clock import HETEROGENEITY
 from thinwire.rundir import writable_dir
 from thinwire.train.async_task import gpt_task
 from thinwire.train.config import TrainConfig

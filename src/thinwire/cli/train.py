@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from thinwire.cli.train_config import config_from_args, track_explicit
+from thinwire.cli.train_config import config_from_args, lr_given, note_trained_lr, track_explicit
 from thinwire.comm.launch import launched_by_torchrun
 from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.errors import ConfigError
-from thinwire.localsgd.compression import CODECS
+from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS
@@ -388,6 +388,8 @@ def _interrupt_note(out_dir: Path) -> str:
 def _main(args: argparse.Namespace) -> int:
     check_timeout(args.timeout)
     cfg = config_from_args(args)
+    if not lr_given(args):
+        note_trained_lr([cfg.algo], cfg)
     if args.print_config:
         cfg.validate()
         print(json.dumps(cfg.to_dict(), indent=2))

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
+from collections.abc import Iterable
 from typing import Any
 
 from thinwire.errors import ConfigError
-from thinwire.train.algorithms import default_lr
+from thinwire.train.algorithms import DEFAULT_LR, TRAINED_LR, default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import read_config_file
 
-__all__ = ["EXPLICIT", "config_from_args", "track_explicit"]
+__all__ = ["EXPLICIT", "config_from_args", "lr_given", "note_trained_lr", "track_explicit"]
 
 EXPLICIT = "explicit_flags"
 """The namespace attribute that holds the destinations of the options typed."""
@@ -60,6 +63,11 @@ def track_explicit(parser: argparse.ArgumentParser) -> None:
             action.__class__ = _tracking(type(action))
 
 
+def _trained(args: argparse.Namespace) -> bool:
+    """Whether the run starts from a trained model (its default lr may differ)."""
+    return bool(getattr(args, "pretrain_steps", 0) or getattr(args, "init_from", None))
+
+
 def _from_flags(args: argparse.Namespace) -> TrainConfig:
     if args.shards is not None and args.shards < 1:
         raise ConfigError(f"--shards must be >= 1, got {args.shards}")
@@ -75,7 +83,7 @@ def _from_flags(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps,
         stop_after=args.stop_after,
         batch_size=args.batch_size,
-        lr=args.lr if args.lr is not None else default_lr(args.algo),
+        lr=args.lr if args.lr is not None else default_lr(args.algo, _trained(args)),
         warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
@@ -130,7 +138,29 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     merged.update({k: v for k, v in from_file.items() if k not in typed})
     # Defaults that depend on the algorithm follow the algorithm the file chose.
     if "lr" not in typed and "lr" not in from_file:
-        merged["lr"] = default_lr(merged["algo"])
+        trained = bool(merged.get("pretrain_steps") or merged.get("init_from"))
+        merged["lr"] = default_lr(merged["algo"], trained)
     if "out_dir" not in typed and "out_dir" not in from_file:
         merged["out_dir"] = f"runs/{merged['algo']}"
     return TrainConfig.from_dict(merged)
+
+
+def lr_given(args: argparse.Namespace) -> bool:
+    """Whether the user chose the lr (a flag typed, or the config file's ``lr``)."""
+    path = getattr(args, "config", None)
+    return "lr" in getattr(args, EXPLICIT, ()) or (
+        path is not None and "lr" in read_config_file(path)
+    )
+
+
+def note_trained_lr(algos: Iterable[str], cfg: TrainConfig) -> None:
+    """Say in one line (rank 0) when an algorithm's default lr is its trained-start one."""
+    if not (cfg.pretrain_steps or cfg.init_from) or os.environ.get("RANK", "0") != "0":
+        return
+    for algo in dict.fromkeys(algos):
+        if algo in TRAINED_LR:
+            print(
+                f"thinwire: {algo} starts from a trained model: peak lr {TRAINED_LR[algo]:g} "
+                f"(from scratch {DEFAULT_LR[algo]:g}; --lr sets another)",
+                file=sys.stderr,
+            )

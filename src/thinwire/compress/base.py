@@ -11,7 +11,7 @@ Compressors are stateless: state that must survive a step (a residual) belongs t
 wrapper that owns it and exposes ``state_dict()``.
 
 Where this interface is used: the asynchronous 1-bit pushes of Local-SGD
-(:mod:`thinwire.localsgd.compression`) send ``ErrorFeedback(OneBitCompressor())``
+(:mod:`thinwire.localsgd.algorithm.compression`) send ``ErrorFeedback(OneBitCompressor())``
 messages as they are; the 16-bit cast codec is :class:`~thinwire.compress.CastCompressor`
 behind it. And it is the single-process reference of the 1-bit allreduce
 (:class:`thinwire.comm.OneBitAllreduce`), which keeps its own buffers for speed: its tests

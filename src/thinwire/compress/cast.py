@@ -2,7 +2,7 @@
 
 Every 16-bit exchange in thinwire goes through this module: DiLoCo's outer allreduce
 (``DiLoCo(compress="fp16"|"bf16")``), the asynchronous pushes and pulls
-(:mod:`thinwire.localsgd.compression`) and the DDP gradient hooks (``grad_dtype``,
+(:mod:`thinwire.localsgd.algorithm.compression`) and the DDP gradient hooks (``grad_dtype``,
 :func:`thinwire.comm.allreduce.average_bucket`). It holds
 
 * the one table of dtype names, :data:`WIRE_DTYPES` (``fp32``, ``fp16``, ``bf16``), and

@@ -10,7 +10,7 @@ The residual is state: one per tensor being compressed, saved with ``state_dict(
 and restored with ``load_state_dict()`` so a resumed run continues exactly.
 
 Users: each worker's 1-bit pushes in asynchronous Local-SGD
-(:class:`thinwire.localsgd.compression.PushEncoder`). The 1-bit allreduce keeps the same
+(:class:`thinwire.localsgd.algorithm.compression.PushEncoder`). The 1-bit allreduce keeps the same
 two residuals in its own in-place buffers; its tests hold it bit-identical to this
 wrapper (one per rank for the worker error, one per segment for the server error).
 """

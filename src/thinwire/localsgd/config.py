@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.compression import CODECS
-from thinwire.localsgd.inner_state import resolve_inner_momentum
-from thinwire.localsgd.methods import TUNED, method_of
-from thinwire.localsgd.pretrain import Start
-from thinwire.localsgd.push_guard import PushGuard
-from thinwire.localsgd.server import OUTER_CHOICES, STALENESS_CHOICES
-from thinwire.localsgd.shards import SAMPLING_CHOICES
+from thinwire.localsgd.algorithm.compression import CODECS
+from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
+from thinwire.localsgd.algorithm.methods import TUNED, method_of
+from thinwire.localsgd.algorithm.pretrain import Start
+from thinwire.localsgd.algorithm.push_guard import PushGuard
+from thinwire.localsgd.algorithm.server_core import OUTER_CHOICES, STALENESS_CHOICES
+from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
 
 __all__ = ["COMPRESS", "AsyncConfig"]
 
@@ -55,9 +55,9 @@ class AsyncConfig:
     theta standing still in between."""
     outer_lr: float | None = None
     """Outer learning rate; None: the tuned value of the method this config runs
-    (:data:`thinwire.localsgd.methods.TUNED`: 0.2 for sync, 0.3 for ``dn``, ``buffer`` and
+    (:data:`thinwire.localsgd.algorithm.methods.TUNED`: 0.2 for sync, 0.3 for ``dn``, ``buffer`` and
     naive ``nesterov``, 0.5 for DN+DyLU; naive and DN+DyLU with momentum 0; the module
-    docstring of :mod:`thinwire.localsgd.methods` gives the sweep). Lower it if the loss
+    docstring of :mod:`thinwire.localsgd.algorithm.methods` gives the sweep). Lower it if the loss
     jumps at each outer step."""
     outer_momentum: float | None = None
     """Outer Nesterov momentum beta, in ``[0, 1)``; None: the method's tuned value. 0 is
@@ -107,7 +107,7 @@ class AsyncConfig:
     shard_sampling: str = "least-progress"
     """How a round's shard is chosen: ``least-progress`` (the free shard furthest behind
     its plan) or ``paper`` (the paper's Eq. 2: a random shard among those behind their
-    share, non-exclusive). See :mod:`thinwire.localsgd.shards`."""
+    share, non-exclusive). See :mod:`thinwire.localsgd.algorithm.shards`."""
     seed: int = 0
     """Seeds the server's random choices (``paper`` shard sampling)."""
 
@@ -117,7 +117,7 @@ class AsyncConfig:
     state persists across rounds, DiLoCo's rule), ``round`` (the first moment restarts
     every round), ``restart`` (it restarts, bias-corrected on the round's clock) or
     ``fresh`` (a new optimizer every round). None: ``restart``, the best for every method
-    in the ablation. See :mod:`thinwire.localsgd.inner_state`."""
+    in the ablation. See :mod:`thinwire.localsgd.algorithm.inner_state`."""
     warmup_steps: int = 20
     """Inner lr warmup, in steps of a shard's own clock. The inner optimizer's lr is the
     peak; it then decays by cosine over the shard's planned steps (``steps * W /
@@ -135,7 +135,7 @@ class AsyncConfig:
     optimizer and ``warmup_steps``) before Local-SGD begins; Local-SGD's shards then read
     on after them. The regime Local-SGD is for, and the asynchronous paper's: its methods
     start from 24k ordinary steps. 0: from scratch (or ``init_from``). See
-    :mod:`thinwire.localsgd.pretrain`."""
+    :mod:`thinwire.localsgd.algorithm.pretrain`."""
     init_from: str | None = None
     """Start from this model state file (``torch.save(model.state_dict())``, or a dict
     with it under ``"model"``) instead; not together with ``pretrain_steps``."""
@@ -144,7 +144,7 @@ class AsyncConfig:
     compress: str = "none"
     """Push codec: ``none`` (fp32), ``fp16`` or ``bf16`` (half the bytes), or ``onebit``
     (signs and one scale, 32x fewer bytes, with per-worker error feedback). See
-    :mod:`thinwire.localsgd.compression`."""
+    :mod:`thinwire.localsgd.algorithm.compression`."""
     compress_pull: str = "none"
     """Pull codec: ``none`` sends theta whole in fp32; ``fp16``, ``bf16`` or ``onebit``
     send the difference to the worker's own copy, which both sides update identically
@@ -364,7 +364,7 @@ class AsyncConfig:
         )
 
     def start(self) -> Start:
-        """Where this run starts (:class:`~thinwire.localsgd.pretrain.Start`)."""
+        """Where this run starts (:class:`~thinwire.localsgd.algorithm.pretrain.Start`)."""
         return Start(
             pretrain_steps=self.pretrain_steps,
             init_from=self.init_from,
@@ -382,7 +382,7 @@ class AsyncConfig:
 
     @property
     def method(self) -> str:
-        """The paper's method this config runs (see :mod:`thinwire.localsgd.methods`)."""
+        """The paper's method this config runs (see :mod:`thinwire.localsgd.algorithm.methods`)."""
         return method_of(self)
 
     def resolved_outer_lr(self) -> float:

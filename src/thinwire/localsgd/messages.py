@@ -1,7 +1,7 @@
 """What the Local-SGD server and its workers say to each other: every message, by name.
 
 Each message is a frozen dataclass whose fields are named here and nowhere else; the
-transport (:mod:`thinwire.localsgd.transport`) only moves the encoded numbers.
+transport (:mod:`thinwire.localsgd.runtime.transport`) only moves the encoded numbers.
 
 ===========  ===========  ===============================================  ===============
 kind         direction    fields                                           payload after it
@@ -29,10 +29,10 @@ checksum is a crc32.
 **Payload**: a flat tensor on the link right after its header. The receiver knows its
 length from the model's parameter count (agreed in the hello) and the header's
 ``dtype`` (:func:`payload_numel`). ``dtype`` uint8 means 1-bit: the packed sign bits
-followed by the 4 bytes of one fp32 scale (:mod:`thinwire.localsgd.compression`).
+followed by the 4 bytes of one fp32 scale (:mod:`thinwire.localsgd.algorithm.compression`).
 
 **Seal**: every header is followed by a seal that authenticates it and its payload
-(:mod:`thinwire.localsgd.auth`); the transport adds and checks it.
+(:mod:`thinwire.localsgd.runtime.auth`); the transport adds and checks it.
 
 **Run information**: :class:`RunInfo`, JSON in the run's store, which a restarted worker
 reads before it says hello.
@@ -219,7 +219,7 @@ class Refused:
     """A :class:`Why` code."""
     detail: int = 0
     """For :attr:`Why.EVICTED`: the last refusal's reason, as 1 + its place in
-    :data:`thinwire.localsgd.push_guard.REASONS` (0: not named)."""
+    :data:`thinwire.localsgd.algorithm.push_guard.REASONS` (0: not named)."""
 
     kind: ClassVar[Kind] = Kind.ERROR
 

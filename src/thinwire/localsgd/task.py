@@ -22,7 +22,7 @@ Contracts the runtime relies on:
   count and a checksum of the shapes). Seed inside the factory for a reproducible start.
   The model may live on any device; batches are moved to it.
 * ``optimizer(params)`` builds the inner optimizer (again after a failed round). Its lr
-  is the peak of the per-shard schedule (:func:`~thinwire.localsgd.shards.inner_lr`).
+  is the peak of the per-shard schedule (:func:`~thinwire.localsgd.algorithm.shards.inner_lr`).
 * ``shards(n)`` returns ``n`` batch sources. ``source(step)`` is the batch for the
   ``step``-th inner step spent on that shard; make it depend only on the shard and
   ``step`` (seed a generator with both) and a run is reproducible, and a shard that

@@ -26,10 +26,12 @@ about to apply (the exchanged momentum over the frozen denominator, after the fl
 
 The direction is kept, and so is error feedback: the bound shortens the applied step,
 not the exchanged momentum, so the compression error still returns in later steps. It
-applies only while the variance is going stale: once the gradients have grown past
-:data:`ONSET` times their size at the first compressed step (:class:`GradientGauge`).
-Until then the exchanged momentum is longer than the uncompressed one only by the 1-bit
-code's noise, which error feedback takes back in later steps; bounding it shortens good
+applies only while the variance is going stale, once a measure has grown past
+:data:`ONSET` times its value at the first compressed step: the gradients
+(:class:`GradientGauge`) for 1-bit LAMB, the exchanged momentum (the stale guard's
+measure) for 1-bit Adam (``onset_reads_gradients`` of each class says why). Before
+that, the 1-bit code's noise makes the exchanged momentum longer than the uncompressed
+one, error feedback takes the excess back in later steps, and bounding it shortens good
 steps.
 
 Measured (BERT classifier at the zoo's larger size, 2 ranks, 150 steps, seeds 0-2;
@@ -85,11 +87,9 @@ DEFAULT_STEP_BOUND = 2.0
 """A compressed step is at most two uncompressed steps long (see the table above)."""
 
 ONSET = 2.0
-"""The bound applies to a compressed step only once the gradients are this many times
-their size at the first compressed step (:class:`GradientGauge`). Not the exchanged
-momentum's norm, which the 1-bit code's noise alone grows: on a ReLU MLP with dead units
-(frozen at step 20 of 60) it grew 2.8x while the gradients grew 1.2x, and bounding those
-steps left 1-bit LAMB at 0.75 against LAMB's 0.49 (0.50 with the gradient gauge)."""
+"""The bound applies to a compressed step only once its onset measure (the gradients for
+1-bit LAMB, the exchanged momentum for 1-bit Adam) is this many times its value at the
+first compressed step."""
 
 REF_BETA = 0.9
 """EMA rate of the warmup's update norm (1-bit Adam): about the last 10 warmup steps,

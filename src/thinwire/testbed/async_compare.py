@@ -33,7 +33,7 @@ from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
-from thinwire.localsgd.virtual_clock import time_to_reach
+from thinwire.localsgd.algorithm.virtual_clock import time_to_reach
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics
 from thinwire.train.run import run_training

@@ -36,6 +36,7 @@ __all__ = [
     "ALGORITHMS",
     "DEFAULT_LR",
     "RUNNERS",
+    "TRAINED_LR",
     "Strategy",
     "algorithm_names",
     "check_config",
@@ -316,8 +317,23 @@ short sweep on the tiny preset, 4 workers x 32 sequences (docs/results/optimizer
 Adam's. Algorithms not listed use :attr:`TrainConfig.lr`'s default."""
 
 
-def default_lr(algo: str) -> float:
-    """The tuned default peak learning rate of ``algo`` (see :data:`DEFAULT_LR`)."""
+TRAINED_LR: dict[str, float] = {
+    "lamb": 1e-2,
+    "onebit-lamb": 1e-2,
+}
+"""Peak learning rate when the run starts from a trained model (``--pretrain-steps`` or
+``--init-from``), where it differs from :data:`DEFAULT_LR`. Measured on the tiny preset,
+4 workers x 16 sequences, 1,000 steps of AdamW then 3,000 steps (docs/results/
+optimizers.md, "Long runs from a trained model"): LAMB at 0.02 trained to 1.79 by step
+900, then climbed to 2.13 by step 1,600 as its trust ratios hit the clamp; on the tuning
+seed 0.01 ended at 1.5417 and 0.005 at 1.5570. 1-bit LAMB takes LAMB's lr."""
+
+
+def default_lr(algo: str, trained: bool = False) -> float:
+    """The tuned default peak learning rate of ``algo`` (see :data:`DEFAULT_LR`), or of
+    a run that starts from a trained model (:data:`TRAINED_LR`)."""
+    if trained and algo in TRAINED_LR:
+        return TRAINED_LR[algo]
     return DEFAULT_LR.get(algo, TrainConfig.lr)
 
 
@@ -353,15 +369,15 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     :class:`ConfigError`, before any process starts."""
     cfg.validate()
     check_algorithm(cfg.algo)
-    from thinwire.localsgd.pretrain import Start
+    from thinwire.localsgd.algorithm.pretrain import Start
 
     Start(pretrain_steps=cfg.pretrain_steps or 0, init_from=cfg.init_from)  # checks them
     if cfg.algo == "diloco":
-        from thinwire.localsgd.diloco import COMPRESS_CHOICES
-        from thinwire.localsgd.inner_state import resolve_inner_momentum
-        from thinwire.localsgd.methods import TUNED
-        from thinwire.localsgd.outer import check_outer_args
-        from thinwire.localsgd.shards import SAMPLING_CHOICES
+        from thinwire.localsgd.algorithm.diloco import COMPRESS_CHOICES
+        from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
+        from thinwire.localsgd.algorithm.methods import TUNED
+        from thinwire.localsgd.algorithm.outer import check_outer_args
+        from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
 
         resolve_inner_momentum(cfg.inner_momentum)
         check_outer_args(

@@ -27,9 +27,9 @@ from torch import nn
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_async, run_async
-from thinwire.localsgd.auth import read_token
-from thinwire.localsgd.run_store import server_address
-from thinwire.localsgd.trained import load_trained
+from thinwire.localsgd.runtime.auth import read_token
+from thinwire.localsgd.runtime.run_store import server_address
+from thinwire.localsgd.runtime.trained import load_trained
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import CONFIG_NAME, write_config_file

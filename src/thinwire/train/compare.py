@@ -140,9 +140,10 @@ def _curves(metrics_path: Path) -> dict[str, list[list[float]]]:
     return out
 
 
-def tuned_lrs(specs: list[str]) -> dict[str, float]:
-    """Each algorithm of ``specs`` with its tuned default peak lr (for ``lrs``)."""
-    return {algo: default_lr(algo) for algo in (parse_run_spec(s)[0] for s in specs)}
+def tuned_lrs(specs: list[str], trained: bool = False) -> dict[str, float]:
+    """Each algorithm of ``specs`` with its tuned default peak lr (for ``lrs``); ``trained``:
+    the runs start from a trained model (:data:`~thinwire.train.algorithms.TRAINED_LR`)."""
+    return {algo: default_lr(algo, trained) for algo in (parse_run_spec(s)[0] for s in specs)}
 
 
 def local_runner(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[dict[str, Any]]:
@@ -189,6 +190,9 @@ def compare(
         overrides: extra config overrides per label, applied after the spec's own.
         reference: the label the ratios are taken against (default: the first).
         overwrite: replace the runs already in ``out_dir`` instead of refusing.
+            ``base.resume`` (``thinwire compare --resume``) keeps them instead: a run
+            that finished with the same settings is read back, one that stopped
+            continues from its last checkpoint, and only the rest train.
         timeout_s: seconds before a stuck run is stopped (the runs share one set of
             workers, so the comparison as a whole gets ``timeout_s`` per run).
         command: the command line to store with the result, for the record.
@@ -200,17 +204,22 @@ def compare(
     """
     reference = _check_specs(algos, workers, reference, overrides or {})
     out_dir = Path(out_dir)
+    keep = overwrite or base.resume
     configs = {
-        label: _run_config(label, base, lrs, (overrides or {}).get(label, {}), out_dir, overwrite)
+        label: _run_config(label, base, lrs, (overrides or {}).get(label, {}), out_dir, keep)
         for label in algos
     }
-    for cfg in configs.values():
+    done = _finished_runs(configs) if base.resume and not overwrite else {}
+    for label, cfg in configs.items():
         if overwrite:
             _clear_run(Path(cfg.out_dir))
-    summaries = (runner or local_runner)(list(configs.values()), workers, timeout_s)
+        elif base.resume and label not in done:
+            _continue_or_clear(cfg)
+    todo = [cfg for label, cfg in configs.items() if label not in done]
+    summaries = iter((runner or local_runner)(todo, workers, timeout_s) if todo else [])
     runs = {
-        label: _run_record(cfg, summary)
-        for (label, cfg), summary in zip(configs.items(), summaries, strict=True)
+        label: _run_record(cfg, done[label] if label in done else next(summaries))
+        for label, cfg in configs.items()
     }
     _stages(runs)
     _ratios(runs, runs[reference])
@@ -269,7 +278,8 @@ def _run_config(
     cfg.validate()
     if not overwrite and existing_run(cfg.out_dir):
         raise ConfigError(
-            f"compare: {cfg.out_dir} already holds a run; pass --overwrite or another --out"
+            f"compare: {cfg.out_dir} already holds a run; pass --resume to keep it (and "
+            "continue it if it stopped), --overwrite to replace it, or another --out"
         )
     busy = runlock.holder(cfg.out_dir)
     if busy is not None:  # never clear a directory a live run is writing
@@ -277,6 +287,51 @@ def _run_config(
             f"compare: {cfg.out_dir} is in use by a run in progress (pid {busy.get('pid')})"
         )
     return cfg
+
+
+_PLUMBING = ("out_dir", "resume", "stop_after", "progress")
+"""Config fields that do not change what a finished run trained."""
+
+
+def _finished_runs(configs: Mapping[str, TrainConfig]) -> dict[str, dict[str, Any]]:
+    """The runs of ``configs`` that finished already (their ``summary.json``), checked to
+    have trained with the same settings; a run with other settings is refused in one
+    line, so a resumed comparison never mixes them."""
+    done = {}
+    for label, cfg in configs.items():
+        run_dir = Path(cfg.out_dir)
+        if not (run_dir / "summary.json").is_file():
+            continue
+        try:
+            saved = json.loads((run_dir / "config.json").read_text())
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"compare --resume: cannot read the run in {run_dir}: {err}") from err
+        wanted = json.loads(json.dumps(cfg.to_dict()))
+        diffs = [
+            f"{k} {saved.get(k)!r} (asked {wanted[k]!r})"
+            for k in sorted(wanted)
+            if k not in _PLUMBING and saved.get(k) != wanted[k]
+        ]
+        if diffs:
+            raise ConfigError(
+                f"compare --resume: {run_dir} finished with other settings: "
+                + ", ".join(diffs)
+                + "; pass --overwrite to train it again"
+            )
+        done[label] = summary
+    return done
+
+
+def _continue_or_clear(cfg: TrainConfig) -> None:
+    """A run that stopped continues from its last checkpoint; one that left none starts
+    over (its partial files cleared)."""
+    from thinwire.train.checkpoint import latest_step
+
+    if latest_step(Path(cfg.out_dir)) is not None:
+        cfg.resume = True
+    else:
+        _clear_run(Path(cfg.out_dir))
 
 
 def _ratios(runs: dict[str, dict[str, Any]], ref: dict[str, Any]) -> None:

@@ -249,7 +249,7 @@ class TrainConfig:
     ``AsyncConfig.local_steps`` for why 10."""
     outer_lr: float | None = None
     """Outer (Nesterov) learning rate of DiLoCo; None: the method's tuned value
-    (``thinwire.localsgd.methods.TUNED``: 0.2 for DiLoCo, 0.3 for Delayed Nesterov alone,
+    (``thinwire.localsgd.algorithm.methods.TUNED``: 0.2 for DiLoCo, 0.3 for Delayed Nesterov alone,
     0.5 without momentum for DN+DyLU)."""
     outer_momentum: float | None = None
     """Outer Nesterov momentum of DiLoCo; None: the method's tuned value (0.9; 0 for naive
@@ -267,7 +267,7 @@ class TrainConfig:
     """Local-SGD inner-state rule, the same for every method: ``keep`` the inner AdamW
     state across rounds (DiLoCo), zero the first moment every ``round``, ``restart`` it
     bias-corrected (the default) or build a ``fresh`` optimizer every round. See
-    :mod:`thinwire.localsgd.inner_state`."""
+    :mod:`thinwire.localsgd.algorithm.inner_state`."""
     shard_layout: str = "striped"
     """How Local-SGD cuts the training text into shards: ``striped`` (4 KiB blocks dealt
     round-robin: every shard samples the whole text) or ``contiguous`` (one stretch each,

@@ -20,14 +20,14 @@ def diloco_strategy(model: nn.Module, cfg: TrainConfig) -> Strategy:
     """Synchronous DiLoCo: raw model, inner AdamW, outer sync every H steps.
 
     Each rank trains on Local-SGD shards, on the shard and lr clock a sync-mode server
-    would give it (:class:`thinwire.localsgd.shards.SyncSchedule`), so this run and the
+    would give it (:class:`thinwire.localsgd.algorithm.shards.SyncSchedule`), so this run and the
     simulator's ``sync`` method see the same data in the same order.
     """
     from thinwire.comm.launch import rank
     from thinwire.localsgd import DiLoCo
-    from thinwire.localsgd.inner_state import resolve_inner_momentum
-    from thinwire.localsgd.methods import TUNED
-    from thinwire.localsgd.shards import SyncSchedule, inner_lr
+    from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
+    from thinwire.localsgd.algorithm.methods import TUNED
+    from thinwire.localsgd.algorithm.shards import SyncSchedule, inner_lr
     from thinwire.train.data import TextData
 
     inner = torch.optim.AdamW(

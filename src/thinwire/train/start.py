@@ -42,7 +42,7 @@ from torch import nn
 from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
 from thinwire.errors import ConfigError
-from thinwire.localsgd.pretrain import Start, load_start_state
+from thinwire.localsgd.algorithm.pretrain import Start, load_start_state
 from thinwire.train.algorithms import default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData

@@ -10,14 +10,15 @@ machines: put rank 0 where the links to the others are best. The example trainer
 Per round a worker pulls theta (fp32), runs ``H`` (or DyLU's ``H_w``) inner steps of the
 user's optimizer on the shard the server gave it, and pushes ``theta - theta_w`` (fp32,
 or fp16/bf16 with ``compress``). The server applies each push on arrival
-(:class:`~thinwire.localsgd.server.ServerCore`). What the inner optimizer carries from
-one round into the next is the run's inner-state rule (``inner_momentum``), the same for
-every method. ``compress`` and ``compress_pull`` shrink pushes and pulls to fp16, bf16
-or 1 bit (:mod:`~thinwire.localsgd.compression`).
+(:class:`~thinwire.localsgd.algorithm.server_core.ServerCore`). What the inner optimizer
+carries from one round into the next is the run's inner-state rule (``inner_momentum``),
+the same for every method. ``compress`` and ``compress_pull`` shrink pushes and pulls to
+fp16, bf16 or 1 bit (:mod:`~thinwire.localsgd.algorithm.compression`).
 
-The pieces: :mod:`~thinwire.localsgd.server_run` (rank 0's run),
-:mod:`~thinwire.localsgd.server_loop` (its loop), :mod:`~thinwire.localsgd.worker_loop`
-(a worker's loop), :mod:`~thinwire.localsgd.transport` (links and the store) and
+The pieces: :mod:`~thinwire.localsgd.runtime.server_process` (rank 0's process),
+:mod:`~thinwire.localsgd.runtime.server_loop` (its loop),
+:mod:`~thinwire.localsgd.runtime.worker_loop` (a worker's loop),
+:mod:`~thinwire.localsgd.runtime.transport` (links and the store) and
 :mod:`~thinwire.localsgd.messages` (what goes over them).
 
 Fault tolerance:
@@ -29,7 +30,7 @@ Fault tolerance:
 * A worker whose round fails with an exception reports nothing, rebuilds its inner
   optimizer and joins again (a new hello); the server re-admits it.
 * A worker *process* that was killed comes back with
-  :func:`~thinwire.localsgd.rejoin.rejoin_async`: every worker talks to the server over a
+  :func:`~thinwire.localsgd.runtime.rejoin.rejoin_async`: every worker talks to the server over a
   two-rank gloo link of its own, never over the launch's process group, so a fresh
   process needs only the store's address. It is a new *incarnation* of its rank; the
   server admits it as a worker that joined late and ignores what the old incarnation
@@ -40,24 +41,24 @@ Fault tolerance:
   new epoch and rejects updates computed before the restart. Each launched worker keeps
   its inner optimizer state (and push error feedback, and random generator) across a
   stop in ``checkpoint_dir/localsgd_worker<rank>.pt`` on its own host
-  (:mod:`thinwire.localsgd.worker_loop`): with it a ``sync`` run stopped
+  (:mod:`thinwire.localsgd.runtime.worker_loop`): with it a ``sync`` run stopped
   (``stop_after``) and resumed ends bit-identical to one that never stopped.
 
 The trained model: rank 0's summary carries the final theta;
-:func:`~thinwire.localsgd.trained.load_trained` copies it (or a checkpoint's) into a
+:func:`~thinwire.localsgd.runtime.trained.load_trained` copies it (or a checkpoint's) into a
 module of the task's.
 
 Rank 0 hosts the launch's store and the run's: garbage sent to their ports would make
 PyTorch write a C++ stack trace per request into its stderr, so rank 0 raises the C++ log
 level to errors unless ``TORCH_CPP_LOG_LEVEL`` is set
-(:func:`~thinwire.localsgd.run_store.quiet_store_warnings`); what reaches the run's own
+(:func:`~thinwire.localsgd.runtime.run_store.quiet_store_warnings`); what reaches the run's own
 queue is counted and summarised in one line a second at most.
 
 Admission (:func:`open_transport`): rank 0 takes the user's token or generates one and
-hands the run key to the launched workers (:mod:`thinwire.localsgd.keyshare`); it hosts
+hands the run key to the launched workers (:mod:`thinwire.localsgd.runtime.keyshare`); it hosts
 the run's store on the address the user named (:mod:`thinwire.comm.bind`); every
-message is sealed (:mod:`thinwire.localsgd.auth`) and every push checked
-(:mod:`thinwire.localsgd.push_guard`).
+message is sealed (:mod:`thinwire.localsgd.runtime.auth`) and every push checked
+(:mod:`thinwire.localsgd.algorithm.push_guard`).
 """
 
 from __future__ import annotations
@@ -71,15 +72,15 @@ import torch.distributed as dist
 
 from thinwire.comm.launch import init_from_env
 from thinwire.errors import ConfigError
-from thinwire.localsgd.auth import RunKey, new_token, read_token
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.config import AsyncConfig
-from thinwire.localsgd.keyshare import share_run_key
-from thinwire.localsgd.run_store import quiet_store_warnings, server_address
-from thinwire.localsgd.server_run import run_server
+from thinwire.localsgd.runtime.auth import RunKey, new_token, read_token
+from thinwire.localsgd.runtime.keyshare import share_run_key
+from thinwire.localsgd.runtime.run_store import quiet_store_warnings, server_address
+from thinwire.localsgd.runtime.server_process import run_server
+from thinwire.localsgd.runtime.transport import Transport
+from thinwire.localsgd.runtime.worker_loop import LoopSettings, work_loop
 from thinwire.localsgd.task import Task, make_sources
-from thinwire.localsgd.transport import Transport
-from thinwire.localsgd.worker import LocalWorker
-from thinwire.localsgd.worker_loop import LoopSettings, work_loop
 
 __all__ = ["make_worker", "open_transport", "run_async", "worker_state_path"]
 
@@ -111,7 +112,7 @@ def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalW
 
 
 def _started(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> Task:
-    """``task`` from where ``cfg`` starts (:mod:`thinwire.localsgd.pretrain`). Every rank
+    """``task`` from where ``cfg`` starts (:mod:`thinwire.localsgd.algorithm.pretrain`). Every rank
     runs a pretraining, at once: only the server's weights become theta (workers pull
     theirs), but ranks that waited for it would wait at the transport's rendezvous, whose
     timeout is not the pretraining's length. A start file is read by the server alone
@@ -126,9 +127,9 @@ def _started(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> Task:
 def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
     """This rank's transport, with the run key; call on every rank of the launch's group.
 
-    Rank 0 reads the user's token (:func:`~thinwire.localsgd.auth.read_token`) or
+    Rank 0 reads the user's token (:func:`~thinwire.localsgd.runtime.auth.read_token`) or
     generates one, hands the run key to every launched worker without sending it in
-    clear (:func:`~thinwire.localsgd.keyshare.share_run_key`) and hosts the run's store
+    clear (:func:`~thinwire.localsgd.runtime.keyshare.share_run_key`) and hosts the run's store
     on ``cfg.bind_addr`` / ``THINWIRE_BIND_ADDR`` / ``MASTER_ADDR``. A worker that holds a
     token of its own checks that it is rank 0's. Returns the transport and, on rank 0,
     the token it generated (None when the user gave one, and on workers).
@@ -202,7 +203,7 @@ def run_async(
         On rank 0 the run's summary: ``theta``, the server's final global parameters
         (a flat fp32 CPU tensor, the ones the final evaluation saw; not JSON: drop it
         before ``json.dumps``), which
-        :func:`~thinwire.localsgd.trained.load_trained` loads into a model::
+        :func:`~thinwire.localsgd.runtime.trained.load_trained` loads into a model::
 
             summary = run_async(task, cfg)
             if rank == 0:

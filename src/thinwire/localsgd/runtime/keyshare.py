@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.auth import RunKey
+from thinwire.localsgd.runtime.auth import RunKey
 
 __all__ = ["share_run_key"]
 

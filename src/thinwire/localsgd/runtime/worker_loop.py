@@ -1,8 +1,8 @@
 """A worker's loop: hello, then pull / train / push until the server says stop.
 
 The loop speaks the messages of :mod:`thinwire.localsgd.messages` over a
-:class:`~thinwire.localsgd.transport.Transport`, and leaves the training itself to a
-transport-free :class:`~thinwire.localsgd.worker.LocalWorker`.
+:class:`~thinwire.localsgd.runtime.transport.Transport`, and leaves the training itself to a
+transport-free :class:`~thinwire.localsgd.algorithm.worker_core.LocalWorker`.
 
 **Its state across a stop** (``state_path``): the server's checkpoint holds theta, the
 outer optimizer, shard clocks and speeds, but what a worker carries from one round to
@@ -29,12 +29,12 @@ import torch
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_save
-from thinwire.localsgd.compression import CODECS, PullDecoder, PushEncoder
+from thinwire.localsgd.algorithm.compression import CODECS, PullDecoder, PushEncoder
+from thinwire.localsgd.algorithm.push_guard import REASONS, describe
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.messages import Hello, Refused, Update, Why, Work
-from thinwire.localsgd.push_guard import REASONS, describe
+from thinwire.localsgd.runtime.transport import Transport
 from thinwire.localsgd.task import shape_signature
-from thinwire.localsgd.transport import Transport
-from thinwire.localsgd.worker import LocalWorker
 from thinwire.safeload import safe_load
 
 __all__ = ["LoopSettings", "load_worker_state", "save_worker_state", "work_loop"]

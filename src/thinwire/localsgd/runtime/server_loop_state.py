@@ -1,6 +1,6 @@
 """What the server's loop is told, and what it keeps, in two objects.
 
-* :class:`ServeSettings` (frozen): everything :func:`~thinwire.localsgd.server_loop.serve`
+* :class:`ServeSettings` (frozen): everything :func:`~thinwire.localsgd.runtime.server_loop.serve`
   is told besides the core, the transport, the workers and the model's signature: the
   evaluation and checkpoint hooks and their intervals, the deadlines that declare a
   worker dead or hung, the wall-clock limit, the clock a resumed run continues from, and
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from thinwire.localsgd.compression import PullEncoder
+from thinwire.localsgd.algorithm.compression import PullEncoder
+from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.messages import Envelope
-from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.task import EvalResult, eval_metrics
 
 __all__ = ["RECORD", "LoopState", "ServeSettings", "report"]
@@ -38,7 +38,7 @@ RECORD = ("step", "updates", "rejected", "time_s")
 
 @dataclass(frozen=True)
 class ServeSettings:
-    """How :func:`~thinwire.localsgd.server_loop.serve` runs (defaults: no evaluation, no
+    """How :func:`~thinwire.localsgd.runtime.server_loop.serve` runs (defaults: no evaluation, no
     checkpoint, no wall-clock limit, theta pulled whole in fp32)."""
 
     evaluate: Callable[[torch.Tensor], EvalResult] | None = None
@@ -142,7 +142,7 @@ class LoopState:
         )
 
     def counters(self, core: ServerCore) -> dict[str, Any]:
-        """The run's counters as :func:`~thinwire.localsgd.server_loop.serve` returns them
+        """The run's counters as :func:`~thinwire.localsgd.runtime.server_loop.serve` returns them
         (without the final evaluation's); ``wall_s`` is read now."""
         return {
             "wall_s": time.monotonic() - self.clock0,

@@ -1,16 +1,16 @@
-"""Rank 0 of an asynchronous Local-SGD run: the server around its loop.
+"""Rank 0's process in an asynchronous Local-SGD run: the server around its loop.
 
 :func:`run_server` builds the global model from the user's factory, cuts the shard book
 from the user's batch sources, restores the server's state when resuming (or refuses to
 overwrite another run's checkpoint, :func:`_restore`), serves
-(:func:`~thinwire.localsgd.server_loop.serve`) with evaluation and checkpoints on the
+(:func:`~thinwire.localsgd.runtime.server_loop.serve`) with evaluation and checkpoints on the
 configured intervals, and returns the run's summary: evaluation, updates applied and
 rejected, worker incarnations, bytes, and the trained parameters (``theta``, which
-:func:`~thinwire.localsgd.trained.load_trained` loads into a model).
+:func:`~thinwire.localsgd.runtime.trained.load_trained` loads into a model).
 
 The launch itself is one :class:`ServerRun`: the model and core it serves, what it
 restored, and the clock and bytes it started from. It turns the configuration into the
-loop's :class:`~thinwire.localsgd.server_loop.ServeSettings` (:meth:`ServerRun.settings`),
+loop's :class:`~thinwire.localsgd.runtime.server_loop.ServeSettings` (:meth:`ServerRun.settings`),
 is the loop's checkpoint hook (:meth:`ServerRun.save`), and builds the summary from the
 core and the loop's counters (:meth:`ServerRun.summary`: the run's settings, its
 progress, its clock and bytes, then the loop's counters), which
@@ -47,11 +47,12 @@ import torch
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_save
-from thinwire.localsgd.auth import remove_token_file, write_token_file
-from thinwire.localsgd.compression import PullEncoder
+from thinwire.localsgd.algorithm.compression import PullEncoder
+from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.config import AsyncConfig
-from thinwire.localsgd.server import ServerCore
-from thinwire.localsgd.server_loop import ServeSettings, serve
+from thinwire.localsgd.runtime.auth import remove_token_file, write_token_file
+from thinwire.localsgd.runtime.server_loop import ServeSettings, serve
+from thinwire.localsgd.runtime.transport import Transport
 from thinwire.localsgd.task import (
     Task,
     flat_parameters,
@@ -60,7 +61,6 @@ from thinwire.localsgd.task import (
     shape_signature,
     shard_sizes,
 )
-from thinwire.localsgd.transport import Transport
 from thinwire.safeload import safe_load
 
 __all__ = [

@@ -12,7 +12,7 @@ store (``MASTER_ADDR:MASTER_PORT``, made by torchrun or :func:`thinwire.comm.lau
 under the launch's prefix for the launched workers (:func:`find_launched`), and as the
 root's *current* run, which is how a restarted process that knows only that address
 finds it (:func:`find_current`). None of this is secret; what a stranger could do with
-it is stopped by the seals of :mod:`thinwire.localsgd.auth`.
+it is stopped by the seals of :mod:`thinwire.localsgd.runtime.auth`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def quiet_store_warnings() -> Callable[[], None]:
     PyTorch's store logs every malformed request it receives as a warning with a C++ stack
     trace (about 2 KB): anyone who can reach the port can fill the server's stderr with
     them. Such requests change nothing (the run's own messages are sealed, see
-    :mod:`thinwire.localsgd.auth`), and malformed messages that do reach the run's queue
+    :mod:`thinwire.localsgd.runtime.auth`), and malformed messages that do reach the run's queue
     are counted and summarised by the server itself. The level is c10's
     ``FLAGS_caffe2_log_level``, which ``TORCH_CPP_LOG_LEVEL`` sets only when torch is
     imported; where this build does not export it, nothing changes (set

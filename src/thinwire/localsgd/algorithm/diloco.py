@@ -6,7 +6,7 @@ communication, then averages the *pseudo-gradients* ``theta - theta_w`` with one
 allreduce and lets an outer Nesterov optimizer move the global parameters theta. Every
 worker then continues from the new theta; what its inner optimizer state carries into
 the next round is the inner-state rule ``inner_momentum`` (default ``restart``: the
-first moment restarts, bias-corrected; see :mod:`thinwire.localsgd.inner_state`).
+first moment restarts, bias-corrected; see :mod:`thinwire.localsgd.algorithm.inner_state`).
 Communication drops by a factor H (the paper uses 500; 20-100 is typical for small
 models), at the price of a round that waits for the slowest worker (see
 :func:`thinwire.localsgd.run_async` for the asynchronous variant).
@@ -43,9 +43,9 @@ from thinwire.comm.accounting import record
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.errors import ConfigError
-from thinwire.localsgd.inner_state import DEFAULT_INNER_STATE, InnerStateRule
-from thinwire.localsgd.methods import TUNED
-from thinwire.localsgd.outer import check_outer_args
+from thinwire.localsgd.algorithm.inner_state import DEFAULT_INNER_STATE, InnerStateRule
+from thinwire.localsgd.algorithm.methods import TUNED
+from thinwire.localsgd.algorithm.outer import check_outer_args
 
 __all__ = ["COMPRESS_CHOICES", "DEFAULT_OUTER_LR", "DiLoCo"]
 
@@ -79,7 +79,7 @@ class DiLoCo:
             equal (skip it when the caller already did).
         inner_momentum: the inner-state rule applied after every outer step: ``keep``
             (DiLoCo's), ``round``, ``restart`` (the default) or ``fresh``; see
-            :mod:`thinwire.localsgd.inner_state`. ``restart`` scales each inner step's lr
+            :mod:`thinwire.localsgd.algorithm.inner_state`. ``restart`` scales each inner step's lr
             by a bias correction, through step hooks on ``inner_optimizer`` registered
             here (so it works with or without ``with``), applied after any lr the
             caller set.

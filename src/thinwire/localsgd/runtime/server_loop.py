@@ -1,6 +1,6 @@
 """The server's loop: read the workers' messages, apply pushes, hand out rounds, watch
-heartbeats. :class:`~thinwire.localsgd.server.ServerCore` decides *what* happens; this
-loop feeds it the wall clock and the transport's messages
+heartbeats. :class:`~thinwire.localsgd.algorithm.server_core.ServerCore` decides *what*
+happens; this loop feeds it the wall clock and the transport's messages
 (:mod:`thinwire.localsgd.messages`), and carries out its answers.
 
 :func:`serve` runs a :class:`ServerLoop` until every worker is stopped or dead. Each
@@ -23,8 +23,8 @@ evicted, or (anything but a hello) an incarnation not admitted is counted stale 
 dropped. After it, the turn applies the payloads that are in, drops broken links,
 evaluates and checkpoints when due, hands out rounds, drops hung workers, settles
 waiting rejoins and checks heartbeats. Everything the loop keeps between turns is one
-:class:`~thinwire.localsgd.server_loop_state.LoopState`; everything it is told is one
-frozen :class:`~thinwire.localsgd.server_loop_state.ServeSettings`.
+:class:`~thinwire.localsgd.runtime.server_loop_state.LoopState`; everything it is told is one
+frozen :class:`~thinwire.localsgd.runtime.server_loop_state.ServeSettings`.
 
 A worker is dead when its heartbeat has not moved for ``dead_after_s`` (a killed
 process), or when a send to it fails; it is *hung* (and dropped too) when a round takes
@@ -37,17 +37,17 @@ again), and whatever it still had queued is ignored. The newcomer starts as a wo
 that joined late: no DyLU speed yet, back in Delayed Nesterov's N, the free shard with
 least progress.
 
-Admission (see :mod:`thinwire.localsgd.auth`): every message's seal is checked before
+Admission (see :mod:`thinwire.localsgd.runtime.auth`): every message's seal is checked before
 anything else; one that fails (forged, replayed, sent without the run's token) is
 consumed, logged and counted (``unauthenticated_messages``), and changes nothing. A
 rejoin replaces only a worker the server considers dead: its hello waits until the old
 incarnation is declared dead (heartbeat silent for ``dead_after_s``) and is refused as
 soon as the old one is seen beating, unless the rejoin is forced (``Hello.force``).
-Pushes the :class:`~thinwire.localsgd.push_guard.PushGuard` refuses are logged; a
+Pushes the :class:`~thinwire.localsgd.algorithm.push_guard.PushGuard` refuses are logged; a
 worker the core evicts for them is told why and cut off.
 
 Nothing a worker sends makes this loop wait: a push's payload is received on the
-worker's link thread (:meth:`~thinwire.localsgd.transport.Transport.receive_payload`)
+worker's link thread (:meth:`~thinwire.localsgd.runtime.transport.Transport.receive_payload`)
 and applied once it is in, and rounds go out the same way. A push the core screens out
 before its payload is read (another epoch, a version that is not its round's, a push
 while the worker has no round in flight or another push still arriving) is refused,
@@ -68,8 +68,9 @@ from typing import Any, cast
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.auth import AuthError
-from thinwire.localsgd.compression import PullEncoder, decode
+from thinwire.localsgd.algorithm.compression import PullEncoder, decode
+from thinwire.localsgd.algorithm.push_guard import describe
+from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.messages import (
     Envelope,
     Hello,
@@ -79,11 +80,10 @@ from thinwire.localsgd.messages import (
     Update,
     Why,
 )
-from thinwire.localsgd.push_guard import describe
-from thinwire.localsgd.server import ServerCore
-from thinwire.localsgd.server_links import WorkerLinks
-from thinwire.localsgd.server_loop_state import RECORD, LoopState, ServeSettings, report
-from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.runtime.auth import AuthError
+from thinwire.localsgd.runtime.server_links import WorkerLinks
+from thinwire.localsgd.runtime.server_loop_state import RECORD, LoopState, ServeSettings, report
+from thinwire.localsgd.runtime.transport import Transport
 
 __all__ = ["ServeSettings", "ServerLoop", "serve"]
 

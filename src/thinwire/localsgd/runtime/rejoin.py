@@ -6,7 +6,7 @@
 store address (``MASTER_ADDR`` and ``MASTER_PORT`` of rank 0). It opens its own two-rank
 link to the server, is checked against the run (rank, model, shard count, settings)
 before it says hello, and is admitted as a new *incarnation* of its rank; whatever the
-old process left in flight is ignored. See :mod:`thinwire.localsgd.async_runtime` for
+old process left in flight is ignored. See :mod:`thinwire.localsgd.runtime.launch` for
 the run itself.
 
 It needs the run's token (``THINWIRE_RUN_TOKEN``, a token file, or, on the server's
@@ -21,14 +21,14 @@ import os
 from typing import Any
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.async_runtime import make_worker
-from thinwire.localsgd.auth import RunKey, read_token
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.messages import RunInfo
+from thinwire.localsgd.runtime.auth import RunKey, read_token
+from thinwire.localsgd.runtime.launch import make_worker
+from thinwire.localsgd.runtime.transport import Transport
+from thinwire.localsgd.runtime.worker_loop import LoopSettings, work_loop
 from thinwire.localsgd.task import Task, shape_signature
-from thinwire.localsgd.transport import Transport
-from thinwire.localsgd.worker import LocalWorker
-from thinwire.localsgd.worker_loop import LoopSettings, work_loop
 
 __all__ = ["rejoin_async"]
 

@@ -4,10 +4,10 @@
 drive it. It trains the user's model with the user's inner optimizer and loss on the
 user's batch sources (:class:`~thinwire.localsgd.task.Task`). What its inner optimizer
 state carries from one round into the next is the run's inner-state rule
-(:mod:`thinwire.localsgd.inner_state`); every round starts by loading the pulled theta
+(:mod:`thinwire.localsgd.algorithm.inner_state`); every round starts by loading the pulled theta
 into the model.
 
-The inner lr follows the shard's own clock (:func:`~thinwire.localsgd.shards.inner_lr`)
+The inner lr follows the shard's own clock (:func:`~thinwire.localsgd.algorithm.shards.inner_lr`)
 with the optimizer's initial lr of each parameter group as the peak. Batches come from
 ``source(clock)`` of the shard the server assigned, so a run is as reproducible as the
 user's batch sources are.
@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from thinwire.localsgd.inner_state import DEFAULT_INNER_STATE, InnerStateRule
+from thinwire.localsgd.algorithm.inner_state import DEFAULT_INNER_STATE, InnerStateRule
+from thinwire.localsgd.algorithm.shards import inner_lr
 from thinwire.localsgd.messages import Work
-from thinwire.localsgd.shards import inner_lr
 from thinwire.localsgd.task import BatchSource, load_flat_, to_device
 
 __all__ = ["LocalWorker", "RoundResult", "load_flat_"]
@@ -55,7 +55,7 @@ class LocalWorker:
         slowdown: multiply each step's time by this factor by sleeping, to emulate slower
             hardware on one machine (1.0 = no slowdown).
         inner_momentum: the inner-state rule, ``keep``, ``round``, ``restart`` or
-            ``fresh`` (see :mod:`thinwire.localsgd.inner_state`).
+            ``fresh`` (see :mod:`thinwire.localsgd.algorithm.inner_state`).
     """
 
     def __init__(

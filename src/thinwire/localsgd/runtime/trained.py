@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.server_run import SERVER_CHECKPOINT, load_server_state
+from thinwire.localsgd.runtime.server_process import SERVER_CHECKPOINT, load_server_state
 from thinwire.localsgd.task import load_flat_
 
 __all__ = ["load_trained"]

@@ -212,7 +212,7 @@ class RunKey:
 
     @property
     def secret(self) -> bytes:
-        """The raw key, for :mod:`thinwire.localsgd.keyshare` only."""
+        """The raw key, for :mod:`thinwire.localsgd.runtime.keyshare` only."""
         return self._key
 
     def mac(self, *parts: bytes) -> bytes:

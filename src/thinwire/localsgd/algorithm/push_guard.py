@@ -18,7 +18,7 @@ refuses a push that is
   yet and only the other checks apply; the history is part of the server's checkpoint,
   so a resumed run keeps its bound.
 
-The server (:class:`~thinwire.localsgd.server.ServerCore`) refuses three more kinds
+The server (:class:`~thinwire.localsgd.algorithm.server_core.ServerCore`) refuses three more kinds
 before the payload is even looked at, and counts them here too (:meth:`PushGuard.count`):
 
 * ``epoch``: computed from the theta of another server epoch (before a resume);
@@ -40,7 +40,7 @@ of 3e-3 is thousands of times over.
 
 A refused push is never applied; its round is rewound and handed out again, so the step
 budget is still met exactly. Every refusal counts toward stopping its sender: the server
-(:class:`~thinwire.localsgd.server.ServerCore`) stops a worker after ``max_strikes``
+(:class:`~thinwire.localsgd.algorithm.server_core.ServerCore`) stops a worker after ``max_strikes``
 refusals in a row, or after ``max_strikes`` refusals of the kinds an honest worker never
 sends (:data:`LASTING`), which an accepted push in between does not forgive (a worker
 that pushes every round twice is stopped too).
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.shards import inner_lr
+from thinwire.localsgd.algorithm.shards import inner_lr
 
 __all__ = ["LASTING", "REASONS", "PushGuard", "describe"]
 

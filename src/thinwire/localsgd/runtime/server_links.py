@@ -2,14 +2,14 @@
 to rejoin, and whose heartbeat has stopped.
 
 :class:`WorkerLinks` carries out what the loop's handlers
-(:class:`~thinwire.localsgd.server_loop.ServerLoop`) decide about a worker process:
+(:class:`~thinwire.localsgd.runtime.server_loop.ServerLoop`) decide about a worker process:
 :meth:`~WorkerLinks.admit` a new incarnation, count a worker :meth:`~WorkerLinks.lost`
 when its link breaks, :meth:`~WorkerLinks.stop` one evicted for its pushes, settle the
 rejoins that wait for the incarnation they would replace
 (:meth:`~WorkerLinks.settle_rejoins`), and declare dead the workers whose heartbeat has
 not moved for ``dead_after_s`` (:meth:`~WorkerLinks.watch_heartbeats`). It keeps nothing
 of its own: every change lands in the loop's
-:class:`~thinwire.localsgd.server_loop_state.LoopState` or the core.
+:class:`~thinwire.localsgd.runtime.server_loop_state.LoopState` or the core.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from thinwire.localsgd.compression import PullEncoder
+from thinwire.localsgd.algorithm.compression import PullEncoder
+from thinwire.localsgd.algorithm.push_guard import REASONS, describe
+from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.messages import Refused, Why
-from thinwire.localsgd.push_guard import REASONS, describe
-from thinwire.localsgd.server import ServerCore
-from thinwire.localsgd.server_loop_state import LoopState
-from thinwire.localsgd.transport import Transport
+from thinwire.localsgd.runtime.server_loop_state import LoopState
+from thinwire.localsgd.runtime.transport import Transport
 
 __all__ = ["WorkerLinks"]
 

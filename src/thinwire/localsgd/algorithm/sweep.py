@@ -1,7 +1,7 @@
 """Tune every method on one budget and the same seeds: a grid of simulated runs.
 
 :func:`run_sweep` runs, for each method of the comparison, every setting of its grid on
-every seed through the simulator (:func:`~thinwire.localsgd.virtual_clock.simulate`), and
+every seed through the simulator (:func:`~thinwire.localsgd.algorithm.virtual_clock.simulate`), and
 :func:`summarize_sweep` picks each method's best setting by mean final loss over the
 seeds. Grids are per method, because methods live at different scales of outer lr
 (per-arrival Nesterov needs about 1/W of what a once-per-W-arrivals step takes)::
@@ -36,11 +36,11 @@ import torch
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_save, atomic_write_text
+from thinwire.localsgd.algorithm.methods import METHODS, for_method
+from thinwire.localsgd.algorithm.pretrain import ProgressFn, Start, load_start_state
+from thinwire.localsgd.algorithm.virtual_clock import SimClock, simulate, time_to_reach
 from thinwire.localsgd.config import AsyncConfig
-from thinwire.localsgd.methods import METHODS, for_method
-from thinwire.localsgd.pretrain import ProgressFn, Start, load_start_state
 from thinwire.localsgd.task import Task
-from thinwire.localsgd.virtual_clock import SimClock, simulate, time_to_reach
 
 __all__ = [
     "fingerprint",

@@ -11,8 +11,8 @@ moves it, and applies pseudo-gradients one at a time:
   the result does not depend on which worker arrived first.
 
 It knows nothing of workers, rounds, shards or speeds:
-:class:`~thinwire.localsgd.server.ServerCore` decides which pushes reach it (the epoch
-check, the push guard) and when a sync round is complete.
+:class:`~thinwire.localsgd.algorithm.server_core.ServerCore` decides which pushes reach
+it (the epoch check, the push guard) and when a sync round is complete.
 
 Tuning: ``outer="dn"`` (Delayed Nesterov) is the paper's method and the default; its
 buffer size ``N`` follows the live workers (:meth:`GlobalModel.resize`), so a dead
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.outer import AsyncBuffer, DelayedNesterov, Nesterov
+from thinwire.localsgd.algorithm.outer import AsyncBuffer, DelayedNesterov, Nesterov
 
 __all__ = ["OUTER_CHOICES", "STALENESS_CHOICES", "GlobalModel"]
 

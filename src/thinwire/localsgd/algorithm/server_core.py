@@ -1,11 +1,11 @@
 """The parameter server of asynchronous Local-SGD, free of any transport or clock.
 
 :class:`ServerCore` holds the global model (theta and the outer optimizer,
-:class:`~thinwire.localsgd.global_model.GlobalModel`), the workers' roster
-(:class:`~thinwire.localsgd.roster.Roster`), the DyLU speed table, the shard book and the
+:class:`~thinwire.localsgd.algorithm.global_model.GlobalModel`), the workers' roster
+(:class:`~thinwire.localsgd.algorithm.roster.Roster`), the DyLU speed table, the shard book and the
 budget of inner steps, and decides *what* happens; the
-multi-process runtime (:mod:`thinwire.localsgd.server_loop`) and the virtual-clock
-simulator (:mod:`thinwire.localsgd.virtual_clock`) only decide *when*: they call
+multi-process runtime (:mod:`thinwire.localsgd.runtime.server_loop`) and the virtual-clock
+simulator (:mod:`thinwire.localsgd.algorithm.virtual_clock`) only decide *when*: they call
 :meth:`~ServerCore.join`, :meth:`~ServerCore.submit`, :meth:`~ServerCore.due` and
 :meth:`~ServerCore.work_for` with the current time (wall or virtual), so a simulation
 runs exactly the code a real run does.
@@ -33,12 +33,12 @@ Mechanics (Liu et al., 2024, https://arxiv.org/abs/2401.09135):
 * **Dead workers** (:meth:`drop`) leave DN's buffer size and DyLU's reference speed;
   their shard is rewound and freed. A worker that shows up again is simply re-admitted.
 * **Checked pushes**: :meth:`submit` applies a push only if the
-  :class:`~thinwire.localsgd.push_guard.PushGuard` accepts it (finite, one value per
+  :class:`~thinwire.localsgd.algorithm.push_guard.PushGuard` accepts it (finite, one value per
   parameter, the steps handed out, a norm in line with recent pushes). A refused push is
   rewound like a lost round. Every refusal (``epoch``, ``version`` and ``duplicate``
   included) counts toward stopping its sender: after ``guard.max_strikes`` refusals in a
   row, or as many of the kinds no honest worker sends
-  (:data:`~thinwire.localsgd.push_guard.LASTING`), the worker is *evicted*: dropped like
+  (:data:`~thinwire.localsgd.algorithm.push_guard.LASTING`), the worker is *evicted*: dropped like
   a dead one and listed in :attr:`evicted`.
 * **Stopping early** (:meth:`end_at`): a run may stop before its budget (``stop_after``)
   and resume later; the shard schedules are planned for the whole budget either way.
@@ -53,12 +53,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.dylu import SpeedTracker
-from thinwire.localsgd.global_model import OUTER_CHOICES, STALENESS_CHOICES, GlobalModel
+from thinwire.localsgd.algorithm.dylu import SpeedTracker
+from thinwire.localsgd.algorithm.global_model import OUTER_CHOICES, STALENESS_CHOICES, GlobalModel
+from thinwire.localsgd.algorithm.push_guard import LASTING, PushGuard
+from thinwire.localsgd.algorithm.roster import Roster
+from thinwire.localsgd.algorithm.shards import ShardBook
 from thinwire.localsgd.messages import Work
-from thinwire.localsgd.push_guard import LASTING, PushGuard
-from thinwire.localsgd.roster import Roster
-from thinwire.localsgd.shards import ShardBook
 
 if TYPE_CHECKING:
     from thinwire.localsgd.config import AsyncConfig
@@ -267,8 +267,9 @@ class ServerCore:
     # --- updates -----------------------------------------------------------------------
     def screen(self, worker: int, epoch: int, version: int | None) -> str | None:
         """Why a push ``worker`` announces must be refused before its payload is read
-        (``epoch``, ``version`` or ``duplicate``, see :mod:`~thinwire.localsgd.push_guard`);
-        None if it may be checked and applied. Changes nothing."""
+        (``epoch``, ``version`` or ``duplicate``, see
+        :mod:`~thinwire.localsgd.algorithm.push_guard`); None if it may be checked and
+        applied. Changes nothing."""
         if epoch != self.epoch:
             return "epoch"
         info = self.live.get(worker)

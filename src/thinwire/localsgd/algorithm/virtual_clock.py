@@ -8,7 +8,7 @@ virtual-time order. The server is the very :class:`ServerCore` the multi-process
 uses, so sweeps over speeds, H, outer optimizers or DyLU are cheap, reproducible (same
 seed, same numbers), and test the production code path.
 
-Methods: the paper's comparison (arXiv 2401.09135), see :mod:`thinwire.localsgd.methods`:
+Methods: the paper's comparison (arXiv 2401.09135), see :mod:`thinwire.localsgd.algorithm.methods`:
 ``sync`` (synchronous DiLoCo), ``naive``, ``poly``, ``polythres``, ``buffer``, ``dn``
 and ``dn-dylu``.
 
@@ -33,7 +33,7 @@ virtual-clock knobs; :func:`for_method` sets a config up as one of the methods a
 The config's wall-clock settings (timeouts, heartbeats, checkpoints, ``eval_interval``)
 do not apply to a virtual clock; ``slowdown`` is refused (speeds come from the clock).
 ``compress`` and ``compress_pull`` go through the runtime's very codecs
-(:mod:`thinwire.localsgd.compression`), error feedback included, and the payload bytes
+(:mod:`thinwire.localsgd.algorithm.compression`), error feedback included, and the payload bytes
 of every push and pull are counted.
 """
 
@@ -47,10 +47,11 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.compression import PullDecoder, PullEncoder, PushEncoder, decode
+from thinwire.localsgd.algorithm.compression import PullDecoder, PullEncoder, PushEncoder, decode
+from thinwire.localsgd.algorithm.methods import METHODS, for_method
+from thinwire.localsgd.algorithm.server_core import ServerCore
+from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.config import AsyncConfig
-from thinwire.localsgd.methods import METHODS, for_method
-from thinwire.localsgd.server import ServerCore
 from thinwire.localsgd.task import (
     Task,
     flat_parameters,
@@ -58,7 +59,6 @@ from thinwire.localsgd.task import (
     metrics_at,
     shard_sizes,
 )
-from thinwire.localsgd.worker import LocalWorker
 
 __all__ = [
     "HETEROGENEITY",
@@ -115,7 +115,7 @@ def simulate(
 ) -> dict[str, Any]:
     """Run one simulated training of ``task``; returns its curve and summary (JSON-ready).
 
-    The run starts where ``cfg.start()`` says (:mod:`thinwire.localsgd.pretrain`);
+    The run starts where ``cfg.start()`` says (:mod:`thinwire.localsgd.algorithm.pretrain`);
     ``pretrained`` is that start's weights if already computed (a sweep's other runs).
 
     Each curve point holds ``steps``, ``updates``, ``time_s`` and ``task.evaluate``'s

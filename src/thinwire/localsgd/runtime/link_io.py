@@ -4,7 +4,7 @@ A gloo send waits until the peer receives, and a receive until the peer sends; o
 server's own thread one worker that stops reading (or announces a payload it never
 sends) would stop every other. :class:`LinkIO` gives each link its own thread, so such a
 worker jams only its own link, until the link timeout fails it, while the server's loop
-keeps serving the others (:class:`~thinwire.localsgd.transport.Transport` hands it the
+keeps serving the others (:class:`~thinwire.localsgd.runtime.transport.Transport` hands it the
 work and returns a :class:`~concurrent.futures.Future` at once).
 
 Two details keep the process whole at exit: a pair group is aborted exactly once

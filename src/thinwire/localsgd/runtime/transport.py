@@ -5,7 +5,7 @@ optionally followed by one flat tensor); this module moves it, sealed.
 
 * **Links**: every worker talks to the server over its own two-rank gloo process group
   (server = rank 0 of the pair, worker = rank 1), built from the run's store
-  (:mod:`thinwire.localsgd.run_store`: the server's own, on the address the user named)
+  (:mod:`thinwire.localsgd.runtime.run_store`: the server's own, on the address the user named)
   under a prefix that names the worker *and its incarnation*. A restarted worker process
   gets a new incarnation, hence a fresh pair group: it never needs the launch's world
   group, whose membership is fixed. The server opens its side when it handles the
@@ -14,7 +14,8 @@ optionally followed by one flat tensor); this module moves it, sealed.
 * **Server to worker**: header, seal and payload on the worker's link (tags 1, 3, 2); the
   worker blocks in a receive, which is what a worker has to do anyway.
 * **The server never waits on one worker**: on the server every link has a thread of its
-  own that runs that link's sends and payload receives in order (:class:`~thinwire.localsgd.link_io.LinkIO`);
+  own that runs that link's sends and payload receives in order
+  (:class:`~thinwire.localsgd.runtime.link_io.LinkIO`);
   :meth:`Transport.send` and :meth:`Transport.receive_payload` hand it the work and
   return at once (a :class:`~concurrent.futures.Future`). A worker that stops reading,
   sends a payload nobody asked for, or announces one it never sends, jams only its own
@@ -27,10 +28,10 @@ optionally followed by one flat tensor); this module moves it, sealed.
   the store queue and then receives the announced payload on that one link. Each queued
   header carries the sender's incarnation, so the server can ignore whatever a replaced
   process still had in flight.
-* **Seals** (:mod:`thinwire.localsgd.auth`) cover the header, the payload's SHA-256 and a
+* **Seals** (:mod:`thinwire.localsgd.runtime.auth`) cover the header, the payload's SHA-256 and a
   growing sequence number: the server refuses a forged or replayed header before it
   reads any payload, and either side refuses a payload swapped on the link
-  (:class:`~thinwire.localsgd.auth.AuthError`). Heartbeats are sealed counters.
+  (:class:`~thinwire.localsgd.runtime.auth.AuthError`). Heartbeats are sealed counters.
 
 Every message is reported to :mod:`thinwire.comm.accounting`: headers and seals as
 ``localsgd.ctrl``, parameter vectors as ``localsgd.pull`` (server to worker) and
@@ -64,8 +65,6 @@ import torch.distributed as dist
 from thinwire.comm.accounting import record
 from thinwire.comm.bind import gloo_device, route_address
 from thinwire.errors import ConfigError
-from thinwire.localsgd.auth import TRAILER_LEN, AuthError, Channel, Keyring, RunKey, payload_digest
-from thinwire.localsgd.link_io import LinkIO
 from thinwire.localsgd.messages import (
     HEADER_LEN,
     Envelope,
@@ -81,7 +80,16 @@ from thinwire.localsgd.messages import (
     payload_numel,
     unpack_queued,
 )
-from thinwire.localsgd.run_store import (
+from thinwire.localsgd.runtime.auth import (
+    TRAILER_LEN,
+    AuthError,
+    Channel,
+    Keyring,
+    RunKey,
+    payload_digest,
+)
+from thinwire.localsgd.runtime.link_io import LinkIO
+from thinwire.localsgd.runtime.run_store import (
     NAMESPACE,
     find_current,
     find_launched,

@@ -1,10 +1,10 @@
 """Who takes part in an asynchronous run: live, waiting, dead, retired and evicted workers.
 
 :class:`Roster` is the liveness bookkeeping of
-:class:`~thinwire.localsgd.server.ServerCore`: the round each live worker is on (how many
-steps, since when, where on its shard's lr schedule), the workers waiting for an answer
-and the end of their grace period, the workers presumed dead, those sent home
-(retired), and the refused pushes in a row that get a worker evicted. It holds no
+:class:`~thinwire.localsgd.algorithm.server_core.ServerCore`: the round each live worker
+is on (how many steps, since when, where on its shard's lr schedule), the workers
+waiting for an answer and the end of their grace period, the workers presumed dead,
+those sent home (retired), and the refused pushes in a row that get a worker evicted. It holds no
 parameters and no budget: the server decides what a change of membership means for the
 outer optimizer, the shards and the steps handed out.
 """
