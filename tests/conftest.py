@@ -34,6 +34,8 @@ def tiny_config(tmp_path: Path, **overrides: object) -> TrainConfig:
         progress=False,
     )
     for k, v in overrides.items():
+        if not hasattr(cfg, k):  # setattr would add it, and the run would never read it
+            raise TypeError(f"TrainConfig has no field {k!r}")
         setattr(cfg, k, v)
     return cfg
 

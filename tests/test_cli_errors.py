@@ -263,6 +263,9 @@ def test_unused_options_warn_in_one_line(
         "fp16",
         "--freeze-step",
         "1",
+        "--powersgd-rank",
+        "2",
+        "--no-bias-correction",
     ]
     assert main(args) == 0
     warn = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
@@ -276,6 +279,8 @@ def test_unused_options_warn_in_one_line(
         "--local-steps",
         "--compress",
         "--freeze-step",
+        "--powersgd-rank",
+        "--no-bias-correction",
     ):
         assert flag in warn[0], flag
 

@@ -62,7 +62,7 @@ def _straight_then_split(rank: int, world: int, cfgs: list[TrainConfig]) -> list
 
 @pytest.mark.timeout(300)
 def test_powersgd_resumes_bit_identically(tmp_path: Path) -> None:
-    kw = {"algo": "adamw-powersgd", "extra": {"powersgd_start": 2}}
+    kw = {"algo": "adamw-powersgd", "powersgd_start": 2}
     straight = tiny_config(tmp_path / "straight", **kw)
     half = tiny_config(tmp_path / "resumed", stop_after=6, **kw)
     rest = tiny_config(tmp_path / "resumed", resume=True, **kw)

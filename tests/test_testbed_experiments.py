@@ -31,7 +31,7 @@ _REASON = unavailable_reason()
 
 def test_train_command_carries_every_field_through_the_config_file(tmp_path: Path) -> None:
     """What a testbed host trains is exactly the config it was handed: every field,
-    including those no flag sets (betas, extra, the asynchronous timeouts)."""
+    those no flag sets (FILE_ONLY: betas, the asynchronous timeouts) included."""
     from thinwire.cli.main import build_parser
     from thinwire.cli.train import config_from_args
 
@@ -41,7 +41,8 @@ def test_train_command_carries_every_field_through_the_config_file(tmp_path: Pat
         steps=80,
         lr=0.0123,
         betas=(0.8, 0.99),
-        extra={"powersgd_rank": 1},
+        powersgd_rank=1,
+        bias_correction=False,
         dead_after_s=3.0,
         slowdown=(1.0, 2.5),
         dylu=True,

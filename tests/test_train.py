@@ -130,7 +130,7 @@ def test_pytorch_peer_hooks_train_in_sync_and_send_less(tmp_path: Path) -> None:
     """The peers a PyTorch user would pick (fp16 hook, PowerSGD) run in the same trainer
     and their bytes land on the same ledger as the fp32 baseline's."""
     cfgs = [
-        tiny_config(tmp_path / algo, algo=algo, steps=8, extra={"powersgd_start": 2})
+        tiny_config(tmp_path / algo, algo=algo, steps=8, powersgd_start=2)
         for algo in ("adamw", "adamw-fp16", "adamw-powersgd")
     ]
     per_rank = spawn(_train_peers, 2, (cfgs,), timeout_s=200)

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import TINY_FLAGS
 from thinwire.cli.main import build_parser
 from thinwire.cli.train import config_from_args
+from thinwire.cli.train_config import _FIELD_OF
 from thinwire.errors import ConfigError
 from thinwire.io import INPUT_LIMIT
 from thinwire.train.algorithms import default_lr
-from thinwire.train.config import TrainConfig
+from thinwire.train.config import FILE_ONLY, TrainConfig
 from thinwire.train.config_file import read_config_file, write_config_file
+
+_EXTRA_GONE = (
+    "extra is no longer read: powersgd_rank, powersgd_start and bias_correction are "
+    "settings of their own"
+)
 
 
 def _config(*argv: str) -> TrainConfig:
@@ -42,10 +51,83 @@ def test_file_sets_fields_and_typed_flags_win(tmp_path: Path) -> None:
 
 
 def test_written_config_reads_back_identical(tmp_path: Path) -> None:
-    cfg = TrainConfig(algo="async-diloco", slowdown=(1.0, 2.0), extra={"k": 1}, freeze_step=7)
+    cfg = TrainConfig(
+        algo="async-diloco",
+        slowdown=(1.0, 2.0),
+        powersgd_rank=2,
+        bias_correction=False,
+        freeze_step=7,
+    )
     path = write_config_file(cfg, tmp_path / "c.json")
     assert TrainConfig.from_dict(read_config_file(path)) == cfg
     assert _config("--config", str(path)) == cfg
+
+
+def test_an_old_extra_is_refused_in_one_line_unless_empty(tmp_path: Path) -> None:
+    """``extra`` once held powersgd_rank, powersgd_start and bias_correction (and before
+    them settings such as ``sync``). A file or dict that still sets it would train with
+    the defaults it meant to change, so it is refused in one line; an empty one, which
+    every config.json written before holds, sets nothing and still reads."""
+    old = TrainConfig(algo="adamw-powersgd").to_dict() | {"extra": {}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert _config("--config", str(path)) == TrainConfig(algo="adamw-powersgd")
+    assert TrainConfig.from_dict(old) == TrainConfig(algo="adamw-powersgd")
+    for extra in ({"powersgd_rank": 2}, {"bias_correction": False}, {"sync": True}):
+        path.write_text(json.dumps({**old, "extra": extra}))
+        with pytest.raises(ConfigError, match=_EXTRA_GONE) as from_file:
+            _config("--config", str(path))
+        with pytest.raises(ConfigError, match=_EXTRA_GONE) as from_dict:
+            TrainConfig.from_dict({**old, "extra": extra})
+        assert "\n" not in str(from_file.value) + str(from_dict.value)
+
+
+def test_powersgd_and_bias_correction_flags_over_the_file_over_defaults(tmp_path: Path) -> None:
+    def knobs(cfg: TrainConfig) -> tuple[int, int, bool]:
+        return cfg.powersgd_rank, cfg.powersgd_start, cfg.bias_correction
+
+    assert knobs(_config()) == (4, 10, True)
+    flags = ("--powersgd-rank", "2", "--powersgd-start", "0", "--no-bias-correction")
+    assert knobs(_config(*flags)) == (2, 0, False)
+    path = tmp_path / "run.toml"
+    path.write_text("powersgd_rank = 8\npowersgd_start = 20\nbias_correction = false\n")
+    assert knobs(_config("--config", str(path))) == (8, 20, False)
+    # A flag typed beside the file wins, even when it equals its default.
+    typed = _config("--config", str(path), "--powersgd-rank", "4", "--bias-correction")
+    assert knobs(typed) == (4, 20, True)
+
+
+def _train_flags() -> tuple[dict[str, str], set[str]]:
+    """Each ``thinwire train`` option that sets a TrainConfig field (its destination to
+    the field), and the destinations :func:`config_from_args` reads."""
+    read: set[str] = set()
+
+    class Reads(argparse.Namespace):
+        def __getattribute__(self, name: str) -> Any:
+            read.add(name)
+            return super().__getattribute__(name)
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    args = parser.parse_args(["train"], namespace=Reads())
+    read.clear()  # argparse looks at every destination while it fills them in
+    config_from_args(args)
+    names = {f.name for f in fields(TrainConfig)}
+    dests = (a.dest for a in sub.choices["train"]._actions)
+    return {d: _FIELD_OF.get(d, d) for d in dests if _FIELD_OF.get(d, d) in names}, read
+
+
+def test_every_field_has_a_flag_or_is_file_only() -> None:
+    """Every TrainConfig field is set by a ``thinwire train`` flag (and so by ``thinwire
+    compare``'s), or listed in FILE_ONLY; a field that gains a flag leaves the list."""
+    names = [f.name for f in fields(TrainConfig)]
+    field_of, read = _train_flags()
+    flagged = set(field_of.values())
+    assert [n for n in names if n not in flagged and n not in FILE_ONLY] == []
+    assert [n for n in FILE_ONLY if n in flagged] == []
+    assert set(FILE_ONLY) <= set(names) and len(set(FILE_ONLY)) == len(FILE_ONLY)
+    # Each such flag is read into the config, not only parsed.
+    assert sorted(d for d in field_of if d not in read) == []
 
 
 @pytest.mark.parametrize(
@@ -63,11 +145,17 @@ def test_written_config_reads_back_identical(tmp_path: Path) -> None:
         ("a.json", '{"betas": []}', "betas must be two numbers"),
         ("a.json", '{"betas": [0.9]}', "betas must be two numbers"),
         ("a.toml", "betas = [0.9, 0.99, 0.999]", "betas must be two numbers"),
-        ("a.json", '{"extra": {"powersgd_rank": "x"}}', "extra.powersgd_rank must be a whole"),
-        ("a.json", '{"extra": {"powersgd_rank": -5}}', r"powersgd_rank must be in \[1, 1024\]"),
-        ("a.json", '{"extra": {"powersgd_rank": 0}}', r"powersgd_rank must be in \[1, 1024\]"),
-        ("a.json", '{"extra": {"junk": 1}}', "extra: unknown key 'junk'"),
-        ("a.json", '{"extra": {"bias_correction": 1}}', "bias_correction must be true or false"),
+        ("a.json", '{"powersgd_rank": "x"}', "powersgd_rank must be int"),
+        ("a.json", '{"powersgd_rank": 2.0}', "powersgd_rank must be int"),
+        ("a.json", '{"powersgd_rank": -5}', r"powersgd-rank must be in \[1, 1024\]"),
+        ("a.json", '{"powersgd_rank": 0}', r"powersgd-rank must be in \[1, 1024\]"),
+        ("a.json", '{"powersgd_rank": 1025}', r"powersgd-rank must be in \[1, 1024\]"),
+        ("a.json", '{"powersgd_start": -1}', "powersgd-start must be >= 0"),
+        ("a.json", '{"powersgd_start": 1' + "0" * 20 + "}", "powersgd_start is out of range"),
+        ("a.json", '{"bias_correction": 1}', "bias_correction must be bool"),
+        ("a.json", '{"extra": {"powersgd_rank": 2}}', _EXTRA_GONE),
+        ("a.json", '{"extra": {"junk": 1}}', _EXTRA_GONE),
+        ("a.toml", "[extra]\nbias_correction = false", _EXTRA_GONE),
         ("a.json", '{"steps": 1e999}', "steps must be int"),
         ("a.json", '{"lr": NaN}', r"lr must be a number in \(0, inf\), got nan"),
         ("a.json", '{"lr": 1' + "0" * 30 + "}", "lr is out of range"),

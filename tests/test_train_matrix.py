@@ -35,7 +35,7 @@ STEPS = 12
 CASES: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
     "adamw": ((5,), {}),
     "adamw-fp16": ((5,), {}),
-    "adamw-powersgd": ((5,), {"extra": {"powersgd_start": 2}}),
+    "adamw-powersgd": ((5,), {"powersgd_start": 2}),
     "lamb": ((5,), {}),
     # freeze at 6: stop 3 is in warmup, stop 9 in the compression stage
     "onebit-adam": ((3, 9), {"freeze_step": 6}),

@@ -91,6 +91,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     _add_run_arguments(p.add_argument_group("run"), d)
     _add_model_arguments(p.add_argument_group("model"), d)
     _add_optimizer_arguments(p.add_argument_group("optimizer"), d)
+    _add_powersgd_arguments(p.add_argument_group("PowerSGD (adamw-powersgd)"), d)
     ls = p.add_argument_group("local SGD")
     _add_local_sgd_arguments(ls, d)
     _add_async_arguments(ls, d)
@@ -193,6 +194,30 @@ def _add_optimizer_arguments(o: argparse._ArgumentGroup, d: TrainConfig) -> None
         default=d.precondition,
         help="1-bit optimizers: compress the momentum divided by the frozen sqrt(v) instead "
         "of the raw momentum (default: on for onebit-adam, off for onebit-lamb)",
+    )
+    o.add_argument(
+        "--bias-correction",
+        action=argparse.BooleanOptionalAction,
+        default=d.bias_correction,
+        help="1-bit optimizers: bias-correct Adam's moments (default on; off is the 1-bit "
+        "papers' reference rule, which can diverge on short runs)",
+    )
+
+
+def _add_powersgd_arguments(g: argparse._ArgumentGroup, d: TrainConfig) -> None:
+    """PyTorch's PowerSGD hook under ``--algo adamw-powersgd``."""
+    g.add_argument(
+        "--powersgd-rank",
+        type=int,
+        default=d.powersgd_rank,
+        help="rank of each gradient matrix's approximation, 1 to 1024: lower sends fewer "
+        "bytes and a coarser gradient (default %(default)s)",
+    )
+    g.add_argument(
+        "--powersgd-start",
+        type=int,
+        default=d.powersgd_start,
+        help="steps of plain fp32 allreduce before PowerSGD starts (default %(default)s)",
     )
 
 

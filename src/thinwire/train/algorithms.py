@@ -157,16 +157,6 @@ def _lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
     )
 
 
-def _bias_correction(cfg: TrainConfig) -> bool:
-    """1-bit optimizers in the trainer bias-correct by default (``extra["bias_correction"]``
-    turns it off, as in the reference). With a short warmup the raw variance is tiny
-    (1 - 0.999^t of its final size) and is frozen that way; coordinates with small
-    gradients then take huge steps from the +-scale noise of 1-bit momenta, which
-    diverged a 120-step tiny-GPT run at lr 0.02. Bias correction also makes ``lamb`` and
-    ``onebit-lamb`` the same rule until the freeze."""
-    return bool(cfg.extra.get("bias_correction", True))
-
-
 def _precondition(cfg: TrainConfig) -> dict[str, bool]:
     """``precondition`` for the 1-bit optimizers when the run sets it, else their default."""
     return {} if cfg.precondition is None else {"precondition": cfg.precondition}
@@ -181,7 +171,7 @@ def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
         freeze_step=cfg.freeze_rule(),
         betas=cfg.betas,
         weight_decay=cfg.weight_decay,
-        bias_correction=_bias_correction(cfg),
+        bias_correction=cfg.bias_correction,
         **_precondition(cfg),
     )
     return Strategy(
@@ -200,7 +190,7 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
         freeze_step=cfg.freeze_rule(),
         betas=cfg.betas,
         weight_decay=cfg.weight_decay,
-        bias_correction=_bias_correction(cfg),
+        bias_correction=cfg.bias_correction,
         **_precondition(cfg),
     )
     return Strategy(
@@ -210,7 +200,7 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
 
 def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
     """DDP+AdamW with one of PyTorch's own compression hooks: the peers a PyTorch user
-    would reach for (fp16 casting, PowerSGD rank ``extra["powersgd_rank"]``, default 4)."""
+    would reach for (fp16 casting; PowerSGD of rank ``cfg.powersgd_rank``, default 4)."""
 
     def make(model: nn.Module, cfg: TrainConfig) -> Strategy:
         from thinwire.comm.peer_hooks import fp16_hook, make_powersgd_state, powersgd_hook
@@ -223,10 +213,7 @@ def _adamw_with_hook(kind: str) -> Callable[[nn.Module, TrainConfig], Strategy]:
         if kind == "fp16":
             return _ddp_adamw(model, cfg, fp16_hook)
         state = TrackedPowerSGD(
-            make_powersgd_state(
-                rank=int(cfg.extra.get("powersgd_rank", 4)),
-                start_iter=int(cfg.extra.get("powersgd_start", 10)),
-            ),
+            make_powersgd_state(rank=cfg.powersgd_rank, start_iter=cfg.powersgd_start),
             model,
         )
         # PowerSGD chains allreduces in future callbacks; on gloo, callbacks of different

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_async, run_async
 from thinwire.localsgd.runtime.auth import read_token
@@ -93,23 +92,12 @@ def check_async_config(cfg: TrainConfig, workers: int) -> None:
     """Every bad setting of an asynchronous trainer run, as a one-line ConfigError
     (a token given in the environment that is too short or unreadable included, and a
     server address that is not one of this host's, such as ``0.0.0.0``)."""
-    _validate(cfg)
+    cfg.validate()
     acfg = async_config(cfg)
     acfg.validate(workers)
     read_token(acfg.token_file)
     if not dist.is_initialized() or dist.get_rank() == 0:
         server_address(acfg.bind_addr)  # where rank 0 will listen; a worker's host differs
-
-
-def _validate(cfg: TrainConfig) -> None:
-    cfg.validate()
-    moved = sorted(set(cfg.extra) & {*_OPTIONAL, "sync"})
-    if moved:
-        # These lived in ``extra`` once; ignoring them would silently run other settings.
-        raise ConfigError(
-            f"TrainConfig.extra[{moved[0]!r}] is no longer read: set the TrainConfig field "
-            f"{moved[0]} instead"
-        )
 
 
 def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -288,7 +276,7 @@ def rejoin(
     """``thinwire train ... --rejoin RANK``: worker ``rank`` of a running trainer run comes
     back in this process (see :func:`thinwire.localsgd.rejoin_async`); ``force``
     (``--force-rejoin``) replaces it even if the server considers it alive."""
-    _validate(cfg)
+    cfg.validate()
     acfg = async_config(cfg)
     if connect_timeout_s is not None:
         acfg = replace(acfg, connect_timeout_s=connect_timeout_s)

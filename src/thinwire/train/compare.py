@@ -73,7 +73,7 @@ under ``testbed``; each config's ``out_dir`` is where its run goes."""
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # What a run spec may change; identity of the data (corpus, split) and the run's
 # plumbing (output, resume) stay shared so the comparison remains like for like.
-_FIXED = {"data", "val_fraction", "out_dir", "resume", "extra", "stop_after"}
+_FIXED = {"data", "val_fraction", "out_dir", "resume", "stop_after"}
 
 
 def _convert(key: str, text: str) -> Any:
@@ -308,10 +308,12 @@ def _finished_runs(configs: Mapping[str, TrainConfig]) -> dict[str, dict[str, An
         except (OSError, ValueError) as err:
             raise ConfigError(f"compare --resume: cannot read the run in {run_dir}: {err}") from err
         wanted = json.loads(json.dumps(cfg.to_dict()))
+        # A setting added since the run was written counts at its default.
+        default = json.loads(json.dumps(TrainConfig().to_dict()))
         diffs = [
-            f"{k} {saved.get(k)!r} (asked {wanted[k]!r})"
+            f"{k} {saved.get(k, default[k])!r} (asked {wanted[k]!r})"
             for k in sorted(wanted)
-            if k not in _PLUMBING and saved.get(k) != wanted[k]
+            if k not in _PLUMBING and saved.get(k, default[k]) != wanted[k]
         ]
         if diffs:
             raise ConfigError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import reprlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 from thinwire.compress.cast import parse_cast
@@ -14,12 +14,13 @@ from thinwire.optim.freeze import AutoFreeze
 from thinwire.train.model import PRESETS, GPTConfig
 
 __all__ = [
-    "EXTRA_USED_BY",
+    "FILE_ONLY",
     "MAX_INT",
     "ONEBIT_ALGOS",
     "USED_BY",
     "TrainConfig",
     "check_types",
+    "refuse_extra",
     "short_repr",
 ]
 
@@ -48,16 +49,15 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "dead_after_s": ("async-diloco",),
     "connect_timeout_s": ("async-diloco",),
     "link_timeout_s": ("async-diloco",),
+    "bias_correction": ONEBIT_ALGOS,
+    "powersgd_rank": ("adamw-powersgd",),
+    "powersgd_start": ("adamw-powersgd",),
 }
 """The algorithm-specific fields of :class:`TrainConfig` and the algorithms that read them;
 the others are read by every algorithm."""
 
-EXTRA_USED_BY: dict[str, tuple[str, ...]] = {
-    "powersgd_rank": ("adamw-powersgd",),
-    "powersgd_start": ("adamw-powersgd",),
-    "bias_correction": ONEBIT_ALGOS,
-}
-"""The same for the keys of :attr:`TrainConfig.extra`; a key no algorithm reads is refused."""
+_FROM_EXTRA = ("powersgd_rank", "powersgd_start", "bias_correction")
+"""The fields that were once keys of a free dict ``extra`` (see :func:`refuse_extra`)."""
 
 MAX_INT = 2**53
 """The largest whole number a setting may hold. Past it a JSON reader elsewhere (a plot,
@@ -100,8 +100,6 @@ def _fits(type_text: str, value: Any) -> bool:
             return True
         if part.startswith("tuple[") and isinstance(value, list | tuple):
             return all(_is_number(v) for v in value)
-        if part.startswith("dict[") and isinstance(value, dict):
-            return True
     return False
 
 
@@ -143,6 +141,24 @@ def check_types(values: dict[str, Any], where: str = "") -> None:
             finite = not _is_number(item) or _is_int(item) or math.isfinite(item)
             if not finite and (name not in _RANGED or item is not value):
                 raise ConfigError(f"{prefix}{name} must be a finite number, got {item}")
+
+
+def refuse_extra(values: dict[str, Any], where: str = "") -> None:
+    """A one-line :class:`ConfigError` if ``values`` (a config file, a dict for
+    :meth:`TrainConfig.from_dict`) still sets ``extra``, the free dict whose keys are
+    fields of their own now: dropping it would silently train with their defaults.
+
+    An empty ``extra`` sets nothing and passes: every ``config.json`` a run wrote before
+    holds one, and repeating such a run (``--config OUT/config.json``) should still work.
+    """
+    if "extra" not in values or values["extra"] == {}:
+        return
+    prefix = f"{where}: " if where else ""
+    names = ", ".join(_FROM_EXTRA[:-1]) + f" and {_FROM_EXTRA[-1]}"
+    raise ConfigError(
+        f"{prefix}extra is no longer read: {names} are settings of their own "
+        "(--powersgd-rank, --powersgd-start, --no-bias-correction)"
+    )
 
 
 def _check_range(
@@ -242,6 +258,32 @@ class TrainConfig:
     """1-bit optimizers: compress the momentum divided by the frozen ``sqrt(v)`` (on the
     scale of each element's own step) rather than the raw momentum (the papers' rule).
     ``None``: each optimizer's default (on for 1-bit Adam, off for 1-bit LAMB)."""
+    bias_correction: bool = True
+    """1-bit optimizers: bias-correct Adam's moments (``--no-bias-correction``: the 1-bit
+    papers' reference rule, which does not). On, a 1-bit optimizer that never compresses
+    is its uncompressed optimizer to the bit, and ``onebit-lamb`` is ``lamb`` until the
+    freeze. Off, a variance frozen after a short warmup is a small fraction
+    (``1 - beta2^t``) of its steady size, so coordinates with small gradients take huge
+    steps from the +-scale noise of the 1-bit momenta: a 120-step tiny-GPT run at lr 0.02
+    diverged that way. Turn it off only to reproduce the reference (docs/optimizers.md)."""
+
+    # --- PowerSGD (adamw-powersgd) -------------------------------------------------------
+    powersgd_rank: int = 4
+    """Rank of PyTorch's PowerSGD approximation of each gradient matrix, in ``[1, 1024]``
+    (``--powersgd-rank``). An ``n x m`` matrix travels as ``(n + m) * rank`` numbers
+    instead of ``n * m``; error feedback carries what the approximation misses into later
+    steps. Lower is fewer bytes and a coarser gradient: 1 is the most aggressive, 4 the
+    common choice. A matrix it would shrink less than 2x, and every bias and norm vector,
+    travels uncompressed (PyTorch's rule), so a rank near a layer's smaller side
+    compresses nothing. Each step also pays a QR and two matmuls per matrix: a 64 MiB
+    allreduce on 4 hosts ran 11.3x (rank 1) and 6.7x (rank 4) fp32's speed at 100 Mbit/s,
+    but at 1 Gbit/s rank 4 was slower than fp32 (docs/results/compression.md)."""
+    powersgd_start: int = 10
+    """Steps of plain fp32 allreduce before PowerSGD starts (``--powersgd-start``,
+    ``>= 0``; 0 and 1 mean 2, the earliest start PyTorch's hook takes with error feedback
+    and warm start). The first steps move fastest, and compressing them can set the
+    run on a worse path it does not recover from (PyTorch's advice); each of them costs the
+    full fp32 bytes, so on a slow link keep it a small share of the run."""
 
     # --- Local-SGD ----------------------------------------------------------------------
     local_steps: int = 10
@@ -329,10 +371,6 @@ class TrainConfig:
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (CUDA when available)."""
 
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Algorithm-specific options that have no field of their own (``bias_correction``
-    of the 1-bit optimizers, ``powersgd_rank`` and ``powersgd_start``)."""
-
     IDENTITY: ClassVar[tuple[str, ...]] = (
         "algo",
         "model",
@@ -407,7 +445,7 @@ class TrainConfig:
             raise ConfigError(
                 f"shard layout must be striped or contiguous, got {self.shard_layout!r}"
             )
-        self._check_extra()
+        self._check_powersgd()
         self._check_device()
         self.gpt_config()
 
@@ -427,41 +465,16 @@ class TrainConfig:
                 "would never compress; lower --freeze-step (or use lamb/adamw)"
             )
 
-    def _check_extra(self) -> None:
-        """``extra`` holds only keys some algorithm reads, each of its type and range.
-
-        A key no algorithm reads would train silently with the default it was meant to
-        change (a typo), and a free dict is otherwise a place for anything (a 57 MB blob
-        of garbage was once accepted); a key only another algorithm reads is warned
-        about instead (:meth:`unused_options`), as fields are.
-        """
-        if not all(isinstance(k, str) for k in self.extra):
-            raise ConfigError("extra: every key must be a string")
-        for key, value in self.extra.items():
-            if key in _FIELD_TYPES:
-                # Settings that once lived in extra: ignoring them would run other settings.
-                raise ConfigError(
-                    f"TrainConfig.extra[{key!r}] is no longer read: set the TrainConfig "
-                    f"field {key} instead"
-                )
-            if key not in EXTRA_USED_BY:
-                raise ConfigError(
-                    f"extra: unknown key {short_repr(key, 40)}; known keys: "
-                    f"{', '.join(sorted(EXTRA_USED_BY))}"
-                )
-            if key == "bias_correction":
-                if not isinstance(value, bool):
-                    raise ConfigError(
-                        f"extra.bias_correction must be true or false, got {short_repr(value)}"
-                    )
-            elif not _is_int(value):
-                raise ConfigError(f"extra.{key} must be a whole number, got {short_repr(value)}")
-            elif key == "powersgd_rank" and not 1 <= value <= _POWERSGD_MAX_RANK:
-                raise ConfigError(
-                    f"extra.powersgd_rank must be in [1, {_POWERSGD_MAX_RANK}], got {short_repr(value)}"
-                )
-            elif key == "powersgd_start" and not 0 <= value <= MAX_INT:
-                raise ConfigError(f"extra.powersgd_start must be >= 0, got {short_repr(value)}")
+    def _check_powersgd(self) -> None:
+        # Checked whatever the algorithm, as every field is: a typo in a file that a
+        # later run with --algo adamw-powersgd repeats must not wait for that run.
+        if not 1 <= self.powersgd_rank <= _POWERSGD_MAX_RANK:
+            raise ConfigError(
+                f"powersgd-rank must be in [1, {_POWERSGD_MAX_RANK}], "
+                f"got {short_repr(self.powersgd_rank)}"
+            )
+        if self.powersgd_start < 0:
+            raise ConfigError(f"powersgd-start must be >= 0, got {self.powersgd_start}")
 
     def _check_device(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -481,12 +494,12 @@ class TrainConfig:
             for name, algos in USED_BY.items()
             if self.algo not in algos and getattr(self, name) != getattr(default, name)
         ]
-        unused += [
-            key
-            for key, algos in EXTRA_USED_BY.items()
-            if key in self.extra and self.algo not in algos
+        # A switch that is on by default was typed as its --no- form.
+        off = {n for n in unused if getattr(default, n) is True and getattr(self, n) is False}
+        return [
+            ("--no-" if name in off else "--") + name.replace("_", "-").removesuffix("-s")
+            for name in unused
         ]
-        return ["--" + name.replace("_", "-").removesuffix("-s") for name in unused]
 
     def freeze_rule(self) -> int | AutoFreeze:
         """What the 1-bit optimizers get as ``freeze_step``: the fixed step, or the automatic
@@ -512,6 +525,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The config ``d`` (field name to value) describes; keys that are no field are
+        left out, but a non-empty ``extra`` is refused (:func:`refuse_extra`)."""
+        refuse_extra(d)
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
         for key in ("betas", "slowdown", "speeds"):
@@ -519,6 +535,27 @@ class TrainConfig:
                 kwargs[key] = tuple(kwargs[key])
         return cls(**kwargs)
 
+
+FILE_ONLY = (
+    "val_fraction",
+    "min_lr_ratio",
+    "betas",
+    "c",
+    "dylu_ema",
+    "connect_timeout_s",
+    "link_timeout_s",
+)
+"""The :class:`TrainConfig` fields no ``thinwire train`` flag sets; a config file
+(``--config``) or Python sets them. Each is one the defaults were tuned around and a run
+rarely changes, so a flag would only lengthen ``--help``: ``val_fraction`` fixes what
+the validation loss measures (``thinwire compare`` holds it the same for every run);
+``min_lr_ratio`` and ``betas`` are the schedule's floor and Adam's decay rates, which
+every algorithm's tuned lr assumes; ``c`` and ``dylu_ema`` are Delayed Nesterov's
+momentum share and DyLU's speed average, whose defaults the asynchronous methods were
+tuned with; and
+``connect_timeout_s`` and ``link_timeout_s`` are transport deadlines that matter only on
+real links, where the testbed hands each host its settings as a file. Every other field
+has a flag (a test keeps the two in step)."""
 
 _FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(TrainConfig)}
 """Each field's annotation as text (``from __future__ import annotations`` keeps them so)."""

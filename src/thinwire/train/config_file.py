@@ -35,7 +35,7 @@ from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text, read_input
-from thinwire.train.config import TrainConfig, check_types
+from thinwire.train.config import TrainConfig, check_types, refuse_extra
 
 __all__ = ["CONFIG_NAME", "read_config_file", "write_config_file"]
 
@@ -100,6 +100,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"--config {path}: expected a table of settings, got {type(data).__name__}"
         )
+    refuse_extra(data, where=f"--config {path}")
+    data.pop("extra", None)  # an empty one, as every config.json written before holds
     for key in data:
         if key not in _FIELDS:
             raise ConfigError(
