@@ -205,3 +205,4 @@ def test_every_stage_switch_is_in_the_metrics(
     first, rewarm, second = (r["step"] for r in events)
     assert first < rewarm < second
     assert summary["freeze_step"] == events[2]["freeze_step"]
+    assert summary["bounded_steps"] == 0  # the summary says whether the step bound acted

@@ -261,7 +261,7 @@ class TwoStageOptimizer(CommOptimizer):
         """Add ``||g / d||^2`` of this rank's gradient of ``p`` to the step's
         :class:`~thinwire.optim.step_bound.GradientGauge` number (``view`` is scratch
         here: call before filling it)."""
-        if p.grad is not None:
+        if p.grad is not None and self.onset_reads_gradients:  # else nobody reads it
             torch.div(p.grad, denom, out=view)
             self._gauge = self._gauge + torch.linalg.vector_norm(view).square()
 

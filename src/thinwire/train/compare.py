@@ -354,6 +354,7 @@ def _run_record(cfg: TrainConfig, summary: dict[str, Any]) -> dict[str, Any]:
         "config": cfg.to_dict(),
         "out_dir": cfg.out_dir,
         "freeze_step": summary.get("freeze_step"),
+        "bounded_steps": summary.get("bounded_steps"),
         "final_val_loss": summary["final_val_loss"],
         "final_train_loss": final_train_loss(read_metrics(metrics)),
         "comm_bytes": summary["comm_bytes"],

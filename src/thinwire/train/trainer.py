@@ -397,6 +397,8 @@ def _summarize(run: _Run, end: int) -> dict[str, Any]:
         "freeze_step": strategy.optimizer.freeze_step
         if getattr(strategy.optimizer, "compressing", False)
         else None,
+        # 1-bit optimizers: compressed steps the step bound shortened (None: no bound)
+        "bounded_steps": getattr(strategy.optimizer, "bounded_steps", None),
         "param_sha256": parameter_digest(model),
         "out_dir": str(run.out_dir),
     }
