@@ -25,6 +25,8 @@ def test_resume_keeps_finished_runs_and_continues_a_stopped_one(
     finished = {p: p.stat().st_mtime_ns for p in (out / "adamw").iterdir() if p.is_file()}
     # lamb was stopped after its last checkpoint, before it wrote its summary.
     (out / "lamb" / "summary.json").unlink()
+    last = max((out / "lamb" / "checkpoints").iterdir()) / "model.pt"
+    written = last.stat().st_mtime_ns
     (out / "comparison.json").unlink()
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 0
@@ -33,6 +35,8 @@ def test_resume_keeps_finished_runs_and_continues_a_stopped_one(
     assert {p: p.stat().st_mtime_ns for p in finished} == finished
     assert again["adamw"]["final_val_loss"] == first["adamw"]["final_val_loss"]
     assert again["lamb"]["final_val_loss"] == pytest.approx(first["lamb"]["final_val_loss"])
+    # ...and lamb continued from its checkpoint instead of starting over.
+    assert last.stat().st_mtime_ns == written
     assert again["lamb"]["config"]["lr"] == first["lamb"]["config"]["lr"]
     # Without --resume the runs are refused, and the line says how to keep them.
     capsys.readouterr()

@@ -47,6 +47,17 @@ def check_outer_args(lr: float, momentum: float, buffer_size: int = 1, c: float 
         )
 
 
+def _buffered_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """The state of an outer optimizer that buffers arrivals: the momentum, the summed
+    arrivals not yet applied (``delta``, ``pending`` of them) and the arrival count."""
+    if not state:
+        state["momentum_buffer"] = torch.zeros_like(p)
+        state["delta"] = torch.zeros_like(p)
+        state["step"] = 0
+        state["pending"] = 0
+    return state
+
+
 class Nesterov(torch.optim.Optimizer):
     """Nesterov momentum applied to every pseudo-gradient as it arrives (naive async).
 
@@ -144,12 +155,7 @@ class DelayedNesterov(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    state["delta"] = torch.zeros_like(p)
-                    state["step"] = 0
-                    state["pending"] = 0
+                state = _buffered_state(self.state[p], p)
                 m, delta = state["momentum_buffer"], state["delta"]
                 delta.add_(g)
                 # Counting arrivals in the buffer (rather than testing (t+1) % N) keeps the
@@ -214,12 +220,7 @@ class AsyncBuffer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    state["delta"] = torch.zeros_like(p)
-                    state["step"] = 0
-                    state["pending"] = 0
+                state = _buffered_state(self.state[p], p)
                 m, delta = state["momentum_buffer"], state["delta"]
                 delta.add_(p.grad)
                 state["pending"] += 1
