@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,10 @@ import pytest
 from thinwire.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Measured machine prices (thinwire.analysis.costs.machine_costs) are cached per test
+# session, never in the home directory of the machine that runs the tests.
+os.environ.setdefault("THINWIRE_CACHE_DIR", tempfile.mkdtemp(prefix="thinwire-test-cache-"))
 
 TINY_FLAGS = ["--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32"]
 """``thinwire train`` flags of the tiny model every CLI test trains (about 21K parameters)."""

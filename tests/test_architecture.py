@@ -2,7 +2,8 @@
 
 The layers, lowest first (an arrow reads "is imported by")::
 
-    compress <- comm <- optim <- (localsgd, train) <- (analysis, testbed, zoo) <- cli
+    compress <- comm <- optim <- (localsgd, train) <- (analysis, testbed, zoo) <- workflow
+        <- cli
 
 The rules this file checks, read from the source with :mod:`ast`:
 
@@ -20,8 +21,8 @@ The rules this file checks, read from the source with :mod:`ast`:
 * ``thinwire.__main__`` belongs to the CLI. No library module imports ``thinwire.cli``.
 * The packages (layers and leaves) import each other without cycles.
 * Inside ``thinwire.localsgd``, the algorithm (``localsgd/algorithm/``) never imports the
-  runtime (``localsgd/runtime/``), nor do the modules both halves share (``config``,
-  ``task``, ``messages``); the package's ``__init__`` re-exports the runtime, so neither
+  runtime (``localsgd/runtime/``), nor do the modules both halves share (``settings``,
+  ``config``, ``task``, ``messages``); the package's ``__init__`` re-exports the runtime, so neither
   imports it either. Every module of the package is in one of these parts.
 * One parser of byte sizes: only :mod:`thinwire.units` holds a table of size units or a
   function named like a size parser, so ``16MB`` means the same to every flag.
@@ -58,7 +59,8 @@ LAYERS: dict[str, int] = {
     "analysis": 4,
     "testbed": 4,
     "zoo": 4,
-    "cli": 5,
+    "workflow": 5,
+    "cli": 6,
 }
 """Each package's layer; a module imports only packages of a lower layer (or its own)."""
 
@@ -307,7 +309,12 @@ def test_cycle_finder() -> None:
 # runtime (the processes and the wire), so the simulator and any new runtime reuse it whole.
 
 LOCALSGD_SHARED: frozenset[str] = frozenset(
-    {"thinwire.localsgd.config", "thinwire.localsgd.messages", "thinwire.localsgd.task"}
+    {
+        "thinwire.localsgd.config",
+        "thinwire.localsgd.messages",
+        "thinwire.localsgd.settings",
+        "thinwire.localsgd.task",
+    }
 )
 """The modules of ``thinwire.localsgd`` that both halves use: the settings, the user's
 task, the messages. Like the algorithm, they never import the runtime."""
@@ -550,6 +557,9 @@ KEYWORD_API: dict[str, str] = {
     "thinwire.testbed.experiments:compare_on_testbed": _ENTRY_POINT + " (compare on a testbed)",
     "thinwire.localsgd.algorithm.sweep:run_sweep": _ENTRY_POINT,
     "thinwire.analysis.study:run_study": _ENTRY_POINT + " (thinwire.analysis)",
+    "thinwire.analysis.recorded:analyze_record": (
+        _ENTRY_POINT + " (thinwire.analysis; the what-if knobs of run_study, as keywords)"
+    ),
     "thinwire.analysis.colocated:profile_processes": (
         "a public function docs/analysis.md points users to; its keywords are its API"
     ),

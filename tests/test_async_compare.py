@@ -19,7 +19,9 @@ SMALL = TINY_FLAGS
 
 
 @pytest.mark.timeout(300)
-def test_compares_methods_on_real_processes_and_resumes(tmp_path: Path) -> None:
+def test_compares_methods_on_real_processes_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = [
         "--methods",
         "sync,dn-dylu",
@@ -52,7 +54,17 @@ def test_compares_methods_on_real_processes_and_resumes(tmp_path: Path) -> None:
     assert summary["dn-dylu"]["train_time_s"] > 0
     assert "| dn-dylu |" in (tmp_path / "table.md").read_text()
     # A second call reads the finished runs back instead of training again.
-    before = (tmp_path / "sync" / "result.json").stat().st_mtime
+    before = (tmp_path / "sync" / "summary.json").stat().st_mtime
     assert main(args) == 0
-    assert (tmp_path / "sync" / "result.json").stat().st_mtime == before
+    assert (tmp_path / "sync" / "summary.json").stat().st_mtime == before
+    # The runs went through the one comparison driver: comparison.json as every compare.
+    record = json.loads((tmp_path / "comparison.json").read_text())
+    assert record["reference"] == "sync" and set(record["runs"]) == {"sync", "dn-dylu"}
+    assert {r["algo"] for r in record["runs"].values()} == {"async-diloco"}
+    assert record["runs"]["dn-dylu"]["config"]["dylu"] is True
+    assert all(len(r["load_avg_1min"]) == 2 for r in record["runs"].values())
+    # Other settings over finished runs are refused in one line, not silently mixed.
+    other = [a if a != "6" else "8" for a in args]
+    assert main(other) == 2
+    assert "finished with other settings: steps 6 (asked 8)" in capsys.readouterr().err
     assert main(["--methods", "fedavg", "--out", str(tmp_path / "x")]) == 2

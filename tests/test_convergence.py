@@ -114,6 +114,13 @@ def test_run_specs_parse_and_reject_bad_input() -> None:
         parse_run_spec("lamb@out_dir=x")  # shared by every run, not per run
     with pytest.raises(ConfigError, match="bad value 'fast' for lr"):
         parse_run_spec("lamb@lr=fast")
+    # An asynchronous method is a run spec too: async-diloco with the method's settings.
+    algo, settings = parse_run_spec("dn-dylu@outer_lr=0.3")
+    assert algo == "async-diloco" and settings["dylu"] and not settings["sync"]
+    assert settings["outer"] == "dn" and settings["outer_lr"] == 0.3
+    assert parse_run_spec("sync")[1]["c"] == 0.0
+    assert parse_run_spec("sync")[1]["sync"] and parse_run_spec("naive")[1]["outer"] == "nesterov"
+    assert parse_run_spec("polythres")[1]["max_staleness"] == 10
 
 
 @pytest.mark.timeout(120)
@@ -133,6 +140,11 @@ def test_compare_in_one_process_writes_json_plot_and_ratios(tmp_path: Path) -> N
     assert result["runs"]["lamb@lr=0.01"]["config"]["lr"] == 0.01
     assert result["runs"]["adamw"]["config"]["lr"] == base.lr
     assert result["runs"]["onebit-lamb@freeze_step=2"]["freeze_step"] == 2
+    # How soon each run reached the reference's final loss, by its own clock.
+    ref = result["runs"]["lamb@lr=0.01"]
+    reach = ref["time_to_ref_loss_s"]
+    assert reach is not None and reach <= ref["val_time"][-1][0]
+    assert ref["speedup_to_ref_loss"] == 1.0
     ref = result["runs"]["lamb@lr=0.01"]["final_val_loss"]
     ratio = result["runs"]["adamw"]["loss_ratio"]
     assert ratio == pytest.approx(result["runs"]["adamw"]["final_val_loss"] / ref)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from thinwire.cli.demo import _prepare_out
 from thinwire.cli.main import main
+from thinwire.workflow.demo import _prepare_out
 
 
 @pytest.mark.timeout(300)
@@ -44,7 +44,9 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
         "final validation loss",
         "bytes sent per worker",
         "samples/s, after freeze",
-        "compute profiled in 2 processes at once",
+        "Training with LAMB on 2 local workers",
+        "LAMB's own record, analyzed",
+        "reductions priced by: measured on cpu",
         "step after freeze, predicted",
         "step after freeze, measured",
     ):
@@ -56,8 +58,11 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert onebit["comm_bytes"] < lamb["comm_bytes"] / 3
     assert (out / "demo.png").stat().st_size > 10_000
     assert (out / "study.json").exists()
-    # the analysis profiled both workers at once, as they then trained
-    assert len(list((out / "profile").glob("profile-*.json"))) == 2
+    # the analysis read LAMB's own record: its workers, its buckets
+    study = json.loads((out / "study.json").read_text())
+    assert study["recorded"]["world_size"] == 2
+    assert study["record_path"].endswith("train/lamb/record.jsonl")
+    assert all(r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 for r in result["runs"])
     for run in (lamb, onebit):
         assert run["predicted_step_s"] > 0 and run["measured_step_s"] > 0
     # a second demo replaces the first one's output; a foreign directory is refused

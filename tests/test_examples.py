@@ -49,6 +49,7 @@ RECIPES: dict[str, list[str]] = {
     "hf_trainer_onebit_hook": _TORCHRUN,
     "accelerate_onebit_hook": _TORCHRUN,
     "analyze_bert": [sys.executable],
+    "record_own_loop": _TORCHRUN,
 }
 """Recipe (``examples/<name>.py``) -> the launcher in front of it; each runs ``--tiny``."""
 HF_RECIPES = {
@@ -222,6 +223,27 @@ def test_ddp_onebit_lamb_recipe(recipes: _Runner) -> None:
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     param_bytes = sum(p.numel() * 4 for p in mod.make_model(64).parameters())
     _check_onebit_bytes(out, fp32_step_bytes=param_bytes)
+
+
+@pytest.mark.timeout(300)
+def test_record_own_loop_recipe(
+    recipes: _Runner, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = recipes.output("record_own_loop")  # tiny: 20 steps of a ReLU MLP on 2 ranks
+    line = _line(out, "recorded ")
+    m = re.fullmatch(r"recorded 20 steps on 2 ranks in (\S+)", line)
+    assert m is not None, line
+    assert _line(out, "at 0.1 Gbit/s:").split(": ", 1)[1].startswith("The network IS")
+    losses = _losses(out)
+    assert losses[-1] < losses[0], losses
+    # The user's record, read by the command a user would type.
+    from thinwire.cli.main import main
+
+    study = tmp_path / "study.json"
+    assert main(["analyze", "run", m.group(1), "--workers", "8", "--out", str(study)]) == 0
+    text = capsys.readouterr().out
+    assert "recorded: Sequential on 2 workers (gloo, cpu)" in text and "verdict" in text
+    assert json.loads(study.read_text())["result"]["config"]["workers"] == 8
 
 
 @pytest.mark.timeout(300)

@@ -24,13 +24,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from thinwire.errors import ConfigError
 
-__all__ = ["AddCost", "measure_codec_cost"]
+__all__ = ["AddCost", "machine_costs", "measure_codec_cost"]
 
 DEFAULT_MEASURE_SIZES = tuple(2**k for k in range(10, 25, 2))
 """Byte sizes :meth:`AddCost.measure` times by default: 1 KiB to 16 MiB, every 4x."""
@@ -175,3 +177,74 @@ def measure_codec_cost(
         _sync(dev)
         times.append(time.perf_counter() - t0)
     return float(min(times)) / (x.numel() * 4)  # fastest run: see AddCost.measure
+
+
+def machine_costs(
+    threads: int | None = None,
+    world_size: int = 4,
+    cache_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """This machine's compute prices, measured once and kept: ``codec_s_per_byte`` (the
+    1-bit allreduce's compute per input byte, :func:`measure_codec_cost`) and ``add`` (the
+    reduction table, :meth:`AddCost.measure`), both on the CPU at ``threads`` torch
+    threads (default: this process's; pass a training rank's, which shares the cores).
+
+    The cache is a small JSON file per machine and thread count under ``cache_dir``
+    (default ``$THINWIRE_CACHE_DIR``, else ``~/.cache/thinwire``), keyed by the CPU model,
+    the torch version and the threads; a file that cannot be read or written only costs a
+    new measurement (about a second).
+    """
+    import json
+    import os
+    import platform
+
+    from thinwire.io import atomic_write_text
+
+    threads = threads or torch.get_num_threads()
+    cpu = _cpu_model()
+    key = f"{cpu}|torch {torch.__version__}|{threads} threads|W{world_size}"
+    base = Path(
+        cache_dir or os.environ.get("THINWIRE_CACHE_DIR") or Path.home() / ".cache" / "thinwire"
+    )
+    path = base / f"costs-{platform.node() or 'host'}-t{threads}-w{world_size}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            return {
+                "codec_s_per_byte": float(saved["codec_s_per_byte"]),
+                "add": AddCost.from_json(saved["add"]),
+                "source": f"measured on this machine ({threads} threads), cached in {path}",
+            }
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        pass
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        codec = measure_codec_cost(world_size=world_size)
+        add = AddCost.measure()
+    finally:
+        torch.set_num_threads(before)
+    blob = {"key": key, "codec_s_per_byte": codec, "add": add.to_json()}
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(blob, indent=1) + "\n")
+    except OSError:
+        pass  # measured anyway; the next call measures again
+    return {
+        "codec_s_per_byte": codec,
+        "add": add,
+        "source": f"measured on this machine ({threads} threads)",
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

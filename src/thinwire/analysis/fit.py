@@ -37,7 +37,7 @@ import numpy as np
 from thinwire.analysis.collective_cost import ring_rounds, ring_time
 from thinwire.errors import ConfigError
 
-__all__ = ["LinkFit", "bench_link", "fit_link"]
+__all__ = ["LinkFit", "bench_link", "fit_link", "onebit_waits"]
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,11 @@ def fit_link(rows: Sequence[dict[str, Any]], method: str = "fp32") -> LinkFit:
         world_size=n,
         points=len(use),
         max_rel_error=float(np.max(np.abs(times - fitted) / times)),
-        onebit_latency=_onebit_latency(rows, n, inv_b),
+        onebit_latency=onebit_waits(rows, n, inv_b),
     )
 
 
-def _onebit_latency(
+def onebit_waits(
     rows: Sequence[dict[str, Any]], n: int, inv_b: float
 ) -> tuple[tuple[float, float], ...]:
     """Per size, what a 1-bit call took beyond its compute and its wire time at the

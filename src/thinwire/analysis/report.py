@@ -20,6 +20,7 @@ user asked for (default 90%):
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 from typing import Any
 
 from thinwire.compress.onebit import onebit_ratio
@@ -84,7 +85,11 @@ def recommend(study: dict[str, Any]) -> tuple[str, str]:
     alts = study["alternatives"]
     c = need["compression"]
     h = need["local_steps"]
+    ev = study.get("evidence") or {}
+    ranked_lower = _ranked_lower(ev)
     local = f"Local-SGD / DiLoCo averaging every H = {h} steps reaches the target"
+    if "localsgd" in ev and ev["localsgd"]["status"] != "ok":
+        local += f" (but {ev['localsgd']['why']} on this model)"
     br = res.get("breakdown", {})
     busy = sum(br.values()) or 1.0
     fixed = (br.get("latency_s", 0.0) + br.get("reduce_s", 0.0) + br.get("codec_s", 0.0)) / busy
@@ -94,46 +99,89 @@ def recommend(study: dict[str, Any]) -> tuple[str, str]:
             f"({_pct(fixed)} of the channel time) exceed the budget. {local}; "
             "larger buckets (--bucket-cap-mb) also cut the per-message latency."
         )
-    if c <= 2:
+    if c <= 2 and "half" not in ranked_lower:
         return verdict, (
             f"A {c:.2f}x smaller gradient volume reaches the target: fp16/bf16 gradient "
-            "allreduce (2x) is enough."
+            "allreduce (2x) is enough." + _lower_note(ev, ranked_lower)
         )
     onebit = [
         a
         for a in (_find(alts, "1-bit Adam"), _find(alts, "1-bit allreduce"))
-        if a is not None and a["scaling_factor"] >= target
+        if a is not None
+        and a["scaling_factor"] >= target
+        and _family_of_row(a["name"]) not in ranked_lower
     ]
     if c <= ONEBIT_RATIO and onebit:
-        best = onebit[0]
-        how = (
-            "1-bit Adam / 1-bit LAMB (they communicate after the backward pass)"
-            if best["name"].startswith("1-bit Adam")
-            else "the overlapped 1-bit allreduce comm hook (1-bit Adam/LAMB alone would "
-            "not: they cannot overlap the backward pass)"
+        advice = _onebit_advice(c, onebit[0], alts, local, "onebit-optimizer" in ranked_lower)
+        return verdict, advice + _lower_note(ev, ranked_lower)
+    if c <= ONEBIT_RATIO and ranked_lower & {"onebit-optimizer", "onebit-hook"}:
+        reason = "the 1-bit schemes that would reach it did not train well on this model"
+    elif c > ONEBIT_RATIO:
+        reason = (
+            f"it needs {c:.0f}x compression, more than 1-bit schemes (~{ONEBIT_RATIO:.0f}x) give"
         )
-        advice = (
-            f"Compression of {c:.1f}x reaches the target; use {how}: predicted SF "
-            f"{_pct(best['scaling_factor'])}."
-        )
-        if not best["name"].startswith("1-bit Adam"):
-            # Measured on the model zoo: behind 1-bit gradients Adam's second moment
-            # loses each element's scale (docs/compression.md).
-            adam = _find(alts, "1-bit Adam")
-            advice += (
-                " Check it against your baseline: behind 1-bit gradients AdamW came within "
-                "3% on half of thinwire's model zoo and lost up to 12% on the rest; with "
-                "Adam or AdamW use 1-bit Adam instead"
-                + (f" (predicted SF {_pct(adam['scaling_factor'])})" if adam else "")
-                + f"; or {local}."
-            )
-        return verdict, advice
-    reason = (
-        f"it needs {c:.0f}x compression, more than 1-bit schemes (~{ONEBIT_RATIO:.0f}x) give"
-        if c > ONEBIT_RATIO
-        else "1-bit schemes do not reach it once their latency and codec cost are counted"
+    else:
+        reason = "1-bit schemes do not reach it once their latency and codec cost are counted"
+    return verdict, f"Compression is not the fix: {reason}. {local}." + _lower_note(
+        ev, ranked_lower
     )
-    return verdict, f"Compression is not the fix: {reason}. {local}."
+
+
+def _onebit_advice(
+    c: float, best: dict[str, Any], alts: list[dict[str, Any]], local: str, no_adam: bool
+) -> str:
+    """The advice when a 1-bit scheme reaches the target: ``best``, the first that does;
+    ``no_adam``: 1-bit Adam/LAMB failed on this model, so it is not suggested instead."""
+    how = (
+        "1-bit Adam / 1-bit LAMB (they communicate after the backward pass)"
+        if best["name"].startswith("1-bit Adam")
+        else "the overlapped 1-bit allreduce comm hook (1-bit Adam/LAMB alone would "
+        "not: they cannot overlap the backward pass)"
+    )
+    advice = (
+        f"Compression of {c:.1f}x reaches the target; use {how}: predicted SF "
+        f"{_pct(best['scaling_factor'])}."
+    )
+    if not best["name"].startswith("1-bit Adam") and not no_adam:
+        # Measured on the model zoo: behind 1-bit gradients Adam's second moment
+        # loses each element's scale (docs/compression.md).
+        adam = _find(alts, "1-bit Adam")
+        advice += (
+            " Check it against your baseline: behind 1-bit gradients AdamW came within "
+            "3% on half of thinwire's model zoo and lost up to 12% on the rest; with "
+            "Adam or AdamW use 1-bit Adam instead"
+            + (f" (predicted SF {_pct(adam['scaling_factor'])})" if adam else "")
+            + f"; or {local}."
+        )
+    return advice
+
+
+_ROW_FAMILY = {
+    "1-bit Adam": "onebit-optimizer",
+    "1-bit allreduce": "onebit-hook",
+    "fp16/bf16": "half",
+    "Local-SGD": "localsgd",
+}
+
+
+def _family_of_row(name: str) -> str | None:
+    """The family of fix (:data:`thinwire.analysis.evidence.FAMILIES`) of a table row."""
+    return next((f for prefix, f in _ROW_FAMILY.items() if name.startswith(prefix)), None)
+
+
+def _ranked_lower(ev: dict[str, Any]) -> set[str]:
+    """The families that diverged or lost quality on this model (never recommended)."""
+    return {family for family, f in ev.items() if f.get("status") in ("failed", "worse")}
+
+
+def _lower_note(ev: dict[str, Any], families: set[str]) -> str:
+    """One sentence per family ranked lower, with what was seen and where."""
+    notes = [
+        f" Not recommended here: {ev[f]['why']} ({Path(ev[f]['source']).name})."
+        for f in sorted(families)
+        if f != "localsgd"
+    ]
+    return "".join(notes)
 
 
 def render_report(study: dict[str, Any]) -> str:
@@ -242,9 +290,12 @@ def _needs_lines(study: dict[str, Any]) -> list[str]:
         f"            (infinite compression would give SF {_pct(need['infinite_compression_sf'])})"
     )
     lines += ["", f"{'on this network':42s} {'step':>10s} {'SF':>7s} {'wire/step':>11s}"]
+    ev = study.get("evidence") or {}
     for a in study["alternatives"]:
+        finding = ev.get(_family_of_row(a["name"]) or "", {})
+        mark = {"failed": "  diverged or far off here", "worse": "  lost quality here"}
         lines.append(
             f"  {a['name']:40s} {fmt_time(a['step_s']):>10s} {_pct(a['scaling_factor']):>7s} "
-            f"{fmt_bytes(a['wire_bytes']):>11s}"
+            f"{fmt_bytes(a['wire_bytes']):>11s}" + mark.get(finding.get("status", ""), "")
         )
     return lines

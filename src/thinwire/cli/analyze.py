@@ -283,6 +283,78 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from thinwire.analysis.recorded import analyze_record, load_record
+    from thinwire.analysis.report import fmt_rate, fmt_time, render_report
+    from thinwire.testbed.wan import parse_duration
+
+    writable_file(args.out)
+    rec = load_record(args.run)
+    rtt = parse_duration(args.rtt, "--rtt") if args.rtt else 0.0
+    study = analyze_record(
+        rec,
+        workers=args.workers,
+        bandwidth_gbps=args.bandwidth_gbps,
+        rtt_s=rtt,
+        target=args.target,
+        skip=args.skip,
+        evidence=args.evidence,
+        zoo_model=args.zoo_model,
+    )
+    seen, head = study["recorded"], rec.header
+    achieved = seen["achieved_gbps"]
+    print(
+        f"recorded: {head.get('model')} on {rec.world_size} workers ({head.get('backend')}, "
+        f"{head.get('device')}), {seen['steps']} steps read: step {fmt_time(seen['step_s'])} "
+        f"= compute {fmt_time(seen['compute_s'])} + waiting {fmt_time(seen['exposed_s'])}"
+        + (f"; collectives achieved {fmt_rate(achieved)}" if achieved else "")
+    )
+    check = study["self_check"]
+    if check is not None:
+        print(
+            f"predicted for the recorded setting: step {fmt_time(check['predicted_step_s'])} "
+            f"({check['error_pct']:+.0f}% against the measured one)"
+        )
+    elif not any(s.get("buckets") for s in rec.steps):
+        print(
+            "no bucket timings in this record (its optimizer communicates inside its step, "
+            "or the DDP hook was registered before the recorder): no self-check"
+        )
+    if study["evidence_sources"]:
+        print("how the fixes trained on this model, from: " + ", ".join(study["evidence_sources"]))
+    print()
+    print(render_report(study))
+    print(f"\nwrote {_write_json(study, args.out)}")
+    return 0
+
+
+def _add_run_arguments(rn: argparse.ArgumentParser) -> None:
+    rn.add_argument("run", help="a run directory (OUT/ of thinwire train) or a record file")
+    rn.add_argument(
+        "--workers", type=int, default=None, help="workers to predict (default: the run's own)"
+    )
+    rn.add_argument(
+        "--bandwidth-gbps",
+        type=_number,
+        default=None,
+        help="link to predict (default: the run's testbed rate, else what it achieved)",
+    )
+    rn.add_argument("--rtt", default=None, help="round trip between hosts, e.g. 20ms")
+    rn.add_argument("--target", type=_number, default=0.9, help="scaling factor to aim for")
+    rn.add_argument("--skip", type=int, default=2, help="first steps left out (warmup)")
+    rn.add_argument(
+        "--evidence",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a comparison.json or zoo.json on this model: a fix that diverged or lost "
+        "quality there is ranked lower (OUT/../comparison.json is read by itself)",
+    )
+    rn.add_argument("--zoo-model", default=None, help="the model of a zoo.json to read")
+    rn.add_argument("--out", default="run-study.json", help="the study as JSON")
+    rn.set_defaults(func=_cmd_run)
+
+
 def _number(text: str) -> float:
     try:
         v = float(text)
@@ -315,6 +387,8 @@ def register(subparsers: Any) -> None:
     _add_what_if_arguments(
         add_moved(verbs, "simulate", "thinwire analyze what-if", description=what_if_help)
     )
+    run_help = "the what-if of a recorded run (thinwire train records OUT/record.jsonl)"
+    _add_run_arguments(verbs.add_parser("run", help=run_help, description=run_help))
     rp = verbs.add_parser("report", help="the one-screen answer, and plots")
     rp.add_argument("simulation", help="sim.json from 'analyze what-if'")
     rp.add_argument("--plots", metavar="DIR", help="write the four PNG figures here")

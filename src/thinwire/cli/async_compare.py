@@ -11,8 +11,10 @@ Local processes by default; ``--testbed`` runs one process per emulated host (ne
 root): ``--hosts`` is 1 server + one per factor (``--hosts`` alone also means the
 testbed), ``--rate`` the link rate, ``--delay`` one one-way delay or one per host, server
 first. Each method runs at its tuned outer lr and momentum unless ``--`` passes other
-``thinwire train`` flags to all of them. Writes ``results.json`` and ``table.md`` to
-``--out``; a method already finished there is read back, not run again.
+``thinwire train`` flags to all of them. Writes ``comparison.json`` (as every
+``thinwire compare`` does), ``results.json`` and ``table.md`` to ``--out``; a method that
+finished there with the same settings is read back, not run again (``--overwrite``
+trains it anew).
 
 Examples::
 
@@ -71,6 +73,12 @@ def add_async_compare_arguments(p: argparse.ArgumentParser) -> None:
         "10ms,10ms,10ms,10ms,150ms",
     )
     p.add_argument("--out", default="runs/async-compare")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train every method again, replacing its run in --out (by default a method "
+        "that finished there with the same settings is read back)",
+    )
     p.add_argument("train_flags", nargs=argparse.REMAINDER, help="-- thinwire train flags")
     p.set_defaults(func=run_async_compare)
 
@@ -125,10 +133,12 @@ def run_async_compare(args: argparse.Namespace) -> int:
         if hosts is not None and "," in args.rate:
             raise ConfigError(f"--rate: the methods run at one link rate, got {args.rate!r}")
         delay = args.delay.split(",") if args.delay and "," in args.delay else args.delay
-        result = compare_methods(base, methods, Path(args.out), hosts, args.rate, delay)
+        command = shlex.join(["thinwire", *getattr(args, "argv", ["compare", "--async"])])
+        result = compare_methods(
+            base, methods, Path(args.out), hosts, args.rate, delay, command, args.overwrite
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    command = shlex.join(["thinwire", *getattr(args, "argv", ["compare", "--async"])])
     table = save_results(result, Path(args.out), command)
     print(table)
     return 0

@@ -3,9 +3,12 @@
 Two choices make the mode, and each mode has options of its own (``--help`` after the
 mode's flags lists them):
 
-* what: synchronous training algorithms (the default): ``--algos`` run specs (``ALGO``
-  or ``ALGO@key=value,...``) over every ``thinwire train`` option (``--lr``, ``--model``,
-  ``--freeze-step``, ``--config FILE``, ...) as the shared base of the runs; or
+* what: training algorithms (the default): ``--algos`` run specs (``ALGO`` or
+  ``ALGO@key=value,...``) over every ``thinwire train`` option (``--lr``, ``--model``,
+  ``--freeze-step``, ``--config FILE``, ...) as the shared base of the runs; an
+  asynchronous method is a run spec too (``sync``, ``naive``, ``dn``, ``dn-dylu``: ``--algo
+  async-diloco`` with that method's settings, with ``--workers`` 1 server + one per
+  ``--slowdown`` factor); or
   ``--async``: asynchronous Local-SGD methods against sync DiLoCo, ``--methods
   sync,naive,dn,dn-dylu`` with ``--slowdown`` factors per worker (what ``thinwire compare
   --async --help`` lists);
@@ -24,6 +27,7 @@ Examples::
     thinwire compare --algos lamb@lr=0.01 lamb@lr=0.02 onebit-lamb --out runs/sweep
     thinwire compare --testbed --algos lamb onebit-lamb --hosts 4 --rates 100mbit,1gbit
     thinwire compare --testbed --algos adamw onebit-lamb --rates 100mbit --delay 50ms
+    thinwire compare --algos sync dn-dylu@outer_lr=0.3 --workers 3 --slowdown 1,2
     thinwire compare --async --methods sync,naive,dn,dn-dylu --steps 200 \\
         --slowdown 1,1.29,2.6,5.74 --out runs/async
     thinwire compare --async --methods sync,dn-dylu --testbed --rate 100mbit \\

@@ -337,6 +337,12 @@ def _add_reporting_arguments(r: argparse._ArgumentGroup, d: TrainConfig) -> None
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events")
     r.add_argument(
+        "--no-record",
+        dest="record",
+        action="store_false",
+        help="do not record the steps to OUT/record.jsonl (for thinwire analyze run)",
+    )
+    r.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds before a stuck run is stopped"
     )
 

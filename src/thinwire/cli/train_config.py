@@ -15,11 +15,12 @@ import functools
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import fields
 from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.train.algorithms import DEFAULT_LR, TRAINED_LR, default_lr
-from thinwire.train.config import TrainConfig
+from thinwire.train.config import FILE_ONLY, TrainConfig
 from thinwire.train.config_file import read_config_file
 
 __all__ = ["EXPLICIT", "config_from_args", "lr_given", "note_trained_lr", "track_explicit"]
@@ -69,64 +70,24 @@ def _trained(args: argparse.Namespace) -> bool:
 
 
 def _from_flags(args: argparse.Namespace) -> TrainConfig:
+    """The config the flags alone describe. Each field not in ``FILE_ONLY`` has a flag
+    whose destination is the field's name (or :data:`_FIELD_OF`'s); a flag left at None
+    keeps the field's default, so every default is the dataclass's own."""
     if args.shards is not None and args.shards < 1:
         raise ConfigError(f"--shards must be >= 1, got {args.shards}")
-    return TrainConfig(
-        algo=args.algo,
-        model=args.model,
-        seq_len=args.seq_len,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        data=args.data,
-        seed=args.seed,
-        steps=args.steps,
-        stop_after=args.stop_after,
-        batch_size=args.batch_size,
-        lr=args.lr if args.lr is not None else default_lr(args.algo, _trained(args)),
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        freeze_step=args.freeze_step,
-        freeze_cap=args.freeze_cap,
-        freeze_tolerance=args.freeze_tolerance,
-        precondition=args.precondition,
-        bias_correction=args.bias_correction,
-        powersgd_rank=args.powersgd_rank,
-        powersgd_start=args.powersgd_start,
-        grad_dtype=args.grad_dtype,
-        local_steps=args.local_steps,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        outer=args.outer,
-        dylu=args.dylu,
-        slowdown=args.slowdown,
-        compress=args.compress,
-        inner_momentum=args.inner_momentum,
-        speeds=args.speeds,
-        calibration_steps=args.calibration_steps,
-        min_local_steps=args.min_local_steps,
-        staleness=args.staleness,
-        max_staleness=args.max_staleness,
-        shard_sampling=args.shard_sampling,
-        pretrain_steps=args.pretrain_steps,
-        init_from=args.init_from,
-        shard_layout=args.shard_layout,
-        compress_pull=args.compress_pull,
-        grace_s=args.grace,
-        sync=args.sync,
-        shards=args.shards,
-        dead_after_s=args.dead_after,
-        eval_interval=args.eval_interval,
-        eval_sequences=args.eval_sequences,
-        log_interval=args.log_interval,
-        checkpoint_interval=args.checkpoint_interval,
-        out_dir=args.out or f"runs/{args.algo}",
-        resume=args.resume,
-        progress=not args.no_progress,
-        tensorboard=args.tensorboard,
-        device=args.device,
-    )
+    dest_of = {name: dest for dest, name in _FIELD_OF.items()}
+    values: dict[str, Any] = {}
+    for f in fields(TrainConfig):
+        if f.name in FILE_ONLY:
+            continue
+        value = getattr(args, dest_of.get(f.name, f.name))
+        if value is not None:
+            values[f.name] = value
+    values["progress"] = not args.no_progress
+    if args.lr is None:
+        values["lr"] = default_lr(args.algo, _trained(args))
+    values.setdefault("out_dir", f"runs/{args.algo}")
+    return TrainConfig(**values)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

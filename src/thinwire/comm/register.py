@@ -99,6 +99,7 @@ def register_comm_hook(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     process_group: Any = None,
+    wrap: Any = None,
     **options: Any,
 ) -> Any:
     """Install one of thinwire's DDP comm hooks on ``ddp_model``; return its state.
@@ -113,6 +114,8 @@ def register_comm_hook(
             checked: an adaptive one behind ``onebit`` logs one warning that points to
             :class:`thinwire.optim.OneBitAdam`.
         process_group: the group to average over (default: DDP's).
+        wrap: a function that wraps the hook before it is registered, as
+            :meth:`thinwire.comm.step_record.StepRecorder.wrap_hook` does to time it.
         options: for ``onebit``, :class:`~thinwire.comm.onebit_hook.OneBitHookState`'s
             arguments (``warmup_steps``, ``block``, ``overlap``, ...).
 
@@ -131,7 +134,7 @@ def register_comm_hook(
         if options:
             raise TypeError(f"the {method} hook takes no options, got {sorted(options)}")
         state = _CastState(process_group, WIRE_DTYPES[method])
-        ddp_model.register_comm_hook(state, _cast_hook)
+        ddp_model.register_comm_hook(state, wrap(_cast_hook) if wrap else _cast_hook)
         return state
     if optimizer is not None and adaptive_optimizer(optimizer):
         _log.warning(
@@ -143,5 +146,5 @@ def register_comm_hook(
             type(optimizer).__name__,
         )
     state = OneBitHookState(process_group=process_group, **options)
-    ddp_model.register_comm_hook(state, onebit_hook)
+    ddp_model.register_comm_hook(state, wrap(onebit_hook) if wrap else onebit_hook)
     return state

@@ -88,6 +88,20 @@ class ResumableDDP(DistributedDataParallel):
         super().register_comm_hook(switch, _switched_hook)
         self._hook_switch = switch
 
+    @property
+    def has_hook(self) -> bool:
+        """Whether a comm hook is registered."""
+        return self._hook_switch is not None
+
+    def wrap_hook(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace the registered hook by ``wrap(hook)``, in place: DDP takes a hook only
+        once, so this is how a hook is timed after registration (as
+        :func:`thinwire.comm.step_record.record_run` does)."""
+        switch = self._hook_switch
+        if switch is None:
+            raise RuntimeError("ResumableDDP.wrap_hook needs a comm hook registered first")
+        switch.hook = wrap(switch.hook)
+
     def rehearse(self, forward_backward: Callable[[], None]) -> None:
         """Run ``forward_backward`` (one forward pass through this module and a backward
         pass from its output, the graph of a training step) without communicating, so

@@ -1,10 +1,12 @@
 """Communicating less often: synchronous DiLoCo and asynchronous Local-SGD, on your model.
 
-The package has two halves and three modules both use. ``algorithm/`` holds the math
+The package has two halves and four modules both use. ``algorithm/`` holds the math
 and the rules (what a run computes and decides); ``runtime/`` holds the processes and
 the wire that run them over the network. Nothing in ``algorithm/`` imports ``runtime/``.
-Shared: ``config.py`` (:class:`AsyncConfig`), ``task.py`` (:class:`Task`, what the user
-hands a run) and ``messages.py`` (what the server and its workers say, by name).
+Shared: ``settings.py`` (:class:`LocalSGDSettings` and :class:`AsyncSettings`, every
+Local-SGD knob defined once), ``config.py`` (:class:`AsyncConfig`: those settings plus a
+run's budget and checkpoints), ``task.py`` (:class:`Task`, what the user hands a run) and
+``messages.py`` (what the server and its workers say, by name).
 
 * :class:`DiLoCo` (``algorithm/diloco.py``): H local steps, then one averaged outer
   Nesterov step; a context manager around the user's model and inner optimizer.
@@ -63,6 +65,7 @@ from thinwire.localsgd.runtime.launch import run_async
 from thinwire.localsgd.runtime.rejoin import rejoin_async
 from thinwire.localsgd.runtime.server_process import IncompleteRunError
 from thinwire.localsgd.runtime.trained import load_trained
+from thinwire.localsgd.settings import AsyncSettings, LocalSGDSettings
 from thinwire.localsgd.task import BatchSource, Task
 
 __all__ = [
@@ -71,11 +74,13 @@ __all__ = [
     "TUNED",
     "AsyncBuffer",
     "AsyncConfig",
+    "AsyncSettings",
     "BatchSource",
     "DelayedNesterov",
     "DiLoCo",
     "IncompleteRunError",
     "InnerStateRule",
+    "LocalSGDSettings",
     "LocalWorker",
     "Nesterov",
     "PushGuard",

@@ -16,40 +16,29 @@ same slowdowns)::
 
 Each method runs at its tuned outer lr and momentum unless ``--`` passes other
 ``thinwire train`` flags to all of them. Without ``--hosts`` the processes run on this
-machine (the local spawner); with it, one process per emulated host. Writes
-``results.json`` and ``table.md`` to ``--out``, and records the machine's load average
+machine (the local spawner); with it, one process per emulated host. The runs go through
+the one comparison driver, :func:`thinwire.train.compare.compare` (each method is a run
+spec of its own), which writes ``comparison.json`` and records the machine's load average
 before and after every run: wall-clock numbers from a busy host say as much about the host
-as about the method.
+as about the method. This adds ``results.json`` and ``table.md``, the asynchronous view.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
-from thinwire.localsgd.algorithm.virtual_clock import time_to_reach
+from thinwire.localsgd.algorithm.methods import METHODS
+from thinwire.train.compare import compare
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics
-from thinwire.train.run import run_training
 
-__all__ = ["METHOD_SETTINGS", "compare_methods", "format_table", "save_results"]
-
-METHOD_SETTINGS: dict[str, dict[str, Any]] = {
-    "sync": {"sync": True},
-    "naive": {"outer": "nesterov"},
-    "poly": {"outer": "nesterov", "staleness": "poly"},
-    "polythres": {"outer": "nesterov", "staleness": "poly", "max_staleness": 10},
-    "buffer": {"outer": "buffer"},
-    "dn": {},
-    "dn-dylu": {"dylu": True},
-}
-"""Each method as ``TrainConfig`` settings of ``--algo async-diloco``."""
+__all__ = ["compare_methods", "format_table", "save_results"]
 
 
 def _curve(out: Path) -> list[dict[str, float]]:
@@ -60,20 +49,6 @@ def _curve(out: Path) -> list[dict[str, float]]:
     ]
 
 
-def _run_one(
-    cfg: TrainConfig, out: Path, hosts: int | None, rate: str | None, cluster: Any
-) -> dict[str, Any]:
-    load = os.getloadavg()[0]
-    workers = len(cfg.slowdown) + 1 if cfg.slowdown else 5
-    if hosts is None:
-        summary = run_training(replace(cfg, out_dir=str(out)), workers)
-    else:
-        from thinwire.testbed.experiments import train_on_testbed
-
-        summary = train_on_testbed(cfg, hosts, rate, out, cluster=cluster)
-    return summary | {"curve": _curve(out), "load_avg_1min": [load, os.getloadavg()[0]]}
-
-
 def compare_methods(
     base: TrainConfig,
     methods: list[str],
@@ -81,67 +56,82 @@ def compare_methods(
     hosts: int | None = None,
     rate: str | None = None,
     delay: list[str] | str | None = None,
+    command: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Run ``base`` as each of ``methods``; the runs and their comparison with ``sync``.
 
-    ``delay`` (testbed only): one-way delay between hosts, one value or one per host
-    (host 0 is the server), as :class:`~thinwire.testbed.cluster.Cluster` takes it.
+    The runs go through :func:`thinwire.train.compare.compare`, the one comparison
+    driver, with each method as its run spec (``sync``, ``dn-dylu``, ...), so
+    ``out_dir/comparison.json`` holds them as every comparison does; this adds the
+    asynchronous view of them. ``delay`` (testbed only): one-way delay between hosts, one
+    value or one per host (host 0 is the server), as
+    :class:`~thinwire.testbed.cluster.Cluster` takes it.
 
     ``base`` is an ``async-diloco`` config (its ``out_dir`` is replaced per method). A
-    method whose ``out_dir/METHOD/summary.json`` exists is read back, not run again.
+    method that finished in ``out_dir/METHOD`` with the same settings is read back, not
+    run again, unless ``overwrite`` (one with other settings is refused in one line).
     """
-    unknown = [m for m in methods if m not in METHOD_SETTINGS]
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ConfigError(
-            f"unknown method {unknown[0]!r}; choose from {', '.join(METHOD_SETTINGS)}"
-        )
-    cluster = None
+        raise ConfigError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    workers = len(base.slowdown) + 1 if base.slowdown else 5
+    base = replace(base, algo="async-diloco", resume=True)
+    reference = "sync" if "sync" in methods else methods[0]
+    cluster = runner = None
+    where: dict[str, Any] = {"kind": "local"}
     if hosts is not None:
         from thinwire.testbed.cluster import Cluster
+        from thinwire.testbed.experiments import on_cluster
 
         cluster = Cluster(hosts, rate, delay=delay)
         cluster.up()
-    runs: dict[str, Any] = {}
+        runner = on_cluster(cluster)
+        where = {"kind": "testbed", "hosts": hosts, "rate": rate, "delay": delay}
     try:
-        for m in methods:
-            out = Path(out_dir) / m
-            done = out / "result.json"
-            if done.exists():
-                runs[m] = json.loads(done.read_text())
-                continue
-            cfg = replace(base, algo="async-diloco", **METHOD_SETTINGS[m])
-            runs[m] = _run_one(cfg, out, hosts, rate, cluster)
-            atomic_write_text(done, json.dumps(runs[m], indent=1) + "\n")
-            r = runs[m]
-            print(f"{m}: final val loss {r['final_val_loss']:.4f} in {r['train_time_s']:.1f} s")
+        result = compare(
+            methods,
+            base,
+            workers,
+            Path(out_dir),
+            reference=reference,
+            overwrite=overwrite,
+            command=command,
+            runner=runner,
+            where=where,
+        )
     finally:
         if cluster is not None:
             cluster.close()
-    return {"runs": runs, "summary": _summary(runs)}
-
-
-def _summary(runs: dict[str, Any]) -> dict[str, Any]:
-    ref = runs.get("sync")
-    out = {}
+    runs = {
+        m: r["summary"]
+        | {"curve": _curve(Path(r["out_dir"])), "load_avg_1min": r.get("load_avg_1min")}
+        for m, r in result["runs"].items()
+    }
     for m, r in runs.items():
+        print(f"{m}: final val loss {r['final_val_loss']:.4f} in {r['train_time_s']:.1f} s")
+    return {"runs": runs, "summary": _summary(result)}
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Each method's row: loss, time, updates and bytes, and against ``sync`` (when it
+    ran) its loss ratio and how soon it reached sync's final loss."""
+    against_sync = result["reference"] == "sync"
+    out = {}
+    for m, r in result["runs"].items():
+        s = r["summary"]
         row = {
             "final_val_loss": r["final_val_loss"],
             "train_time_s": r["train_time_s"],
-            "updates_applied": r["updates_applied"],
-            "push_bytes": r.get("push_bytes"),
-            "pull_bytes": r.get("pull_bytes"),
-            "load_avg_1min": r["load_avg_1min"],
+            "updates_applied": s["updates_applied"],
+            "push_bytes": s.get("push_bytes"),
+            "pull_bytes": s.get("pull_bytes"),
+            "load_avg_1min": r.get("load_avg_1min") or [math.nan, math.nan],
         }
-        if ref is not None:
-            # Both times from the evaluation records, on the server's one clock.
-            target = ref["final_val_loss"]
-            reach, ref_reach = (
-                time_to_reach(r["curve"], target),
-                time_to_reach(ref["curve"], target),
-            )
-            row["loss_vs_sync"] = r["final_val_loss"] / target
-            row["time_to_sync_loss_s"] = reach
-            row["speedup_to_sync_loss"] = ref_reach / reach if reach and ref_reach else None
+        if against_sync:
+            row["loss_vs_sync"] = r["loss_ratio"]
+            row["time_to_sync_loss_s"] = r["time_to_ref_loss_s"]
+            row["speedup_to_sync_loss"] = r["speedup_to_ref_loss"]
         out[m] = row
     return out
 

@@ -3,9 +3,9 @@
 The trainer hands :func:`thinwire.localsgd.run_async` its own pieces through the public
 API, exactly as any user would: thinwire's GPT as the model factory, AdamW as the inner
 optimizer, its text shards as batch sources, the GPT's cross-entropy as the loss and the
-validation loss as the evaluation (:func:`gpt_task`). :func:`async_config` maps a
-:class:`~thinwire.train.config.TrainConfig` onto the one
-:class:`~thinwire.localsgd.AsyncConfig`. Around the run it keeps what only the trainer
+validation loss as the evaluation (:func:`gpt_task`). :func:`async_config` hands a
+:class:`~thinwire.train.config.TrainConfig`'s Local-SGD section (the fields it shares with
+:class:`~thinwire.localsgd.AsyncConfig`) and its run settings to the runtime. Around the run it keeps what only the trainer
 has: the run identity in ``run.json``, ``metrics.jsonl`` and ``summary.json``.
 """
 
@@ -16,7 +16,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.io import atomic_write_text
-from thinwire.localsgd import AsyncConfig, IncompleteRunError, Task, rejoin_async, run_async
+from thinwire.localsgd import (
+    AsyncConfig,
+    AsyncSettings,
+    IncompleteRunError,
+    Task,
+    rejoin_async,
+    run_async,
+)
 from thinwire.localsgd.runtime.auth import read_token
 from thinwire.localsgd.runtime.run_store import server_address
 from thinwire.localsgd.runtime.trained import load_trained
@@ -40,51 +47,25 @@ from thinwire.train.trainer import parameter_digest, pick_device
 
 __all__ = ["async_config", "check_async_config", "gpt_loss", "gpt_task", "rejoin", "run"]
 
-_OPTIONAL = (
-    "grace_s",
-    "shards",
-    "c",
-    "dylu_ema",
-    "dead_after_s",
-    "connect_timeout_s",
-    "link_timeout_s",
-    "outer_lr",
-    "outer_momentum",
-    "staleness",
-    "max_staleness",
-    "speeds",
-    "calibration_steps",
-    "min_local_steps",
-    "shard_sampling",
-    "compress_pull",
-    "pretrain_steps",
-    "init_from",
-)
-"""TrainConfig fields whose None means "AsyncConfig's default"."""
-
 
 def async_config(cfg: TrainConfig) -> AsyncConfig:
-    """The asynchronous Local-SGD settings of a trainer run."""
-    given = {name: getattr(cfg, name) for name in _OPTIONAL if getattr(cfg, name) is not None}
+    """The asynchronous Local-SGD settings of a trainer run: its Local-SGD section as it
+    is, and the run's budget, schedule, start and checkpoints."""
+    section = {f.name: getattr(cfg, f.name) for f in fields(AsyncSettings)}
     return AsyncConfig(
+        **section,
         steps=cfg.steps,
-        local_steps=cfg.local_steps,
-        outer=cfg.outer,
-        dylu=cfg.dylu,
-        sync=cfg.sync,
-        inner_momentum=cfg.inner_momentum,
+        seed=cfg.seed,
         warmup_steps=cfg.warmup_steps,
         min_lr_ratio=cfg.min_lr_ratio,
         grad_clip=cfg.grad_clip,
-        compress=cfg.compress,
-        seed=cfg.seed,
-        slowdown=cfg.slowdown,
+        pretrain_steps=cfg.pretrain_steps or 0,
+        init_from=cfg.init_from,
         eval_interval=cfg.eval_interval,
         checkpoint_dir=cfg.out_dir,
         checkpoint_interval=cfg.checkpoint_interval,
         resume=cfg.resume,
         stop_after=cfg.stop_after,
-        **given,
     )
 
 
@@ -193,8 +174,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             writers.append(MetricsWriter(out_dir, True, resumed, cfg.tensorboard))
 
     def on_eval(record: dict[str, Any]) -> None:
+        # "step" counts inner steps over all workers; samples as the trainer counts them
         for w in writers:
-            w.write(record)
+            w.write(record | {"samples": record["step"] * cfg.batch_size})
 
     try:
         s = run_async(gpt_task(cfg), acfg, on_start=on_start, on_eval=on_eval)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -54,9 +55,11 @@ from thinwire.comm.accounting import COUNTER
 from thinwire.comm.launch import launched_by_torchrun, spawn
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
+from thinwire.localsgd.algorithm.methods import METHODS, for_method
+from thinwire.localsgd.settings import AsyncSettings
 from thinwire.rundir import existing_run
 from thinwire.train.algorithms import check_algorithm, default_lr
-from thinwire.train.config import TrainConfig
+from thinwire.train.config import TrainConfig, drop_legacy_nulls
 from thinwire.train.data import load_text
 from thinwire.train.metrics import read_metrics
 from thinwire.train.run import run_training
@@ -103,11 +106,18 @@ def parse_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"lamb@lr=0.01,freeze_step=20"`` -> ``("lamb", {"lr": 0.01, "freeze_step": 20})``.
 
     Keys are :class:`TrainConfig` field names (dashes allowed); ``betas`` is written
-    ``0.9/0.999``. Unknown algorithms and keys raise :class:`ConfigError`.
+    ``0.9/0.999``. The name may also be one of the asynchronous methods
+    (:data:`~thinwire.localsgd.METHODS`: ``sync``, ``naive``, ``dn``, ``dn-dylu``, ...),
+    which is ``async-diloco`` with that method's settings: ``dn-dylu@outer_lr=0.3`` ->
+    ``("async-diloco", {"outer": "dn", ..., "dylu": True, "outer_lr": 0.3})``. Unknown
+    algorithms and keys raise :class:`ConfigError`.
     """
     algo, _, rest = spec.partition("@")
-    check_algorithm(algo)
     overrides: dict[str, Any] = {}
+    if algo in METHODS:
+        overrides = _method_settings(algo)
+        algo = "async-diloco"
+    check_algorithm(algo)
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         key = key.strip().replace("-", "_")
@@ -118,6 +128,20 @@ def parse_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
             )
         overrides[key] = _convert(key, value.strip())
     return algo, overrides
+
+
+def _method_settings(method: str) -> dict[str, Any]:
+    """The fields that make an ``async-diloco`` run the asynchronous ``method``."""
+    chosen = for_method(AsyncSettings(), method)
+    names = (
+        "outer",
+        "staleness",
+        "max_staleness",
+        "dylu",
+        "sync",
+        *(("c",) if chosen.sync else ()),
+    )
+    return {k: getattr(chosen, k) for k in names}
 
 
 def _run_dir(out_dir: Path, label: str) -> Path:
@@ -153,7 +177,9 @@ def local_runner(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> lis
     Spawning once for the whole comparison (instead of once per run) saves the start-up
     of W Python processes per run, which on a busy machine costs more than a short run.
     """
-    if launched_by_torchrun() or workers == 1:
+    if launched_by_torchrun() or workers == 1 or any(c.algo == "async-diloco" for c in cfgs):
+        # An asynchronous run is launched on its own: its workers may die without taking
+        # the launcher down.
         out = []
         for cfg in cfgs:
             COUNTER.reset()
@@ -216,11 +242,15 @@ def compare(
         elif base.resume and label not in done:
             _continue_or_clear(cfg)
     todo = [cfg for label, cfg in configs.items() if label not in done]
-    summaries = iter((runner or local_runner)(todo, workers, timeout_s) if todo else [])
+    runner = runner or local_runner
+    if any(cfg.algo == "async-diloco" for cfg in todo):
+        runner = _one_at_a_time_with_load(runner)
+    summaries = iter(runner(todo, workers, timeout_s) if todo else [])
     runs = {
         label: _run_record(cfg, done[label] if label in done else next(summaries))
         for label, cfg in configs.items()
     }
+    _keep_measured(runs, done, out_dir)
     _stages(runs)
     _ratios(runs, runs[reference])
     result = {
@@ -289,8 +319,9 @@ def _run_config(
     return cfg
 
 
-_PLUMBING = ("out_dir", "resume", "stop_after", "progress")
-"""Config fields that do not change what a finished run trained."""
+_PLUMBING = ("out_dir", "resume", "stop_after", "progress", "log_interval", "tensorboard", "record")
+"""Config fields that do not change what a finished run trained (the testbed's runner,
+for one, logs every step of the runs it trains)."""
 
 
 def _finished_runs(configs: Mapping[str, TrainConfig]) -> dict[str, dict[str, Any]]:
@@ -303,7 +334,7 @@ def _finished_runs(configs: Mapping[str, TrainConfig]) -> dict[str, dict[str, An
         if not (run_dir / "summary.json").is_file():
             continue
         try:
-            saved = json.loads((run_dir / "config.json").read_text())
+            saved = drop_legacy_nulls(json.loads((run_dir / "config.json").read_text()))
             summary = json.loads((run_dir / "summary.json").read_text())
         except (OSError, ValueError) as err:
             raise ConfigError(f"compare --resume: cannot read the run in {run_dir}: {err}") from err
@@ -325,6 +356,34 @@ def _finished_runs(configs: Mapping[str, TrainConfig]) -> dict[str, dict[str, An
     return done
 
 
+def _keep_measured(runs: dict[str, dict[str, Any]], done: Mapping[str, Any], out_dir: Path) -> None:
+    """A run read back keeps what the comparison measured around it the first time (the
+    load average, a testbed's NIC counters), which its own files do not hold: from
+    ``comparison.json``."""
+    if not done:
+        return
+    try:
+        before = json.loads((out_dir / "comparison.json").read_text())["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if not isinstance(before, dict):
+        return
+    for label in done:
+        old = before.get(label)
+        for key in _MEASURED_AROUND:
+            if isinstance(old, dict) and key in old and key not in runs[label]:
+                runs[label][key] = old[key]
+
+
+_MEASURED_AROUND = (
+    "load_avg_1min",
+    "testbed",
+    "nic_over_accounted",
+    "accounted_tx_bytes_per_host",
+)
+"""What a runner measured around a run besides its own files (see :func:`_keep_measured`)."""
+
+
 def _continue_or_clear(cfg: TrainConfig) -> None:
     """A run that stopped continues from its last checkpoint; one that left none starts
     over (its partial files cleared)."""
@@ -337,14 +396,43 @@ def _continue_or_clear(cfg: TrainConfig) -> None:
 
 
 def _ratios(runs: dict[str, dict[str, Any]], ref: dict[str, Any]) -> None:
-    """Each run's loss, bytes and speed as ratios to the reference run ``ref``."""
+    """Each run's loss, bytes and speed as ratios to the reference run ``ref``, and how
+    soon it reached the reference's final loss (the asynchronous methods' measure: the
+    same loss in less time), by its own evaluations' clock."""
+    target = ref["final_val_loss"]
+    ref_reach = _time_to(ref["val_time"], target)
     for r in runs.values():
+        reach = _time_to(r["val_time"], target)
+        r["time_to_ref_loss_s"] = reach
+        r["speedup_to_ref_loss"] = ref_reach / reach if reach and ref_reach else None
         r["loss_ratio"] = r["final_val_loss"] / ref["final_val_loss"]
         # None when this run sent nothing (one worker): no ratio to speak of
         r["bytes_reduction"] = ref["comm_bytes"] / r["comm_bytes"] if r["comm_bytes"] else None
         r["speedup"] = r["samples_per_s"] / ref["samples_per_s"]
         a, b = (x["stages"]["compression"].get("samples_per_s") for x in (r, ref))
         r["compression_speedup"] = a / b if a and b else None
+
+
+def _one_at_a_time_with_load(runner: Runner) -> Runner:
+    """``runner``, one config at a time, each summary with the machine's load average
+    before and after its run (``load_avg_1min``): asynchronous methods are compared by
+    wall-clock time, which on a busy host says as much about the host as the method."""
+
+    def run(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> list[dict[str, Any]]:
+        out = []
+        for cfg in cfgs:
+            load = os.getloadavg()[0]
+            (summary,) = runner([cfg], workers, timeout_s)
+            out.append(summary | {"load_avg_1min": [load, os.getloadavg()[0]]})
+        return out
+
+    return run
+
+
+def _time_to(curve: list[list[float]], target: float) -> float | None:
+    """Seconds of the first evaluation of ``curve`` (``[seconds, val_loss]``) at or below
+    ``target``; None if it never got there."""
+    return next((t for t, loss in curve if loss <= target), None)
 
 
 def _run_record(cfg: TrainConfig, summary: dict[str, Any]) -> dict[str, Any]:
@@ -364,9 +452,10 @@ def _run_record(cfg: TrainConfig, summary: dict[str, Any]) -> dict[str, Any]:
         "samples_per_step": summary["samples"] / max(1, summary["steps"]),
         **_curves(metrics),
     }
-    for key in ("testbed", "nic_over_accounted", "accounted_tx_bytes_per_host"):
-        if key in summary:  # what a testbed runner measured besides
+    for key in _MEASURED_AROUND:
+        if key in summary:  # what a testbed runner measured besides, the load around it
             record[key] = summary[key]
+    record["summary"] = summary  # everything the run reported (updates, pushes, ...)
     return record
 
 
@@ -418,4 +507,5 @@ _RUN_OUTPUTS = (
     "config.json",
     "localsgd_server.pt",
     "testbed_run.json",
+    "record.jsonl",
 )

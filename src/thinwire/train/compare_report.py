@@ -104,7 +104,8 @@ def plot_comparison(
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     for ax in (ax_loss, ax_time, ax_bytes):
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # asynchronous runs log no bytes curve
+            ax.legend(fontsize=8)
     ax_speed.set_xticks(range(len(runs)), list(runs), fontsize=8, rotation=15)
     where = result.get("where", {})
     place = (

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 from thinwire.compress.cast import parse_cast
 from thinwire.errors import ConfigError
+from thinwire.localsgd.settings import ASYNC_ONLY, LOCAL_SGD, AsyncSettings
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.train.model import PRESETS, GPTConfig
 
@@ -20,6 +21,7 @@ __all__ = [
     "USED_BY",
     "TrainConfig",
     "check_types",
+    "drop_legacy_nulls",
     "refuse_extra",
     "short_repr",
 ]
@@ -33,25 +35,11 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "freeze_tolerance": ONEBIT_ALGOS,
     "precondition": ONEBIT_ALGOS,
     "grad_dtype": ("lamb", *ONEBIT_ALGOS),
-    "local_steps": _LOCAL_SGD,
-    "outer_lr": _LOCAL_SGD,
-    "outer_momentum": _LOCAL_SGD,
-    "compress": _LOCAL_SGD,
-    "inner_momentum": _LOCAL_SGD,
-    "outer": ("async-diloco",),
-    "dylu": ("async-diloco",),
-    "slowdown": ("async-diloco",),
-    "grace_s": ("async-diloco",),
-    "sync": ("async-diloco",),
-    "shards": ("async-diloco",),
-    "c": ("async-diloco",),
-    "dylu_ema": ("async-diloco",),
-    "dead_after_s": ("async-diloco",),
-    "connect_timeout_s": ("async-diloco",),
-    "link_timeout_s": ("async-diloco",),
     "bias_correction": ONEBIT_ALGOS,
     "powersgd_rank": ("adamw-powersgd",),
     "powersgd_start": ("adamw-powersgd",),
+    **dict.fromkeys(LOCAL_SGD, _LOCAL_SGD),
+    **dict.fromkeys(ASYNC_ONLY, ("async-diloco",)),
 }
 """The algorithm-specific fields of :class:`TrainConfig` and the algorithms that read them;
 the others are read by every algorithm."""
@@ -161,6 +149,21 @@ def refuse_extra(values: dict[str, Any], where: str = "") -> None:
     )
 
 
+def drop_legacy_nulls(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` without the nulls of Local-SGD settings that take no None.
+
+    Before the Local-SGD settings were one section, the trainer's copies of them held
+    None for "the asynchronous runtime's default", and every ``config.json`` written then
+    says so (``"grace_s": null``). Such a null still means the default, so that
+    ``--config OLD/config.json`` and ``compare --resume`` keep working on those runs.
+    """
+    return {
+        k: v
+        for k, v in values.items()
+        if not (v is None and k in ASYNC_ONLY and not _fits(_FIELD_TYPES[k], None))
+    }
+
+
 def _check_range(
     name: str, value: float, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
 ) -> None:
@@ -179,8 +182,9 @@ def _check_range(
 
 
 @dataclass
-class TrainConfig:
-    """Everything that defines a run of the example trainer.
+class TrainConfig(AsyncSettings):
+    """Everything that defines a run of the example trainer: the fields below and the
+    Local-SGD settings it inherits from :class:`~thinwire.localsgd.settings.AsyncSettings`.
 
     Fields marked *identity* must match when a run is resumed; the others (steps,
     intervals, output options) may change between the original run and its resume.
@@ -285,71 +289,15 @@ class TrainConfig:
     run on a worse path it does not recover from (PyTorch's advice); each of them costs the
     full fp32 bytes, so on a slow link keep it a small share of the run."""
 
-    # --- Local-SGD ----------------------------------------------------------------------
-    local_steps: int = 10
-    """Inner steps H between synchronisations (DiLoCo and asynchronous Local-SGD); see
-    ``AsyncConfig.local_steps`` for why 10."""
-    outer_lr: float | None = None
-    """Outer (Nesterov) learning rate of DiLoCo; None: the method's tuned value
-    (``thinwire.localsgd.algorithm.methods.TUNED``: 0.2 for DiLoCo, 0.3 for Delayed Nesterov alone,
-    0.5 without momentum for DN+DyLU)."""
-    outer_momentum: float | None = None
-    """Outer Nesterov momentum of DiLoCo; None: the method's tuned value (0.9; 0 for naive
-    ``--outer nesterov`` and for ``--dylu``). 0 is plain SGD on the averaged pseudo-gradient."""
-    outer: str = "dn"
-    """Asynchronous outer optimizer: ``dn`` (Delayed Nesterov), ``nesterov`` (naive) or
-    ``buffer`` (the paper's asynchronous buffer)."""
-    dylu: bool = False
-    """Dynamic Local Updates: fewer inner steps for slower workers."""
-    slowdown: tuple[float, ...] | None = None
-    """Per-worker slowdown factors (e.g. ``1,1,2,4``) to emulate uneven hardware."""
-    compress: str = "none"
-    """Compression of pseudo-gradients: ``none``, ``fp16``, ``bf16`` or ``onebit``."""
-    inner_momentum: str | None = None
-    """Local-SGD inner-state rule, the same for every method: ``keep`` the inner AdamW
-    state across rounds (DiLoCo), zero the first moment every ``round``, ``restart`` it
-    bias-corrected (the default) or build a ``fresh`` optimizer every round. See
-    :mod:`thinwire.localsgd.algorithm.inner_state`."""
+    # --- Local-SGD (diloco, async-diloco) ------------------------------------------------
+    # The Local-SGD settings (local_steps, outer, outer_lr, dylu, compress, ...) are the
+    # fields this class inherits from thinwire.localsgd.AsyncSettings, which documents
+    # each one; only the trainer's own data layout is defined here.
     shard_layout: str = "striped"
     """How Local-SGD cuts the training text into shards: ``striped`` (4 KiB blocks dealt
     round-robin: every shard samples the whole text) or ``contiguous`` (one stretch each,
     so shards differ in style). ``--algo diloco`` reads them too: rank r trains on the
     shard the schedule of synchronous rounds gives it, as the simulator's sync does."""
-
-    # --- asynchronous Local-SGD (async-diloco) ------------------------------------------
-    # Mapped onto thinwire.localsgd.AsyncConfig, whose field of the same name documents
-    # each one; None keeps AsyncConfig's default, so every default lives there alone.
-    grace_s: float | None = None
-    """Grace period in seconds (``--grace``); see ``AsyncConfig.grace_s``."""
-    sync: bool = False
-    """Every round waits for all workers (``--sync``): synchronous DiLoCo through the
-    server, the baseline for ``--slowdown`` comparisons; see ``AsyncConfig.sync``."""
-    shards: int | None = None
-    """Data shards (``--shards``; None: one per worker); see ``AsyncConfig.shards``."""
-    c: float | None = None
-    """Delayed Nesterov's c in ``[0, 1/N]``; see ``AsyncConfig.c``."""
-    dylu_ema: float | None = None
-    """DyLU's speed average weight; see ``AsyncConfig.dylu_ema``."""
-    dead_after_s: float | None = None
-    """Heartbeat silence that means a dead worker; see ``AsyncConfig.dead_after_s``."""
-    connect_timeout_s: float | None = None
-    """Opening a worker's link; see ``AsyncConfig.connect_timeout_s``."""
-    link_timeout_s: float | None = None
-    """Any later send or receive; see ``AsyncConfig.link_timeout_s``."""
-    staleness: str | None = None
-    """``poly`` discounts stale pushes (``--staleness``); see ``AsyncConfig.staleness``."""
-    max_staleness: int | None = None
-    """Drop pushes staler than this (``--max-staleness``); see ``AsyncConfig``."""
-    speeds: tuple[float, ...] | None = None
-    """Declared seconds per step per worker for DyLU (``--speeds``); see ``AsyncConfig``."""
-    calibration_steps: int | None = None
-    """DyLU's first round without declared speeds; see ``AsyncConfig.calibration_steps``."""
-    min_local_steps: int | None = None
-    """DyLU's floor on a round; see ``AsyncConfig.min_local_steps``."""
-    shard_sampling: str | None = None
-    """``least-progress`` or ``paper`` (``--shard-sampling``); see ``AsyncConfig``."""
-    compress_pull: str | None = None
-    """Pull codec (``--compress-pull``); see ``AsyncConfig.compress_pull``."""
 
     # --- measuring, saving -------------------------------------------------------------
     eval_interval: int = 50
@@ -368,6 +316,12 @@ class TrainConfig:
     """Show a progress bar on rank 0 (only when stderr is a terminal)."""
     tensorboard: bool = False
     """Also write TensorBoard events (needs the ``tensorboard`` package)."""
+    record: bool = True
+    """Record the run's steps to ``OUT/record.jsonl`` (``--no-record`` turns it off): the
+    compute, when each gradient became ready, each DDP bucket's bytes and timing
+    (:mod:`thinwire.comm.step_record`), what ``thinwire analyze run OUT/`` predicts the
+    job's scaling from. It costs a clock read per parameter per step and a line per
+    recorded step (every step of the first 50, then one in 10)."""
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (CUDA when available)."""
 
@@ -432,8 +386,6 @@ class TrainConfig:
             parse_cast(self.grad_dtype, "grad-dtype", plain="fp32")
         _check_range("freeze-tolerance", self.freeze_tolerance, 0.0, math.inf, lo_open=True)
         _check_range("freeze-cap", self.freeze_cap, 0.0, 1.0, lo_open=True)
-        if self.local_steps < 1:
-            raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
         # An outer lr of 0 leaves a model that never moves; momentum must be in [0, 1) for
         # the outer step to converge (0 is plain averaging of the pseudo-gradients).
         # None: the method's tuned value (thinwire.localsgd.TUNED).
@@ -441,6 +393,12 @@ class TrainConfig:
             _check_range("outer-lr", self.outer_lr, 0.0, math.inf, lo_open=True)
         if self.outer_momentum is not None:
             _check_range("outer-momentum", self.outer_momentum, 0.0, 1.0, hi_open=True)
+        # The settings every Local-SGD run reads are checked whatever the algorithm, as
+        # every field is; the asynchronous ones (whose combinations only mean something
+        # there: --sync with --dylu) when the run is asynchronous.
+        self.check_local_sgd()
+        if self.algo == "async-diloco":
+            self.check_async()
         if self.shard_layout not in ("striped", "contiguous"):
             raise ConfigError(
                 f"shard layout must be striped or contiguous, got {self.shard_layout!r}"
@@ -497,7 +455,9 @@ class TrainConfig:
         # A switch that is on by default was typed as its --no- form.
         off = {n for n in unused if getattr(default, n) is True and getattr(self, n) is False}
         return [
-            ("--no-" if name in off else "--") + name.replace("_", "-").removesuffix("-s")
+            name
+            if name in FILE_ONLY  # no flag: the file's own key
+            else ("--no-" if name in off else "--") + name.replace("_", "-").removesuffix("-s")
             for name in unused
         ]
 
@@ -521,7 +481,12 @@ class TrainConfig:
         return int(self.freeze_step)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field by name: the trainer's own first, then the Local-SGD section (the
+        order ``config.json`` shows them in)."""
+        names = [f.name for f in fields(self)]
+        section = set(LOCAL_SGD + ASYNC_ONLY)
+        ordered = [n for n in names if n not in section] + [n for n in names if n in section]
+        return {name: getattr(self, name) for name in ordered}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
@@ -529,7 +494,7 @@ class TrainConfig:
         left out, but a non-empty ``extra`` is refused (:func:`refuse_extra`)."""
         refuse_extra(d)
         known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs = {k: v for k, v in drop_legacy_nulls(d).items() if k in known}
         for key in ("betas", "slowdown", "speeds"):
             if kwargs.get(key) is not None:
                 kwargs[key] = tuple(kwargs[key])
@@ -544,6 +509,16 @@ FILE_ONLY = (
     "dylu_ema",
     "connect_timeout_s",
     "link_timeout_s",
+    "heartbeat_s",
+    "hung_after_s",
+    "hung_after_factor",
+    "max_restarts",
+    "token_file",
+    "bind_addr",
+    "max_push_ratio",
+    "push_history",
+    "push_warmup",
+    "max_refused_pushes",
 )
 """The :class:`TrainConfig` fields no ``thinwire train`` flag sets; a config file
 (``--config``) or Python sets them. Each is one the defaults were tuned around and a run
@@ -552,10 +527,12 @@ the validation loss measures (``thinwire compare`` holds it the same for every r
 ``min_lr_ratio`` and ``betas`` are the schedule's floor and Adam's decay rates, which
 every algorithm's tuned lr assumes; ``c`` and ``dylu_ema`` are Delayed Nesterov's
 momentum share and DyLU's speed average, whose defaults the asynchronous methods were
-tuned with; and
-``connect_timeout_s`` and ``link_timeout_s`` are transport deadlines that matter only on
-real links, where the testbed hands each host its settings as a file. Every other field
-has a flag (a test keeps the two in step)."""
+tuned with; the asynchronous runtime's deadlines (``connect_timeout_s`` to
+``max_restarts``) matter only on real links, where the testbed hands each host its
+settings as a file; and the admission settings (``token_file`` to
+``max_refused_pushes``) belong with a deployment's files (``THINWIRE_RUN_TOKEN_FILE``
+and ``THINWIRE_BIND_ADDR`` also set the first two per host). Every other field has a
+flag (a test keeps the two in step)."""
 
 _FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(TrainConfig)}
 """Each field's annotation as text (``from __future__ import annotations`` keeps them so)."""

@@ -35,7 +35,7 @@ from typing import Any
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text, read_input
-from thinwire.train.config import TrainConfig, check_types, refuse_extra
+from thinwire.train.config import TrainConfig, check_types, drop_legacy_nulls, refuse_extra
 
 __all__ = ["CONFIG_NAME", "read_config_file", "write_config_file"]
 
@@ -102,6 +102,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         )
     refuse_extra(data, where=f"--config {path}")
     data.pop("extra", None)  # an empty one, as every config.json written before holds
+    data = drop_legacy_nulls(data)
     for key in data:
         if key not in _FIELDS:
             raise ConfigError(

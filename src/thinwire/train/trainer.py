@@ -27,6 +27,7 @@ from thinwire.comm.launch import local_cuda_device
 from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
 from thinwire.comm.resumable_ddp import ResumableDDP
+from thinwire.comm.step_record import RECORD_NAME, StepRecorder, record_run
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
 from thinwire.runlock import RunLock
@@ -225,14 +226,35 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
     if 0 < run.start < end:
         _rehearse_buckets(run.strategy, run.data, cfg, run.start, run.device)
     compressing = bool(getattr(run.strategy.optimizer, "compressing", False))
+    recorder = _recorder(run)  # after the rehearsal, which is not a step
     try:
         for step in range(run.start, end):
             compressing = _step(run, step, end, compressing)
             run.progress.update(1)
     finally:
+        if recorder is not None:
+            recorder.close()
         run.progress.close()
         run.metrics.close()
     return _summarize(run, end)
+
+
+def _recorder(run: _Run) -> StepRecorder | None:
+    """The run's step recorder (``cfg.record``): rank 0 appends to ``OUT/record.jsonl``."""
+    cfg = run.cfg
+    if not cfg.record:
+        return None
+    gcfg = cfg.gpt_config()
+    meta = {
+        "algo": cfg.algo,
+        "preset": cfg.model,
+        "batch_size": cfg.batch_size,
+        "seq_len": gcfg.seq_len,
+    }
+    path = run.out_dir / RECORD_NAME
+    return record_run(
+        run.strategy.model, run.strategy.optimizer, path, meta=meta, start_step=run.start
+    )
 
 
 def _set_up(cfg: TrainConfig, device: torch.device) -> _Run | dict[str, Any]:

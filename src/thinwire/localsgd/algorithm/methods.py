@@ -52,12 +52,14 @@ seeds 0 and 1; the evidence runs use other seeds). What the sweep showed:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from thinwire.errors import ConfigError
 
 if TYPE_CHECKING:
-    from thinwire.localsgd.config import AsyncConfig
+    from thinwire.localsgd.settings import AsyncSettings
+
+S = TypeVar("S", bound="AsyncSettings")
 
 __all__ = ["METHODS", "TUNED", "Tuned", "for_method", "method_of"]
 
@@ -91,10 +93,11 @@ TUNED: dict[str, Tuned] = {
 the module docstring gives the numbers behind each."""
 
 
-def for_method(cfg: AsyncConfig, method: str) -> AsyncConfig:
-    """``cfg`` set up as one of :data:`METHODS`: outer optimizer, staleness rule, DyLU,
-    sync barrier. Everything else, the outer lr and momentum included, is left as it is
-    (None there means the method's tuned value)."""
+def for_method(cfg: S, method: str) -> S:
+    """``cfg`` (an ``AsyncConfig``, or any config with its settings) set up as one of
+    :data:`METHODS`: outer optimizer, staleness rule, DyLU, sync barrier. Everything else,
+    the outer lr and momentum included, is left as it is (None there means the method's
+    tuned value)."""
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     outer = {"naive": "nesterov", "poly": "nesterov", "polythres": "nesterov"}
@@ -109,7 +112,7 @@ def for_method(cfg: AsyncConfig, method: str) -> AsyncConfig:
     )
 
 
-def method_of(cfg: AsyncConfig) -> str:
+def method_of(cfg: AsyncSettings) -> str:
     """The method ``cfg`` runs (the nearest of :data:`METHODS`: DyLU with another outer
     optimizer counts as that optimizer's method)."""
     if cfg.sync:
