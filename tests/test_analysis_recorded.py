@@ -226,3 +226,22 @@ def test_zoo_results_count_for_their_model_only(tmp_path: Path) -> None:
     bad.write_text("[1]")
     with pytest.raises(ConfigError, match=r"expected a comparison\.json or zoo\.json"):
         gather([bad])
+
+
+@pytest.mark.timeout(30)
+def test_a_recorded_run_that_skipped_steps_ranks_its_own_fix_lower(tmp_path: Path) -> None:
+    run = tmp_path / "onebit"
+    run.mkdir()
+    rec_path = _write(run / "record.jsonl", [_step(k, [0.05, 0.02]) for k in range(1, 9)])
+    (run / "summary.json").write_text(json.dumps({"algo": "onebit-lamb", "steps": 100}))
+    metrics = [{"step": 50, "skipped_steps": 1}, {"step": 100, "skipped_steps": 5}]
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, metrics)) + "\n")
+    study = analyze_record(load_record(rec_path), bandwidth_gbps=0.2, price=False)
+    finding = study["evidence"]["onebit-optimizer"]
+    assert finding["status"] == "worse"
+    assert finding["why"] == "the recorded onebit-lamb run skipped 5 of 100 steps"
+    # one skipped step in 100 is within the share: the run trained
+    metrics[-1]["skipped_steps"] = 1
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, metrics)) + "\n")
+    study = analyze_record(load_record(rec_path), bandwidth_gbps=0.2, price=False)
+    assert study["evidence"]["onebit-optimizer"]["status"] == "ok"

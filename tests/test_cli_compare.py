@@ -107,6 +107,7 @@ def test_thinwire_help_lists_at_most_seven_commands(capsys: pytest.CaptureFixtur
         "profile",
         "fit",
         "what-if",
+        "run",
         "report",
     ]
     assert "native" in _listed(_help(["bench"], capsys))

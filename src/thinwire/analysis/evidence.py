@@ -12,7 +12,9 @@ showed and sorts it by family of fix (the rows of the report's "on this network"
 * ``localsgd``: DiLoCo and asynchronous Local-SGD (``diloco``, ``async-diloco``, the
   zoo's ``async``).
 
-Sources: a ``comparison.json`` of ``thinwire compare`` (a run that diverged never wrote
+Sources: the recorded run itself (:func:`from_run`: a run that skipped more than
+:data:`SKIPPED_SHARE` of its steps was unstable), a ``comparison.json`` of ``thinwire
+compare`` (a run that diverged never wrote
 a summary; one whose final loss is more than :data:`WORSE_RATIO` times its reference's
 lost quality; one that skipped more than :data:`SKIPPED_SHARE` of its steps was unstable)
 and a zoo result, ``zoo.json`` of ``thinwire bench zoo`` (a piece that failed its
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from typing import Any
 from thinwire.errors import ConfigError
 from thinwire.io import read_input
 
-__all__ = ["FAMILIES", "WORSE_RATIO", "Finding", "family_of", "gather"]
+__all__ = ["FAMILIES", "WORSE_RATIO", "Finding", "family_of", "from_run", "gather"]
 
 FAMILIES: dict[str, str] = {
     "onebit-optimizer": "1-bit Adam/LAMB",
@@ -136,10 +139,44 @@ def _from_zoo(data: dict[str, Any], model: str | None, source: str) -> list[Find
     return out
 
 
-def gather(paths: list[str | Path], model: str | None = None) -> dict[str, Finding]:
-    """The worst finding per family in ``paths`` (comparison or zoo JSON files); ``model``
-    picks a zoo result's model (None: all of them). A file that is neither is one line."""
-    found: dict[str, Finding] = {}
+def from_run(run_dir: str | Path) -> list[Finding]:
+    """What a ``thinwire train`` run shows of its own algorithm: unstable when it skipped
+    more than :data:`SKIPPED_SHARE` of its steps (its last logged ``skipped_steps``), as
+    the recorded run of ``thinwire analyze run`` may be a 1-bit run itself. Nothing when
+    its files say nothing (no summary, another algorithm family)."""
+    run_dir = Path(run_dir)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except (OSError, ValueError):
+        return []
+    family = family_of(str(summary.get("algo", "")))
+    if family is None:
+        return []
+    skipped = 0
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("skipped_steps"), int):
+            skipped = record["skipped_steps"]
+            break
+    steps = max(1, int(summary.get("steps") or 1))
+    source = str(run_dir / "metrics.jsonl")
+    if skipped > SKIPPED_SHARE * steps:
+        why = f"the recorded {summary['algo']} run skipped {skipped} of {steps} steps"
+        return [Finding(family, "worse", why, source)]
+    return [Finding(family, "ok", f"the recorded {summary['algo']} run trained", source)]
+
+
+def gather(
+    paths: list[str | Path], model: str | None = None, runs: Sequence[str | Path] = ()
+) -> dict[str, Finding]:
+    """The worst finding per family in ``paths`` (comparison or zoo JSON files) and in the
+    run directories ``runs`` (:func:`from_run`); ``model`` picks a zoo result's model
+    (None: all of them). A file that is neither is one line."""
+    items = [f for run in runs for f in from_run(run)]
     for path in paths:
         text = read_input(path, "evidence")
         try:
@@ -148,12 +185,12 @@ def gather(paths: list[str | Path], model: str | None = None) -> dict[str, Findi
             raise ConfigError(f"{path}: not JSON: {str(exc).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a comparison.json or zoo.json object")
-        items = (
-            _from_zoo(data, model, str(path))
-            if "verdicts" in data
-            else _from_comparison(data, str(path))
-        )
-        for f in items:
-            if f.family not in found or _RANK[f.status] > _RANK[found[f.family].status]:
-                found[f.family] = f
+        if "verdicts" in data:
+            items += _from_zoo(data, model, str(path))
+        else:
+            items += _from_comparison(data, str(path))
+    found: dict[str, Finding] = {}
+    for f in items:
+        if f.family not in found or _RANK[f.status] > _RANK[found[f.family].status]:
+            found[f.family] = f
     return found

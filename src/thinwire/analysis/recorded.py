@@ -281,7 +281,7 @@ def _evidence(rec: Record, paths: list[str | Path] | None, model: str | None) ->
     sibling = rec.path.parent.parent / "comparison.json"
     if sibling.is_file() and sibling not in sources:
         sources.append(sibling)
-    found = gather(sources, model) if sources else {}
+    found = gather(sources, model, runs=[rec.path.parent])  # and what the run shows itself
     return {
         "evidence": {family: f.to_json() for family, f in found.items()},
         "evidence_sources": [str(p) for p in sources],

@@ -8,6 +8,11 @@ Four verbs, each writing the JSON the next one reads::
     thinwire analyze what-if profile.json --workers 4 --bandwidth-gbps 1 -o sim.json
     thinwire analyze report sim.json --plots plots/
 
+A run recorded while it trained (``thinwire train`` records every run to
+``OUT/record.jsonl``; your own loop with :func:`thinwire.comm.step_record.record_run`)
+needs no profile: ``thinwire analyze run OUT/ [--workers 16 --bandwidth-gbps 0.1]``
+prints its what-if report from the record.
+
 ``what-if`` also reads the paper's ``.bk.log`` profiles directly. ``validate`` checks the
 prediction against steps measured on the testbed. ``analyze bench`` and ``analyze
 simulate``, the old spellings of ``fit`` and ``what-if``, still work.
@@ -366,11 +371,11 @@ def _number(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``thinwire analyze validate|profile|fit|what-if|report``, and ``bench`` and
+    """Add ``thinwire analyze validate|profile|fit|what-if|run|report``, and ``bench`` and
     ``simulate``, the hidden old spellings of ``fit`` and ``what-if``."""
     p = subparsers.add_parser(
         "analyze",
-        help="is the network the bottleneck? profile, fit, what-if, report",
+        help="is the network the bottleneck? profile, fit, what-if, run, report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
