@@ -35,7 +35,7 @@ class AsyncConfig(AsyncSettings):
     *per worker*; the server counts them summed over the W workers.
     """
 
-    # --- budget, seed and the inner lr schedule -------------------------------------------
+    # --- budget, seed and the inner lr schedule ----------------------------------------
     steps: int = 300
     """Inner-step budget per worker. The run ends after ``steps * W`` inner steps, however
     they are spread over the workers: the same compute as synchronous DiLoCo's ``steps``."""
@@ -52,7 +52,7 @@ class AsyncConfig(AsyncSettings):
     grad_clip: float = 0.0
     """Clip each inner step's global gradient norm to this value; 0 disables clipping."""
 
-    # --- where the run starts -------------------------------------------------------------
+    # --- where the run starts ----------------------------------------------------------
     pretrain_steps: int = 0
     """Steps of ordinary synchronous data-parallel training (over the W shards, inner
     optimizer and ``warmup_steps``) before Local-SGD begins; Local-SGD's shards then read
@@ -63,7 +63,7 @@ class AsyncConfig(AsyncSettings):
     """Start from this model state file (``torch.save(model.state_dict())``, or a dict
     with it under ``"model"``) instead; not together with ``pretrain_steps``."""
 
-    # --- evaluation and checkpoints -------------------------------------------------------
+    # --- evaluation and checkpoints ----------------------------------------------------
     eval_interval: int = 0
     """Inner steps per worker between evaluations on the server (0: only at the start and
     the end). The server answers no worker while it evaluates: keep evaluation cheap."""

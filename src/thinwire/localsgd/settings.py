@@ -76,7 +76,7 @@ class AsyncSettings(LocalSGDSettings):
     trains what and when (DyLU, shards, sync mode), the pull codec, the runtime's
     deadlines and fault handling, and the admission of pushes."""
 
-    # --- the outer optimizer on the server ------------------------------------------------
+    # --- the outer optimizer on the server ---------------------------------------------
     outer: str = "dn"
     """``dn``: Delayed Nesterov, whose momentum moves once per N arrivals so that W
     arrivals equal one DiLoCo step. ``nesterov``: momentum on every arrival, the paper's
@@ -95,7 +95,7 @@ class AsyncSettings(LocalSGDSettings):
     """Drop pseudo-gradients staler than this many outer updates (the paper's
     "PolyThres" uses 10); their inner steps count as spent. None: never drop."""
 
-    # --- who gets what, and when ----------------------------------------------------------
+    # --- who gets what, and when -------------------------------------------------------
     dylu: bool = False
     """Dynamic Local Updates: worker w runs ``H_w = max(1, floor(v_w / max v * H))``
     steps, v its measured speed, so every round takes about the fastest worker's time.
@@ -131,7 +131,7 @@ class AsyncSettings(LocalSGDSettings):
     its plan) or ``paper`` (the paper's Eq. 2: a random shard among those behind their
     share, non-exclusive). See :mod:`thinwire.localsgd.algorithm.shards`."""
 
-    # --- the wire -------------------------------------------------------------------------
+    # --- the wire ----------------------------------------------------------------------
     compress_pull: str = "none"
     """Pull codec: ``none`` sends theta whole in fp32; ``fp16``, ``bf16`` or ``onebit``
     send the difference to the worker's own copy, which both sides update identically
@@ -143,7 +143,7 @@ class AsyncSettings(LocalSGDSettings):
     """Seconds any later send or receive may take, including a worker's wait for its next
     round: keep it above the slowest round (sync mode waits for the slowest worker)."""
 
-    # --- faults ---------------------------------------------------------------------------
+    # --- faults ------------------------------------------------------------------------
     dead_after_s: float = 10.0
     """Heartbeat silence after which the server drops a worker as dead. Heartbeats come
     from a background thread, so this is independent of the round length; raise it on
@@ -162,7 +162,7 @@ class AsyncSettings(LocalSGDSettings):
     """Per-worker factors >= 1 (one per worker) that stretch each inner step by sleeping,
     to emulate slower machines on one host. ``None``: full speed."""
 
-    # --- admission and pushes (security; see docs/security-async.md) ----------------------
+    # --- admission and pushes (security; see docs/security-async.md) -------------------
     token_file: str | None = None
     """A file holding the run's token (at least 16 characters; give every rank and every
     rejoining worker the same). ``None``: ``THINWIRE_RUN_TOKEN``, else the file

@@ -5,8 +5,9 @@ API, exactly as any user would: thinwire's GPT as the model factory, AdamW as th
 optimizer, its text shards as batch sources, the GPT's cross-entropy as the loss and the
 validation loss as the evaluation (:func:`gpt_task`). :func:`async_config` hands a
 :class:`~thinwire.train.config.TrainConfig`'s Local-SGD section (the fields it shares with
-:class:`~thinwire.localsgd.AsyncConfig`) and its run settings to the runtime. Around the run it keeps what only the trainer
-has: the run identity in ``run.json``, ``metrics.jsonl`` and ``summary.json``.
+:class:`~thinwire.localsgd.AsyncConfig`) and its run settings to the runtime. Around the
+run it keeps what only the trainer has: the run identity in ``run.json``,
+``metrics.jsonl`` and ``summary.json``.
 """
 
 from __future__ import annotations

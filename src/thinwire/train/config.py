@@ -271,7 +271,7 @@ class TrainConfig(AsyncSettings):
     steps from the +-scale noise of the 1-bit momenta: a 120-step tiny-GPT run at lr 0.02
     diverged that way. Turn it off only to reproduce the reference (docs/optimizers.md)."""
 
-    # --- PowerSGD (adamw-powersgd) -------------------------------------------------------
+    # --- PowerSGD (adamw-powersgd) -----------------------------------------------------
     powersgd_rank: int = 4
     """Rank of PyTorch's PowerSGD approximation of each gradient matrix, in ``[1, 1024]``
     (``--powersgd-rank``). An ``n x m`` matrix travels as ``(n + m) * rank`` numbers
@@ -289,7 +289,7 @@ class TrainConfig(AsyncSettings):
     run on a worse path it does not recover from (PyTorch's advice); each of them costs the
     full fp32 bytes, so on a slow link keep it a small share of the run."""
 
-    # --- Local-SGD (diloco, async-diloco) ------------------------------------------------
+    # --- Local-SGD (diloco, async-diloco) ----------------------------------------------
     # The Local-SGD settings (local_steps, outer, outer_lr, dylu, compress, ...) are the
     # fields this class inherits from thinwire.localsgd.AsyncSettings, which documents
     # each one; only the trainer's own data layout is defined here.
