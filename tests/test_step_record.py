@@ -46,7 +46,7 @@ def _body(rank: int, world: int, path: str) -> dict[str, Any]:
         torch.allclose(a, b, rtol=1e-5, atol=1e-7)
         for a, b in zip(plain.parameters(), recorded.parameters(), strict=True)
     )
-    return {"same": same, "steps": rec.step}
+    return {"same": same, "steps": rec.step, "kept": len(rec.steps)}
 
 
 @pytest.mark.timeout(120)
@@ -55,6 +55,8 @@ def test_a_ddp_loop_is_recorded_in_one_line(tmp_path: Path) -> None:
     results = spawn(_body, 2, (str(path),), timeout_s=100)
     assert all(r["same"] for r in results)  # the recorder changes nothing trained
     assert results[0]["steps"] == 12
+    # the file is rank 0's; no rank keeps the steps in memory besides
+    assert [r["kept"] for r in results] == [0, 0]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     head, steps = lines[0], lines[1:]
     assert head["format"] == RECORD_FORMAT and head["world_size"] == 2

@@ -126,12 +126,12 @@ class StepRecorder:
         self.model, self.optimizer = model, optimizer
         self.dense_steps, self.every = dense_steps, every
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.path = (
-            Path(path) if path is not None and (write if write is not None else rank == 0) else None
-        )
+        writes = write if write is not None else rank == 0
+        self.path = Path(path) if path is not None and writes else None
+        self._in_memory = path is None  # another rank writes the file: keep nothing here
         self.meta = dict(meta or {})
         self.steps: list[dict[str, Any]] = []
-        """The recorded steps (kept in memory when there is no file)."""
+        """The recorded steps, when there is no file (``path=None``)."""
         self.step = start_step
         """Optimizer steps done so far (from ``start_step``)."""
         self._params = list(_inner(model).parameters())
@@ -273,7 +273,8 @@ class StepRecorder:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.path is None:
-            self.steps.append(record)
+            if self._in_memory:
+                self.steps.append(record)
             return
         lines = []
         if not self._header_written:
