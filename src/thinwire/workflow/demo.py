@@ -233,21 +233,41 @@ def predicted_steps(run_dir: Path, workers: int, link: Link, cfg: TrainConfig) -
 
 
 def onebit_update_s(cfg: TrainConfig, threads: int | None, algo: str = "onebit-lamb") -> float:
-    """Median seconds of ``algo``'s optimizer step on the demo's GPT in this process, at
-    ``threads`` torch threads (1-bit LAMB compressing from its first step, alone: no
-    exchange). Only its ratio to LAMB's is used: the record has LAMB's own step under
-    the run's real sharing of the cores, and the ratio carries it over."""
+    """Median seconds of ``algo``'s optimizer step on the demo's GPT (its shape, fixed
+    gradients) in this process, at ``threads`` torch threads; 1-bit LAMB compresses from
+    its first step, alone (no exchange). Only its ratio to LAMB's is used: the record has
+    LAMB's own step under the run's real sharing of the cores, and the ratio carries it
+    over."""
+    import statistics
+    import time
+
     import torch
 
-    from thinwire.analysis.measure import profile_gpt
+    from thinwire.optim import Lamb, OneBitLamb
+    from thinwire.train.model import GPT
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        prof = profile_gpt(cfg.model, cfg.batch_size, warmup=2, steps=6, optimizer=algo)
+        torch.manual_seed(0)
+        model = GPT(cfg.gpt_config())
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        params = model.parameters()
+        opt = (
+            OneBitLamb(params, lr=1e-4, freeze_step=1)
+            if algo == "onebit-lamb"
+            else Lamb(params, lr=1e-4)
+        )
+        times = []
+        for k in range(8):  # 2 untimed: the buffers are allocated once, as in training
+            t0 = time.perf_counter()
+            opt.step()
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
-    return float(prof.optimizer_s or 0.0) or 1e-9
+    return statistics.median(times) or 1e-9
 
 
 def onebit_call_on(cluster: Any, link: Link, run_dir: Path, out: Path) -> Link:
