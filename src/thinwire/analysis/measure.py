@@ -256,18 +256,12 @@ def observe_ddp_buckets(
 def _profile_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer | None:
     if name == "adamw":
         return None  # profile_model's default
-    if name == "lamb":
-        from thinwire.optim import Lamb
-
-        return Lamb(model.parameters(), lr=1e-4)
     if name in ("onebit-lamb", "onebit-adam"):
         from thinwire.optim import OneBitAdam, OneBitLamb
 
         cls = OneBitLamb if name == "onebit-lamb" else OneBitAdam
         return cls(model.parameters(), lr=1e-4, freeze_step=1)
-    raise ConfigError(
-        f"cannot profile optimizer {name!r}; choose adamw, lamb, onebit-lamb, onebit-adam"
-    )
+    raise ConfigError(f"cannot profile optimizer {name!r}; choose adamw, onebit-lamb, onebit-adam")
 
 
 def profile_gpt(
