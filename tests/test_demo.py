@@ -73,3 +73,40 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
     (foreign / "notes.txt").write_text("keep me")
     assert main([*args[:-1], str(foreign)]) == 2
     assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.root
+@pytest.mark.timeout(300)
+def test_demo_on_the_testbed_predicts_both_rows_from_the_lamb_record(tmp_path: Path) -> None:
+    """The testbed path: LAMB recorded on 2 emulated hosts, its record analyzed at the
+    hosts' rate, the 1-bit call's wait measured on the same cluster, then 1-bit LAMB."""
+    from thinwire.testbed import unavailable_reason
+    from thinwire.workflow import DemoSettings, run_demo
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "demo"
+    lines: list[str] = []
+    settings = DemoSettings(
+        workers=2,
+        rate="1gbit",
+        steps=10,
+        batch_size=4,
+        out=str(out),
+        seq_len=16,
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+    )
+    result = run_demo(settings, echo=lines.append)
+    text = "\n".join(lines)
+    assert result["where"] == "2 emulated hosts on 1gbit links"
+    assert "LAMB's own record, analyzed" in text and "bytes on each host's NIC" in text
+    # the 1-bit call was timed on the cluster, at the powers of two around the gradient
+    rows = json.loads((out / "onebit-call" / "allreduce.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"onebit"} and len(rows) >= 1
+    lamb, onebit = result["runs"]
+    assert lamb["nic_bytes"] and onebit["nic_bytes"]  # read back, LAMB kept its counters
+    for row in result["runs"]:
+        assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0
