@@ -69,6 +69,12 @@ class Record:
     def meta(self) -> dict[str, Any]:
         return dict(self.header.get("meta") or {})
 
+    @property
+    def threads(self) -> int | None:
+        """The torch threads of the rank that recorded (None when the header lacks them)."""
+        t = self.header.get("threads")
+        return t if isinstance(t, int) and not isinstance(t, bool) and t > 0 else None
+
 
 def record_path(path: str | Path) -> Path:
     """``path`` itself, or the record inside a run directory (``OUT/record.jsonl``)."""
@@ -271,8 +277,7 @@ def _prices(rec: Record, workers: int, price: bool) -> tuple[float | None, Any]:
         return None, None
     from thinwire.analysis.costs import machine_costs
 
-    threads = rec.header.get("threads")
-    costs = machine_costs(threads if isinstance(threads, int) and threads > 0 else None, workers)
+    costs = machine_costs(rec.threads, workers)
     return costs["codec_s_per_byte"], costs["add"]
 
 

@@ -217,8 +217,7 @@ def predicted_steps(run_dir: Path, workers: int, link: Link, cfg: TrainConfig) -
 
     rec = load_record(run_dir)
     profile = profile_from_record(rec)
-    threads = rec.header.get("threads")
-    threads = threads if isinstance(threads, int) and threads > 0 else None
+    threads = rec.threads
     costs = machine_costs(threads, workers)
     add = costs["add"]
     if profile.optimizer_s:
