@@ -168,6 +168,12 @@ class CommOptimizer(torch.optim.Optimizer):
         """``||x||^2`` of the buffer the last compressed step exchanged (after the exchange)."""
         self.exchanged_side = 0.0
         """The last compressed step's ``side`` number, averaged over the ranks."""
+        self.exchange_s = 0.0
+        """Seconds this rank has spent in the 1-bit exchange, all steps together (a
+        counter: a step's share is the difference across it; the step recorder reads it)."""
+        self.exchange_wait_s = 0.0
+        """Of them, the seconds blocked waiting for the network and the other ranks; the
+        rest is the codec's compute (compression, server average, decompression)."""
         for p in self._params():
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters")
@@ -350,6 +356,8 @@ class CommOptimizer(torch.optim.Optimizer):
                 self._onebit(flat, out=flat, side=value)
             except NonFiniteError:
                 return None
+            self.exchange_s += self._onebit.last_call_s
+            self.exchange_wait_s += self._onebit.last_wait_s
             self.exchanged_side = self._onebit.side_mean
         elif not bool(torch.isfinite(flat).all()):
             return None

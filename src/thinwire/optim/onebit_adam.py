@@ -67,7 +67,7 @@ class OneBitAdam(TwoStageOptimizer):
             any length: on thinwire's model zoo the statistics settled after 45-90% of a
             300-step run or not at all. Without it the cap is 10,000 steps, and a warmup
             that has not settled by step 100 says so in one warning line.
-        denom_floor: floor of each frozen denominator, as a share of its layer's mean
+        denom_floor: floor of each frozen denominator, as a share of its layer's median
             (:mod:`thinwire.optim.floor`): keeps the weights behind ReLU units that never
             fired (second moment 0) and other near-dead elements from taking steps of
             many times lr. 0 is the papers' rule.
