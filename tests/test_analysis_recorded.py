@@ -76,6 +76,34 @@ def test_a_record_becomes_the_profile_of_its_compute(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_onebit_record_splits_its_optimizer_into_update_codec_and_wait(
+    tmp_path: Path,
+) -> None:
+    """A 1-bit optimizer's steps carry their exchange: the profile's optimizer is the
+    update alone, the codec is priced per byte from what the run measured, and the wait
+    is exposed communication, not compute."""
+    warm = [_step(k, [0.05, 0.02]) for k in range(1, 5)]
+    comp = [
+        _step(k, [0.05, 0.02]) | {"optimizer_s": 0.05, "exchange_s": 0.03, "exchange_wait_s": 0.01}
+        for k in range(5, 12)
+    ]
+    rec = load_record(_write(tmp_path / "record.jsonl", warm + comp))
+    prof = profile_from_record(rec)
+    assert prof.meta["onebit_optimizer_s"] == pytest.approx(0.02)
+    assert prof.meta["onebit_codec_s_per_byte"] == pytest.approx(0.02 / 5_000_000)
+    assert prof.optimizer_s == pytest.approx(0.02)  # warmup and compressing: the update
+    seen = measured(rec)
+    split = seen["onebit_exchange"]
+    assert split["steps"] == 7 and split["wait_s"] == pytest.approx(0.01)
+    assert split["codec_s"] == pytest.approx(0.02) and split["update_s"] == pytest.approx(0.02)
+    # DDP's buckets carried nothing in the compressing steps: no DDP self-check
+    assert analyze_record(rec, bandwidth_gbps=1.0)["self_check"] is None
+    with pytest.raises(ConfigError, match=":6: exchange_wait_s must be a number >= 0"):
+        bad = [*warm, comp[0] | {"exchange_wait_s": -1.0}]
+        load_record(_write(tmp_path / "bad.jsonl", bad))
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("lines", "message"),
     [

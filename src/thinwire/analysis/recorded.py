@@ -44,6 +44,7 @@ from thinwire.io import read_input
 __all__ = [
     "Record",
     "analyze_record",
+    "exchange_split",
     "load_record",
     "measured",
     "profile_from_record",
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 _STEP_NUMBERS = ("step_s", "forward_s", "backward_s", "optimizer_s")
+_EXCHANGE_NUMBERS = ("exchange_s", "exchange_wait_s")
+"""A 1-bit optimizer's steps only: its exchange's share of ``optimizer_s``, and of that
+the time spent waiting."""
 
 
 @dataclass
@@ -120,6 +124,9 @@ def _check_step(step: Any, n_params: int, where: str) -> dict[str, Any]:
         raise ConfigError(f"{where}: ready_s must list one time per parameter ({n_params})")
     if any(r is not None and not (finite_number(r) and r >= 0) for r in ready):
         raise ConfigError(f"{where}: ready_s holds something other than a time >= 0 or null")
+    for key in _EXCHANGE_NUMBERS:
+        if key in step and not (finite_number(step[key]) and step[key] >= 0):
+            raise ConfigError(f"{where}: {key} must be a number >= 0, got {step[key]!r:.40}")
     buckets = step.get("buckets", [])
     if not isinstance(buckets, list):
         raise ConfigError(f"{where}: buckets must be a list")
@@ -178,9 +185,11 @@ def profile_from_record(rec: Record, skip: int = 2, model: str | None = None) ->
     last_ready = _median(
         [max((r for r in s["ready_s"] if r is not None), default=0.0) for s in steps]
     )
+    # A 1-bit optimizer's exchange is priced by the model (codec, wire, wait), not taken
+    # as the optimizer's compute: the update alone is.
     forward, optimizer = (
         _median([s["forward_s"] for s in steps]),
-        _median([s["optimizer_s"] for s in steps]),
+        _median([s["optimizer_s"] - s.get("exchange_s", 0.0) for s in steps]),
     )
     params = [
         ParamTiming(p["name"], i, p["nbytes"], str(p.get("dtype", "float32")), ready[i])
@@ -193,6 +202,11 @@ def profile_from_record(rec: Record, skip: int = 2, model: str | None = None) ->
         else None
     )
     meta = rec.meta
+    kept = {k: v for k, v in meta.items() if k == "onebit_codec_s_per_byte"}
+    split = exchange_split(steps, sum(p.nbytes for p in params))
+    if split is not None:
+        kept.setdefault("onebit_codec_s_per_byte", split["codec_s_per_byte"])
+        kept["onebit_optimizer_s"] = split["update_s"]
     return Profile(
         model=model or f"{rec.header.get('model', 'model')} (recorded, {rec.world_size} workers)",
         iteration_s=max(forward + last_ready + optimizer, 1e-9),
@@ -205,8 +219,27 @@ def profile_from_record(rec: Record, skip: int = 2, model: str | None = None) ->
         batch_size=meta.get("batch_size"),
         steps=len(steps),
         observed_buckets=observed,
-        meta={k: v for k, v in meta.items() if k == "onebit_codec_s_per_byte"},
+        meta=kept,
     )
+
+
+def exchange_split(steps: list[dict[str, Any]], nbytes: int) -> dict[str, float] | None:
+    """How a 1-bit optimizer's compressing steps spent their optimizer time, medians:
+    ``update_s`` (without the exchange), ``codec_s`` (the exchange's compute: compression,
+    server average, decompression), ``codec_s_per_byte`` (over the ``nbytes`` of
+    gradient) and ``wait_s`` (blocked on the network and the other ranks). None when no
+    step exchanged (another optimizer, or a record of the warmup only)."""
+    comp = [s for s in steps if s.get("exchange_s", 0.0) > 0]
+    if not comp:
+        return None
+    codec = _median([s["exchange_s"] - s.get("exchange_wait_s", 0.0) for s in comp])
+    return {
+        "update_s": _median([s["optimizer_s"] - s["exchange_s"] for s in comp]),
+        "codec_s": codec,
+        "codec_s_per_byte": codec / max(nbytes, 1),
+        "wait_s": _median([s.get("exchange_wait_s", 0.0) for s in comp]),
+        "steps": float(len(comp)),
+    }
 
 
 def measured(rec: Record, skip: int = 2) -> dict[str, Any]:
@@ -214,13 +247,15 @@ def measured(rec: Record, skip: int = 2) -> dict[str, Any]:
     ``compute_s`` (forward + backward to the last ready gradient + optimizer),
     ``exposed_s`` (what the step waited for beyond that) and, from the comm hook's
     buckets, ``achieved_gbps``: the ring allreduce's bytes on each rank's link over the
-    time from the first launch to the last completion (None without buckets)."""
+    time from the first launch to the last completion (None without buckets); for a
+    1-bit optimizer, ``onebit_exchange`` (:func:`exchange_split`; None otherwise)."""
     steps = _steady(rec, skip)
     w = rec.world_size
     compute, rates = [], []
     for s in steps:
         last = max((r for r in s["ready_s"] if r is not None), default=0.0)
-        compute.append(s["forward_s"] + last + s["optimizer_s"])
+        # a 1-bit optimizer's wait for its exchange is exposed communication, not compute
+        compute.append(s["forward_s"] + last + s["optimizer_s"] - s.get("exchange_wait_s", 0.0))
         done = [b for b in s.get("buckets", []) if finite_number(b.get("done_s"))]
         if done and w > 1:
             span = max(b["done_s"] for b in done) - min(b["launch_s"] for b in done)
@@ -235,6 +270,7 @@ def measured(rec: Record, skip: int = 2) -> dict[str, Any]:
         "exposed_s": max(0.0, step - _median(compute)),
         "achieved_gbps": _median(rates) if rates else None,
         "world_size": w,
+        "onebit_exchange": exchange_split(steps, sum(p["nbytes"] for p in rec.header["params"])),
     }
 
 
@@ -323,7 +359,8 @@ def analyze_record(
 
     The result is :func:`~thinwire.analysis.study.run_study`'s, with ``recorded``
     (:func:`measured`), ``self_check`` (the step predicted for the run's own setting
-    against the measured one; None without buckets, or for another worker count) and
+    against the measured one; None without buckets, for another worker count, or for
+    a 1-bit optimizer's record) and
     ``evidence``.
     """
     from thinwire.analysis.buckets import make_buckets
@@ -362,7 +399,8 @@ def analyze_record(
         bucket_kind=kind,
         onebit_codec_s_per_byte=codec,
     )
-    same = w == rec.world_size
+    # A 1-bit optimizer exchanges in its step; DDP's buckets carry nothing to check.
+    same = w == rec.world_size and seen["onebit_exchange"] is None
     check = (
         _self_check(profile, seen, Link(bandwidth_gbps, rtt_s, "recorded"), add) if same else None
     )

@@ -314,12 +314,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         f"= compute {fmt_time(seen['compute_s'])} + waiting {fmt_time(seen['exposed_s'])}"
         + (f"; collectives achieved {fmt_rate(achieved)}" if achieved else "")
     )
+    split = seen.get("onebit_exchange")
+    if split:
+        print(
+            f"the 1-bit exchange ({int(split['steps'])} compressing steps): update "
+            f"{fmt_time(split['update_s'])}, codec {fmt_time(split['codec_s'])}, waiting "
+            f"{fmt_time(split['wait_s'])} per step"
+        )
     check = study["self_check"]
     if check is not None:
         print(
             f"predicted for the recorded setting: step {fmt_time(check['predicted_step_s'])} "
             f"({check['error_pct']:+.0f}% against the measured one)"
         )
+    elif split:
+        print("no self-check: DDP's buckets carried nothing in the compressing steps")
     elif not any(s.get("buckets") for s in rec.steps):
         print(
             "no bucket timings in this record (its optimizer communicates inside its step, "

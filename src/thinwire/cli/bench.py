@@ -13,6 +13,9 @@ Rank 0 prints an nccl-tests style table and, with ``--out DIR``, writes
 ``thinwire bench packing`` times bit packing against numpy and the compute of one 1-bit
 allreduce, in one process (:mod:`thinwire.comm.bench_packing`).
 
+``thinwire bench optimizer`` times a 1-bit optimizer's step on a recorded job's
+parameters, every rank at once (:mod:`thinwire.cli.bench_optimizer`).
+
 ``thinwire bench zoo`` holds every piece to its uncompressed baseline on a zoo of models
 (:mod:`thinwire.cli.bench_zoo`).
 
@@ -184,8 +187,9 @@ def run_packing(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``thinwire bench allreduce|packing|zoo|native``, and ``native``, the hidden old
+    """Add ``thinwire bench allreduce|packing|optimizer|zoo|native``, and ``native``, the hidden old
     spelling of ``bench native``, to the top-level commands."""
+    from thinwire.cli.bench_optimizer import add_parser as add_optimizer_parser
     from thinwire.cli.bench_zoo import add_parser
     from thinwire.cli.native import add_native_parser
 
@@ -195,6 +199,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _add_allreduce(sub)
     _add_packing(sub)
+    add_optimizer_parser(sub)
     add_parser(sub)
     add_native_parser(sub)
     add_native_parser(subparsers, moved_to="thinwire bench native")

@@ -159,6 +159,11 @@ class OneBitAllreduce:
         self._last_seconds = 0.0  # this rank's time for its previous successful call
         self.side_mean = 0.0
         """The last call's ``side`` numbers, averaged over the ranks."""
+        self.last_call_s = 0.0
+        """Seconds the last successful call took on this rank."""
+        self.last_wait_s = 0.0
+        """Of them, the seconds this rank was blocked waiting for the exchanges (the rest
+        is its compute: compression, the server average, decompression)."""
 
     @classmethod
     def compute_only(
@@ -300,6 +305,7 @@ class OneBitAllreduce:
             return out.copy_(tensor)
 
         started = time.perf_counter()
+        waited0 = self._exchange.waited_s
         n = tensor.numel()
         fresh = self._ready_for(n, tensor.device)
         # Reported to every rank's piece tuner; stays 0 (unknown) if this call raises.
@@ -321,6 +327,8 @@ class OneBitAllreduce:
 
         out = self._unpack_output(tensor, out, gathered, waits, scales2, cuts, sb2, seg8)
         self._last_seconds = time.perf_counter() - started
+        self.last_call_s = self._last_seconds
+        self.last_wait_s = self._exchange.waited_s - waited0
         return out
 
     # The steps of a call, in order; each works in the buffers of :meth:`_allocate`.

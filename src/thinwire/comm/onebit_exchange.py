@@ -20,6 +20,7 @@ before any large message is sent, when the ranks disagree or some input is not f
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -150,13 +151,27 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 class GroupExchange:
-    """The three exchanges of the collective over a process group (recording bytes)."""
+    """The three exchanges of the collective over a process group (recording bytes).
+
+    :attr:`waited_s` adds up the seconds this rank spent blocked in the waits: the part
+    of a call that is the network's (and the other ranks'), not this rank's compute.
+    """
+
+    waited_s: float = 0.0
 
     def __init__(self, group: dist.ProcessGroup | None, phase2: str = "ring") -> None:
         if phase2 not in PHASE2_SCHEMES:
             raise ValueError(f"1-bit allreduce: phase2 must be ring or fanout, got {phase2!r}")
         self.group = group
         self.phase2 = phase2
+
+    def _timed(self, wait: Callable[[], object]) -> Callable[[], None]:
+        def timed() -> None:
+            t0 = time.perf_counter()
+            wait()
+            self.waited_s += time.perf_counter() - t0
+
+        return timed
 
     # Looked up at call time, so an instance made before init_process_group still works.
     @property
@@ -178,7 +193,9 @@ class GroupExchange:
         record("onebit.meta", META_BYTES, (w - 1) * META_BYTES)
 
         def wait() -> torch.Tensor:
+            t0 = time.perf_counter()
             work.wait()
+            self.waited_s += time.perf_counter() - t0
             return out.view(w, -1)
 
         return wait
@@ -194,7 +211,7 @@ class GroupExchange:
         ]
         total = sum(send.numel() for send in sends)
         record("onebit.phase1", total, gather_bytes(total, self.world_size))
-        return [work.wait for work in works]
+        return [self._timed(work.wait) for work in works]
 
     def start_all_gather(
         self, outs: list[torch.Tensor], msgs: list[torch.Tensor]
@@ -214,7 +231,7 @@ class GroupExchange:
             ]
         total = sum(out.numel() for out in outs)
         record("onebit.phase2", total // self.world_size, gather_bytes(total, self.world_size))
-        return [work.wait for work in works]
+        return [self._timed(work.wait) for work in works]
 
 
 class LoopbackExchange(GroupExchange):

@@ -9,7 +9,9 @@ A :class:`StepRecorder` rides along with a training loop through PyTorch's own h
   was launched, which parameters it held, its bytes, how long the hook itself computed
   before handing the collective over (a codec's compute shows here) and when the
   collective finished, so its achieved bandwidth;
-* step pre- and post-hooks on the optimizer: its time, and the end of the step.
+* step pre- and post-hooks on the optimizer: its time, and the end of the step; for
+  thinwire's 1-bit optimizers also the share of it their compressed exchange took, and
+  of that the time spent waiting for the network (the rest is the codec's compute).
 
 It writes one JSON line per recorded step to a file (``record.jsonl``, format
 ``thinwire.record/1``; the first line is a header naming the parameters, the world size
@@ -78,16 +80,34 @@ def _inner(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def _exchange_counters(opt: Any) -> tuple[float, float] | None:
+    """A 1-bit optimizer's (exchange seconds, of them waiting), as counters; None for
+    an optimizer without a compressed exchange."""
+    total, wait = getattr(opt, "exchange_s", None), getattr(opt, "exchange_wait_s", None)
+    if isinstance(total, float) and isinstance(wait, float):
+        return total, wait
+    return None
+
+
 class _Step:
     """What one step has recorded so far."""
 
-    __slots__ = ("buckets", "forward_end", "forward_s", "opt_start", "ready", "start")
+    __slots__ = (
+        "buckets",
+        "exchange0",
+        "forward_end",
+        "forward_s",
+        "opt_start",
+        "ready",
+        "start",
+    )
 
     def __init__(self, start: float) -> None:
         self.start = start
         self.forward_end: float | None = None
         self.forward_s = 0.0
         self.opt_start: float | None = None
+        self.exchange0: tuple[float, float] | None = None
         self.ready: dict[int, float] = {}
         self.buckets: list[dict[str, Any]] = []
 
@@ -185,6 +205,7 @@ class StepRecorder:
     def _on_opt_start(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._open is not None:
             self._open.opt_start = time.perf_counter()
+            self._open.exchange0 = _exchange_counters(opt)
 
     def _on_opt_end(self, opt: Any, args: Any, kwargs: Any) -> None:
         step, self._open = self._open, None
@@ -205,6 +226,11 @@ class StepRecorder:
             "buckets": buckets,
             "wire_bytes": wire - self._bytes0,
         }
+        after = _exchange_counters(opt)
+        if after is not None and step.exchange0 is not None:
+            # A 1-bit optimizer: its exchange's share of optimizer_s, and the waits in it.
+            record["exchange_s"] = after[0] - step.exchange0[0]
+            record["exchange_wait_s"] = after[1] - step.exchange0[1]
         self._bytes0 = wire
         self._write(record)
 

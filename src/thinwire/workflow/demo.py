@@ -54,8 +54,7 @@ __all__ = [
     "DEMO_STEPS",
     "DemoSettings",
     "analyze",
-    "onebit_call_on",
-    "onebit_update_s",
+    "onebit_step_on",
     "predicted_steps",
     "run_demo",
     "training",
@@ -199,98 +198,64 @@ def _link(rate: str, rtt_s: float = 0.0) -> Link:
     return replace(link, alpha_per_message_s=rtt_s)
 
 
-def predicted_steps(run_dir: Path, workers: int, link: Link, cfg: TrainConfig) -> dict[str, float]:
+def predicted_steps(
+    run_dir: Path, workers: int, link: Link, onebit_step: dict[str, float]
+) -> dict[str, float]:
     """Predicted seconds per step after the freeze, per algorithm, from the LAMB run's
     record, the way each trains.
 
     LAMB's fp32 gradients are averaged by DDP bucket by bucket during the backward pass
-    (scheme ``ddp``, in the buckets the record saw). 1-bit LAMB sends its momentum
-    through one 1-bit allreduce after it (``onebit``): the record's compute with the
-    1-bit optimizer's update in place of LAMB's (:func:`onebit_update_s`), the codec's
-    compute and the reductions priced at this machine's measured costs
-    (:func:`thinwire.analysis.costs.machine_costs`, at a training rank's threads), and
-    the 1-bit call's wait on this link when ``link`` carries it (:func:`onebit_call_on`).
+    (scheme ``ddp``, in the buckets the record saw; reductions priced at this machine's
+    measured costs, :func:`thinwire.analysis.costs.machine_costs`). 1-bit LAMB sends its
+    momentum through one 1-bit allreduce after it (``onebit``): the record's forward and
+    backward passes, then 1-bit LAMB's own step as :func:`onebit_step_on` timed it on
+    the job's ranks: its update and its codec's compute as measured there, and the
+    exchange's wait beyond the wire time at ``link``'s rate charged per call.
     """
     from thinwire.analysis.costs import machine_costs
     from thinwire.analysis.recorded import load_record, profile_from_record
     from thinwire.analysis.validate_compare import predict_step
+    from thinwire.comm.onebit_exchange import onebit_wire_bytes
 
     rec = load_record(run_dir)
     profile = profile_from_record(rec)
-    threads = rec.threads
-    costs = machine_costs(threads, workers)
-    add = costs["add"]
-    if profile.optimizer_s:
-        ratio = onebit_update_s(cfg, threads) / onebit_update_s(cfg, threads, "lamb")
-        profile.meta["onebit_optimizer_s"] = profile.optimizer_s * ratio
+    nbytes = sum(p.nbytes for p in profile.params)
+    wire_s = 8 * onebit_wire_bytes(nbytes // 4, workers) / (link.bandwidth_gbps * 1e9)
+    onebit_link = replace(
+        link, onebit_latency=((float(nbytes), max(0.0, onebit_step["wait_s"] - wire_s)),)
+    )
+    if profile.optimizer_s is not None:
+        profile.meta["onebit_optimizer_s"] = onebit_step["update_s"]
+    codec = onebit_step["codec_s"] / max(nbytes, 1)  # server average included: add=None
+    ddp_add = machine_costs(rec.threads, workers)["add"]
     return {
-        "lamb": predict_step(profile, "ddp", link, workers, add=add).step_s,
-        "onebit-lamb": predict_step(
-            profile, "onebit", link, workers, costs["codec_s_per_byte"], add
-        ).step_s,
+        "lamb": predict_step(profile, "ddp", link, workers, add=ddp_add).step_s,
+        "onebit-lamb": predict_step(profile, "onebit", onebit_link, workers, codec).step_s,
     }
 
 
-def onebit_update_s(cfg: TrainConfig, threads: int | None, algo: str = "onebit-lamb") -> float:
-    """Median seconds of ``algo``'s optimizer step on the demo's GPT (its shape, fixed
-    gradients) in this process, at ``threads`` torch threads; 1-bit LAMB compresses from
-    its first step, alone (no exchange). Only its ratio to LAMB's is used: the record has
-    LAMB's own step under the run's real sharing of the cores, and the ratio carries it
-    over."""
-    import statistics
-    import time
+def onebit_step_on(cluster: Any, run_dir: Path, out: Path, workers: int) -> dict[str, float]:
+    """1-bit LAMB's compressed step on the job's own parameter sizes, timed on every
+    rank at once where the job runs (:mod:`thinwire.analysis.optimizer_step`): on
+    ``cluster``'s hosts (``thinwire bench optimizer`` under its launcher), or on
+    ``workers`` local ranks when there is no cluster. Returns the summary (``update_s``,
+    ``codec_s``, ``wait_s``, ``step_s``) and keeps ``OUT/optimizer.json``.
 
-    import torch
-
-    from thinwire.optim import Lamb, OneBitLamb
-    from thinwire.train.model import GPT
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        torch.manual_seed(0)
-        model = GPT(cfg.gpt_config())
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) * 1e-3
-        params = model.parameters()
-        opt = (
-            OneBitLamb(params, lr=1e-4, freeze_step=1)
-            if algo == "onebit-lamb"
-            else Lamb(params, lr=1e-4)
-        )
-        times = []
-        for k in range(8):  # 2 untimed: the buffers are allocated once, as in training
-            t0 = time.perf_counter()
-            opt.step()
-            if k >= 2:
-                times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
-    return statistics.median(times) or 1e-9
-
-
-def onebit_call_on(cluster: Any, link: Link, run_dir: Path, out: Path) -> Link:
-    """``link`` with the 1-bit allreduce's measured wait on ``cluster``: calls of the job's
-    gradient size (the powers of two around it), timed on every host at once (``thinwire bench allreduce``), minus
-    its compute and its wire time at the link's rate. gloo's all_to_alls wait for their
-    receivers, which costs beyond the bytes even without a set delay; the model charges
-    that wait per call (:attr:`~thinwire.analysis.validate_compare.Link.onebit_latency`)."""
+    Why not time it in this process: a rank of the job shares the cores with the others,
+    and a step timed alone came out 1.5-2x too fast for one that does."""
     import sys
 
-    from thinwire.analysis.fit import onebit_waits
+    from thinwire.analysis.optimizer_step import bench_on_local_ranks, layout_of_record
     from thinwire.analysis.recorded import load_record
 
-    size = sum(p["nbytes"] for p in load_record(run_dir).header["params"])
-    low = 1 << max(2, size.bit_length() - 1)  # the powers of two around it: the model
-    high = low if low == size else low * 2  # interpolates the wait between them
-    argv = [sys.executable, "-m", "thinwire", "bench", "allreduce", "--methods", "onebit"]
-    argv += ["--min-size", str(low), "--max-size", str(high), "--warmup", "2", "--iters", "5"]
+    if cluster is None:
+        numels = layout_of_record(load_record(run_dir).header)
+        return bench_on_local_ranks("onebit-lamb", numels, workers, out)
+    argv = [sys.executable, "-m", "thinwire", "bench", "optimizer", "--record", str(run_dir)]
     res = cluster.run([*argv, "--out", str(out)], timeout_s=600.0, log_dir=out / "hosts")
     if not res.ok:
-        raise RuntimeError(f"the 1-bit allreduce timing failed on the testbed:\n{res.summary()}")
-    rows = json.loads((out / "allreduce.json").read_text())["rows"]
-    waits = onebit_waits(rows, cluster.hosts, 1.0 / (link.bandwidth_gbps * 1e9))
-    return replace(link, onebit_latency=waits)
+        raise RuntimeError(f"timing the 1-bit step failed on the testbed:\n{res.summary()}")
+    return dict(json.loads((out / "optimizer.json").read_text())["summary"])
 
 
 # ------------------------------------------------------------------------ 1. and 3. train
@@ -411,10 +376,8 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
             f"({cfg.model} GPT, {s.workers} workers, {s.rate})\n"
         )
         analyze(lamb_dir, s.workers, s.rate, out, rtt_s, echo)
-        link = _link(s.rate, rtt_s)
-        if cluster is not None:
-            link = onebit_call_on(cluster, link, lamb_dir, out / "onebit-call")
-        predicted = predicted_steps(lamb_dir, s.workers, link, cfg)
+        onebit_step = onebit_step_on(cluster, lamb_dir, out / "onebit-step", s.workers)
+        predicted = predicted_steps(lamb_dir, s.workers, _link(s.rate, rtt_s), onebit_step)
         echo(f"\n== 3/3  Training with 1-bit LAMB on {where}, and both side by side\n")
         result = train(list(ALGOS))
     rows = rows_of(result)
