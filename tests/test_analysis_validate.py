@@ -300,6 +300,13 @@ def test_smoke_on_the_testbed(tmp_path: Path) -> None:
     link = res["rates"][0]["link"]
     assert link["source"] == "fitted" and len(link["onebit_latency"]) == 3  # 3 sizes
     assert rows[1]["link"]["onebit_latency"] == link["onebit_latency"]
+    # Every scheme predicted from the DDP run's own record too, the 1-bit step timed on
+    # the cluster's hosts on that run's parameters.
+    for r in rows:
+        assert r["predicted_recorded"]["step_s"] > 0 and math.isfinite(r["err_recorded_pct"])
+    timed = json.loads((tmp_path / "v" / "1gbit" / "onebit-step" / "optimizer.json").read_text())
+    assert len(timed["ranks"]) == 2 and res["rates"][0]["recorded"]["onebit_update_s"] > 0
+    assert "from the DDP run's record" in (tmp_path / "v" / "validation.md").read_text()
     assert json.loads((tmp_path / "v" / "validation.json").read_text())["rates"][0]["rows"]
     assert {c.cluster_id for c in list_clusters()} <= before  # its cluster is gone
 

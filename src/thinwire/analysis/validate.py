@@ -66,7 +66,9 @@ from typing import TYPE_CHECKING, Any
 
 from thinwire.analysis.colocated import host_threads, merge_profiles, profile_processes
 from thinwire.analysis.fit import fit_link
+from thinwire.analysis.optimizer_step import time_where_the_job_runs
 from thinwire.analysis.profile import Profile, load_profile
+from thinwire.analysis.recorded_predict import RecordedPredictor
 from thinwire.analysis.validate_compare import (
     GLOO_CONCURRENCY,
     SCHEMES,
@@ -76,6 +78,7 @@ from thinwire.analysis.validate_compare import (
     error_pct,
     measured_step_s,
     predict_step,
+    step_prediction,
     summarize,
 )
 from thinwire.analysis.validate_config import ValidationConfig
@@ -85,6 +88,7 @@ from thinwire.analysis.validate_report import (
     read_result,
     write_result,
 )
+from thinwire.comm.step_record import RECORD_NAME
 from thinwire.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -172,9 +176,13 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
             load["fit"] = os.getloadavg()[0]
             link, fit_info = _fit_on_cluster(cluster, cfg, out_dir)
         runs, points = _train_between_profiles(cfg, rate, out_dir, cluster, load)
+        nominal = Link.nominal(float(rate_bits), cfg.rtt_s)  # type: ignore[arg-type]
+        recorded = _recorded_predictor(cfg, out_dir, cluster, nominal)
     load["end"] = os.getloadavg()[0]
     records = {algo: r["records"] for algo, r in runs.items()}
     rows = _predict_rows(cfg, float(rate_bits), points, records, link)  # type: ignore[arg-type]
+    if recorded is not None:
+        add_recorded_predictions(rows, recorded, cfg.local_steps)
     return {
         "rate": format_rate(rate_bits),
         "rate_bits": rate_bits,
@@ -190,7 +198,33 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
             for point in points
         ],
         "runs": {a: {k: v for k, v in r.items() if k != "records"} for a, r in runs.items()},
+        "recorded": recorded.meta() if recorded is not None else None,
     }
+
+
+def _recorded_predictor(
+    cfg: ValidationConfig, out_dir: Path, cluster: Any, link: Link
+) -> RecordedPredictor | None:
+    """Predictions from the fp32 DDP run's own record (None when it has none), with the
+    1-bit optimizer's step timed on the cluster while it is up."""
+    ddp_dir = out_dir / "adamw"
+    if not (ddp_dir / RECORD_NAME).is_file():
+        return None
+    onebit = None
+    if cfg.onebit_algo in cfg.algos:
+        onebit = time_where_the_job_runs(cfg.onebit_algo, ddp_dir, out_dir / "onebit-step", cluster)
+    return RecordedPredictor.from_run(ddp_dir, cfg.hosts, link, onebit)
+
+
+def add_recorded_predictions(
+    rows: list[dict[str, Any]], predictor: RecordedPredictor, local_steps: int = 1
+) -> None:
+    """Each row's step predicted from the recorded DDP run (``predicted_recorded``) and
+    its error (``err_recorded_pct``), in place."""
+    for row in rows:
+        sim = predictor.step(row["scheme"].split("@")[0], local_steps)
+        row["predicted_recorded"] = step_prediction(sim)
+        row["err_recorded_pct"] = error_pct(sim.step_s, row["measured"]["mean_s"])
 
 
 def _train_between_profiles(

@@ -11,7 +11,10 @@ side (what ``thinwire demo`` runs).
    gradients' ready times and DDP's buckets as the workers really ran them, sharing the
    cores and the network; the reductions and the 1-bit codec priced at this machine's
    measured costs. Is the network the bottleneck at the chosen link rate, and which fix?
-   From the same record it predicts the step of both algorithms after the freeze.
+   From the same record it predicts the step of both algorithms after the freeze; 1-bit
+   LAMB's own step (update, codec, exchange) is timed on the job's workers for that
+   (:mod:`thinwire.analysis.optimizer_step`), since a step timed alone misses what the
+   workers' sharing of the cores costs.
 3. **Train** it with 1-bit LAMB, same settings, through the same comparison driver, and
    **compare**: validation loss, samples/s (whole run and after the freeze), the step
    after the freeze as predicted in step 2 and as measured, training time, bytes per
@@ -202,60 +205,24 @@ def predicted_steps(
     run_dir: Path, workers: int, link: Link, onebit_step: dict[str, float]
 ) -> dict[str, float]:
     """Predicted seconds per step after the freeze, per algorithm, from the LAMB run's
-    record, the way each trains.
+    record (:class:`~thinwire.analysis.recorded_predict.RecordedPredictor`): LAMB's as
+    DDP trains it, 1-bit LAMB's with its own step as :func:`onebit_step_on` timed it."""
+    from thinwire.analysis.recorded_predict import RecordedPredictor
 
-    LAMB's fp32 gradients are averaged by DDP bucket by bucket during the backward pass
-    (scheme ``ddp``, in the buckets the record saw; reductions priced at this machine's
-    measured costs, :func:`thinwire.analysis.costs.machine_costs`). 1-bit LAMB sends its
-    momentum through one 1-bit allreduce after it (``onebit``): the record's forward and
-    backward passes, then 1-bit LAMB's own step as :func:`onebit_step_on` timed it on
-    the job's ranks: its update and its codec's compute as measured there, and the
-    exchange's wait beyond the wire time at ``link``'s rate charged per call.
-    """
-    from thinwire.analysis.costs import machine_costs
-    from thinwire.analysis.recorded import load_record, profile_from_record
-    from thinwire.analysis.validate_compare import predict_step
-    from thinwire.comm.onebit_exchange import onebit_wire_bytes
-
-    rec = load_record(run_dir)
-    profile = profile_from_record(rec)
-    nbytes = sum(p.nbytes for p in profile.params)
-    wire_s = 8 * onebit_wire_bytes(nbytes // 4, workers) / (link.bandwidth_gbps * 1e9)
-    onebit_link = replace(
-        link, onebit_latency=((float(nbytes), max(0.0, onebit_step["wait_s"] - wire_s)),)
-    )
-    if profile.optimizer_s is not None:
-        profile.meta["onebit_optimizer_s"] = onebit_step["update_s"]
-    codec = onebit_step["codec_s"] / max(nbytes, 1)  # server average included: add=None
-    ddp_add = machine_costs(rec.threads, workers)["add"]
+    predictor = RecordedPredictor.from_run(run_dir, workers, link, onebit_step)
     return {
-        "lamb": predict_step(profile, "ddp", link, workers, add=ddp_add).step_s,
-        "onebit-lamb": predict_step(profile, "onebit", onebit_link, workers, codec).step_s,
+        "lamb": predictor.step("ddp").step_s,
+        "onebit-lamb": predictor.step("onebit").step_s,
     }
 
 
 def onebit_step_on(cluster: Any, run_dir: Path, out: Path, workers: int) -> dict[str, float]:
     """1-bit LAMB's compressed step on the job's own parameter sizes, timed on every
-    rank at once where the job runs (:mod:`thinwire.analysis.optimizer_step`): on
-    ``cluster``'s hosts (``thinwire bench optimizer`` under its launcher), or on
-    ``workers`` local ranks when there is no cluster. Returns the summary (``update_s``,
-    ``codec_s``, ``wait_s``, ``step_s``) and keeps ``OUT/optimizer.json``.
+    rank at once where the job runs: on ``cluster``'s hosts, or on ``workers`` local
+    ranks when there is none (:func:`thinwire.analysis.optimizer_step.time_where_the_job_runs`)."""
+    from thinwire.analysis.optimizer_step import time_where_the_job_runs
 
-    Why not time it in this process: a rank of the job shares the cores with the others,
-    and a step timed alone came out 1.5-2x too fast for one that does."""
-    import sys
-
-    from thinwire.analysis.optimizer_step import bench_on_local_ranks, layout_of_record
-    from thinwire.analysis.recorded import load_record
-
-    if cluster is None:
-        numels = layout_of_record(load_record(run_dir).header)
-        return bench_on_local_ranks("onebit-lamb", numels, workers, out)
-    argv = [sys.executable, "-m", "thinwire", "bench", "optimizer", "--record", str(run_dir)]
-    res = cluster.run([*argv, "--out", str(out)], timeout_s=600.0, log_dir=out / "hosts")
-    if not res.ok:
-        raise RuntimeError(f"timing the 1-bit step failed on the testbed:\n{res.summary()}")
-    return dict(json.loads((out / "optimizer.json").read_text())["summary"])
+    return time_where_the_job_runs("onebit-lamb", run_dir, out, cluster, workers)
 
 
 # ------------------------------------------------------------------------ 1. and 3. train
@@ -377,6 +344,11 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
         )
         analyze(lamb_dir, s.workers, s.rate, out, rtt_s, echo)
         onebit_step = onebit_step_on(cluster, lamb_dir, out / "onebit-step", s.workers)
+        echo(
+            f"\n1-bit LAMB's own step, timed on the {s.workers} workers at once: update "
+            f"{onebit_step['update_s'] * 1e3:.1f} ms, codec {onebit_step['codec_s'] * 1e3:.1f} ms, "
+            f"waiting for the exchange {onebit_step['wait_s'] * 1e3:.1f} ms"
+        )
         predicted = predicted_steps(lamb_dir, s.workers, _link(s.rate, rtt_s), onebit_step)
         echo(f"\n== 3/3  Training with 1-bit LAMB on {where}, and both side by side\n")
         result = train(list(ALGOS))

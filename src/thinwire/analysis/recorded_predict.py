@@ -1,0 +1,101 @@
+"""Predict other algorithms' steps from one recorded run: the demo's and ``validate``'s.
+
+A recorded fp32 run (LAMB or AdamW under DDP, :mod:`thinwire.comm.step_record`) holds
+the job's compute as its workers really ran it, sharing the cores and the network. From
+it :class:`RecordedPredictor` predicts the step of
+
+* ``ddp``: the run itself, its gradients averaged by DDP in the buckets the record saw,
+  overlapped with the backward pass; the reductions priced at this machine's measured
+  costs (:func:`thinwire.analysis.costs.machine_costs`);
+* ``diloco``: the same compute, the whole model averaged once every H steps;
+* ``onebit``: a 1-bit optimizer's compression stage, one 1-bit allreduce of the momentum
+  after the backward pass. Its own step (the update, the codec and the exchange's waits)
+  is not in the record; pass it timed on the job's ranks
+  (:mod:`thinwire.analysis.optimizer_step`), and the update and the codec's compute are
+  taken from there, with the wait beyond the wire time charged per call.
+
+Without that timing, ``onebit`` prices the codec at the machine's cost for one process
+and keeps the record's update: on a machine whose cores the ranks share that misses by
+10-15% (measured on the demo), so the demo and ``validate`` always time it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from thinwire.analysis.costs import AddCost
+from thinwire.analysis.network_model import SimResult
+from thinwire.analysis.profile import Profile
+from thinwire.analysis.validate_compare import Link, predict_step
+
+__all__ = ["RecordedPredictor"]
+
+
+@dataclass
+class RecordedPredictor:
+    """Predictions from one recorded run (see the module docstring)."""
+
+    profile: Profile
+    workers: int
+    link: Link
+    add: AddCost
+    codec_s_per_byte: float
+    """The 1-bit codec's compute per byte of gradient (the reductions inside it included)."""
+    onebit_link: Link
+    """``link`` with the 1-bit exchange's wait beyond the wire, when it was timed."""
+
+    @classmethod
+    def from_run(
+        cls,
+        run_dir: str | Path,
+        workers: int,
+        link: Link,
+        onebit_step: dict[str, float] | None = None,
+    ) -> RecordedPredictor:
+        """Read ``run_dir``'s record; ``onebit_step`` is a timing's summary
+        (:func:`thinwire.analysis.optimizer_step.summarize`), or None."""
+        from thinwire.analysis.costs import machine_costs
+        from thinwire.analysis.recorded import load_record, profile_from_record
+        from thinwire.comm.onebit_exchange import onebit_wire_bytes
+
+        rec = load_record(run_dir)
+        profile = profile_from_record(rec)
+        costs = machine_costs(rec.threads, workers)
+        nbytes = sum(p.nbytes for p in profile.params)
+        codec, onebit_link = float(costs["codec_s_per_byte"]), link
+        if onebit_step is not None:
+            wire_s = (
+                8 * onebit_wire_bytes(math.ceil(nbytes / 4), workers) / (link.bandwidth_gbps * 1e9)
+            )
+            wait = max(0.0, onebit_step["wait_s"] - wire_s)
+            onebit_link = replace(link, onebit_latency=((float(nbytes), wait),))
+            if profile.optimizer_s is not None:
+                profile.meta["onebit_optimizer_s"] = onebit_step["update_s"]
+            codec = onebit_step["codec_s"] / max(nbytes, 1)
+        return cls(profile, workers, link, costs["add"], codec, onebit_link)
+
+    def step(self, scheme: str, local_steps: int = 1) -> SimResult:
+        """The predicted step of ``scheme``: ``ddp``, ``diloco`` (H = ``local_steps``) or
+        ``onebit``."""
+        if scheme == "onebit":
+            # The timed codec holds its reductions: no reduction table on top.
+            zero = AddCost.zero()
+            return predict_step(
+                self.profile, "onebit", self.onebit_link, self.workers, self.codec_s_per_byte, zero
+            )
+        return predict_step(
+            self.profile, scheme, self.link, self.workers, add=self.add, local_steps=local_steps
+        )
+
+    def meta(self) -> dict[str, Any]:
+        """What the predictions used, for a result file."""
+        return {
+            "record_steps": self.profile.steps,
+            "compute_s": self.profile.iteration_s,
+            "onebit_update_s": self.profile.meta.get("onebit_optimizer_s"),
+            "codec_s_per_byte": self.codec_s_per_byte,
+            "onebit_latency": [list(e) for e in self.onebit_link.onebit_latency],
+        }
