@@ -57,6 +57,9 @@ def _under_torchrun(args: argparse.Namespace, numels: list[int]) -> None:
                 else summarize(gathered)
             )
             _print(summary, args, numels)
+        # Every rank leaves together: one that tore its group down while rank 0 still
+        # wrote the result aborted at exit on the testbed.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
