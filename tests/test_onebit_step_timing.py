@@ -41,13 +41,16 @@ def test_a_recorded_onebit_run_and_its_step_timed_on_its_layout(
     bench = tmp_path / "bench"
     argv = ["bench", "optimizer", "--record", str(out), "--workers", "2", "--iters", "3"]
     assert main([*argv, "--out", str(bench)]) == 0
+    assert "ms of compute before each" in capsys.readouterr().out  # the record's own
+    assert main([*argv, "--compute-ms", "0", "--out", str(tmp_path / "aligned")]) == 0
     blob = json.loads((bench / "optimizer.json").read_text())
     assert blob["numels"] == numels and len(blob["ranks"]) == 2
     s = blob["summary"]
     assert s["ranks"] == 2 and 0 < s["exchange_s"] <= s["step_s"]
     assert 0 <= s["wait_s"] <= s["exchange_s"]
     assert s["update_s"] + s["exchange_s"] == pytest.approx(s["step_s"], rel=0.5)
-    assert "step " in capsys.readouterr().out
+    assert "0 ms of compute before each" in capsys.readouterr().out
+    assert "--compute-ms" in blob["command"]  # what stood in for the passes is on record
 
 
 def test_summaries_take_medians_per_rank_then_over_ranks() -> None:

@@ -10,8 +10,11 @@ times it where the job runs, on every rank of the group together, on a copy of t
 job's own parameter layout (:func:`layout_of_record`: the sizes of a record's
 parameters; the update is elementwise and per layer, so their shapes do not matter).
 
-Each timed step returns three numbers per rank: the whole step, the exchange inside it
-and, of that, the time spent blocked waiting for the network and the other ranks. The
+Before each timed step every rank does the arithmetic of the record's forward and
+backward passes (``compute_s``), so the ranks reach the exchange as unevenly as in
+training. Each timed step returns three numbers per rank: the whole step, the exchange
+inside it and, of that, the time spent blocked waiting for the network and the other
+ranks. The
 difference is compute (the update, and the codec), which the analyzer adds to the
 recorded forward and backward passes; the wait is the network's, which it predicts
 from the link. :func:`summarize` takes the median over each rank's steps, then over the
@@ -41,6 +44,7 @@ __all__ = [
     "RESULT_NAME",
     "bench_on_local_ranks",
     "layout_of_record",
+    "record_compute_s",
     "summarize",
     "time_optimizer_step",
     "time_where_the_job_runs",
@@ -79,32 +83,70 @@ def _optimizer(algo: str, params: list[torch.Tensor]) -> Any:
     )
 
 
+def _calibrated_rounds(compute_s: float, block: torch.Tensor) -> int:
+    """How many products ``block @ block`` take ``compute_s`` on a rank while every rank
+    computes at once (the cores shared as in training); the median over the ranks, so
+    every rank then does the same work and only the sharing makes them differ."""
+    window = max(0.2, 2 * compute_s)
+    if dist.is_initialized():
+        dist.barrier()
+    t0, n = time.perf_counter(), 0
+    while (elapsed := time.perf_counter() - t0) < window:
+        block @ block
+        n += 1
+    mine = n / elapsed * compute_s
+    if not dist.is_initialized():
+        return max(1, round(mine))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return max(1, round(statistics.median(everyone)))
+
+
 def time_optimizer_step(
-    algo: str, numels: list[int], warmup: int = 3, iters: int = 10, seed: int = 0
+    algo: str,
+    numels: list[int],
+    warmup: int = 3,
+    iters: int = 10,
+    seed: int = 0,
+    compute_s: float = 0.0,
 ) -> list[dict[str, float]]:
     """Time ``iters`` compressed steps of ``algo`` on parameters of ``numels`` elements,
     on every rank of the initialized process group at once; every rank returns its own
     steps: ``step_s``, ``exchange_s`` and ``wait_s`` each.
 
-    The ranks start each step together (a barrier, not timed), as a training step's
-    compute leaves them. The gradients are fresh random numbers every step, different
-    per rank: the momentum settles at its steady size, as in training, instead of
-    growing for ten steps toward one fixed gradient (which the stale-variance guard
-    would read as a stale freeze).
+    ``compute_s`` stands in for the forward and backward passes: before each step every
+    rank does the same amount of arithmetic, as much as takes ``compute_s`` while all
+    ranks compute at once. The ranks then reach the exchange as unevenly as a training
+    step leaves them, and the wait includes that skew. On the testbed (4 hosts sharing 2
+    cores, the demo's GPT) the exchange waited 22-39 ms per step in three 1-bit LAMB
+    runs; timed after the LAMB records' compute it waited 27-31 ms, and 12-15 ms with
+    ranks that start together. With 0 the ranks start each step together (a barrier,
+    not timed).
+
+    The gradients are fresh random numbers every step, different per rank: the momentum
+    settles at its steady size, as in training, instead of growing for ten steps toward
+    one fixed gradient (which the stale-variance guard would read as a stale freeze).
     """
     if warmup < 2 or iters < 1:
         raise ConfigError(
             f"bench optimizer: need warmup >= 2 and iters >= 1, got {warmup}, {iters}"
         )
+    if not (compute_s >= 0 and compute_s < 60):
+        raise ConfigError(f"bench optimizer: compute must be 0-60 s, got {compute_s}")
     rank = dist.get_rank() if dist.is_initialized() else 0
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.02) for n in numels]
     opt = _optimizer(algo, params)
+    block = torch.randn(128, 128, generator=gen) / 12
+    rounds = _calibrated_rounds(compute_s, block) if compute_s > 0 else 0
     steps = []
     for k in range(warmup + iters):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-        if dist.is_initialized():
+        if rounds:
+            for _ in range(rounds):
+                block @ block
+        elif dist.is_initialized():
             dist.barrier()
         ex0, wait0 = opt.exchange_s, opt.exchange_wait_s
         t0 = time.perf_counter()
@@ -155,9 +197,18 @@ def write_result(
 
 
 def _rank_body(
-    rank: int, world: int, algo: str, numels: list[int], warmup: int, iters: int
+    rank: int, world: int, algo: str, numels: list[int], counts: tuple[int, int], compute_s: float
 ) -> list[dict[str, float]]:
-    return time_optimizer_step(algo, numels, warmup, iters)
+    return time_optimizer_step(algo, numels, *counts, compute_s=compute_s)
+
+
+def record_compute_s(run_dir: str | Path) -> float:
+    """A recorded run's forward and backward passes (medians), the compute that
+    :func:`time_optimizer_step` stands in for before each step."""
+    from thinwire.analysis.recorded import load_record, profile_from_record
+
+    prof = profile_from_record(load_record(run_dir))
+    return float((prof.forward_s or 0.0) + prof.backward_s)
 
 
 def bench_on_local_ranks(
@@ -167,6 +218,7 @@ def bench_on_local_ranks(
     out: str | Path | None = None,
     warmup: int = 3,
     iters: int = 10,
+    compute_s: float = 0.0,
 ) -> dict[str, float]:
     """:func:`time_optimizer_step` on ``workers`` new local gloo ranks (they share this
     machine's cores, as local training ranks do); the summary, also written to
@@ -175,17 +227,20 @@ def bench_on_local_ranks(
 
     if workers < 2:
         raise ConfigError(f"bench optimizer: need at least 2 workers, got {workers}")
-    per_rank = spawn(_rank_body, workers, args=(algo, numels, warmup, iters), timeout_s=600.0)
+    args = (algo, numels, (warmup, iters), compute_s)
+    per_rank = spawn(_rank_body, workers, args=args, timeout_s=600.0)
     if out is None:
         return summarize(per_rank)
     command = f"thinwire bench optimizer --algo {algo} --workers {workers}"
+    command += f" --compute-ms {compute_s * 1e3:.1f}"
     return write_result(out, algo, numels, per_rank, command)
 
 
 def time_where_the_job_runs(
     algo: str, run_dir: str | Path, out: str | Path, cluster: Any = None, workers: int = 2
 ) -> dict[str, float]:
-    """``algo``'s step on the recorded job's parameters, timed where the job runs: on a
+    """``algo``'s step on the recorded job's parameters, after the record's own forward
+    and backward compute (:func:`record_compute_s`), timed where the job runs: on a
     testbed ``cluster``'s hosts (``thinwire bench optimizer`` under its launcher), or
     on ``workers`` local ranks when it is None. The summary; ``OUT/optimizer.json`` kept.
 
@@ -195,9 +250,10 @@ def time_where_the_job_runs(
 
     from thinwire.analysis.recorded import load_record
 
+    compute_s = record_compute_s(run_dir)
     if cluster is None:
         numels = layout_of_record(load_record(run_dir).header)
-        return bench_on_local_ranks(algo, numels, workers, out)
+        return bench_on_local_ranks(algo, numels, workers, out, compute_s=compute_s)
     argv = [sys.executable, "-m", "thinwire", "bench", "optimizer", "--algo", algo]
     argv += ["--record", str(run_dir), "--out", str(out)]
     res = cluster.run(argv, timeout_s=600.0, log_dir=Path(out) / "hosts")

@@ -27,7 +27,8 @@ def _print(summary: dict[str, float], args: argparse.Namespace, numels: list[int
     s = summary
     print(
         f"{args.algo}, {sum(numels):,} elements in {len(numels)} tensors, "
-        f"{int(s['ranks'])} ranks; medians over {args.iters} steps:"
+        f"{int(s['ranks'])} ranks, {args.compute_s * 1e3:.0f} ms of compute before each; "
+        f"medians over {args.iters} steps:"
     )
     print(
         f"  step {s['step_s'] * 1e3:.1f} ms = update {s['update_s'] * 1e3:.1f} ms "
@@ -46,7 +47,9 @@ def _under_torchrun(args: argparse.Namespace, numels: list[int]) -> None:
 
     init_from_env("gloo")
     try:
-        mine = time_optimizer_step(args.algo, numels, args.warmup, args.iters)
+        mine = time_optimizer_step(
+            args.algo, numels, args.warmup, args.iters, compute_s=args.compute_s
+        )
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         if dist.get_rank() == 0:
@@ -65,11 +68,18 @@ def _under_torchrun(args: argparse.Namespace, numels: list[int]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from thinwire.analysis.optimizer_step import bench_on_local_ranks, layout_of_record
+    from thinwire.analysis.optimizer_step import (
+        bench_on_local_ranks,
+        layout_of_record,
+        record_compute_s,
+    )
     from thinwire.analysis.recorded import load_record
     from thinwire.comm.launch import launched_by_torchrun
 
     numels = layout_of_record(load_record(args.record).header)
+    args.compute_s = (
+        record_compute_s(args.record) if args.compute_ms is None else args.compute_ms / 1e3
+    )
     if args.warmup < 2 or args.iters < 1:
         raise ConfigError(
             f"--warmup must be >= 2 and --iters >= 1, got {args.warmup}, {args.iters}"
@@ -80,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         _under_torchrun(args, numels)
         return 0
     summary = bench_on_local_ranks(
-        args.algo, numels, args.workers, args.out, args.warmup, args.iters
+        args.algo, numels, args.workers, args.out, args.warmup, args.iters, args.compute_s
     )
     _print(summary, args, numels)
     return 0
@@ -108,5 +118,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=4, help="local ranks to spawn (default 4)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="arithmetic before each step standing in for the forward and backward passes "
+        "(default: the record's own; 0: the ranks start each step together)",
+    )
     p.add_argument("--out", default=None, help="directory for optimizer.json")
     p.set_defaults(func=run)

@@ -192,10 +192,10 @@ class GroupExchange:
             work = _all_gather_flat(out, meta, group=self.group, async_op=True)
         record("onebit.meta", META_BYTES, (w - 1) * META_BYTES)
 
+        done = self._timed(work.wait)
+
         def wait() -> torch.Tensor:
-            t0 = time.perf_counter()
-            work.wait()
-            self.waited_s += time.perf_counter() - t0
+            done()
             return out.view(w, -1)
 
         return wait
