@@ -273,3 +273,30 @@ def test_a_recorded_run_that_skipped_steps_ranks_its_own_fix_lower(tmp_path: Pat
     (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, metrics)) + "\n")
     study = analyze_record(load_record(rec_path), bandwidth_gbps=0.2, price=False)
     assert study["evidence"]["onebit-optimizer"]["status"] == "ok"
+
+
+@pytest.mark.timeout(30)
+def test_the_records_own_link_is_taken_at_the_rate_its_collectives_achieved(
+    tmp_path: Path,
+) -> None:
+    from thinwire.analysis.recorded_predict import RecordedPredictor
+    from thinwire.analysis.validate_compare import Link
+
+    steps = [_step(k, [0.05, 0.02]) for k in range(1, 8)]
+    path = _write(tmp_path / "record.jsonl", steps)
+    (tmp_path / "testbed_run.json").write_text(json.dumps({"testbed": {"rate": "1gbit"}}))
+    achieved = 5e6 * 8 / 0.13 / 1e9  # ring of 5 MB on 2 ranks in 0.13 s
+    own = RecordedPredictor.from_run(path.parent, 2, Link.nominal(1e9))
+    assert own.link.bandwidth_gbps == pytest.approx(achieved)
+    assert own.link.source == "achieved by the recorded run"
+    # another rate, another worker count or a set latency: the link as given
+    for link, workers in (
+        (Link.nominal(1e8), 2),
+        (Link.nominal(1e9), 4),
+        (Link.nominal(1e9, 0.01), 2),
+    ):
+        kept = RecordedPredictor.from_run(path.parent, workers, link).link
+        assert kept == link
+    # the achieved link predicts the recorded setting slower than the nominal one did
+    nominal = RecordedPredictor.from_run(path.parent, 2, Link.nominal(1e9, 1e-9))
+    assert own.step("ddp").step_s > nominal.step("ddp").step_s

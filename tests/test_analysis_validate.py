@@ -265,7 +265,7 @@ def test_config_check(kwargs: dict[str, object], message: str) -> None:
 @pytest.mark.root
 @pytest.mark.timeout(240)
 def test_smoke_on_the_testbed(tmp_path: Path) -> None:
-    from thinwire.analysis.validate import run_validation
+    from thinwire.analysis.validate import repredict, run_validation
     from thinwire.testbed import list_clusters, unavailable_reason
 
     reason = unavailable_reason()
@@ -307,6 +307,9 @@ def test_smoke_on_the_testbed(tmp_path: Path) -> None:
     timed = json.loads((tmp_path / "v" / "1gbit" / "onebit-step" / "optimizer.json").read_text())
     assert len(timed["ranks"]) == 2 and res["rates"][0]["recorded"]["onebit_update_s"] > 0
     assert "from the DDP run's record" in (tmp_path / "v" / "validation.md").read_text()
+    # predicted again from what was saved (the record, the timed step): the same numbers
+    again = repredict(tmp_path / "v")["rates"][0]["rows"]
+    assert [r["predicted_recorded"] for r in again] == [r["predicted_recorded"] for r in rows]
     assert json.loads((tmp_path / "v" / "validation.json").read_text())["rates"][0]["rows"]
     assert {c.cluster_id for c in list_clusters()} <= before  # its cluster is gone
 

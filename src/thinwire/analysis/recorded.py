@@ -49,6 +49,7 @@ __all__ = [
     "measured",
     "profile_from_record",
     "record_path",
+    "record_rate_bits",
 ]
 
 _STEP_NUMBERS = ("step_s", "forward_s", "backward_s", "optimizer_s")
@@ -274,7 +275,7 @@ def measured(rec: Record, skip: int = 2) -> dict[str, Any]:
     }
 
 
-def _rate_bits(rec: Record) -> float | None:
+def record_rate_bits(rec: Record) -> float | None:
     """The link rate the run trained on: its ``meta``'s ``rate_bits``, or the testbed's
     record beside it (``OUT/testbed_run.json``); None when unknown (local workers)."""
     rate = rec.meta.get("rate_bits")
@@ -371,7 +372,7 @@ def analyze_record(
     profile = profile_from_record(rec, skip)
     seen = measured(rec, skip)
     if bandwidth_gbps is None:
-        rate = _rate_bits(rec)
+        rate = record_rate_bits(rec)
         bandwidth_gbps = Link.nominal(rate).bandwidth_gbps if rate else seen["achieved_gbps"]
     bandwidth_gbps = bandwidth_gbps or 10.0
     if not (finite_number(bandwidth_gbps) and bandwidth_gbps > 0):

@@ -414,5 +414,26 @@ def repredict(
             fit_info = {"fit": fit.to_json()}
         records = {algo: _records(rdir / algo) for algo in entry["runs"]}
         rows_out = _predict_rows(cfg, float(entry["rate_bits"]), points, records, link)
-        new["rates"].append({**entry, "rows": rows_out, "link": asdict(link), "link_fit": fit_info})
+        recorded = _saved_recorded_predictor(cfg, rdir, float(entry["rate_bits"]))
+        if recorded is not None:
+            add_recorded_predictions(rows_out, recorded, cfg.local_steps)
+        new["rates"].append(
+            {**entry, "rows": rows_out, "link": asdict(link), "link_fit": fit_info}
+            | {"recorded": recorded.meta() if recorded is not None else None}
+        )
     return new
+
+
+def _saved_recorded_predictor(
+    cfg: ValidationConfig, rdir: Path, rate_bits: float
+) -> RecordedPredictor | None:
+    """The recorded predictions of a saved rate: the DDP run's record and the 1-bit step
+    timed then (``onebit-step/optimizer.json``); None for a validation without them."""
+    ddp_dir = rdir / "adamw"
+    if not (ddp_dir / RECORD_NAME).is_file():
+        return None
+    timed = rdir / "onebit-step" / "optimizer.json"
+    onebit = json.loads(timed.read_text())["summary"] if timed.is_file() else None
+    return RecordedPredictor.from_run(
+        ddp_dir, cfg.hosts, Link.nominal(rate_bits, cfg.rtt_s), onebit
+    )
