@@ -176,8 +176,8 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
             load["fit"] = os.getloadavg()[0]
             link, fit_info = _fit_on_cluster(cluster, cfg, out_dir)
         runs, points = _train_between_profiles(cfg, rate, out_dir, cluster, load)
-        nominal = Link.nominal(float(rate_bits), cfg.rtt_s)  # type: ignore[arg-type]
-        recorded = _recorded_predictor(cfg, out_dir, cluster, nominal)
+        record_link = _record_link(cfg, float(rate_bits), link)  # type: ignore[arg-type]
+        recorded = _recorded_predictor(cfg, out_dir, cluster, record_link)
     load["end"] = os.getloadavg()[0]
     records = {algo: r["records"] for algo, r in runs.items()}
     rows = _predict_rows(cfg, float(rate_bits), points, records, link)  # type: ignore[arg-type]
@@ -202,11 +202,21 @@ def _validate_rate(cfg: ValidationConfig, rate: str, out_dir: Path) -> dict[str,
     }
 
 
+def _record_link(cfg: ValidationConfig, rate_bits: float, fitted: Link) -> Link:
+    """The link the recorded predictions use. Without a set delay, the nominal one: on
+    the record's own link the predictor takes the rate its collectives achieved, a
+    measurement of the job itself (a fit of a separate benchmark on 2 hosts missed by
+    54%). With a set delay, the validation's (fitted) link: latency then dominates the
+    ring, and its rounds must be priced apart from the rate."""
+    return fitted if cfg.rtt_s > 0 else Link.nominal(rate_bits)
+
+
 def _recorded_predictor(
     cfg: ValidationConfig, out_dir: Path, cluster: Any, link: Link
 ) -> RecordedPredictor | None:
-    """Predictions from the fp32 DDP run's own record (None when it has none), with the
-    1-bit optimizer's step timed on the cluster while it is up."""
+    """Predictions from the fp32 DDP run's own record (None when it has none), on
+    ``link`` (:func:`_record_link`), with the 1-bit optimizer's step timed on the
+    cluster while it is up."""
     ddp_dir = out_dir / "adamw"
     if not (ddp_dir / RECORD_NAME).is_file():
         return None
@@ -414,7 +424,8 @@ def repredict(
             fit_info = {"fit": fit.to_json()}
         records = {algo: _records(rdir / algo) for algo in entry["runs"]}
         rows_out = _predict_rows(cfg, float(entry["rate_bits"]), points, records, link)
-        recorded = _saved_recorded_predictor(cfg, rdir, float(entry["rate_bits"]))
+        record_link = _record_link(cfg, float(entry["rate_bits"]), link)
+        recorded = _saved_recorded_predictor(cfg, rdir, record_link)
         if recorded is not None:
             add_recorded_predictions(rows_out, recorded, cfg.local_steps)
         new["rates"].append(
@@ -425,7 +436,7 @@ def repredict(
 
 
 def _saved_recorded_predictor(
-    cfg: ValidationConfig, rdir: Path, rate_bits: float
+    cfg: ValidationConfig, rdir: Path, link: Link
 ) -> RecordedPredictor | None:
     """The recorded predictions of a saved rate: the DDP run's record and the 1-bit step
     timed then (``onebit-step/optimizer.json``); None for a validation without them."""
@@ -434,6 +445,4 @@ def _saved_recorded_predictor(
         return None
     timed = rdir / "onebit-step" / "optimizer.json"
     onebit = json.loads(timed.read_text())["summary"] if timed.is_file() else None
-    return RecordedPredictor.from_run(
-        ddp_dir, cfg.hosts, Link.nominal(rate_bits, cfg.rtt_s), onebit
-    )
+    return RecordedPredictor.from_run(ddp_dir, cfg.hosts, link, onebit)
