@@ -262,6 +262,16 @@ def test_config_check(kwargs: dict[str, object], message: str) -> None:
         ValidationConfig(**kwargs).check()  # type: ignore[arg-type]
 
 
+def test_recorded_predictions_use_the_fitted_link_only_with_a_set_delay() -> None:
+    from thinwire.analysis.validate import _record_link
+
+    fitted = Link(0.05, 0.002, "fitted", ((1e6, 0.01),))
+    plain = _record_link(ValidationConfig(rates=("100mbit",)), 1e8, fitted)
+    assert plain == Link.nominal(1e8)  # the record's achieved rate decides there
+    delayed = ValidationConfig(rates=("100mbit",), delay="10ms")
+    assert _record_link(delayed, 1e8, fitted) is fitted
+
+
 @pytest.mark.root
 @pytest.mark.timeout(240)
 def test_smoke_on_the_testbed(tmp_path: Path) -> None:
