@@ -33,13 +33,16 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
+
+if TYPE_CHECKING:
+    from thinwire.analysis.recorded import Record
 
 __all__ = [
     "OPTIMIZERS",
@@ -204,12 +207,12 @@ def _rank_body(
     return time_optimizer_step(algo, numels, *counts, compute_s=compute_s)
 
 
-def record_compute_s(run_dir: str | Path) -> float:
+def record_compute_s(rec: Record) -> float:
     """A recorded run's forward and backward passes (medians), the compute that
     :func:`time_optimizer_step` stands in for before each step."""
-    from thinwire.analysis.recorded import load_record, profile_from_record
+    from thinwire.analysis.recorded import profile_from_record
 
-    prof = profile_from_record(load_record(run_dir))
+    prof = profile_from_record(rec)
     return float((prof.forward_s or 0.0) + prof.backward_s)
 
 
@@ -252,10 +255,10 @@ def time_where_the_job_runs(
 
     from thinwire.analysis.recorded import load_record
 
-    compute_s = record_compute_s(run_dir)
     if cluster is None:
-        numels = layout_of_record(load_record(run_dir).header)
-        return bench_on_local_ranks(algo, numels, workers, out, compute_s=compute_s)
+        rec = load_record(run_dir)  # read once: its layout and its compute
+        numels = layout_of_record(rec.header)
+        return bench_on_local_ranks(algo, numels, workers, out, compute_s=record_compute_s(rec))
     argv = [sys.executable, "-m", "thinwire", "bench", "optimizer", "--algo", algo]
     argv += ["--record", str(run_dir), "--out", str(out)]
     res = cluster.run(argv, timeout_s=600.0, log_dir=Path(out) / "hosts")

@@ -76,10 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from thinwire.analysis.recorded import load_record
     from thinwire.comm.launch import launched_by_torchrun
 
-    numels = layout_of_record(load_record(args.record).header)
-    args.compute_s = (
-        record_compute_s(args.record) if args.compute_ms is None else args.compute_ms / 1e3
-    )
+    rec = load_record(args.record)
+    numels = layout_of_record(rec.header)
+    args.compute_s = record_compute_s(rec) if args.compute_ms is None else args.compute_ms / 1e3
     if args.warmup < 2 or args.iters < 1:
         raise ConfigError(
             f"--warmup must be >= 2 and --iters >= 1, got {args.warmup}, {args.iters}"
