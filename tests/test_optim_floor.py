@@ -56,3 +56,21 @@ def test_an_all_dead_layer_and_a_zero_floor_change_nothing() -> None:
     assert layer_reference(dead, EPS) is None
     assert report.raised == 0 and report.zeros == 6
     assert torch.all(dead == EPS) and float(live[0]) == float(torch.tensor(EPS))
+
+
+def test_near_dead_rows_do_not_set_the_reference() -> None:
+    """A tied byte embedding after pretraining: three quarters of its rows are bytes the
+    text never uses, with ``v`` around 1e-16 (not 0). Counted as live they made the
+    median, and the floor left them at 1e-4 of the used rows' ``d``: the first
+    compressed step moved them by 15x the embedding's norm."""
+    g = torch.Generator().manual_seed(0)
+    used = torch.rand(64, 32, generator=g) * 1e-6 + 1e-7
+    unused = torch.rand(192, 32, generator=g) * 1e-15 + 1e-16
+    d = _denom(torch.cat([used, unused]))
+    reference = layer_reference(d, EPS)
+    assert reference is not None
+    assert float(d[:64].min()) <= reference <= float(d[:64].max())
+    report = floor_denominators([d], [0.1], [EPS])
+    assert report.raised >= 192 * 32
+    assert float(d[64:].min()) >= 0.1 * reference * (1 - 1e-6)
+    assert float(d[:64].min()) > 0.1 * reference  # the used rows keep their own d

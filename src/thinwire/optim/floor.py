@@ -11,10 +11,10 @@ compressed steps moved them by ~1e6 x lr, and the run diverged to a loss of 1e26
 Near-dead elements (``d`` a hundredth of their neighbours') blew up one seed in six too.
 
 The floor raises every frozen denominator to at least ``denom_floor`` times the typical
-denominator of its layer (parameter tensor): the median over the layer's elements that
-saw a gradient (:func:`layer_reference`)::
+denominator of its layer (parameter tensor): the median over the layer's live elements,
+those that saw a gradient of a size that counts (:func:`layer_reference`)::
 
-    d_i <- max(d_i, denom_floor * median_{j in layer(i), v_j > 0} d_j)
+    d_i <- max(d_i, denom_floor * median_{j in layer(i), live} d_j)
 
 so no element's step exceeds about ``1 / denom_floor`` of a typical step of its layer,
 whatever error the 1-bit exchange gives it. The reference is the layer, not the
@@ -39,10 +39,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_DENOM_FLOOR", "FloorReport", "floor_denominators", "layer_reference"]
+__all__ = [
+    "DEFAULT_DENOM_FLOOR",
+    "LIVE_SHARE",
+    "FloorReport",
+    "floor_denominators",
+    "layer_reference",
+]
 
 DEFAULT_DENOM_FLOOR = 0.1
 """``denom_floor`` of the 1-bit optimizers unless told otherwise (see the module docstring)."""
+
+LIVE_SHARE = 0.01
+"""An element counts toward its layer's reference when its ``d`` is at least this share
+of the layer's mean ``d`` (:func:`layer_reference`): 100x below the mean, an element is
+too quiet to say what a typical step of the layer is. Far from where the floor itself
+bites (``denom_floor`` of the median), so it decides only which elements vote."""
 
 
 @dataclass(frozen=True)
@@ -93,19 +105,29 @@ def floor_denominators(
 
 
 def layer_reference(denom: torch.Tensor, eps: float) -> float | None:
-    """The typical denominator of a layer: the median over its elements that saw a
-    gradient (``d > eps``), or None when none did.
+    """The typical denominator of a layer: the median over its live elements, or None
+    when none is. An element is live when its ``d`` is above ``eps`` (its ``v`` is not
+    0) and at least :data:`LIVE_SHARE` of the layer's mean ``d``.
 
     Why the median and not the mean: a layer's denominators are far from alike. In a
     fused query/key/value projection the value rows' gradients are 10-20x the query and
     key rows', so the mean sits near the value rows and a floor at a tenth of it raised
     62% of the tensor on thinwire's GPT (every query and key row), slowing them up to
     10x on a model with no dead unit. The median lies in the bulk of the layer and moves
-    little when a few rows are much larger. Why only the live elements: when more than
-    half of a layer never saw a gradient (a ReLU layer with most units dead) the median
-    of all elements is ``eps`` and the floor would protect nothing.
+    little when a few rows are much larger.
+
+    Why only the live elements: when more than half of a layer saw (next to) no
+    gradient, the median of all elements is one of theirs and the floor protects
+    nothing. Exact zeros are a ReLU layer with most units dead. Near-zeros are the
+    rows of a tied byte embedding for the ~190 of 256 bytes a text never uses: after
+    1,000 steps of pretraining their ``v`` is ~1e-16 (the output softmax's push on
+    logits whose probability is ~0), 1e-4 of the used rows' ``d``. Counted as live,
+    they made the median, the floor protected nothing, and the first compressed step
+    moved those rows by 15x the embedding's norm (the 1-bit exchange gives them their
+    block's momentum; the loss went from 1.9 to 15 in 4 steps).
     """
-    live = denom[denom > eps]
+    mean = float(denom.mean()) if denom.numel() else 0.0
+    live = denom[denom > max(eps, LIVE_SHARE * mean)]
     if live.numel() == 0:
         return None
     # The lower median is an element of the layer: no interpolation between two.
