@@ -42,6 +42,7 @@ from thinwire.comm.accounting import record, ring_allreduce_bytes
 from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.errors import DivergedError
+from thinwire.optim.sharded import check_layout, is_sharded, local, replica_groups
 
 __all__ = [
     "CommOptimizer",
@@ -139,6 +140,10 @@ class CommOptimizer(torch.optim.Optimizer):
     onebit_block: int | None = DEFAULT_BLOCK
     """Elements per scale of the 1-bit exchange (:class:`OneBitAllreduce`'s ``block``)."""
 
+    supports_sharded: bool = False
+    """Whether the optimizer takes FSDP2-sharded (DTensor) parameters
+    (:mod:`thinwire.optim.sharded`); one that does not refuses them in one line."""
+
     max_skipped_fraction: float = 0.5
     """``step()`` raises :class:`~thinwire.errors.DivergedError` once more than this share
     of the last 20 steps (at least 10 taken) were skipped for NaN/Inf gradients. A few
@@ -182,7 +187,18 @@ class CommOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__} supports float32/float16/bfloat16 parameters, "
                     f"got {p.dtype}"
                 )
-        if self.world_size > 1:
+        self._fsdp_averages_grads = False
+        """FSDP2 owns every rank and averages the gradients (:mod:`thinwire.optim.sharded`)."""
+        self.sharded = any(is_sharded(p) for p in self._params())
+        if self.sharded:
+            if not self.supports_sharded:
+                raise ValueError(
+                    f"{type(self).__name__} does not take FSDP2-sharded (DTensor) parameters "
+                    "yet; thinwire.optim.Lamb does, or train this one under DDP"
+                )
+            name = type(self).__name__
+            self._fsdp_averages_grads = check_layout(self._params(), process_group, name)
+        if self.world_size > 1 or self.sharded:
             self._check_shapes_agree()
             self._broadcast_parameters()
 
@@ -209,12 +225,22 @@ class CommOptimizer(torch.optim.Optimizer):
                 )
 
     def _broadcast_parameters(self) -> None:
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+        """Every replica starts equal: whole parameters over the group, or a shard over
+        the ranks that hold the same shard (the process group across islands, or
+        HSDP's replicate dimension, which FSDP2 does not broadcast)."""
         with torch.no_grad():
             for p in self._params():
-                dist.broadcast(p.data, src=src, group=self.process_group)
-                nbytes = p.numel() * p.element_size()
-                record("optim.broadcast", nbytes, nbytes)
+                if not is_sharded(p):
+                    groups = [self.process_group]
+                elif self._fsdp_averages_grads:
+                    groups = replica_groups(p)
+                else:
+                    groups = [self.process_group]
+                for group in groups:
+                    src = dist.get_global_rank(group, 0) if group is not None else 0
+                    dist.broadcast(local(p.data), src=src, group=group)
+                    nbytes = local(p).numel() * p.element_size()
+                    record("optim.broadcast", nbytes, nbytes)
 
     def _grads(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """(parameter, its group) for every parameter that has a gradient this step."""
@@ -241,23 +267,38 @@ class CommOptimizer(torch.optim.Optimizer):
         """
         if not params:
             return True
+        if self._fsdp_averages_grads:
+            return self._agree_finite(
+                all(bool(torch.isfinite(local(p.grad)).all()) for p in params)
+            )
         if self.world_size == 1 or self._ddp_averages_grads:
             return all(bool(torch.isfinite(p.grad).all()) for p in params)
-        total = sum(p.numel() for p in params)
-        flat = self._flat_buffer(total, params[0].device)
-        torch.cat([p.grad.reshape(-1).float() for p in params], out=flat)
+        grads = [local(p.grad) for p in params]
+        total = sum(g.numel() for g in grads)
+        flat = self._flat_buffer(total, grads[0].device)
+        torch.cat([g.reshape(-1).float() for g in grads], out=flat)
         flat.div_(self.world_size)
         dist.all_reduce(flat, group=self.process_group)
         nbytes = flat.numel() * 4
         record("optim.allreduce", nbytes, ring_allreduce_bytes(nbytes, self.world_size))
-        if not bool(torch.isfinite(flat).all()):
+        if not self._agree_finite(bool(torch.isfinite(flat).all())):
             return False
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
         return True
+
+    def _agree_finite(self, finite: bool) -> bool:
+        """With sharded parameters a rank sees only its shard of a NaN: every rank takes
+        the same decision (one allreduce of one number over all ranks), or the ranks
+        that skip would leave the others waiting in the next whole-layer norm."""
+        if not self.sharded:
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0])
+        dist.all_reduce(flag)
+        return float(flag) == 0.0
 
     def _update_moments(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """Adam's ``m`` and ``v`` of ``p`` (fp32, created at first use) fed ``p.grad``."""

@@ -25,13 +25,15 @@ from thinwire.optim.base import (
     check_adam_hyperparameters,
     check_range,
 )
+from thinwire.optim.sharded import full_norm
 
 __all__ = ["Lamb", "trust_ratio"]
 
 
 def trust_ratio(p: torch.Tensor, u: torch.Tensor, min_coeff: float, max_coeff: float) -> float:
-    """``clamp(||p|| / ||u||, min_coeff, max_coeff)``, or 1 when either norm is 0."""
-    p_norm, u_norm = float(p.norm()), float(u.norm())
+    """``clamp(||p|| / ||u||, min_coeff, max_coeff)``, or 1 when either norm is 0. The
+    norms are the whole layer's when ``p`` and ``u`` are FSDP2 shards."""
+    p_norm, u_norm = full_norm(p), full_norm(u)
     if p_norm == 0.0 or u_norm == 0.0:
         return 1.0
     return min(max(p_norm / u_norm, min_coeff), max_coeff)
@@ -39,6 +41,9 @@ def trust_ratio(p: torch.Tensor, u: torch.Tensor, min_coeff: float, max_coeff: f
 
 class Lamb(CommOptimizer):
     """LAMB, data-parallel: gradients are averaged in one fused fp32 allreduce per step.
+
+    It takes FSDP2-sharded parameters too (:mod:`thinwire.optim.sharded`): the trust
+    ratio reads the whole layer's norms, reduced over the shards.
 
     Args:
         params: parameters or parameter groups.
@@ -52,7 +57,11 @@ class Lamb(CommOptimizer):
         max_coeff, min_coeff: bounds of the trust ratio; the 1-bit LAMB reference uses
             10 and 0.01. Tight bounds make LAMB behave more like Adam.
         process_group: ranks to average over (default: the default group, if any).
+            Under FSDP2 inside an island, the ranks holding the same shard in every
+            island; unset when FSDP2's mesh covers every rank.
     """
+
+    supports_sharded = True
 
     def __init__(
         self,

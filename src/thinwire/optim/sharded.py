@@ -1,0 +1,95 @@
+"""Parameters sharded by FSDP2: what thinwire's optimizers need to know of them.
+
+``fully_shard`` turns a model's parameters into DTensors: each rank holds a shard (its
+rows of every tensor), and FSDP2 reduces the gradients itself, reduce-scattering them
+over the mesh's shard dimension and, under HSDP, all-reducing them over its replicate
+dimension. An optimizer that reads a whole layer, like LAMB's trust ratio
+``||w|| / ||u||``, must then reduce the norms of the shards: a DTensor's ``norm()`` is a
+partial sum, and read as a float on its own it is this rank's shard's norm, a different
+trust ratio on every rank and no error anywhere.
+
+Two layouts are supported (:func:`check_layout`):
+
+* **FSDP2 owns every rank** (a 1-D mesh over all ranks, or an HSDP mesh
+  ``("replicate", "shard")``): leave ``process_group`` unset. FSDP2 averages the
+  gradients; the optimizer only reduces whole-layer norms over the shard dimension.
+* **FSDP2 inside an island, thinwire across islands**: a mesh over the ranks of one
+  island, and ``process_group`` the ranks that hold the same shard in every island (the
+  replicas). The optimizer averages each shard's gradient over the replicas itself, in
+  one fused allreduce per step, which is where a compressed exchange goes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["check_layout", "full_norm", "is_sharded", "local", "replica_groups"]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a parameter, gradient or state under FSDP2)."""
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` as a plain tensor (``t`` itself when not sharded)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_norm(t: torch.Tensor) -> float:
+    """The 2-norm of the whole tensor, whether this rank holds all of it or a shard (the
+    shards' partial norms reduced over the mesh: one allreduce of one number)."""
+    n = t.norm()
+    if isinstance(n, DTensor):
+        n = n.full_tensor()
+    return float(n)
+
+
+def replica_groups(p: torch.Tensor) -> list[dist.ProcessGroup]:
+    """The mesh dimensions over which ``p`` is replicated, as process groups (HSDP's
+    replicate dimension; none for plain FSDP2)."""
+    if not isinstance(p, DTensor):
+        return []
+    mesh = p.device_mesh
+    return [mesh.get_group(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
+
+
+def check_layout(params: list[torch.Tensor], process_group: Any, name: str) -> bool:
+    """Check that sharded ``params`` are in a layout the optimizer supports; returns
+    whether FSDP2 averages the gradients (no ``process_group`` given). A one-line
+    ValueError otherwise."""
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return False
+    meshes = {id(p.device_mesh): p.device_mesh for p in sharded}
+    if len(meshes) > 1:
+        raise ValueError(
+            f"{name}: the parameters are sharded over {len(meshes)} device meshes; one is supported"
+        )
+    if len(sharded) != len(params):
+        raise ValueError(
+            f"{name}: {len(params) - len(sharded)} of {len(params)} parameters are not sharded "
+            "by FSDP2: apply fully_shard to the whole model (the root module too)"
+        )
+    mesh = next(iter(meshes.values()))
+    world = dist.get_world_size()
+    if process_group is None:
+        if mesh.size() != world:
+            raise ValueError(
+                f"{name}: FSDP2's mesh holds {mesh.size()} of the {world} ranks; pass "
+                "process_group= the ranks that hold the same shard in every island (the "
+                "replicas the optimizer averages over)"
+            )
+        return True
+    replicas = dist.get_world_size(process_group)
+    if mesh.size() * replicas != world:
+        raise ValueError(
+            f"{name}: FSDP2's mesh holds {mesh.size()} ranks and process_group {replicas}, "
+            f"but there are {world}: process_group must hold one rank of every island "
+            "(mesh size x replicas = world size)"
+        )
+    return False
