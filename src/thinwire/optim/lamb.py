@@ -113,9 +113,20 @@ class Lamb(CommOptimizer):
             c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
             master.add_(u, alpha=-group["lr"] * c)
             self._write_back(p, master)
+            state["step"] = float(t)  # per parameter too: see load_state_dict
             coeffs.append(c)
         self.last_coeffs = coeffs
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, from :meth:`state_dict` or from
+        ``torch.distributed.checkpoint.state_dict``'s optimizer state, which keeps only
+        ``state`` and ``param_groups``: the step count (bias correction) then comes from
+        each parameter's ``"step"``, as for torch's Adam."""
+        super().load_state_dict(state_dict)
+        if "thinwire" not in state_dict:
+            steps = [s["step"] for s in self.state.values() if "step" in s]
+            self.global_step = int(max(steps)) if steps else 0
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratio each parameter got in the last step (in parameter order)."""
