@@ -42,7 +42,14 @@ from thinwire.comm.accounting import record, ring_allreduce_bytes
 from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.errors import DivergedError
-from thinwire.optim.sharded import check_layout, is_sharded, local, replica_groups
+from thinwire.optim.sharded import (
+    check_layout,
+    is_sharded,
+    island_group,
+    local,
+    replica_groups,
+    sum_over,
+)
 
 __all__ = [
     "CommOptimizer",
@@ -140,9 +147,9 @@ class CommOptimizer(torch.optim.Optimizer):
     onebit_block: int | None = DEFAULT_BLOCK
     """Elements per scale of the 1-bit exchange (:class:`OneBitAllreduce`'s ``block``)."""
 
-    supports_sharded: bool = False
-    """Whether the optimizer takes FSDP2-sharded (DTensor) parameters
-    (:mod:`thinwire.optim.sharded`); one that does not refuses them in one line."""
+    island_only: bool = False
+    """Sharded parameters only with FSDP2 inside an island and the optimizer across
+    islands (the 1-bit optimizers: their compressed exchange is the one across islands)."""
 
     max_skipped_fraction: float = 0.5
     """``step()`` raises :class:`~thinwire.errors.DivergedError` once more than this share
@@ -189,15 +196,16 @@ class CommOptimizer(torch.optim.Optimizer):
                 )
         self._fsdp_averages_grads = False
         """FSDP2 owns every rank and averages the gradients (:mod:`thinwire.optim.sharded`)."""
+        self._island: dist.ProcessGroup | None = None
+        """The ranks each layer is split over when the optimizer works across islands on
+        plain shards: whole-layer sums and norms are reduced over it."""
         self.sharded = any(is_sharded(p) for p in self._params())
         if self.sharded:
-            if not self.supports_sharded:
-                raise ValueError(
-                    f"{type(self).__name__} does not take FSDP2-sharded (DTensor) parameters "
-                    "yet; thinwire.optim.Lamb does, or train this one under DDP"
-                )
             name = type(self).__name__
-            self._fsdp_averages_grads = check_layout(self._params(), process_group, name)
+            params = self._params()
+            self._fsdp_averages_grads = check_layout(params, process_group, name, self.island_only)
+            if not self._fsdp_averages_grads:
+                self._island = island_group(params)
         if self.world_size > 1 or self.sharded:
             self._check_shapes_agree()
             self._broadcast_parameters()
@@ -383,15 +391,20 @@ class CommOptimizer(torch.optim.Optimizer):
             if self._onebit_state is not None:
                 self._onebit.load_state_dict(self._onebit_state)
                 self._onebit_state = None
-        total = sum(p.numel() for p in params)
-        flat = self._flat_buffer(total, params[0].device)
+        shards = [local(p) for p in params]
+        total = sum(t.numel() for t in shards)
+        flat = self._flat_buffer(total, shards[0].device)
         views, offset = [], 0
-        for p in params:
-            view = flat[offset : offset + p.numel()].view(p.shape)
+        for p, t in zip(params, shards, strict=True):
+            view = flat[offset : offset + t.numel()].view(t.shape)
             fill(p, view)
             views.append(view)
-            offset += p.numel()
+            offset += t.numel()
         value = side() if side is not None else 0.0
+        if self.sharded and not self._agree_finite(bool(torch.isfinite(flat).all())):
+            # Every rank skips, before any exchange: a replica group that exchanged
+            # would have moved its error feedback while another skipped.
+            return None
         if self.world_size > 1:
             try:
                 self._onebit(flat, out=flat, side=value)
@@ -405,8 +418,12 @@ class CommOptimizer(torch.optim.Optimizer):
         else:
             self.exchanged_side = float(value)
         # What was exchanged keeps its energy through the 1-bit code (RMS block scales):
-        # a gauge of the step's size that every rank reads alike.
-        self.exchanged_energy = float(torch.linalg.vector_norm(flat)) ** 2
+        # a gauge of the step's size that every rank reads alike. Both numbers are sums
+        # over elements: over the whole layers when each rank holds shards.
+        energy = float(torch.linalg.vector_norm(flat)) ** 2
+        self.exchanged_energy, self.exchanged_side = sum_over(
+            [energy, self.exchanged_side], self._island
+        )
         return views
 
     # ------------------------------------------------------------------ DDP
@@ -447,7 +464,9 @@ class CommOptimizer(torch.optim.Optimizer):
 
         Keying the per-rank part by rank lets ``torch.distributed.checkpoint`` save every
         rank's entry (it would keep only one copy of a key all ranks share); the rest of
-        the state is identical on every rank.
+        the state is identical on every rank, or a DTensor shard of it. ``r`` is the
+        rank in the default group: two ranks can share a rank in the optimizer's group
+        (the replicas of different shards under FSDP2), never in the default one.
         """
         sd = super().state_dict()
         # torch's dict shares each parameter's state dict with the live state: build new
@@ -462,9 +481,13 @@ class CommOptimizer(torch.optim.Optimizer):
         mine = {"skipped_steps": self.skipped_steps, **self._extra_state()}
         sd["thinwire"] = {
             "world_size": self.world_size,
-            f"rank{self.rank}": {k: _as_tensor(v) for k, v in mine.items()},
+            f"rank{self._global_rank()}": {k: _as_tensor(v) for k, v in mine.items()},
         }
         return sd
+
+    @staticmethod
+    def _global_rank() -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = dict(state_dict)
@@ -476,12 +499,15 @@ class CommOptimizer(torch.optim.Optimizer):
                     f"{extra['world_size']}, this group has {self.world_size}: the per-rank "
                     "error-feedback state cannot be mapped onto a different number of ranks"
                 )
-            mine = extra.get(f"rank{self.rank}")
+            key = f"rank{self._global_rank()}"
+            # State saved before it was keyed by the rank in the default group holds the
+            # rank in the optimizer's group (the same rank without a process_group).
+            mine = extra.get(key, extra.get(f"rank{self.rank}"))
             if mine is None:
                 saved = sorted(k for k in extra if k.startswith("rank"))
                 raise ValueError(
-                    f"{type(self).__name__} state holds {', '.join(saved)}, not rank "
-                    f"{self.rank}'s: each rank must load its own state"
+                    f"{type(self).__name__} state holds {', '.join(saved)}, not "
+                    f"{key}'s: each rank must load its own state"
                 )
             mine = {k: _from_tensor(v) for k, v in mine.items()}
             self.skipped_steps = mine["skipped_steps"]

@@ -84,18 +84,24 @@ class FloorReport:
 
 @torch.no_grad()
 def floor_denominators(
-    denoms: list[torch.Tensor], floors: list[float], eps: list[float]
+    denoms: list[torch.Tensor],
+    floors: list[float],
+    eps: list[float],
+    references: list[float | None] | None = None,
 ) -> FloorReport:
     """Raise each denominator in place to ``floors[k]`` times its layer's reference.
 
     ``denoms`` are the frozen ``sqrt(v_hat) + eps`` of the compressed parameters;
     ``eps[k]`` tells which entries had ``v = 0`` (their ``d`` equals it).
+    ``references``: each layer's :func:`layer_reference`, when ``denoms`` hold only this
+    rank's shards of the layers (computed here otherwise).
     """
     total = sum(d.numel() for d in denoms)
     zeros = sum(int((d == e).sum()) for d, e in zip(denoms, eps, strict=True))
     raised = 0
-    for d, k, e in zip(denoms, floors, eps, strict=True):
-        reference = layer_reference(d, e)
+    if references is None:
+        references = [layer_reference(d, e) for d, e in zip(denoms, eps, strict=True)]
+    for d, k, reference in zip(denoms, floors, references, strict=True):
         if k <= 0 or reference is None:
             continue
         floor = k * reference

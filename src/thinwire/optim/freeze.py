@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
+
+from thinwire.optim.sharded import local, sum_over
 
 __all__ = ["DEFAULT_CAP_SHARE", "NO_FREEZE_WARNING_STEP", "AutoFreeze", "relative_change"]
 
@@ -41,10 +44,17 @@ NO_FREEZE_WARNING_STEP = 100
 """A warmup of unknown length that has not settled by this step says so, once."""
 
 
-def relative_change(current: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    """``sum |current - reference| / sum |reference|`` over every element of every tensor."""
-    num = sum(float(torch.sub(c, r).abs_().sum()) for c, r in zip(current, reference, strict=True))
-    den = sum(float(r.abs().sum()) for r in reference)
+def relative_change(
+    current: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    island: dist.ProcessGroup | None = None,
+) -> float:
+    """``sum |current - reference| / sum |reference|`` over every element of every tensor
+    (of every shard, for FSDP2 shards: DTensors, or plain shards split over ``island``)."""
+    pairs = [(local(c), local(r)) for c, r in zip(current, reference, strict=True)]
+    num = sum(float(torch.sub(c, r).abs_().sum()) for c, r in pairs)
+    den = sum(float(r.abs().sum()) for _, r in pairs)
+    num, den = sum_over([num, den], island)
     return num / den if den > 0 else math.inf
 
 

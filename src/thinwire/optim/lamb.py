@@ -30,10 +30,17 @@ from thinwire.optim.sharded import full_norm
 __all__ = ["Lamb", "trust_ratio"]
 
 
-def trust_ratio(p: torch.Tensor, u: torch.Tensor, min_coeff: float, max_coeff: float) -> float:
+def trust_ratio(
+    p: torch.Tensor,
+    u: torch.Tensor,
+    min_coeff: float,
+    max_coeff: float,
+    island: dist.ProcessGroup | None = None,
+) -> float:
     """``clamp(||p|| / ||u||, min_coeff, max_coeff)``, or 1 when either norm is 0. The
-    norms are the whole layer's when ``p`` and ``u`` are FSDP2 shards."""
-    p_norm, u_norm = full_norm(p), full_norm(u)
+    norms are the whole layer's when ``p`` and ``u`` are FSDP2 shards (DTensors, or
+    plain shards of a layer split over ``island``)."""
+    p_norm, u_norm = full_norm(p, island), full_norm(u, island)
     if p_norm == 0.0 or u_norm == 0.0:
         return 1.0
     return min(max(p_norm / u_norm, min_coeff), max_coeff)
@@ -60,8 +67,6 @@ class Lamb(CommOptimizer):
             Under FSDP2 inside an island, the ranks holding the same shard in every
             island; unset when FSDP2's mesh covers every rank.
     """
-
-    supports_sharded = True
 
     def __init__(
         self,

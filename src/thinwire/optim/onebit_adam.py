@@ -27,6 +27,7 @@ from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import adam_direction, check_adam_hyperparameters, momentum_masks
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
+from thinwire.optim.sharded import is_sharded, local
 from thinwire.optim.step_bound import DEFAULT_STEP_BOUND, bound_adam_update, track_adam_update
 from thinwire.optim.two_stage import TwoStageOptimizer
 
@@ -145,9 +146,9 @@ class OneBitAdam(TwoStageOptimizer):
             b1 = group["betas"][0]
             denom = self._frozen_denom(p, group)
             self._gauge_gradient(p, view, denom)
-            torch.mul(self.state[p]["exp_avg"], b1, out=view)
+            torch.mul(local(self.state[p]["exp_avg"]), b1, out=view)
             if p.grad is not None:
-                view.add_(p.grad.float(), alpha=1 - b1)
+                view.add_(local(p.grad).float(), alpha=1 - b1)
             if group["precondition"]:
                 view.div_(denom)
 
@@ -162,7 +163,7 @@ class OneBitAdam(TwoStageOptimizer):
         for p, view in zip(params, views, strict=True):
             group = groups[p]
             denom = self._frozen_denom(p, group)
-            m = self.state[p]["exp_avg"]
+            m = local(self.state[p]["exp_avg"])
             if group["precondition"]:
                 torch.mul(view, denom, out=m)
             else:
@@ -173,7 +174,7 @@ class OneBitAdam(TwoStageOptimizer):
             if group["bias_correction"]:
                 u.div_(1 - group["betas"][0] ** self.global_step)
             bound = group["step_bound"] if bounding else None
-            flag = bound_adam_update(self.state[p], u, bound)
+            flag = bound_adam_update(self.state[p], u, bound, self._island)
             if flag is not None:
                 shortened.append(flag)
             self._apply(p, group, u)
@@ -182,8 +183,11 @@ class OneBitAdam(TwoStageOptimizer):
         return True
 
     def _apply(self, p: torch.Tensor, group: dict[str, Any], u: torch.Tensor) -> None:
-        """``p -= lr * (u + weight_decay * p)`` on the fp32 master."""
+        """``p -= lr * (u + weight_decay * p)`` on the fp32 master (``u`` and the master
+        both whole, or both this rank's shard)."""
         master = self._master(p)
+        if not is_sharded(u):
+            master = local(master)
         if group["weight_decay"]:
             u.add_(master, alpha=group["weight_decay"])
         master.add_(u, alpha=-group["lr"])

@@ -40,6 +40,7 @@ from thinwire.optim.base import (
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.optim.lamb import trust_ratio
+from thinwire.optim.sharded import full_norm, layer_max, local
 from thinwire.optim.step_bound import DEFAULT_STEP_BOUND, bound_lamb_ratio
 from thinwire.optim.two_stage import TwoStageOptimizer
 
@@ -222,9 +223,9 @@ class OneBitLamb(TwoStageOptimizer):
             b1 = group["betas"][0]
             denom = self._frozen_denom(p, group)
             self._gauge_gradient(p, view, denom)
-            torch.mul(state["exp_avg"], b1, out=view)
+            torch.mul(local(state["exp_avg"]), b1, out=view)
             if p.grad is not None:
-                view.add_(p.grad.float(), alpha=1 - b1)
+                view.add_(local(p.grad).float(), alpha=1 - b1)
             if group["precondition"]:
                 view.div_(denom)
             view.mul_(state["scaling_coeff"])
@@ -237,14 +238,16 @@ class OneBitLamb(TwoStageOptimizer):
         masks = momentum_masks(self.param_groups)
         coeffs, factors, bounded = [], [], False
         bounding = self._bounding()
-        largest = max(p.numel() for p in params)
-        work = self._scratch(2 * largest, params[0].device)
+        largest = max(view.numel() for view in views)
+        work = self._scratch(2 * largest, views[0].device)
+        island = self._island  # the ranks a layer is split over (FSDP2), or None
         for p, view in zip(params, views, strict=True):
             group, state = groups[p], self.state[p]
             b1, b2 = group["betas"]
-            m, v_fresh = state["exp_avg"], state["exp_avg_sq_fresh"]
-            s1 = work[: p.numel()].view(p.shape)
-            s2 = work[largest : largest + p.numel()].view(p.shape)
+            # This rank's shard of every tensor (the whole tensor without FSDP2).
+            m, v_fresh = local(state["exp_avg"]), local(state["exp_avg_sq_fresh"])
+            s1 = work[: view.numel()].view(view.shape)
+            s2 = work[largest : largest + view.numel()].view(view.shape)
             denom = self._frozen_denom(p, group)
             m_new = view.div_(state["scaling_coeff"])
             if group["precondition"]:
@@ -255,33 +258,29 @@ class OneBitLamb(TwoStageOptimizer):
             m.copy_(m_new)
             if masks.get(p) is not None:
                 m.mul_(masks[p])
-            master = self._master(p)
+            master = local(self._master(p))
             # Drift of the frozen variance from the fresh one: the ratio of their
             # denominators, max over the layer. The frozen one is read as it was (not
             # floored): an element the floor raised would otherwise read as drift.
             corrected = group["bias_correction"]
             fresh = torch.div(v_fresh, 1 - b2**t, out=s2) if corrected else s2.copy_(v_fresh)
             fresh.sqrt_().add_(group["eps"])
-            frozen = self._denominator(state["exp_avg_sq"], group, self.freeze_step, out=s1)
-            f = float(frozen.div_(fresh).max())
+            frozen = self._denominator(local(state["exp_avg_sq"]), group, self.freeze_step, out=s1)
+            f = layer_max(float(frozen.div_(fresh).max()), island)
             if corrected:
                 u = torch.div(m, 1 - b1**t, out=s1).div_(denom)
             else:
                 u = torch.div(m, denom, out=s1)
             if group["weight_decay"]:
-                u_norm = float(u.norm())
+                u_norm = full_norm(u, island)
                 u.add_(master, alpha=group["weight_decay"])
-                full = float(u.norm())
+                full = full_norm(u, island)
                 rho = min(1.0, u_norm / full) if full > 0 else 1.0
                 f = f * rho + (1 - rho)
-            f = min(max(f, group["factor_min"]), group["factor_max"])
-            last = state["last_factor"]
-            thr = group["factor_threshold"]
-            f = min(max(f, last * (1 - thr)), last * (1 + thr))
-            state["last_factor"] = f
+            f = self._damped_factor(f, group, state)
             bound = group["step_bound"] if bounding else None
             coeff, shortened = bound_lamb_ratio(
-                state["lamb_coeff_freeze"] * f, master, u, group, bound
+                state["lamb_coeff_freeze"] * f, master, u, group, bound, island
             )
             bounded |= shortened
             master.add_(u, alpha=-group["lr"] * coeff)
@@ -291,6 +290,17 @@ class OneBitLamb(TwoStageOptimizer):
         self.last_coeffs, self.last_factors = coeffs, factors
         self._count_bounded(bounded)
         return True
+
+    @staticmethod
+    def _damped_factor(f: float, group: dict[str, Any], state: dict[str, Any]) -> float:
+        """The drift factor within its bounds, and within ``factor_threshold`` of the
+        last step's (kept in ``state``)."""
+        f = min(max(f, group["factor_min"]), group["factor_max"])
+        last = state["last_factor"]
+        thr = group["factor_threshold"]
+        f = min(max(f, last * (1 - thr)), last * (1 + thr))
+        state["last_factor"] = f
+        return f
 
     def _on_rewarm(self) -> None:
         # The fresh variance, the layers' scales and the drift factor belong to the stale
@@ -313,10 +323,11 @@ class OneBitLamb(TwoStageOptimizer):
         scale fits all."""
         rms = []
         for p, group in items:
-            m = self.state[p]["exp_avg"]
+            m = local(self.state[p]["exp_avg"])
             if group["precondition"]:
                 m = m / self._frozen_denom(p, group)
-            rms.append(float(m.norm()) / math.sqrt(p.numel()))
+            # p.numel() is the whole layer's, shards or not.
+            rms.append(full_norm(m, self._island) / math.sqrt(p.numel()))
         nonzero = [s for s in rms if s > 0]
         mean = sum(nonzero) / len(nonzero) if nonzero else 1.0
         for (p, _), s in zip(items, rms, strict=True):

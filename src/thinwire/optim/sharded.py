@@ -27,7 +27,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["check_layout", "full_norm", "is_sharded", "local", "replica_groups"]
+__all__ = [
+    "check_layout",
+    "full_norm",
+    "gather_layer",
+    "is_sharded",
+    "island_group",
+    "layer_max",
+    "layer_norm",
+    "local",
+    "replica_groups",
+    "sum_over",
+]
 
 
 def is_sharded(t: torch.Tensor) -> bool:
@@ -40,13 +51,62 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def full_norm(t: torch.Tensor) -> float:
+def full_norm(t: torch.Tensor, island: dist.ProcessGroup | None = None) -> float:
     """The 2-norm of the whole tensor, whether this rank holds all of it or a shard (the
-    shards' partial norms reduced over the mesh: one allreduce of one number)."""
-    n = t.norm()
-    if isinstance(n, DTensor):
-        n = n.full_tensor()
-    return float(n)
+    shards' partial norms reduced over the mesh: one allreduce of one number). ``t`` is
+    a DTensor, or this rank's plain shard of a layer split over ``island``."""
+    return float(layer_norm(t, island))
+
+
+def layer_norm(t: torch.Tensor, island: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """:func:`full_norm` as a 0-dim fp32 tensor on ``t``'s device (no host sync when
+    nothing is sharded)."""
+    if isinstance(t, DTensor):
+        return t.float().norm().full_tensor()
+    n = torch.linalg.vector_norm(t.float())
+    if island is None:
+        return n
+    sq = n.square().reshape(1)
+    dist.all_reduce(sq, group=island)
+    return sq.sqrt().reshape(())
+
+
+def sum_over(values: list[float], island: dist.ProcessGroup | None) -> list[float]:
+    """Per-shard sums (or counts) of a layer, summed over the ``island``'s shards (one
+    allreduce of ``len(values)`` numbers); unchanged when nothing is sharded."""
+    if island is None:
+        return values
+    box = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(box, group=island)
+    return box.tolist()
+
+
+def layer_max(value: float, island: dist.ProcessGroup | None) -> float:
+    """A per-shard maximum of a layer, maxed over the ``island``'s shards."""
+    if island is None:
+        return value
+    box = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=island)
+    return float(box)
+
+
+def gather_layer(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole layer from this rank's plain ``shard`` of it, laid out like the DTensor
+    ``like`` (an allgather over its mesh; uneven shards included). Meant for once-a-run
+    statistics such as the floor's median, not for every step."""
+    whole = DTensor.from_local(
+        shard, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )
+    return whole.full_tensor()
+
+
+def island_group(params: list[torch.Tensor]) -> dist.ProcessGroup | None:
+    """The ranks a sharded layer is split over (FSDP2's 1-D mesh inside an island), or
+    None when nothing is sharded."""
+    for p in params:
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_group()
+    return None
 
 
 def replica_groups(p: torch.Tensor) -> list[dist.ProcessGroup]:
@@ -58,10 +118,13 @@ def replica_groups(p: torch.Tensor) -> list[dist.ProcessGroup]:
     return [mesh.get_group(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
 
 
-def check_layout(params: list[torch.Tensor], process_group: Any, name: str) -> bool:
+def check_layout(
+    params: list[torch.Tensor], process_group: Any, name: str, island_only: bool = False
+) -> bool:
     """Check that sharded ``params`` are in a layout the optimizer supports; returns
     whether FSDP2 averages the gradients (no ``process_group`` given). A one-line
-    ValueError otherwise."""
+    ValueError otherwise. ``island_only``: the optimizer needs the second layout (the
+    1-bit optimizers compress the exchange across islands, so FSDP2 must not make it)."""
     sharded = [p for p in params if isinstance(p, DTensor)]
     if not sharded:
         return False
@@ -77,6 +140,12 @@ def check_layout(params: list[torch.Tensor], process_group: Any, name: str) -> b
         )
     mesh = next(iter(meshes.values()))
     world = dist.get_world_size()
+    if island_only and (process_group is None or mesh.ndim != 1):
+        raise ValueError(
+            f"{name} compresses the exchange across islands, so FSDP2 must shard inside "
+            "an island only: fully_shard(model, mesh=mesh['shard']) and "
+            "process_group=mesh.get_group('replicate')"
+        )
     if process_group is None:
         if mesh.size() != world:
             raise ValueError(

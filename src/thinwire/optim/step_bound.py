@@ -67,9 +67,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from thinwire.optim.base import check_range
 from thinwire.optim.lamb import trust_ratio
+from thinwire.optim.sharded import layer_norm
 
 __all__ = [
     "DEFAULT_STEP_BOUND",
@@ -160,20 +162,28 @@ def check_step_bound(step_bound: float | None) -> None:
 
 
 def bound_lamb_ratio(
-    coeff: float, master: torch.Tensor, u: torch.Tensor, group: dict, bound: float | None
+    coeff: float,
+    master: torch.Tensor,
+    u: torch.Tensor,
+    group: dict,
+    bound: float | None,
+    island: dist.ProcessGroup | None = None,
 ) -> tuple[float, bool]:
     """1-bit LAMB's layer ratio ``coeff``, at most ``bound`` times LAMB's own on the
-    update ``u`` (weight decay included); and whether the bound shortened it."""
+    update ``u`` (weight decay included); and whether the bound shortened it. ``island``:
+    the ranks a layer is split over when ``master`` and ``u`` are shards."""
     if bound is None:
         return coeff, False
-    limit = bound * trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
+    limit = bound * trust_ratio(master, u, group["min_coeff"], group["max_coeff"], island)
     return (limit, True) if coeff > limit else (coeff, False)
 
 
-def track_adam_update(state: dict, u: torch.Tensor) -> None:
+def track_adam_update(
+    state: dict, u: torch.Tensor, island: dist.ProcessGroup | None = None
+) -> None:
     """Feed one warmup update into the layer's reference norm (an EMA, on the device: no
-    host synchronisation per layer)."""
-    norm = torch.linalg.vector_norm(u.float())
+    host synchronisation per layer; the whole layer's norm when ``u`` is a shard)."""
+    norm = layer_norm(u, island)
     ref = state.get("step_norm_ref")
     if ref is None:
         state["step_norm_ref"] = norm
@@ -181,14 +191,16 @@ def track_adam_update(state: dict, u: torch.Tensor) -> None:
         ref.mul_(REF_BETA).add_(norm, alpha=1 - REF_BETA)
 
 
-def bound_adam_update(state: dict, u: torch.Tensor, bound: float | None) -> torch.Tensor | None:
+def bound_adam_update(
+    state: dict, u: torch.Tensor, bound: float | None, island: dist.ProcessGroup | None = None
+) -> torch.Tensor | None:
     """Scale the compressed update ``u`` down (in place) to at most ``bound`` times the
     layer's warmup norm. Returns a 0-dim tensor, 1 where the bound shortened the step
     (None when there is no bound, or no reference: state saved before it existed)."""
     ref = state.get("step_norm_ref")
     if bound is None or ref is None:
         return None
-    norm = torch.linalg.vector_norm(u)
+    norm = layer_norm(u, island)
     limit = ref * bound
     # min(1, limit / norm) without a branch on the host; a zero update stays zero.
     scale = torch.where(norm > limit, limit / norm.clamp_min(torch.finfo(u.dtype).tiny), 1.0)

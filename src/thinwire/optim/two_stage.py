@@ -37,13 +37,14 @@ import torch.distributed as dist
 from thinwire.comm.accounting import record
 from thinwire.compress.onebit import check_block
 from thinwire.optim.base import CommOptimizer, check_range
-from thinwire.optim.floor import FloorReport, floor_denominators
+from thinwire.optim.floor import FloorReport, floor_denominators, layer_reference
 from thinwire.optim.freeze import (
     DEFAULT_CAP_SHARE,
     NO_FREEZE_WARNING_STEP,
     AutoFreeze,
     relative_change,
 )
+from thinwire.optim.sharded import gather_layer, local, sum_over
 from thinwire.optim.stale import StaleGuard
 from thinwire.optim.step_bound import ONSET, GradientGauge, check_step_bound
 
@@ -60,6 +61,8 @@ class TwoStageOptimizer(CommOptimizer):
     advances :attr:`global_step` itself when it applies an update. A subclass that needs
     to prepare for compression (e.g. copy ``v``) overrides :meth:`_on_freeze`.
     """
+
+    island_only = True
 
     onset_reads_gradients = False
     """What switches the step bound on: the gradients' growth (:class:`GradientGauge`) or
@@ -103,6 +106,11 @@ class TwoStageOptimizer(CommOptimizer):
             if total_steps is not None:
                 AutoFreeze.for_run(total_steps)  # the same check of total_steps
         super().__init__(params, defaults, process_group)
+        if self.sharded and any(g.get("exp_avg_mask") is not None for g in self.param_groups):
+            raise ValueError(
+                f"{type(self).__name__}: exp_avg_mask is for whole parameters, not FSDP2 "
+                "shards; leave it out when the model is sharded"
+            )
         self.onebit_block = block
         never = self.freeze_step is not None and total_steps is not None
         if never and self.freeze_step >= total_steps and self.rank == 0:
@@ -262,7 +270,7 @@ class TwoStageOptimizer(CommOptimizer):
         :class:`~thinwire.optim.step_bound.GradientGauge` number (``view`` is scratch
         here: call before filling it)."""
         if p.grad is not None and self.onset_reads_gradients:  # else nobody reads it
-            torch.div(p.grad, denom, out=view)
+            torch.div(local(p.grad), denom, out=view)
             self._gauge = self._gauge + torch.linalg.vector_norm(view).square()
 
     def _watch_staleness(self, energy: float) -> None:
@@ -361,7 +369,7 @@ class TwoStageOptimizer(CommOptimizer):
             state["freeze_ref"] = d
         if not reference:
             return None
-        self.freeze_signals = {"variance": relative_change(current, reference)}
+        self.freeze_signals = {"variance": relative_change(current, reference, self._island)}
         return self.freeze_signals["variance"]
 
     def _agree(self, change: float | None) -> float | None:
@@ -409,15 +417,25 @@ class TwoStageOptimizer(CommOptimizer):
     def _freeze_denominators(self) -> None:
         assert self.freeze_step is not None
         items = self._momentum_params()
+        # This rank's shard of each layer (the whole layer without FSDP2).
         denoms = [
-            self._denominator(self.state[p]["exp_avg_sq"], group, self.freeze_step)
+            self._denominator(local(self.state[p]["exp_avg_sq"]), group, self.freeze_step)
             for p, group in items
         ]
-        self.floor_report = floor_denominators(
-            denoms,
-            [group["denom_floor"] for _, group in items],
-            [group["eps"] for _, group in items],
+        eps = [group["eps"] for _, group in items]
+        references = None
+        if self._island is not None:  # the floor's median is the whole layer's
+            references = [
+                layer_reference(gather_layer(d, p), e)
+                for (p, _), d, e in zip(items, denoms, eps, strict=True)
+            ]
+        report = floor_denominators(
+            denoms, [group["denom_floor"] for _, group in items], eps, references
         )
+        elements, zeros, raised = sum_over(
+            [report.elements, report.zeros, report.raised], self._island
+        )
+        self.floor_report = FloorReport(int(elements), int(zeros), int(raised))
         self._denoms = {p: d for (p, _), d in zip(items, denoms, strict=True)}
 
     def _momentum_params(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
