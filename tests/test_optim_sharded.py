@@ -183,7 +183,9 @@ def test_sharded_lamb_resumes_through_torch_distributed_checkpoint(tmp_path) -> 
 FREEZE = 4
 
 
-def _train_onebit(rank: int, world: int, layout: str, kind: str, steps: int) -> dict:
+def _train_onebit(
+    rank: int, world: int, layout: str, kind: str, steps: int, freeze: int | str = FREEZE
+) -> dict:
     """1-bit LAMB or Adam, frozen at step 4: ``"whole"`` is one replica per rank (the
     optimizer averages; rank r is island r), ``"island"`` is FSDP2 inside islands of
     ``world // 2`` ranks (or of 1) with the optimizer across them. Every island sees
@@ -202,7 +204,15 @@ def _train_onebit(rank: int, world: int, layout: str, kind: str, steps: int) -> 
         fully_shard(net, mesh=mesh["shard"])
         group, island = mesh.get_group("replicate"), rank // per_island
     cls = OneBitLamb if kind == "lamb" else OneBitAdam
-    opt = cls(net.parameters(), lr=1e-2, freeze_step=FREEZE, weight_decay=0.01, process_group=group)
+    total = steps if freeze == "auto" else None
+    opt = cls(
+        net.parameters(),
+        lr=1e-2,
+        freeze_step=freeze,
+        weight_decay=0.01,
+        process_group=group,
+        total_steps=total,
+    )
     losses, at_freeze = [], None
     for step in range(steps):
         # An island's batch is the same 2 x 8 samples however many ranks share it.
@@ -223,8 +233,21 @@ def _train_onebit(rank: int, world: int, layout: str, kind: str, steps: int) -> 
         "at_freeze": at_freeze,
         "losses": losses,
         "compressing": opt.compressing,
+        "freeze_step": opt.freeze_step,
         "floor_elements": opt.floor_report.elements if opt.floor_report else 0,
     }
+
+
+@pytest.mark.timeout(300)
+def test_the_automatic_freeze_decides_alike_on_every_shard() -> None:
+    """The freeze statistic is the whole model's (summed over the island): all four
+    ranks switch at the step one replica per island does, or the islands' collectives
+    would part ways."""
+    whole = spawn(_train_onebit, 2, ("whole", "lamb", 40, "auto"), timeout_s=120)
+    sharded = spawn(_train_onebit, 4, ("island2", "lamb", 40, "auto"), timeout_s=150)
+    steps = {out["freeze_step"] for out in sharded}
+    assert steps == {whole[0]["freeze_step"]}, (steps, whole[0]["freeze_step"])
+    assert all(out["compressing"] for out in sharded)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
