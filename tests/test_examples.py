@@ -42,8 +42,10 @@ needs_hf = pytest.mark.skipif(
 )
 
 _TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+_TORCHRUN4 = [*_TORCHRUN[:-1], "4"]  # 2 islands of 2 ranks
 RECIPES: dict[str, list[str]] = {
     "ddp_onebit_lamb": _TORCHRUN,
+    "fsdp_onebit_lamb": _TORCHRUN4,
     "diloco_own_loop": _TORCHRUN,
     "hf_trainer_onebit_lamb": _TORCHRUN,
     "hf_trainer_onebit_hook": _TORCHRUN,
@@ -223,6 +225,24 @@ def test_ddp_onebit_lamb_recipe(recipes: _Runner) -> None:
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     param_bytes = sum(p.numel() * 4 for p in mod.make_model(64).parameters())
     _check_onebit_bytes(out, fp32_step_bytes=param_bytes)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_onebit_lamb_recipe(recipes: _Runner) -> None:
+    """FSDP2 inside 2 islands of 2 ranks, 1-bit LAMB across them: each rank sends its
+    half of the model across islands, in fp32 in the warmup and at ~1 bit after."""
+    out = recipes.output("fsdp_onebit_lamb")
+    spec = importlib.util.spec_from_file_location("fsdp_recipe", EXAMPLES / "fsdp_onebit_lamb.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    param_bytes = sum(p.numel() * 4 for p in mod.make_model(64).parameters())
+    assert _line(out, "islands identical").endswith("True")
+    assert _line(out, "2 islands of 2 ranks").startswith("2 islands")
+    # A shard is half the model; a ring allreduce over 2 islands sends it once.
+    assert _ints(_line(out, "fp32 warmup").split(":", 1)[1])[0] == param_bytes // 2
+    assert 20 < _ratio(_line(out, "1-bit stage")) < 29
+    losses = _losses(out)
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
 
 
 @pytest.mark.timeout(300)

@@ -118,6 +118,11 @@ def replica_groups(p: torch.Tensor) -> list[dist.ProcessGroup]:
     return [mesh.get_group(i) for i, pl in enumerate(p.placements) if isinstance(pl, Replicate)]
 
 
+def _mesh_key(p: DTensor) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    mesh = p.device_mesh
+    return mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
+
+
 def check_layout(
     params: list[torch.Tensor], process_group: Any, name: str, island_only: bool = False
 ) -> bool:
@@ -128,7 +133,9 @@ def check_layout(
     sharded = [p for p in params if isinstance(p, DTensor)]
     if not sharded:
         return False
-    meshes = {id(p.device_mesh): p.device_mesh for p in sharded}
+    # One mesh by its ranks: fully_shard per block, each with mesh["shard"], gives
+    # every block its own DeviceMesh object over the same ranks.
+    meshes = {_mesh_key(p): p.device_mesh for p in sharded}
     if len(meshes) > 1:
         raise ValueError(
             f"{name}: the parameters are sharded over {len(meshes)} device meshes; one is supported"
