@@ -58,35 +58,33 @@ def _train(rank: int, world: int, layout: str) -> dict:
     opt = Lamb(net.parameters(), lr=1e-2, weight_decay=0.01, process_group=group)
     if layout == "ddp":
         opt.register_ddp(model)
-    losses = []
     for step in range(STEPS):
         x, y = _batch(step, rank)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in net.parameters()]
-    return {"params": [t.clone() for t in full], "coeffs": opt.get_lamb_coeffs(), "losses": losses}
+    return {"params": [t.clone() for t in full], "coeffs": opt.get_lamb_coeffs()}
 
 
-def _assert_same(a: dict, b: dict) -> None:
-    for x, y in zip(a["params"], b["params"], strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    assert a["coeffs"] == pytest.approx(b["coeffs"], rel=1e-5)
+def _every_layout(rank: int, world: int) -> dict:
+    return {layout: _train(rank, world, layout) for layout in ("ddp", "fsdp", "hsdp", "island")}
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("layout", "world"), [("fsdp", 2), ("hsdp", 4), ("island", 4)])
-def test_lamb_on_fsdp2_shards_matches_lamb_under_ddp(layout: str, world: int) -> None:
-    """Same data per rank, same steps: the whole layers' trust ratios and the weights
-    agree with DDP's. Before, a shard's norm read as a float was the shard's own, a
-    different trust ratio on every rank with no error."""
-    ddp = spawn(_train, world, ("ddp",), timeout_s=100)
-    sharded = spawn(_train, world, (layout,), timeout_s=100)
-    for r in range(world):
-        _assert_same(sharded[r], ddp[0])
-    assert ddp[0]["coeffs"] != pytest.approx([1.0] * len(ddp[0]["coeffs"]))  # ratios bite
+@pytest.mark.timeout(200)
+def test_lamb_on_fsdp2_shards_matches_lamb_under_ddp() -> None:
+    """Same data per rank, same steps, 4 ranks: under FSDP2 over every rank, HSDP (2
+    replicas of 2 shards) and across 2 islands of 2, the whole layers' trust ratios and
+    the weights agree with DDP's. Before, a shard's norm read as a float was the shard's
+    own, a different trust ratio on every rank with no error."""
+    outs = spawn(_every_layout, 4, (), timeout_s=150)
+    ddp = outs[0]["ddp"]
+    assert ddp["coeffs"] != pytest.approx([1.0] * len(ddp["coeffs"]))  # the ratios bite
+    for out in outs:
+        for layout in ("fsdp", "hsdp", "island"):
+            for x, y in zip(out[layout]["params"], ddp["params"], strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            assert out[layout]["coeffs"] == pytest.approx(ddp["coeffs"], rel=1e-5), layout
 
 
 def _refusals(rank: int, world: int) -> dict:
@@ -238,49 +236,63 @@ def _train_onebit(
     }
 
 
-@pytest.mark.timeout(300)
-def test_the_automatic_freeze_decides_alike_on_every_shard() -> None:
-    """The freeze statistic is the whole model's (summed over the island): all four
-    ranks switch at the step one replica per island does, or the islands' collectives
-    would part ways."""
-    whole = spawn(_train_onebit, 2, ("whole", "lamb", 40, "auto"), timeout_s=120)
-    sharded = spawn(_train_onebit, 4, ("island2", "lamb", 40, "auto"), timeout_s=150)
-    steps = {out["freeze_step"] for out in sharded}
-    assert steps == {whole[0]["freeze_step"]}, (steps, whole[0]["freeze_step"])
-    assert all(out["compressing"] for out in sharded)
-
-
 def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
+def _onebit_runs(rank: int, world: int, layouts: tuple[str, ...]) -> dict:
+    """Every 1-bit run one group of ``world`` ranks makes: per layout, both optimizers
+    frozen at step 4 for 16 steps, and 1-bit LAMB with the automatic freeze for 40."""
+    out = {}
+    for layout in layouts:
+        for kind in ("lamb", "adam"):
+            out[f"{layout}/{kind}"] = _train_onebit(rank, world, layout, kind, 16)
+        out[f"{layout}/auto"] = _train_onebit(rank, world, layout, "lamb", 40, "auto")
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_replica_per_island() -> list[dict]:
+    """2 ranks: one replica per island without FSDP2, and FSDP2 on islands of one rank."""
+    return spawn(_onebit_runs, 2, (("whole", "island1"),), timeout_s=200)
+
+
+@pytest.fixture(scope="module")
+def two_rank_islands() -> list[dict]:
+    """4 ranks: FSDP2 inside 2 islands of 2, the optimizer across them."""
+    return spawn(_onebit_runs, 4, (("island2",),), timeout_s=250)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["lamb", "adam"])
-def test_onebit_on_one_rank_islands_matches_its_ddp_version_exactly(kind: str) -> None:
+def test_onebit_on_one_rank_islands_matches_its_ddp_version_exactly(
+    kind: str, one_replica_per_island: list[dict]
+) -> None:
     """FSDP2 over an island of one rank: the shards are whole tensors, so the exchange
     across islands has the same layout as without FSDP2, and every step (warmup, freeze,
     compressed) agrees to floating-point tolerance."""
-    whole = spawn(_train_onebit, 2, ("whole", kind, 10), timeout_s=120)
-    sharded = spawn(_train_onebit, 2, ("island1", kind, 10), timeout_s=120)
-    assert whole[0]["compressing"] and sharded[0]["compressing"]
-    for r in range(2):
-        for a, b in zip(sharded[r]["params"], whole[0]["params"], strict=True):
+    whole = one_replica_per_island[0][f"whole/{kind}"]
+    assert whole["compressing"]
+    for out in one_replica_per_island:
+        sharded = out[f"island1/{kind}"]
+        assert sharded["compressing"]
+        for a, b in zip(sharded["params"], whole["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["lamb", "adam"])
-def test_onebit_across_two_rank_islands_matches_its_ddp_version(kind: str) -> None:
+def test_onebit_across_two_rank_islands_matches_its_ddp_version(
+    kind: str, one_replica_per_island: list[dict], two_rank_islands: list[dict]
+) -> None:
     """FSDP2 inside islands of 2 ranks, 1-bit across the 2 islands, against one replica
     per island: the warmup agrees to floating-point tolerance (whole-layer trust ratios
     and norms from the shards); after the freeze each rank compresses its own shards,
     whose 1-bit blocks fall elsewhere than in one whole buffer, so the runs differ by the
     compression's noise only."""
-    whole = spawn(_train_onebit, 2, ("whole", kind, 16), timeout_s=120)
-    sharded = spawn(_train_onebit, 4, ("island2", kind, 16), timeout_s=150)
-    reference = whole[0]
-    for r in range(4):
-        out = sharded[r]
+    reference = one_replica_per_island[0][f"whole/{kind}"]
+    sharded = [out[f"island2/{kind}"] for out in two_rank_islands]
+    for out in sharded:
         assert out["compressing"]
         for a, b in zip(out["at_freeze"], reference["at_freeze"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -292,6 +304,19 @@ def test_onebit_across_two_rank_islands_matches_its_ddp_version(kind: str) -> No
     tail = lambda out: sum(out["losses"][-4:])  # noqa: E731
     island_loss = (tail(sharded[0]) + tail(sharded[1])) / 2  # island 0's two halves
     assert island_loss == pytest.approx(tail(reference), rel=0.03)
+
+
+@pytest.mark.timeout(300)
+def test_the_automatic_freeze_decides_alike_on_every_shard(
+    one_replica_per_island: list[dict], two_rank_islands: list[dict]
+) -> None:
+    """The freeze statistic is the whole model's (summed over the island): all four
+    ranks switch at the step one replica per island does, or the islands' collectives
+    would part ways."""
+    expected = one_replica_per_island[0]["whole/auto"]["freeze_step"]
+    steps = {out["island2/auto"]["freeze_step"] for out in two_rank_islands}
+    assert steps == {expected}
+    assert all(out["island2/auto"]["compressing"] for out in two_rank_islands)
 
 
 def _onebit_resume(rank: int, world: int, kind: str, path: str) -> dict:
@@ -337,14 +362,16 @@ def _onebit_resume(rank: int, world: int, kind: str, path: str) -> dict:
     return {"straight": straight, "resumed": [p.full_tensor().clone() for p in net.parameters()]}
 
 
+def _onebit_resumes(rank: int, world: int, path: str) -> dict:
+    return {kind: _onebit_resume(rank, world, kind, f"{path}-{kind}") for kind in ("lamb", "adam")}
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("kind", ["lamb", "adam"])
-def test_onebit_across_islands_resumes_through_torch_distributed_checkpoint(
-    kind: str, tmp_path
-) -> None:
+def test_onebit_across_islands_resumes_through_torch_distributed_checkpoint(tmp_path) -> None:
     """Sharded moments, each rank's error feedback and the frozen variance come back: a
-    resumed run equals the straight one to the bit."""
-    outs = spawn(_onebit_resume, 4, (kind, str(tmp_path / "dcp")), timeout_s=150)
+    resumed run equals the straight one to the bit, for 1-bit LAMB and 1-bit Adam."""
+    outs = spawn(_onebit_resumes, 4, (str(tmp_path / "dcp"),), timeout_s=150)
     for out in outs:
-        for a, b in zip(out["straight"], out["resumed"], strict=True):
-            assert torch.equal(a, b)
+        for kind in ("lamb", "adam"):
+            for a, b in zip(out[kind]["straight"], out[kind]["resumed"], strict=True):
+                assert torch.equal(a, b), kind
