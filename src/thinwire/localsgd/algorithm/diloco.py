@@ -46,6 +46,7 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.inner_state import DEFAULT_INNER_STATE, InnerStateRule
 from thinwire.localsgd.algorithm.methods import TUNED
 from thinwire.localsgd.algorithm.outer import check_outer_args
+from thinwire.optim.sharded import check_layout, is_sharded, local
 
 __all__ = ["COMPRESS_CHOICES", "DEFAULT_OUTER_LR", "DiLoCo"]
 
@@ -113,14 +114,21 @@ class DiLoCo:
         self.inner_momentum = inner_momentum
         self.group = process_group
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if any(is_sharded(p) for p in self.params):
+            # FSDP2 inside an island, DiLoCo across islands: each rank's outer step works
+            # on its own shards, and its pseudo-gradients travel over the replicas only.
+            check_layout(self.params, process_group, "DiLoCo", island_only=True)
+        # This rank's shard of each parameter (the whole parameter without FSDP2): the
+        # outer step is elementwise, so it needs nothing of the other shards.
+        self._shards = [local(p) for p in self.params]
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         if sync_initial and self.world > 1:
             src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            for p in self.params:
+            for p in self._shards:
                 dist.broadcast(p.data, src=src, group=process_group)
                 nbytes = p.numel() * p.element_size()
                 record("diloco.broadcast", nbytes, nbytes)
-        self.global_params = [p.detach().clone() for p in self.params]
+        self.global_params = [p.detach().clone() for p in self._shards]
         if outer_optimizer is None:
             # Momentum 0 is plain averaging: SGD on the averaged pseudo-gradient (torch
             # refuses Nesterov without momentum, and with none there is nothing to look
@@ -194,7 +202,7 @@ class DiLoCo:
         pseudo = torch.cat(
             [
                 (g - p.detach()).reshape(-1).float()
-                for g, p in zip(self.global_params, self.params, strict=True)
+                for g, p in zip(self.global_params, self._shards, strict=True)
             ]
         )
         avg = self._average(pseudo)
@@ -204,7 +212,7 @@ class DiLoCo:
             g.grad = avg[offset : offset + n].view_as(g).to(g.dtype)
             offset += n
         self.outer.step()
-        for g, p in zip(self.global_params, self.params, strict=True):
+        for g, p in zip(self.global_params, self._shards, strict=True):
             g.grad = None
             p.copy_(g)
         self.rule.begin_round(self.inner)
@@ -215,7 +223,7 @@ class DiLoCo:
         """Global params, outer state, step counts, this rank's local params, 1-bit errors."""
         state = {
             "global": [g.detach().clone() for g in self.global_params],
-            "local": [p.detach().clone() for p in self.params],
+            "local": [p.detach().clone() for p in self._shards],
             "outer": self.outer.state_dict(),
             "local_step": self.local_step,
             "outer_steps": self.outer_steps,
@@ -235,7 +243,7 @@ class DiLoCo:
                 g.copy_(saved)
             # The local replica mid-round differs per rank, so it is restored too (the
             # trainer's model checkpoint is rank 0's only).
-            for p, saved in zip(self.params, state["local"], strict=True):
+            for p, saved in zip(self._shards, state["local"], strict=True):
                 p.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.local_step = int(state["local_step"])
