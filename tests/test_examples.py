@@ -45,7 +45,8 @@ _TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--n
 _TORCHRUN4 = [*_TORCHRUN[:-1], "4"]  # 2 islands of 2 ranks
 RECIPES: dict[str, list[str]] = {
     "ddp_onebit_lamb": _TORCHRUN,
-    "fsdp_onebit_lamb": _TORCHRUN4,
+    "fsdp_islands": _TORCHRUN4,
+    "fsdp_islands_diloco": _TORCHRUN4,
     "diloco_own_loop": _TORCHRUN,
     "hf_trainer_onebit_lamb": _TORCHRUN,
     "hf_trainer_onebit_hook": _TORCHRUN,
@@ -54,6 +55,10 @@ RECIPES: dict[str, list[str]] = {
     "record_own_loop": _TORCHRUN,
 }
 """Recipe (``examples/<name>.py``) -> the launcher in front of it; each runs ``--tiny``."""
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "fsdp_islands_diloco": ("fsdp_islands", ["--algo", "diloco"]),
+}
+"""A recipe run with other arguments: name -> (the recipe's file, its extra arguments)."""
 HF_RECIPES = {
     "hf_trainer_onebit_lamb",
     "hf_trainer_onebit_hook",
@@ -92,7 +97,8 @@ class _Runner:
         while self.queue and len(self.running) < AT_ONCE:
             name = self.queue.pop(0)
             log = (self.folder / f"{name}.log").open("w+b")
-            cmd = [*RECIPES[name], str(EXAMPLES / f"{name}.py"), "--tiny"]
+            script, extra = VARIANTS.get(name, (name, []))
+            cmd = [*RECIPES[name], str(EXAMPLES / f"{script}.py"), "--tiny", *extra]
             # Its own session, so a recipe past its limit is killed with all its ranks.
             proc = subprocess.Popen(
                 cmd,
@@ -227,22 +233,38 @@ def test_ddp_onebit_lamb_recipe(recipes: _Runner) -> None:
     _check_onebit_bytes(out, fp32_step_bytes=param_bytes)
 
 
-@pytest.mark.timeout(300)
-def test_fsdp_onebit_lamb_recipe(recipes: _Runner) -> None:
-    """FSDP2 inside 2 islands of 2 ranks, 1-bit LAMB across them: each rank sends its
-    half of the model across islands, in fp32 in the warmup and at ~1 bit after."""
-    out = recipes.output("fsdp_onebit_lamb")
-    spec = importlib.util.spec_from_file_location("fsdp_recipe", EXAMPLES / "fsdp_onebit_lamb.py")
+def _fsdp_recipe_shard_bytes() -> int:
+    spec = importlib.util.spec_from_file_location("fsdp_recipe", EXAMPLES / "fsdp_islands.py")
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    param_bytes = sum(p.numel() * 4 for p in mod.make_model(64).parameters())
+    return sum(p.numel() * 4 for p in mod.make_model(64).parameters()) // 2  # half a model
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_islands_recipe(recipes: _Runner) -> None:
+    """FSDP2 inside 2 islands of 2 ranks, 1-bit LAMB across them: each rank sends its
+    half of the model across islands, in fp32 in the warmup and at ~1 bit after."""
+    out = recipes.output("fsdp_islands")
     assert _line(out, "islands identical").endswith("True")
-    assert _line(out, "2 islands of 2 ranks").startswith("2 islands")
-    # A shard is half the model; a ring allreduce over 2 islands sends it once.
-    assert _ints(_line(out, "fp32 warmup").split(":", 1)[1])[0] == param_bytes // 2
+    assert _line(out, "2 islands of 2 ranks").endswith("onebit-lamb across islands")
+    # A ring allreduce over 2 islands sends a rank's shard once.
+    assert _ints(_line(out, "fp32 warmup").split(":", 1)[1])[0] == _fsdp_recipe_shard_bytes()
     assert 20 < _ratio(_line(out, "1-bit stage")) < 29
     losses = _losses(out)
     assert len(losses) >= 3 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_islands_diloco_recipe(recipes: _Runner) -> None:
+    """The same islands with DiLoCo across them: 3 syncs of a shard in 30 steps."""
+    out = recipes.output("fsdp_islands_diloco")
+    assert _line(out, "islands identical").endswith("True")
+    syncs = re.search(r"^(\d+) syncs: ([\d,]+) bytes per sync", out, re.M)
+    assert syncs is not None and int(syncs.group(1)) == 3, out
+    assert int(syncs.group(2).replace(",", "")) == _fsdp_recipe_shard_bytes()
+    assert _ratio(_line(out, "bytes sent over")) == 10.0  # H = 10
+    losses = _losses(out)
+    assert losses[-1] < losses[0], losses
 
 
 @pytest.mark.timeout(300)
