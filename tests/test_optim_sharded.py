@@ -107,6 +107,7 @@ def _refusals(rank: int, world: int) -> dict:
         ("mask", lambda: OneBitAdam(masked, freeze_step=5, process_group=replicas)),
         ("island_without_group", lambda: Lamb(params)),
         ("bad_group", lambda: Lamb(params, process_group=dist.group.WORLD)),
+        ("own_island", lambda: Lamb(params, process_group=mesh.get_group("shard"))),
     ):
         try:
             make()
@@ -124,6 +125,7 @@ def test_layouts_it_cannot_train_are_refused_in_one_line() -> None:
     assert "exp_avg_mask is for whole parameters" in out["mask"]
     assert "mesh holds 2 of the 4 ranks" in out["island_without_group"]
     assert "mesh size x replicas = world size" in out["bad_group"]
+    assert "process_group holds ranks [0, 1] of FSDP2's own mesh" in out["own_island"]
     assert all("\n" not in msg for msg in out.values()), out
 
 
@@ -415,3 +417,67 @@ def test_diloco_across_islands_of_fsdp2_shards_matches_one_replica_per_island() 
     for params in spawn(_diloco, 4, ("island2",), timeout_s=150):
         for a, b in zip(params, whole, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _edge_cases(rank: int, world: int) -> dict:
+    """What broke once, on 4 ranks: (1) a layer smaller than the island (a rank holds an
+    empty shard of it, or of every layer) in bf16, both 1-bit optimizers past the freeze;
+    (2) a NaN in one rank's shard with one island (a replica group of 1): every rank
+    skips the step, none waits for the others."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from thinwire.optim import Lamb, OneBitAdam, OneBitLamb
+
+    out: dict = {}
+    for name, width in (("uneven", 1), ("all_empty", 0)):
+        for cls in (OneBitLamb, OneBitAdam):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            torch.manual_seed(0)
+            layers = (
+                [torch.nn.Linear(6, 1)]
+                if width == 0
+                else [torch.nn.Linear(6, 4), torch.nn.Linear(4, width)]
+            )
+            net = torch.nn.Sequential(*layers).to(torch.bfloat16)
+            fully_shard(net, mesh=mesh["shard"])
+            opt = cls(
+                net.parameters(), lr=1e-2, freeze_step=2, process_group=mesh.get_group("replicate")
+            )
+            for step in range(5):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step + 10 * rank))
+                net(x.to(torch.bfloat16)).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            full = torch.cat([p.full_tensor().float().reshape(-1) for p in net.parameters()])
+            out[f"{name}/{cls.__name__}"] = (opt.compressing, full)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    net = _model()
+    fully_shard(net, mesh=mesh["shard"])
+    opt = Lamb(net.parameters(), lr=1e-2, process_group=mesh.get_group("replicate"))
+    for step in range(3):
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        if step == 1 and rank == 1:
+            next(net.parameters()).grad.to_local().fill_(float("nan"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["nan_skipped"] = opt.skipped_steps
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_empty_and_low_precision_shards_and_a_nan_in_one_shard() -> None:
+    outs = spawn(_edge_cases, 4, (), timeout_s=150)
+    for key in (
+        "uneven/OneBitLamb",
+        "uneven/OneBitAdam",
+        "all_empty/OneBitLamb",
+        "all_empty/OneBitAdam",
+    ):
+        compressing, full = outs[0][key]
+        assert compressing, key
+        assert bool(torch.isfinite(full).all()), key
+        for out in outs[1:]:
+            assert torch.equal(out[key][1], full), key  # every rank holds the same model
+    assert [out["nan_skipped"] for out in outs] == [1, 1, 1, 1]

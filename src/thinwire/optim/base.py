@@ -200,6 +200,9 @@ class CommOptimizer(torch.optim.Optimizer):
         """The ranks each layer is split over when the optimizer works across islands on
         plain shards: whole-layer sums and norms are reduced over it."""
         self.sharded = any(is_sharded(p) for p in self._params())
+        # Who logs: rank 0 of the group, and under FSDP2 only the first of those (every
+        # shard position has its own replica group, each with a rank 0).
+        self._speaks = self.rank == 0 and (not self.sharded or self._global_rank() == 0)
         if self.sharded:
             name = type(self).__name__
             params = self._params()
@@ -280,7 +283,10 @@ class CommOptimizer(torch.optim.Optimizer):
                 all(bool(torch.isfinite(local(p.grad)).all()) for p in params)
             )
         if self.world_size == 1 or self._ddp_averages_grads:
-            return all(bool(torch.isfinite(p.grad).all()) for p in params)
+            # One island (a replica group of 1) still agrees: a NaN may be in one shard.
+            return self._agree_finite(
+                all(bool(torch.isfinite(local(p.grad)).all()) for p in params)
+            )
         grads = [local(p.grad) for p in params]
         total = sum(g.numel() for g in grads)
         flat = self._flat_buffer(total, grads[0].device)
@@ -304,7 +310,8 @@ class CommOptimizer(torch.optim.Optimizer):
         that skip would leave the others waiting in the next whole-layer norm."""
         if not self.sharded:
             return finite
-        flag = torch.tensor([0.0 if finite else 1.0])
+        device = local(self._params()[0]).device  # NCCL takes device tensors only
+        flag = torch.tensor([0.0 if finite else 1.0], device=device)
         dist.all_reduce(flag)
         return float(flag) == 0.0
 
@@ -332,7 +339,7 @@ class CommOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _write_back(p: torch.Tensor, master: torch.Tensor) -> None:
         if p.dtype != torch.float32:
-            p.data.copy_(master)
+            local(p.data).copy_(local(master))  # whole, or this rank's shard of both
 
     def _skip(self) -> None:
         """Count a skipped step; warn at the 1st, 2nd, 4th, 8th, ...; raise
@@ -344,7 +351,7 @@ class CommOptimizer(torch.optim.Optimizer):
             self.global_step + self.skipped_steps,
             type(self).__name__,
         )
-        if self.rank == 0 and k & (k - 1) == 0:  # a power of two
+        if self._speaks and k & (k - 1) == 0:  # a power of two
             if k == 1:
                 _log.warning(
                     "%s: step %d skipped: the averaged gradients held NaN or Inf; parameters "
@@ -405,24 +412,31 @@ class CommOptimizer(torch.optim.Optimizer):
             # Every rank skips, before any exchange: a replica group that exchanged
             # would have moved its error feedback while another skipped.
             return None
-        if self.world_size > 1:
+        exchanged = self.world_size > 1 and total > 0  # all shards empty: nothing to send
+        overflow = False
+        if exchanged:
             try:
                 self._onebit(flat, out=flat, side=value)
             except NonFiniteError:
-                return None
+                overflow = True
+        # An overflow inside one replica group's exchange: every other rank must hear of
+        # it, or they would wait for that group in the next island collective.
+        if self.sharded and not self._agree_finite(not overflow):
+            return None
+        if overflow or not (exchanged or bool(torch.isfinite(flat).all())):
+            return None
+        if exchanged:
             self.exchange_s += self._onebit.last_call_s
             self.exchange_wait_s += self._onebit.last_wait_s
             self.exchanged_side = self._onebit.side_mean
-        elif not bool(torch.isfinite(flat).all()):
-            return None
-        else:
+        else:  # one rank, or shards empty on every replica (their side is 0 everywhere)
             self.exchanged_side = float(value)
         # What was exchanged keeps its energy through the 1-bit code (RMS block scales):
         # a gauge of the step's size that every rank reads alike. Both numbers are sums
         # over elements: over the whole layers when each rank holds shards.
         energy = float(torch.linalg.vector_norm(flat)) ** 2
         self.exchanged_energy, self.exchanged_side = sum_over(
-            [energy, self.exchanged_side], self._island
+            [energy, self.exchanged_side], self._island, flat.device
         )
         return views
 
@@ -502,7 +516,9 @@ class CommOptimizer(torch.optim.Optimizer):
             key = f"rank{self._global_rank()}"
             # State saved before it was keyed by the rank in the default group holds the
             # rank in the optimizer's group (the same rank without a process_group).
-            mine = extra.get(key, extra.get(f"rank{self.rank}"))
+            mine = extra.get(key)
+            if mine is None and not self.sharded:  # several shards share a group rank
+                mine = extra.get(f"rank{self.rank}")
             if mine is None:
                 saved = sorted(k for k in extra if k.startswith("rank"))
                 raise ValueError(

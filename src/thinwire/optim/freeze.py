@@ -54,7 +54,8 @@ def relative_change(
     pairs = [(local(c), local(r)) for c, r in zip(current, reference, strict=True)]
     num = sum(float(torch.sub(c, r).abs_().sum()) for c, r in pairs)
     den = sum(float(r.abs().sum()) for _, r in pairs)
-    num, den = sum_over([num, den], island)
+    device = pairs[0][0].device if pairs else None
+    num, den = sum_over([num, den], island, device)
     return num / den if den > 0 else math.inf
 
 

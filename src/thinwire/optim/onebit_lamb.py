@@ -266,7 +266,8 @@ class OneBitLamb(TwoStageOptimizer):
             fresh = torch.div(v_fresh, 1 - b2**t, out=s2) if corrected else s2.copy_(v_fresh)
             fresh.sqrt_().add_(group["eps"])
             frozen = self._denominator(local(state["exp_avg_sq"]), group, self.freeze_step, out=s1)
-            f = layer_max(float(frozen.div_(fresh).max()), island)
+            drift = frozen.div_(fresh)
+            f = layer_max(float(drift.max()) if drift.numel() else -math.inf, island, m.device)
             if corrected:
                 u = torch.div(m, 1 - b1**t, out=s1).div_(denom)
             else:

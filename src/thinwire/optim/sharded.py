@@ -71,21 +71,27 @@ def layer_norm(t: torch.Tensor, island: dist.ProcessGroup | None = None) -> torc
     return sq.sqrt().reshape(())
 
 
-def sum_over(values: list[float], island: dist.ProcessGroup | None) -> list[float]:
+def sum_over(
+    values: list[float], island: dist.ProcessGroup | None, device: torch.device | None = None
+) -> list[float]:
     """Per-shard sums (or counts) of a layer, summed over the ``island``'s shards (one
-    allreduce of ``len(values)`` numbers); unchanged when nothing is sharded."""
+    allreduce of ``len(values)`` numbers, on ``device``: NCCL takes device tensors only);
+    unchanged when nothing is sharded."""
     if island is None:
         return values
-    box = torch.tensor(values, dtype=torch.float64)
+    box = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(box, group=island)
     return box.tolist()
 
 
-def layer_max(value: float, island: dist.ProcessGroup | None) -> float:
-    """A per-shard maximum of a layer, maxed over the ``island``'s shards."""
+def layer_max(
+    value: float, island: dist.ProcessGroup | None, device: torch.device | None = None
+) -> float:
+    """A per-shard maximum of a layer (``-inf`` for an empty shard), maxed over the
+    ``island``'s shards (on ``device``, as for :func:`sum_over`)."""
     if island is None:
         return value
-    box = torch.tensor([value], dtype=torch.float64)
+    box = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(box, op=dist.ReduceOp.MAX, group=island)
     return float(box)
 
@@ -167,5 +173,12 @@ def check_layout(
             f"{name}: FSDP2's mesh holds {mesh.size()} ranks and process_group {replicas}, "
             f"but there are {world}: process_group must hold one rank of every island "
             "(mesh size x replicas = world size)"
+        )
+    shared = set(dist.get_process_group_ranks(process_group)) & set(mesh.mesh.flatten().tolist())
+    if shared != {dist.get_rank()}:
+        raise ValueError(
+            f"{name}: process_group holds ranks {sorted(shared)} of FSDP2's own mesh; it must "
+            "hold one rank of every island, this one alone of its own (the replicas, e.g. "
+            "mesh.get_group('replicate'))"
         )
     return False

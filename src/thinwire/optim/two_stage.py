@@ -113,7 +113,7 @@ class TwoStageOptimizer(CommOptimizer):
             )
         self.onebit_block = block
         never = self.freeze_step is not None and total_steps is not None
-        if never and self.freeze_step >= total_steps and self.rank == 0:
+        if never and self.freeze_step >= total_steps and self._speaks:
             _log.warning(
                 "%s: freeze_step=%d is not before total_steps=%d: this run will never "
                 "compress (every step sends full-precision gradients)",
@@ -230,7 +230,7 @@ class TwoStageOptimizer(CommOptimizer):
             change = self._agree(self._measure_change())
         reason = rule.decide(t, change)
         if reason is None:
-            if t == NO_FREEZE_WARNING_STEP and self._unbounded and self.rank == 0:
+            if t == NO_FREEZE_WARNING_STEP and self._unbounded and self._speaks:
                 _log.warning(
                     "%s: no compression yet at step %d: %s; pass total_steps=<your run's "
                     "steps> to cap the warmup at %.0f%% of it, or freeze_step=N",
@@ -255,7 +255,7 @@ class TwoStageOptimizer(CommOptimizer):
         self._freeze_denominators()
         self.stale.arm(0.0)  # armed by the first compressed step's exchange
         self.gauge.arm()
-        if self.rank == 0:
+        if self._speaks:
             floor = self.floor_report.describe() if self.floor_report is not None else ""
             _log.info(
                 "%s: %s; 1-bit compression from step %d%s",
@@ -289,7 +289,7 @@ class TwoStageOptimizer(CommOptimizer):
             "outgrew it, e.g. the loss began to fall after a plateau)"
         )
         if rule is None or self.stale.rewarmups >= self.stale.max_rewarmups:
-            if not self.stale.warned and self.rank == 0:
+            if not self.stale.warned and self._speaks:
                 keep = (
                     f"freeze_step={self.freeze_step} is kept; a later one, or 'auto', would "
                     "re-estimate it"
@@ -314,7 +314,7 @@ class TwoStageOptimizer(CommOptimizer):
         self._lift_variance = True
         self.stale.arm(0.0)
         self.gauge.arm()
-        if self.rank == 0:
+        if self._speaks:
             _log.warning(
                 "%s: %s; back to the full-precision warmup, to freeze again once the "
                 "statistics settle (step %d at the latest)",
@@ -341,7 +341,7 @@ class TwoStageOptimizer(CommOptimizer):
         if not bounded:
             return
         self.bounded_steps += 1
-        if self.bounded_steps == 1 and self.rank == 0:
+        if self.bounded_steps == 1 and self._speaks:
             _log.info(
                 "%s: step %d: the step bound shortened a compressed step to the uncompressed "
                 "optimizer's length (the gradients outgrew the variance frozen at step %s; "
@@ -426,14 +426,15 @@ class TwoStageOptimizer(CommOptimizer):
         references = None
         if self._island is not None:  # the floor's median is the whole layer's
             references = [
-                layer_reference(gather_layer(d, p), e)
-                for (p, _), d, e in zip(items, denoms, eps, strict=True)
+                layer_reference(gather_layer(d, p), e) if group["denom_floor"] > 0 else None
+                for (p, group), d, e in zip(items, denoms, eps, strict=True)
             ]
         report = floor_denominators(
             denoms, [group["denom_floor"] for _, group in items], eps, references
         )
+        device = denoms[0].device if denoms else None
         elements, zeros, raised = sum_over(
-            [report.elements, report.zeros, report.raised], self._island
+            [report.elements, report.zeros, report.raised], self._island, device
         )
         self.floor_report = FloorReport(int(elements), int(zeros), int(raised))
         self._denoms = {p: d for (p, _), d in zip(items, denoms, strict=True)}
