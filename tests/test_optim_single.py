@@ -253,3 +253,20 @@ def test_cuda_steps_match_cpu(cls) -> None:
     for pc, pg in zip(cpu, gpu, strict=True):
         assert pg.is_cuda and opt_gpu.state[pg]["exp_avg"].is_cuda
         torch.testing.assert_close(pg.detach().cpu(), pc.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_onebit_state_without_its_per_rank_part_is_refused_in_one_line() -> None:
+    """torch.distributed.checkpoint.state_dict's API keeps only state and param_groups:
+    loading that into a 1-bit optimizer would restart its warmup and drop its error
+    feedback without a word."""
+    from thinwire.optim import OneBitAdam
+
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = OneBitAdam([p], lr=1e-2, freeze_step=1)
+    p.grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    del sd["thinwire"]
+    with pytest.raises(ValueError, match="without its per-rank part") as err:
+        OneBitAdam([torch.nn.Parameter(torch.ones(4))], freeze_step=1).load_state_dict(sd)
+    assert "\n" not in str(err.value)

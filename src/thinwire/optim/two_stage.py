@@ -452,6 +452,13 @@ class TwoStageOptimizer(CommOptimizer):
     # ------------------------------------------------------------------ state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "thinwire" not in state_dict and state_dict.get("state"):
+            raise ValueError(
+                f"{type(self).__name__} state without its per-rank part ('thinwire': error "
+                "feedback, step and freeze counters), as torch.distributed.checkpoint."
+                "state_dict's get/set_optimizer_state_dict leave it: save and load "
+                "opt.state_dict() itself, e.g. dcp.save({'optim': opt.state_dict()})"
+            )
         self._denoms = {}  # the frozen variance may be another one now
         super().load_state_dict(state_dict)
         for group in self.param_groups:
