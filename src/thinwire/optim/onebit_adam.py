@@ -80,6 +80,9 @@ class OneBitAdam(TwoStageOptimizer):
             :class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`); None is the papers'
             one scale per buffer.
         process_group: ranks to average over (default: the default group, if any).
+            With FSDP2 inside an island, the ranks that hold the same shard in every
+            island (``mesh.get_group("replicate")``): each rank then compresses its own
+            shards across the islands (:mod:`thinwire.optim.sharded`).
 
     With one process (or no process group) it is plain Adam (the "compression" of one
     rank is the identity) with the variance frozen after the warmup. The defaults

@@ -92,6 +92,9 @@ class OneBitLamb(TwoStageOptimizer):
             variance frozen before the gradients grew (a plateau that ends) scales every
             later step up with them. None is the paper's rule.
         process_group: ranks to average over (default: the default group, if any).
+            With FSDP2 inside an island, the ranks that hold the same shard in every
+            island (``mesh.get_group("replicate")``): each rank then compresses its own
+            shards across the islands (:mod:`thinwire.optim.sharded`).
 
     With one process it is LAMB in warmup and the same frozen-variance rule afterwards,
     with exact (uncompressed) momenta. The paper's 1-bit LAMB is ``freeze_step=N,
