@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record, ring_allreduce_bytes
+from thinwire.comm.launch import rank as global_rank
 from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.errors import DivergedError
@@ -202,7 +203,7 @@ class CommOptimizer(torch.optim.Optimizer):
         self.sharded = any(is_sharded(p) for p in self._params())
         # Who logs: rank 0 of the group, and under FSDP2 only the first of those (every
         # shard position has its own replica group, each with a rank 0).
-        self._speaks = self.rank == 0 and (not self.sharded or self._global_rank() == 0)
+        self._speaks = self.rank == 0 and (not self.sharded or global_rank() == 0)
         if self.sharded:
             name = type(self).__name__
             params = self._params()
@@ -495,13 +496,9 @@ class CommOptimizer(torch.optim.Optimizer):
         mine = {"skipped_steps": self.skipped_steps, **self._extra_state()}
         sd["thinwire"] = {
             "world_size": self.world_size,
-            f"rank{self._global_rank()}": {k: _as_tensor(v) for k, v in mine.items()},
+            f"rank{global_rank()}": {k: _as_tensor(v) for k, v in mine.items()},
         }
         return sd
-
-    @staticmethod
-    def _global_rank() -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = dict(state_dict)
@@ -513,7 +510,7 @@ class CommOptimizer(torch.optim.Optimizer):
                     f"{extra['world_size']}, this group has {self.world_size}: the per-rank "
                     "error-feedback state cannot be mapped onto a different number of ranks"
                 )
-            key = f"rank{self._global_rank()}"
+            key = f"rank{global_rank()}"
             # State saved before it was keyed by the rank in the default group holds the
             # rank in the optimizer's group (the same rank without a process_group).
             mine = extra.get(key)
