@@ -547,6 +547,9 @@ KEYWORD_API: dict[str, str] = {
     "thinwire.localsgd.algorithm.diloco:DiLoCo.__init__": (
         "a public wrapper that takes its inner and outer hyperparameters as keywords"
     ),
+    "thinwire.localsgd.algorithm.streaming:StreamingDiLoCo.__init__": (
+        "DiLoCo's keywords plus the fragments' (fragments, overlap, alpha), like torchft's"
+    ),
     "thinwire.localsgd.algorithm.worker_core:LocalWorker.__init__": (
         "a public class (thinwire.localsgd) whose keywords the docs show, inner_momentum=..."
     ),

@@ -53,8 +53,14 @@ CASES: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
     # lose the pretraining's data offset
     "onebit-lamb-pretrained": ((3, 9), {"freeze_step": 6, "pretrain_steps": 4}),
     "diloco-pretrained": ((6, 9), {"local_steps": 4, "pretrain_steps": 3}),
+    # Streaming DiLoCo: fragments sent at steps 2, 4, 6, 8, ... and applied a step later,
+    # so the stop at 6 leaves a quantized fragment in flight (its error feedback too)
+    "diloco-streaming": (
+        (6, 9),
+        {"local_steps": 4, "fragments": 2, "fragment_overlap": 1, "compress": "int4"},
+    ),
 }
-VARIANTS = ("-auto", "-pretrained")
+VARIANTS = ("-auto", "-pretrained", "-streaming")
 """Suffixes of a case's name that set a variant of its algorithm."""
 
 

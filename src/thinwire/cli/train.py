@@ -24,6 +24,7 @@ from typing import Any
 from thinwire.cli.train_config import config_from_args, lr_given, note_trained_lr, track_explicit
 from thinwire.comm.launch import launched_by_torchrun
 from thinwire.compress.cast import WIRE_DTYPES
+from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names
@@ -236,6 +237,31 @@ def _add_local_sgd_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> Non
         help="default: the method's tuned value; 0 is plain SGD on the averaged update",
     )
     ls.add_argument("--outer", default=d.outer, choices=("dn", "nesterov", "buffer"))
+    ls.add_argument(
+        "--fragments",
+        type=int,
+        default=d.fragments,
+        help="diloco: Streaming DiLoCo, the model's fragments synced in turn (default 1)",
+    )
+    ls.add_argument(
+        "--fragment-overlap",
+        type=int,
+        default=d.fragment_overlap,
+        help="diloco: inner steps a fragment's exchange runs behind (tau, default 0)",
+    )
+    ls.add_argument(
+        "--no-error-feedback",
+        dest="error_feedback",
+        action="store_false",
+        default=d.error_feedback,
+        help="diloco with int8/fp8/int4: plain quantization, its rounding lost for good",
+    )
+    ls.add_argument(
+        "--fragment-alpha",
+        type=float,
+        default=d.fragment_alpha,
+        help="diloco: share of the local weights kept when a fragment arrives (default 0)",
+    )
     ls.add_argument("--dylu", action="store_true", help="dynamic local updates")
     ls.add_argument(
         "--speeds",
@@ -317,8 +343,9 @@ def _add_round_state_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> N
     ls.add_argument(
         "--compress",
         default=d.compress,
-        choices=tuple(CODECS),
-        help="pseudo-gradients (diloco: the allreduce; async-diloco: every push)",
+        choices=(*CODECS, *QUANT_KINDS),
+        help="pseudo-gradients (diloco: the allreduce, where int8, fp8 and int4 run "
+        "Streaming DiLoCo's quantized exchange; async-diloco: every push)",
     )
     ls.add_argument(
         "--compress-pull",

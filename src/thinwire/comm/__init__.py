@@ -23,6 +23,7 @@ from thinwire.comm.onebit_allreduce import (
     onebit_wire_bytes,
 )
 from thinwire.comm.onebit_hook import OneBitHookState, onebit_hook
+from thinwire.comm.quantized_allreduce import QuantizedAllreduce, quantized_wire_bytes
 from thinwire.comm.register import HOOK_METHODS, register_comm_hook
 from thinwire.comm.resumable_ddp import ResumableDDP
 
@@ -32,8 +33,10 @@ __all__ += [
     "NonFiniteError",
     "OneBitAllreduce",
     "OneBitHookState",
+    "QuantizedAllreduce",
     "ResumableDDP",
     "onebit_hook",
     "onebit_wire_bytes",
+    "quantized_wire_bytes",
     "register_comm_hook",
 ]

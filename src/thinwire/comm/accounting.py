@@ -19,14 +19,18 @@ The trainer reads :func:`snapshot` after each step to log bytes per step.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 __all__ = [
     "COUNTER",
     "ByteCounter",
     "OpStats",
+    "captured",
     "gather_bytes",
     "record",
+    "replay",
     "ring_allreduce_bytes",
 ]
 
@@ -94,9 +98,40 @@ COUNTER = ByteCounter()
 """The process-wide counter that every thinwire collective reports to."""
 
 
+_CAPTURE = threading.local()
+
+
 def record(op: str, payload_bytes: int, wire_bytes: int) -> None:
-    """Report one collective call to the process-wide :data:`COUNTER`."""
+    """Report one collective call to the process-wide :data:`COUNTER` (or, inside
+    :func:`captured` on this thread, to the capture's list)."""
+    sink = getattr(_CAPTURE, "sink", None)
+    if sink is not None:
+        sink.append((op, int(payload_bytes), int(wire_bytes)))
+        return
     COUNTER.record(op, payload_bytes, wire_bytes)
+
+
+@contextmanager
+def captured() -> Iterator[list[tuple[str, int, int]]]:
+    """Collect this thread's :func:`record` calls in a list instead of counting them.
+
+    For collectives that run in a background thread (Streaming DiLoCo's overlapped
+    exchange): the thread captures its records and the training loop replays them with
+    :func:`replay` when it uses the result, so the bytes of a step do not depend on how
+    far the thread had got when the step's metrics were read.
+    """
+    previous = getattr(_CAPTURE, "sink", None)
+    _CAPTURE.sink = sink = []
+    try:
+        yield sink
+    finally:
+        _CAPTURE.sink = previous
+
+
+def replay(records: list[tuple[str, int, int]]) -> None:
+    """Count records that :func:`captured` collected."""
+    for op, payload_bytes, wire_bytes in records:
+        record(op, payload_bytes, wire_bytes)
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:

@@ -1,5 +1,5 @@
-"""What goes on the wire: the 16-bit cast codec, the 1-bit sign+scale compressor, error
-feedback, and bit packing."""
+"""What goes on the wire: the 16-bit cast codec, the 1-bit sign+scale compressor, the
+block-scaled quantizers (int8, fp8, int4), error feedback, and bit packing."""
 
 from thinwire.compress.base import Compressed, Compressor
 from thinwire.compress.cast import (
@@ -23,18 +23,21 @@ from thinwire.compress.packing import (
     unpack_bits,
     unpack_signs,
 )
+from thinwire.compress.quantize import QUANT_KINDS, QuantCompressor
 
 __all__ = [
     "BF16",
     "BIT_ORDER",
     "CAST_DTYPES",
     "FP16",
+    "QUANT_KINDS",
     "WIRE_DTYPES",
     "CastCompressor",
     "Compressed",
     "Compressor",
     "ErrorFeedback",
     "OneBitCompressor",
+    "QuantCompressor",
     "cast_decode",
     "cast_encode",
     "cast_name",

@@ -10,6 +10,9 @@ run's budget and checkpoints), ``task.py`` (:class:`Task`, what the user hands a
 
 * :class:`DiLoCo` (``algorithm/diloco.py``): H local steps, then one averaged outer
   Nesterov step; a context manager around the user's model and inner optimizer.
+* :class:`StreamingDiLoCo` (``algorithm/streaming.py``, its schedule in
+  ``streaming_fragments.py``): DiLoCo with the model's fragments synced in turn,
+  overlapped with training, and quantized (int8, fp8, int4) with error feedback.
 * Asynchronous Local-SGD on the user's pieces: a :class:`Task` (model factory,
   inner-optimizer factory, batch sources per shard, loss, optional evaluation) and one
   :class:`AsyncConfig` (every knob, each field's docstring its tuning guide).
@@ -57,6 +60,7 @@ from thinwire.localsgd.algorithm.outer import AsyncBuffer, DelayedNesterov, Nest
 from thinwire.localsgd.algorithm.pretrain import Start
 from thinwire.localsgd.algorithm.push_guard import PushGuard
 from thinwire.localsgd.algorithm.server_core import ServerCore, Work
+from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
 from thinwire.localsgd.algorithm.sweep import run_sweep, summarize_sweep
 from thinwire.localsgd.algorithm.virtual_clock import HETEROGENEITY, SimClock, simulate
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
@@ -88,6 +92,7 @@ __all__ = [
     "SimClock",
     "SpeedTracker",
     "Start",
+    "StreamingDiLoCo",
     "Task",
     "Work",
     "dylu_steps",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
@@ -57,13 +58,20 @@ class LocalSGDSettings:
     (signs and one scale, 32x fewer bytes, with per-worker error feedback). See
     :mod:`thinwire.localsgd.algorithm.compression`."""
 
-    def check_local_sgd(self) -> None:
-        """A one-line :class:`ConfigError` for the first impossible setting here."""
+    def check_local_sgd(self, more_codecs: tuple[str, ...] = ()) -> None:
+        """A one-line :class:`ConfigError` for the first impossible setting here.
+
+        ``more_codecs``: codecs the caller's algorithm takes beside the pushes' own
+        (synchronous DiLoCo's allreduce also takes the quantizers)."""
         if self.local_steps < 1:
             raise ConfigError(f"local-steps must be >= 1, got {self.local_steps}")
         self.resolved_inner_momentum()
-        if self.compress not in CODECS:
-            raise ConfigError(f"compress must be one of {', '.join(CODECS)}, got {self.compress!r}")
+        codecs = (*CODECS, *more_codecs)
+        if self.compress not in codecs:
+            hint = " (the quantizers are diloco's)" if self.compress in QUANT_KINDS else ""
+            raise ConfigError(
+                f"compress must be one of {', '.join(codecs)}, got {self.compress!r}{hint}"
+            )
 
     def resolved_inner_momentum(self) -> str:
         """``inner_momentum``, or its default (the same for every method)."""

@@ -375,7 +375,18 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             raise ConfigError(
                 f"unknown shard sampling {cfg.shard_sampling!r}; choose one of {SAMPLING_CHOICES}"
             )
-        if cfg.compress not in COMPRESS_CHOICES:
+        if cfg.streaming():
+            from thinwire.localsgd.algorithm.streaming import check_streaming_args
+
+            check_streaming_args(
+                cfg.local_steps,
+                cfg.fragments,
+                cfg.fragment_overlap,
+                cfg.fragment_alpha,
+                cfg.compress,
+                cfg.inner_momentum or "keep",
+            )
+        elif cfg.compress not in COMPRESS_CHOICES:
             raise ConfigError(
                 f"unknown compression {cfg.compress!r}; choose one of {COMPRESS_CHOICES}"
             )

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 from thinwire.compress.cast import parse_cast
+from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
 from thinwire.localsgd.settings import ASYNC_ONLY, LOCAL_SGD, AsyncSettings
 from thinwire.optim.freeze import AutoFreeze
@@ -38,6 +39,10 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "bias_correction": ONEBIT_ALGOS,
     "powersgd_rank": ("adamw-powersgd",),
     "powersgd_start": ("adamw-powersgd",),
+    "fragments": ("diloco",),
+    "fragment_overlap": ("diloco",),
+    "fragment_alpha": ("diloco",),
+    "error_feedback": ("diloco",),
     **dict.fromkeys(LOCAL_SGD, _LOCAL_SGD),
     **dict.fromkeys(ASYNC_ONLY, ("async-diloco",)),
 }
@@ -54,7 +59,7 @@ schedule, the rates in the summary) loses the last step; no real run comes near 
 
 _RANGED = frozenset(
     {"lr", "min_lr_ratio", "weight_decay", "grad_clip", "freeze_tolerance", "freeze_cap"}
-    | {"outer_lr", "outer_momentum", "val_fraction"}
+    | {"outer_lr", "outer_momentum", "val_fraction", "fragment_alpha"}
 )
 """Float fields :meth:`TrainConfig.validate` checks against a range (whose message names
 the range, so nan and inf are left to it)."""
@@ -293,6 +298,27 @@ class TrainConfig(AsyncSettings):
     # The Local-SGD settings (local_steps, outer, outer_lr, dylu, compress, ...) are the
     # fields this class inherits from thinwire.localsgd.AsyncSettings, which documents
     # each one; only the trainer's own data layout is defined here.
+    fragments: int = 1
+    """``--algo diloco``: Streaming DiLoCo's fragments. 1 (the default) syncs the whole
+    model every H steps; P > 1 cuts it into P runs of consecutive parameters of about
+    equal size whose syncs take turns, each fragment still every H steps, so a sync
+    carries about 1/P of the model and the peak bandwidth drops P-fold at the same total
+    bytes (:class:`thinwire.localsgd.StreamingDiLoCo`). 2-4 is the paper's range; H must
+    be at least P."""
+    fragment_overlap: int = 0
+    """``--algo diloco``: inner steps a fragment's exchange may take in the background
+    before its average is applied (the paper's tau), below ``local_steps // fragments``.
+    0 waits for it; 1-5 hide the network behind training when a sync takes less than
+    that many steps."""
+    fragment_alpha: float = 0.0
+    """``--algo diloco`` with fragments: how much of the local weights a fragment keeps
+    when its new global weights arrive, in ``[0, 1)``. 0 replaces them (DiLoCo's rule) and
+    drops the ``fragment_overlap`` steps taken meanwhile; 0.5, the paper's choice with an
+    overlap, keeps half of them."""
+    error_feedback: bool = True
+    """``--algo diloco`` with a quantizer (``--compress int8|fp8|int4``): keep what
+    rounding lost and send it with the fragment's next sync. Off (``--no-error-feedback``)
+    is the Streaming DiLoCo paper's plain quantization, whose rounding is lost for good."""
     shard_layout: str = "striped"
     """How Local-SGD cuts the training text into shards: ``striped`` (4 KiB blocks dealt
     round-robin: every shard samples the whole text) or ``contiguous`` (one stretch each,
@@ -396,7 +422,9 @@ class TrainConfig(AsyncSettings):
         # The settings every Local-SGD run reads are checked whatever the algorithm, as
         # every field is; the asynchronous ones (whose combinations only mean something
         # there: --sync with --dylu) when the run is asynchronous.
-        self.check_local_sgd()
+        # diloco's allreduce also takes the quantizers (Streaming DiLoCo's codecs).
+        self.check_local_sgd(QUANT_KINDS if self.algo == "diloco" else ())
+        self._check_fragments()
         if self.algo == "async-diloco":
             self.check_async()
         if self.shard_layout not in ("striped", "contiguous"):
@@ -422,6 +450,22 @@ class TrainConfig(AsyncSettings):
                 f"freeze-step {self.freeze_step} is past steps {self.steps}: {self.algo} "
                 "would never compress; lower --freeze-step (or use lamb/adamw)"
             )
+
+    def _check_fragments(self) -> None:
+        if not _is_int(self.fragments) or self.fragments < 1:
+            raise ConfigError(
+                f"fragments must be an integer >= 1, got {short_repr(self.fragments)}"
+            )
+        if not _is_int(self.fragment_overlap) or self.fragment_overlap < 0:
+            raise ConfigError(
+                f"fragment-overlap must be an integer >= 0, got {short_repr(self.fragment_overlap)}"
+            )
+        _check_range("fragment-alpha", self.fragment_alpha, 0.0, 1.0, hi_open=True)
+
+    def streaming(self) -> bool:
+        """Whether ``--algo diloco`` runs Streaming DiLoCo: fragments, an overlap or a
+        quantizer (the codecs that only it has)."""
+        return self.fragments > 1 or self.fragment_overlap > 0 or self.compress in QUANT_KINDS
 
     def _check_powersgd(self) -> None:
         # Checked whatever the algorithm, as every field is: a typo in a file that a
