@@ -221,6 +221,34 @@ def test_onebit_and_localsgd_volumes() -> None:
         assert simulate(prof, b, before).scaling_factor < 0.9
 
 
+def test_streaming_diloco_spreads_the_same_bytes_over_fragments() -> None:
+    prof = _one_param_profile(4_000_000, backward_s=0.02, iteration_s=0.05)
+    b = [Bucket((0,), 4_000_000, 0.02)]
+    slow = NetworkConfig(workers=4, bandwidth_gbps=0.1, scheme="localsgd", local_steps=12)
+    whole = simulate(prof, b, slow)
+    parts = simulate(prof, b, replace(slow, fragments=4))
+    # The same bytes per step; a quarter of them per sync, four syncs per round.
+    assert parts.wire_bytes == pytest.approx(whole.wire_bytes)
+    assert parts.sync_wire_bytes == pytest.approx(whole.sync_wire_bytes / 4)
+    assert whole.sync_wire_bytes == pytest.approx(12 * whole.wire_bytes)
+    assert parts.exposed_s == pytest.approx(whole.exposed_s)  # nothing overlaps yet
+    # Each fragment's 0.12 s on the wire (1.5 MB at 100 Mbit/s) runs behind one step
+    # (0.05 s) of compute; at 200 Mbit/s two steps hide all of it.
+    wire_s = parts.events[0].end_s - parts.events[0].start_s
+    assert wire_s == pytest.approx(0.12)
+    behind = simulate(prof, b, replace(slow, fragments=4, fragment_overlap=1))
+    assert behind.exposed_s == pytest.approx(4 * (0.12 - 0.05) / 12)
+    faster = replace(slow, bandwidth_gbps=0.2, fragments=4, fragment_overlap=2)
+    hidden = simulate(prof, b, faster)
+    assert hidden.exposed_s == 0.0 and hidden.scaling_factor == 1.0
+    with pytest.raises(ConfigError, match=r"below H // fragments = 3"):
+        replace(slow, fragments=4, fragment_overlap=3)
+    with pytest.raises(ConfigError, match=r"fragments must be an integer in \[1, H=12\]"):
+        replace(slow, fragments=13)
+    with pytest.raises(ConfigError, match="Local-SGD's"):
+        NetworkConfig(local_steps=4, fragments=2)
+
+
 def test_single_worker_and_no_gradients_communicate_nothing() -> None:
     prof = _one_param_profile(1000, backward_s=0.01, iteration_s=0.02)
     res = simulate(prof, [Bucket((0,), 1000, 0.01)], NetworkConfig(workers=1))

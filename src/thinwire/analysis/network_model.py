@@ -35,7 +35,9 @@ paper's vector-add table reproduce the paper. The 1-bit allreduce sends about
 (:mod:`thinwire.comm.onebit_hook`: one thread, so one channel whatever ``concurrency``), with
 ``overlap=False`` 1-bit Adam/LAMB's one exchange after backward. ``localsgd``: workers
 step alone and all-reduce the model every ``local_steps`` = H steps, after the step
-(nothing to overlap with), so the exposed time is amortised over H.
+(nothing to overlap with), so the exposed time is amortised over H. With ``fragments``
+P > 1 or a ``fragment_overlap`` tau (Streaming DiLoCo) a sync carries 1/P of the model,
+P syncs per H steps, and each hides up to tau steps of compute behind its wire time.
 
 Outputs (:class:`SimResult`): exposed communication (time after the undisturbed backward
 pass that the step waits for the network or for the codec's delay of backward), step
@@ -104,6 +106,13 @@ class NetworkConfig:
     """``ring``, ``onebit`` or ``localsgd`` (see the module docstring)."""
     local_steps: int = 1
     """H for ``localsgd``: steps between model averages (>= 1)."""
+    fragments: int = 1
+    """Streaming DiLoCo (``localsgd`` only): P fragments of the model, each synced once
+    per H steps in turn. The bytes per step stay DiLoCo's; each sync carries 1/P of
+    them, so the link's peak drops P-fold (:class:`thinwire.localsgd.StreamingDiLoCo`)."""
+    fragment_overlap: int = 0
+    """Streaming DiLoCo: steps of compute a fragment's exchange runs behind (tau); the
+    wire time they cover is hidden, the codec's compute is not."""
     workers_per_node: int = 1
     """g > 1: hierarchical allreduce on nodes of g workers (must divide ``workers``);
     ``bandwidth_gbps`` is then each node's network link. Fewer messages cross the slow
@@ -163,6 +172,22 @@ class NetworkConfig:
             raise ConfigError(f"concurrency must be an integer >= 1, got {c}")
         if int(self.local_steps) != self.local_steps or self.local_steps < 1:
             raise ConfigError(f"local steps H must be an integer >= 1, got {self.local_steps}")
+        self._check_fragments()
+
+    def _check_fragments(self) -> None:
+        p, tau = self.fragments, self.fragment_overlap
+        if isinstance(p, bool) or int(p) != p or not 1 <= p <= self.local_steps:
+            raise ConfigError(f"fragments must be an integer in [1, H={self.local_steps}], got {p}")
+        if isinstance(tau, bool) or int(tau) != tau or tau < 0:
+            raise ConfigError(f"fragment overlap must be an integer >= 0, got {tau}")
+        if tau and tau >= max(1, self.local_steps // p):
+            # Streaming DiLoCo's own rule: a fragment lands before the next one leaves.
+            raise ConfigError(
+                f"fragment overlap must be below H // fragments = {self.local_steps // p}, "
+                f"got {tau}"
+            )
+        if (p > 1 or tau > 0) and self.scheme != "localsgd":
+            raise ConfigError("fragments and fragment overlap are Local-SGD's (scheme localsgd)")
 
     @property
     def bandwidth_bps(self) -> float:
@@ -198,6 +223,10 @@ class SimResult:
     """Bytes each worker sends per step (amortised over H for Local-SGD)."""
     events: list[BucketEvent] = field(default_factory=list)
     compute_stall_s: float = 0.0
+    sync_wire_bytes: float = 0.0
+    """Bytes each worker sends in one synchronization, the most the link carries at
+    once: a step's for DDP and 1-bit, a round's for DiLoCo, a fragment's for Streaming
+    DiLoCo."""
     """Codec compute that ran during backward and delayed its end (amortised like comm_s)."""
 
     @property
@@ -231,6 +260,7 @@ class SimResult:
             "wire_bytes": self.wire_bytes,
             "link_utilization": self.link_utilization,
             "compute_stall_s": self.compute_stall_s,
+            "sync_wire_bytes": self.sync_wire_bytes,
             "breakdown": self.breakdown(),
         }
         if events:
@@ -247,6 +277,8 @@ def simulate(
     became ready has no buckets: nothing is communicated and SF is 1.
     """
     add = add if add is not None else AddCost.zero()
+    if cfg.fragments > 1 or cfg.fragment_overlap > 0:
+        return _streaming(profile, buckets, cfg, add)
     bk_end = profile.backward_end_s
     deferred = not cfg.overlap or cfg.scheme == "localsgd"
     stall = 0.0  # codec compute run during backward so far: backward is that much later
@@ -304,15 +336,56 @@ def simulate(
     last_end = max((e.end_s for e in events), default=0.0)
     exposed = max(0.0, last_end - bk_end, stall) if events else 0.0
     h = cfg.local_steps if cfg.scheme == "localsgd" else 1
+    wire = sum(e.wire_bytes for e in events)
     return SimResult(
         config=cfg,
         iteration_s=profile.iteration_s,
         backward_s=bk_end,
         exposed_s=exposed / h,
         comm_s=sum(e.end_s - e.start_s for e in events) / h,
-        wire_bytes=sum(e.wire_bytes for e in events) / h,
+        wire_bytes=wire / h,
         events=events,
         compute_stall_s=stall / h,
+        sync_wire_bytes=wire,
+    )
+
+
+def _streaming(
+    profile: Profile, buckets: list[Bucket], cfg: NetworkConfig, add: AddCost
+) -> SimResult:
+    """Streaming DiLoCo: each of the P fragments (1/P of the model's bytes) syncs once
+    per H steps, after a step, its exchange running behind ``fragment_overlap`` steps of
+    compute. What the overlap does not cover, and the codec's compute, the step that
+    applies the fragment waits for; fragments sync one at a time (their turns are H/P
+    steps apart, more than the overlap)."""
+    p, h = cfg.fragments, cfg.local_steps
+    bk_end = profile.backward_end_s
+    c = bucket_cost(sum(b.nbytes for b in buckets) / p, cfg, add)
+    wire_s = c["network_s"] + c["reduce_s"] + c["latency_s"]
+    exposed = c["codec_s"] + max(0.0, wire_s - cfg.fragment_overlap * profile.iteration_s)
+    events = [
+        BucketEvent(
+            nbytes=int(sum(b.nbytes for b in buckets) / p),
+            ready_s=bk_end,
+            start_s=bk_end,
+            end_s=bk_end + wire_s + c["codec_s"],
+            network_s=c["network_s"],
+            reduce_s=c["reduce_s"],
+            latency_s=c["latency_s"],
+            codec_s=c["codec_s"],
+            wire_bytes=c["wire"],
+        )
+        for _ in range(p)
+    ]
+    return SimResult(
+        config=cfg,
+        iteration_s=profile.iteration_s,
+        backward_s=bk_end,
+        exposed_s=p * exposed / h,
+        comm_s=p * (wire_s + c["codec_s"]) / h,
+        wire_bytes=p * c["wire"] / h,
+        events=events,
+        sync_wire_bytes=c["wire"],
     )
 
 

@@ -202,6 +202,10 @@ def _scheme_name(cfg: dict[str, Any]) -> str:
         scheme += f" with {cfg['compression']:g}x compression"
     if cfg["scheme"] == "localsgd":
         scheme += f", H={cfg['local_steps']}"
+        if cfg.get("fragments", 1) > 1 or cfg.get("fragment_overlap", 0):
+            scheme += (
+                f", streaming: {cfg['fragments']} fragments, overlap {cfg['fragment_overlap']}"
+            )
     return scheme
 
 
@@ -289,13 +293,22 @@ def _needs_lines(study: dict[str, Any]) -> list[str]:
     lines.append(
         f"            (infinite compression would give SF {_pct(need['infinite_compression_sf'])})"
     )
-    lines += ["", f"{'on this network':42s} {'step':>10s} {'SF':>7s} {'wire/step':>11s}"]
+    width = max([40] + [len(a["name"]) for a in study["alternatives"]])
+    lines += [
+        "",
+        f"{'on this network':{width + 2}s} {'step':>10s} {'SF':>7s} {'wire/step':>11s}"
+        f" {'per sync':>11s}",
+    ]
     ev = study.get("evidence") or {}
     for a in study["alternatives"]:
         finding = ev.get(_family_of_row(a["name"]) or "", {})
         mark = {"failed": "  diverged or far off here", "worse": "  lost quality here"}
+        # per sync: what the link carries at once (a round's bytes for DiLoCo, a
+        # fragment's for Streaming DiLoCo; studies saved before it was recorded: a step's)
+        sync = a.get("sync_wire_bytes", a["wire_bytes"])
         lines.append(
-            f"  {a['name']:40s} {fmt_time(a['step_s']):>10s} {_pct(a['scaling_factor']):>7s} "
-            f"{fmt_bytes(a['wire_bytes']):>11s}" + mark.get(finding.get("status", ""), "")
+            f"  {a['name']:{width}s} {fmt_time(a['step_s']):>10s} {_pct(a['scaling_factor']):>7s} "
+            f"{fmt_bytes(a['wire_bytes']):>11s} {fmt_bytes(sync):>11s}"
+            + mark.get(finding.get("status", ""), "")
         )
     return lines

@@ -30,6 +30,7 @@ from thinwire.analysis.network_model import (
 )
 from thinwire.analysis.profile import Profile
 from thinwire.comm.onebit_hook import HOOK_BLOCK
+from thinwire.compress.quantize import QuantCompressor
 from thinwire.errors import ConfigError
 
 __all__ = ["SIMULATION_FORMAT", "run_study", "sweep_values"]
@@ -96,6 +97,19 @@ def _alternatives(
     options += [
         (f"Local-SGD/DiLoCo, H={h}", replace(ring, scheme="localsgd", local_steps=h)) for h in hs
     ]
+    if hs and hs[-1] >= 8:
+        # Streaming DiLoCo at the largest H: 4 fragments in turn, each exchange behind a
+        # step of compute, int4 with its block scales (thinwire.compress.quantize).
+        h = hs[-1]
+        streaming = replace(
+            ring,
+            scheme="localsgd",
+            local_steps=h,
+            fragments=4,
+            fragment_overlap=1,
+            compression=QuantCompressor("int4").ratio(1 << 20),
+        )
+        options.append((f"Local-SGD/Streaming DiLoCo, H={h}, 4 fragments, int4", streaming))
     out = []
     for name, alt in options:
         r = simulate(profile, buckets, alt, add)

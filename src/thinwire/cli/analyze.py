@@ -256,6 +256,8 @@ def _what_if_network(args: argparse.Namespace, prof: Any, cpu: bool) -> tuple[An
         overlap=not args.no_overlap,
         scheme=args.scheme,
         local_steps=args.local_steps,
+        fragments=args.fragments,
+        fragment_overlap=args.fragment_overlap,
         # a CPU profile trains with gloo, a GPU one (and the paper's logs) with NCCL
         onebit_latency=onebit_latency,
         concurrency=BACKEND_CONCURRENCY[
@@ -517,6 +519,18 @@ def _add_sending_arguments(si: argparse.ArgumentParser) -> None:
     )
     si.add_argument("--scheme", default="ring", choices=("ring", "onebit", "localsgd"))
     si.add_argument("--local-steps", type=int, default=1, help="H for --scheme localsgd")
+    si.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="--scheme localsgd: Streaming DiLoCo's fragments, each 1/P of the model per sync",
+    )
+    si.add_argument(
+        "--fragment-overlap",
+        type=int,
+        default=0,
+        help="--scheme localsgd: steps of compute each fragment's exchange runs behind",
+    )
     si.add_argument(
         "--no-overlap",
         action="store_true",
