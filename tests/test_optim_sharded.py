@@ -380,33 +380,44 @@ def test_onebit_across_islands_resumes_through_torch_distributed_checkpoint(tmp_
                 assert torch.equal(a, b), kind
 
 
-def _diloco(rank: int, world: int, layout: str) -> list[torch.Tensor]:
-    """DiLoCo with inner AdamW, H = 3, 9 steps: ``"whole"`` one replica per rank (rank
-    r is island r, fed the island's whole batch), ``"island2"`` FSDP2 inside islands of
-    2 ranks with DiLoCo across them."""
+def _diloco(rank: int, world: int, layout: str) -> dict[str, list[torch.Tensor]]:
+    """DiLoCo with inner AdamW, H = 3, 9 steps, and Streaming DiLoCo (2 fragments, one
+    step of overlap, H = 4) on the same steps: ``"whole"`` one replica per rank (rank r
+    is island r, fed the island's whole batch), ``"island2"`` FSDP2 inside islands of 2
+    ranks with (Streaming) DiLoCo across them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from thinwire.localsgd import DiLoCo
+    from thinwire.localsgd import DiLoCo, StreamingDiLoCo
 
-    net, group, island = _model(), None, rank
-    if layout == "island2":
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-        fully_shard(net, mesh=mesh["shard"])
-        group, island = mesh.get_group("replicate"), rank // 2
-    inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    with DiLoCo(net, inner, sync_every=3, process_group=group) as diloco:
-        for step in range(9):
-            shares = [_batch(step, 2 * island + k) for k in range(2)]
-            if layout == "whole":
-                x, y = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
-            else:
-                x, y = shares[rank % 2]
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            inner.step()
-            inner.zero_grad(set_to_none=True)
-    assert diloco.outer_steps == 3
-    return [_full(p).clone() for p in net.parameters()]
+    out = {}
+    for kind in ("diloco", "streaming"):
+        net, group, island = _model(), None, rank
+        if layout == "island2":
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+            fully_shard(net, mesh=mesh["shard"])
+            group, island = mesh.get_group("replicate"), rank // 2
+        inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        if kind == "diloco":
+            outer = DiLoCo(net, inner, sync_every=3, process_group=group)
+        else:
+            outer = StreamingDiLoCo(
+                net, inner, 4, fragments=2, overlap=1, alpha=0.5, process_group=group
+            )
+        with outer:
+            for step in range(9):
+                shares = [_batch(step, 2 * island + k) for k in range(2)]
+                if layout == "whole":
+                    x, y = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+                else:
+                    x, y = shares[rank % 2]
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                inner.step()
+                inner.zero_grad(set_to_none=True)
+            if kind == "streaming":
+                outer.finish()
+        out[kind] = [_full(p).clone() for p in net.parameters()]
+    return out
 
 
 @pytest.mark.timeout(200)
@@ -415,9 +426,10 @@ def test_diloco_across_islands_of_fsdp2_shards_matches_one_replica_per_island() 
     pseudo-gradients across the islands only: the same model as DiLoCo with one whole
     replica per island, to floating-point tolerance."""
     whole = spawn(_diloco, 2, ("whole",), timeout_s=120)[0]
-    for params in spawn(_diloco, 4, ("island2",), timeout_s=150):
-        for a, b in zip(params, whole, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for runs in spawn(_diloco, 4, ("island2",), timeout_s=150):
+        for kind in ("diloco", "streaming"):  # Streaming DiLoCo's fragments too
+            for a, b in zip(runs[kind], whole[kind], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _edge_cases(rank: int, world: int) -> dict:
