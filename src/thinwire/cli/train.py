@@ -409,6 +409,17 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _streaming_words(cfg: TrainConfig) -> str:
+    """``Streaming DiLoCo: 2 fragments, overlap 1, alpha 0.5, int4 with error feedback``."""
+    words = [f"{cfg.fragments} fragment{'s' * (cfg.fragments > 1)}"]
+    if cfg.fragment_overlap:
+        words.append(f"overlap {cfg.fragment_overlap}, alpha {cfg.fragment_alpha:g}")
+    if cfg.compress != "none":
+        feedback = " with error feedback" if cfg.error_feedback else ", no error feedback"
+        words.append(cfg.compress + (feedback if cfg.compress in QUANT_KINDS else ""))
+    return "Streaming DiLoCo: " + ", ".join(words)
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The short table printed at the end of a run."""
     who = f"{s['world_size']} worker(s)"
@@ -482,6 +493,8 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     if "note" in summary:
         print(f"thinwire: {summary['note']}", file=sys.stderr)
+    if cfg.algo == "diloco" and cfg.streaming():  # say which DiLoCo ran
+        summary = {**summary, "algo": f"diloco ({_streaming_words(cfg)})"}
     print(format_summary(summary))
     if summary.get("incomplete"):
         print(f"thinwire: error: {summary['incomplete']}", file=sys.stderr)

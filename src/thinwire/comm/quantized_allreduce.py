@@ -89,7 +89,6 @@ class QuantizedAllreduce:
         self.error_feedback = error_feedback
         self.op_name = op_name
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
 
