@@ -111,6 +111,9 @@ def test_refusals_are_one_line() -> None:
             StreamingDiLoCo(model, opt, 10, **kwargs)
     with pytest.raises(ConfigError, match="do not fit a round"):
         StreamingDiLoCo(model, opt, 2, fragments=3)
+    saved = StreamingDiLoCo(model, opt, 10, fragments=2).state_dict()
+    with pytest.raises(ConfigError, match="saved with 2 fragments, this run has 3"):
+        StreamingDiLoCo(model, opt, 10, fragments=3).load_state_dict(saved)
 
 
 def _fragment_sizes() -> list[int]:

@@ -233,7 +233,7 @@ class StreamingDiLoCo:
         self.local_step = self.local_step + 1 if step is None else step
         applied = 0
         for f, (due, _) in sorted(self._pending.items()):
-            if due == self.local_step:
+            if due <= self.local_step:
                 self._apply(f)
                 applied += 1
         phase = self.local_step % self.sync_every
@@ -361,6 +361,11 @@ class StreamingDiLoCo:
             raise ConfigError(
                 f"Streaming DiLoCo state holds {len(state['global'])} tensors, the model has "
                 f"{len(self.global_params)}"
+            )
+        if len(state["codecs"]) != len(self.fragments):
+            raise ConfigError(
+                f"Streaming DiLoCo state was saved with {len(state['codecs'])} fragments, "
+                f"this run has {len(self.fragments)}: resume with the same fragments"
             )
         with torch.no_grad():
             for g, saved in zip(self.global_params, state["global"], strict=True):
