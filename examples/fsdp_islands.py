@@ -9,7 +9,9 @@ islands, thinwire sends each rank's shard:
   the gradients in its warmup, then sends each shard's momentum at ~1 bit per element
   with error feedback, every step;
 * ``--algo diloco``: ``thinwire.localsgd.DiLoCo`` around the inner AdamW sends each
-  shard's pseudo-gradient once every ``--sync-every`` steps.
+  shard's pseudo-gradient once every ``--sync-every`` steps;
+* ``--algo lamb``: ``thinwire.optim.Lamb`` averages each shard's gradient across the
+  islands in fp32 every step: the uncompressed baseline of 1-bit LAMB.
 
 The changes to an FSDP2 loop: the mesh's island dimension goes to ``fully_shard``, its
 replica dimension to thinwire as ``process_group``.
@@ -43,7 +45,7 @@ from torch.distributed.fsdp import fully_shard
 
 from thinwire.comm.accounting import COUNTER, ring_allreduce_bytes
 from thinwire.localsgd import DiLoCo
-from thinwire.optim import OneBitLamb
+from thinwire.optim import Lamb, OneBitLamb
 
 
 def make_model(width: int) -> nn.Module:
@@ -129,6 +131,21 @@ def run_onebit_lamb(
             )
 
 
+def run_lamb(
+    model: nn.Module, replicas: object, rank: int, args: argparse.Namespace, device: object
+) -> None:
+    opt = Lamb(model.parameters(), lr=args.lr or 1e-2, process_group=replicas)
+    after_setup = wire_bytes()
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train(model, step, rank, args, device)
+    if rank == 0:
+        print(f"fp32, every step: {(wire_bytes() - after_setup) / args.steps:,.0f} bytes per step")
+
+
 def run_diloco(
     model: nn.Module, replicas: object, rank: int, args: argparse.Namespace, device: object
 ) -> None:
@@ -155,14 +172,14 @@ def run_diloco(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--algo", choices=("onebit-lamb", "diloco"), default="onebit-lamb")
+    ap.add_argument("--algo", choices=("onebit-lamb", "lamb", "diloco"), default="onebit-lamb")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--freeze-step", type=int, default=None, help="default: 20%% of --steps")
     ap.add_argument("--sync-every", type=int, default=10, help="DiLoCo's H")
     ap.add_argument("--island-size", type=int, default=2, help="ranks per island")
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
-    ap.add_argument("--lr", type=float, default=None, help="1e-2 (1-bit LAMB), 1e-3 (AdamW)")
+    ap.add_argument("--lr", type=float, default=None, help="1e-2 ((1-bit) LAMB), 1e-3 (AdamW)")
     ap.add_argument("--tiny", action="store_true", help="a few seconds: for tests")
     args = ap.parse_args()
     if args.tiny:
@@ -191,7 +208,7 @@ def main() -> None:
         fully_shard(model, mesh=mesh["shard"])
         if rank == 0:
             print(f"{world // k} islands of {k} ranks; {args.algo} across islands")
-        run = run_onebit_lamb if args.algo == "onebit-lamb" else run_diloco
+        run = {"onebit-lamb": run_onebit_lamb, "lamb": run_lamb, "diloco": run_diloco}[args.algo]
         run(model, mesh.get_group("replicate"), rank, args, device)
         same = islands_identical(model)
         if rank == 0:

@@ -47,6 +47,7 @@ RECIPES: dict[str, list[str]] = {
     "ddp_onebit_lamb": _TORCHRUN,
     "fsdp_islands": _TORCHRUN4,
     "fsdp_islands_diloco": _TORCHRUN4,
+    "fsdp_islands_lamb": _TORCHRUN4,
     "diloco_own_loop": _TORCHRUN,
     "hf_trainer_onebit_lamb": _TORCHRUN,
     "hf_trainer_onebit_hook": _TORCHRUN,
@@ -57,6 +58,7 @@ RECIPES: dict[str, list[str]] = {
 """Recipe (``examples/<name>.py``) -> the launcher in front of it; each runs ``--tiny``."""
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp_islands_diloco": ("fsdp_islands", ["--algo", "diloco"]),
+    "fsdp_islands_lamb": ("fsdp_islands", ["--algo", "lamb"]),
 }
 """A recipe run with other arguments: name -> (the recipe's file, its extra arguments)."""
 HF_RECIPES = {
@@ -263,6 +265,17 @@ def test_fsdp_islands_diloco_recipe(recipes: _Runner) -> None:
     assert syncs is not None and int(syncs.group(1)) == 3, out
     assert int(syncs.group(2).replace(",", "")) == _fsdp_recipe_shard_bytes()
     assert _ratio(_line(out, "bytes sent over")) == 10.0  # H = 10
+    losses = _losses(out)
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_islands_lamb_recipe(recipes: _Runner) -> None:
+    """The uncompressed baseline: LAMB averages each rank's shard across islands in fp32
+    on every step, the bytes 1-bit LAMB's warmup sends."""
+    out = recipes.output("fsdp_islands_lamb")
+    assert _line(out, "islands identical").endswith("True")
+    assert _ints(_line(out, "fp32, every step").split(":", 1)[1])[0] == _fsdp_recipe_shard_bytes()
     losses = _losses(out)
     assert losses[-1] < losses[0], losses
 

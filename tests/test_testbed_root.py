@@ -217,6 +217,30 @@ def test_allreduce_bus_bandwidth_and_nic_bytes(
         assert util is not None and 0 < util <= 1.0
 
 
+@pytest.mark.timeout(90)
+def test_two_tiers_islands_reach_each_other_only_through_their_uplinks(tmp_path: Path) -> None:
+    # 2 islands of 2 hosts at 1 Gbit/s, joined by 50 Mbit/s uplinks: a ring allreduce
+    # over the 4 hosts crosses the uplinks twice (1 -> 2 and 3 -> 0), so it runs at the
+    # uplink's rate, and each uplink carries what its island's last host sends.
+    with Cluster(4, "1gbit", islands=2, uplink="50mbit") as c:
+        assert [c.island_of(h) for h in range(4)] == [0, 0, 1, 1]
+        res = c.run(
+            [sys.executable, "-m", "thinwire", "testbed", "probe", "--mib", "2", "--iters", "2"],
+            log_dir=tmp_path,
+            timeout_s=70,
+        )
+    assert res.ok, res.summary()
+    probes = [_probe(h.log) for h in res.hosts]
+    for p in probes:
+        assert 0.75 <= p["busbw_bits"] / 50e6 <= 1.0, p
+    for island, sender in ((0, 1), (1, 3)):
+        sent = res.uplinks[island].rx_bytes  # into the core from this island
+        assert abs(sent / res.hosts[sender].nic.tx_bytes - 1) <= 0.05, res.summary()
+    assert "island 1 uplink: sent" in res.summary()
+    with pytest.raises(ConfigError, match="islands need an uplink rate"):
+        Cluster(4, "1gbit", islands=2)
+
+
 @pytest.mark.timeout(60)
 def test_cli_up_status_run_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cid = _new_id()

@@ -110,6 +110,16 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
         "--rate", default="1gbit", help="link rate, both directions: 100mbit, 1gbit, unlimited"
     )
     p.add_argument("--cluster-id", default=None, help="1-12 lowercase letters/digits")
+    p.add_argument(
+        "--islands",
+        type=int,
+        default=1,
+        help="two tiers: split the hosts into this many islands at --rate inside, "
+        "joined by --uplink (default 1: one flat network)",
+    )
+    p.add_argument(
+        "--uplink", default=None, help="with --islands: each island's link, e.g. 100mbit"
+    )
     add_wan_arguments(p)
 
 
@@ -122,6 +132,8 @@ def _cluster(args: argparse.Namespace, persistent: bool = False) -> Cluster:
         args.rate,
         cluster_id=args.cluster_id,
         persistent=persistent,
+        islands=args.islands,
+        uplink=args.uplink,
         **wan_options(args, hosts),
     )
 
@@ -129,6 +141,8 @@ def _cluster(args: argparse.Namespace, persistent: bool = False) -> Cluster:
 def _up(args: argparse.Namespace) -> int:
     c = _cluster(args, persistent=True).up()
     wan = f", {c.wan.describe()}" if c.wan else ""
+    if c.islands > 1:
+        wan += f", {c.islands} islands joined by {format_rate(c.uplink_bits)} uplinks"
     print(f"cluster {c.cluster_id}: {c.hosts} hosts at {format_rate(c.rate_bits)}{wan}")
     for ns, addr in zip(c.namespaces, c.addresses, strict=True):
         print(f"  {ns}  {addr}  ({nx.HOST_IFNAME})")
@@ -159,6 +173,11 @@ def _status(args: argparse.Namespace) -> int:
             with contextlib.suppress(ConfigError, KeyError, TypeError, ValueError):
                 hosts = [HostLink(**h) for h in info.wan["hosts"]]
                 wan = ", " + WanConfig(tuple(hosts), int(info.wan["buffer_bytes"])).describe()
+        if info.tiers:
+            wan += (
+                f", {info.tiers.get('islands')} islands joined by "
+                f"{format_rate(info.tiers.get('uplink_bits'))} uplinks"
+            )
         print(
             f"cluster {info.cluster_id}: {info.hosts} hosts at "
             f"{format_rate(info.rate_bits)}{wan}, {owner}"
@@ -191,6 +210,8 @@ def _run(args: argparse.Namespace) -> int:
     wan_flags += (*args.host_delay, *args.host_jitter, *args.host_loss)
     if args.use_id is not None and any(v is not None for v in wan_flags):
         raise ConfigError("--delay/--jitter/--loss/--buffer set up a new cluster; not with --id")
+    if args.use_id is not None and (args.islands != 1 or args.uplink is not None):
+        raise ConfigError("--islands/--uplink set up a new cluster; not with --id")
     new = _cluster(args) if args.use_id is None else None  # bad options fail before root
     nx.require_available()
     if shutil.which(command[0]) is None:

@@ -65,7 +65,10 @@ from thinwire.testbed.registry import (
 from thinwire.testbed.results import HostResult, RunResult
 from thinwire.testbed.wan import PerHost, WanConfig
 
-__all__ = ["DEFAULT_GRACE_S", "MAX_HOSTS", "SUBNET_PREFIX", "Cluster"]
+__all__ = ["CORE_BRIDGE", "DEFAULT_GRACE_S", "MAX_HOSTS", "SUBNET_PREFIX", "Cluster"]
+
+CORE_BRIDGE = "brc"
+"""With islands: the bridge every island's uplink joins (in the bridge namespace)."""
 
 SUBNET_PREFIX = "10.213.0"
 """Hosts are ``SUBNET_PREFIX.(i+1)/24``, an address range used only inside namespaces."""
@@ -102,6 +105,13 @@ class Cluster:
         buffer: bytes the delay line holds per host and direction (``"64MiB"``);
             default four times ``rate x (delay + jitter) / 2``. Too small is a ConfigError.
         wan_seed: seed of the delay line's loss and jitter draws (reproducible runs).
+        islands: two tiers: the hosts split into this many islands of consecutive hosts
+            (hosts 0-1 and 2-3 for 4 hosts in 2), each host on its island's bridge at
+            ``rate``; the islands reach each other only through their uplinks, one per
+            island at ``uplink`` both ways (HSDP: shards inside an island, replicas
+            across). 1 (the default) is one flat network. Not with ``delay``, ``jitter``
+            or ``loss`` yet.
+        uplink: each island's link to the others (``"100mbit"``); needed with islands.
     """
 
     def __init__(
@@ -117,6 +127,8 @@ class Cluster:
         loss: PerHost = None,
         buffer: int | str | None = None,
         wan_seed: int | None = None,
+        islands: int = 1,
+        uplink: str | int | None = None,
     ) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= MAX_HOSTS:
             raise ConfigError(f"hosts must be an integer from 1 to {MAX_HOSTS}, got {hosts!r}")
@@ -132,6 +144,7 @@ class Cluster:
         self.wan = WanConfig.resolve(hosts, self.rate_bits, delay, jitter, loss, buffer)
         """Per-host delay, jitter and loss; None for a plain (LAN) cluster."""
         self.wan_seed = wan_seed
+        self.islands, self.uplink_bits = _tiers(hosts, islands, uplink, self.wan is not None)
         self.delay_line: subprocess.Popen[bytes] | None = None
         self._created: list[str] = []
         self._is_up = False
@@ -149,7 +162,15 @@ class Cluster:
         info = {c.cluster_id: c for c in list_clusters()}.get(nx.validate_cluster_id(cluster_id))
         if info is None or info.hosts == 0:
             raise ConfigError(f"no testbed cluster with id {cluster_id!r} on this machine")
-        c = cls(info.hosts, info.rate_bits, cluster_id=cluster_id, persistent=True)
+        tiers = info.tiers or {}
+        c = cls(
+            info.hosts,
+            info.rate_bits,
+            cluster_id=cluster_id,
+            persistent=True,
+            islands=int(tiers.get("islands", 1)),
+            uplink=tiers.get("uplink_bits"),
+        )
         c._is_up = True
         # Recorded as a user until close(): 'testbed down' spares the cluster meanwhile.
         add_user(c.cluster_id, os.getpid())
@@ -166,6 +187,18 @@ class Cluster:
     @property
     def bridge_namespace(self) -> str:
         return nx.bridge_ns(self.cluster_id)
+
+    def island_of(self, host: int) -> int:
+        """The island of host ``host`` (0 on a flat network)."""
+        return host // (self.hosts // self.islands)
+
+    def uplink_counters(self) -> list[NicCounters]:
+        """Each island's uplink, read at its core end ``cK``: ``rx`` is what the island
+        sent to the other islands, ``tx`` what it received from them. Empty on a flat
+        network."""
+        if self.islands == 1:
+            return []
+        return [nx.read_counters(self.bridge_namespace, f"c{k}") for k in range(self.islands)]
 
     @property
     def addresses(self) -> list[str]:
@@ -189,16 +222,19 @@ class Cluster:
                 self.rate_bits,
                 None if self.persistent else os.getpid(),
                 self.wan.to_json() if self.wan else None,
+                self._tiers_json(),
             )
             br = self.bridge_namespace
             nx.add_namespace(br)
             self._created.append(br)
-            nx.add_bridge(br)
+            self._add_bridges(br)
             for i, ns in enumerate(self.namespaces):
                 nx.add_namespace(ns)
                 self._created.append(ns)
                 port = f"h{i}"
-                nx.add_host_link(ns, br, port, f"{self.addresses[i]}/24", bridged=not self.wan)
+                bridge = f"br{self.island_of(i)}"
+                address = f"{self.addresses[i]}/24"
+                nx.add_host_link(ns, br, port, address, bridged=not self.wan, bridge=bridge)
                 if self.rate_bits is not None:
                     nx.shape(ns, HOST_IFNAME, self.rate_bits)  # host -> bridge
                     if not self.wan:
@@ -216,6 +252,26 @@ class Cluster:
             raise
         self._is_up = True
         return self
+
+    def _add_bridges(self, br: str) -> None:
+        """One bridge ``br0``; with islands one per island and the core ``brc``, each
+        island joined to the core by its uplink, shaped both ways."""
+        nx.add_bridge(br)
+        if self.islands == 1:
+            return
+        nx.add_bridge(br, CORE_BRIDGE)
+        for k in range(self.islands):
+            if k:
+                nx.add_bridge(br, f"br{k}")
+            ends = nx.add_uplink(br, f"br{k}", CORE_BRIDGE, k)
+            if self.uplink_bits is not None:
+                for dev in ends:
+                    nx.shape(br, dev, self.uplink_bits)
+
+    def _tiers_json(self) -> dict[str, int | None] | None:
+        if self.islands == 1:
+            return None
+        return {"islands": self.islands, "uplink_bits": self.uplink_bits}
 
     def down(self) -> None:
         """Stop every process left in the cluster and delete its namespaces."""
@@ -317,7 +373,7 @@ class Cluster:
         base_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.hosts)))
         base_env.update(env or {})
 
-        before = self.counters()
+        before, uplinks_before = self.counters(), self.uplink_counters()
         procs: list[subprocess.Popen[bytes]] = []
         logs = [out_dir / f"host{i}.log" for i in range(self.hosts)]
         t0 = time.monotonic()
@@ -329,7 +385,7 @@ class Cluster:
             _stop(procs)
             raise
         seconds = time.monotonic() - t0
-        after = self.counters()
+        after, uplinks_after = self.counters(), self.uplink_counters()
         result = RunResult(
             command=argv,
             rate_bits=self.rate_bits,
@@ -348,6 +404,7 @@ class Cluster:
             ],
             log_dir=str(out_dir),
             timed_out=timed_out,
+            uplinks=[a - b for a, b in zip(uplinks_after, uplinks_before, strict=True)],
         )
         atomic_write_text(out_dir / "summary.json", json.dumps(result.to_dict(), indent=2))
         return result
@@ -428,3 +485,22 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def _tiers(hosts: int, islands: int, uplink: str | int | None, wan: bool) -> tuple[int, int | None]:
+    """``(islands, uplink rate in bit/s)``, checked, each problem in one line."""
+    if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1:
+        raise ConfigError(f"islands must be an integer >= 1, got {islands!r}")
+    if islands == 1:
+        if uplink is not None:
+            raise ConfigError("an uplink joins islands: give islands >= 2 with it")
+        return 1, None
+    if hosts % islands or hosts == islands:
+        raise ConfigError(
+            f"islands must split the {hosts} hosts into equal islands of 2 or more, got {islands}"
+        )
+    if uplink is None:
+        raise ConfigError("islands need an uplink rate (e.g. uplink='100mbit')")
+    if wan:
+        raise ConfigError("islands with delay, jitter or loss are not supported yet")
+    return islands, parse_rate(uplink)

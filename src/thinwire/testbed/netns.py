@@ -9,6 +9,10 @@ Names. A cluster with id ``ID`` owns exactly these namespaces, and nothing else:
 * ``thinwire-ID-br``: holds the bridge ``br0`` and one veth end ``hI`` per host;
 * ``thinwire-ID-hI``: host ``I``; its only link is the veth end ``tw0``.
 
+With islands (two tiers), the bridge namespace holds one bridge per island (``br0``,
+``br1``, ...) and a core bridge ``brc``; island ``k``'s bridge reaches the core over the
+veth pair ``uK`` / ``cK``, its uplink (:func:`add_uplink`).
+
 The veth pairs are created directly inside those namespaces (``ip -n NS link add ...
 peer ... netns NS2``), so no interface ever appears in the root namespace, even for a
 moment, and two clusters can never pick the same interface name.
@@ -55,6 +59,7 @@ __all__ = [
     "add_bridge",
     "add_host_link",
     "add_namespace",
+    "add_uplink",
     "bridge_ns",
     "check_range_unused",
     "delete_namespace",
@@ -221,14 +226,33 @@ def delete_namespace(name: str) -> None:
     _run(["ip", "netns", "delete", _checked_ns(name)], check=False)
 
 
-def add_bridge(ns: str) -> None:
-    """Create the bridge ``br0`` in namespace ``ns`` and bring it up; it gets no address."""
-    ip("link", "add", BRIDGE_IFNAME, "type", "bridge", netns=ns)
-    ip("link", "set", BRIDGE_IFNAME, "up", netns=ns)
+def add_bridge(ns: str, name: str = BRIDGE_IFNAME) -> None:
+    """Create the bridge ``name`` (``br0``) in namespace ``ns`` and bring it up; it gets
+    no address."""
+    ip("link", "add", name, "type", "bridge", netns=ns)
+    ip("link", "set", name, "up", netns=ns)
+
+
+def add_uplink(ns: str, island_bridge: str, core_bridge: str, island: int) -> tuple[str, str]:
+    """Join an island's bridge to the core bridge (both in ``ns``) with a veth pair:
+    ``u<island>`` in the island's bridge, ``c<island>`` in the core's. Returns the two
+    names; shaping both ends makes the island's one link to the other islands."""
+    up_end, core_end = f"u{int(island)}", f"c{int(island)}"
+    ip("link", "add", up_end, "type", "veth", "peer", "name", core_end, netns=ns)
+    for dev, bridge in ((up_end, island_bridge), (core_end, core_bridge)):
+        ip("link", "set", dev, "master", bridge, netns=ns)
+        ip("link", "set", dev, "up", netns=ns)
+    return up_end, core_end
 
 
 def add_host_link(
-    host_ns_name: str, br_ns: str, port: str, address_cidr: str, *, bridged: bool = True
+    host_ns_name: str,
+    br_ns: str,
+    port: str,
+    address_cidr: str,
+    *,
+    bridged: bool = True,
+    bridge: str = BRIDGE_IFNAME,
 ) -> None:
     """Join a host namespace to the bridge: veth ``tw0`` (host) <-> ``port`` (bridge).
 
@@ -252,7 +276,7 @@ def add_host_link(
         netns=host_ns_name,
     )
     if bridged:
-        ip("link", "set", port, "master", BRIDGE_IFNAME, netns=br_ns)
+        ip("link", "set", port, "master", bridge, netns=br_ns)
     ip("link", "set", port, "up", netns=br_ns)
     ip("addr", "add", address_cidr, "dev", HOST_IFNAME, netns=host_ns_name)
     ip("link", "set", HOST_IFNAME, "up", netns=host_ns_name)

@@ -59,6 +59,8 @@ class ClusterInfo:
     """Pids of the live processes using the cluster (its owner, attached runs)."""
     wan: dict[str, Any] | None = None
     """Delay, jitter, loss per host and the buffer (``WanConfig.to_json``), if any."""
+    tiers: dict[str, Any] | None = None
+    """Two tiers: ``{"islands": k, "uplink_bits": rate}`` (None: one flat network)."""
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -175,6 +177,7 @@ def list_clusters() -> list[ClusterInfo]:
                 addresses=addresses,
                 users=_live_users(state),
                 wan=state.get("wan") if isinstance(state.get("wan"), dict) else None,
+                tiers=state.get("tiers") if isinstance(state.get("tiers"), dict) else None,
             )
         )
     return infos
@@ -226,6 +229,7 @@ def write_state(
     rate_bits: int | None,
     owner: int | None,
     wan: Mapping[str, Any] | None = None,
+    tiers: Mapping[str, Any] | None = None,
 ) -> None:
     """Record a new cluster and its owning process (None: owned by nobody, persistent)."""
     STATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -237,6 +241,7 @@ def write_state(
         "owner_start": _proc_start_time(owner) if owner else None,
         "users": [],
         "wan": dict(wan) if wan is not None else None,
+        "tiers": dict(tiers) if tiers is not None else None,
     }
     with _locked():
         _write(cluster_id, state)

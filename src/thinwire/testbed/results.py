@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from thinwire.testbed.netns import NicCounters
@@ -38,6 +38,9 @@ class RunResult:
     hosts: list[HostResult]
     log_dir: str
     timed_out: bool = False
+    uplinks: list[NicCounters] = field(default_factory=list)
+    """With islands: each island's uplink over the run, read at its core end: ``rx`` the
+    bytes the island sent to the others, ``tx`` those it received (the slow tier)."""
 
     @property
     def ok(self) -> bool:
@@ -96,6 +99,11 @@ class RunResult:
                 f"{h.host:>4} {h.address:<12} {rc:>5} {h.nic.tx_bytes / 1e6:>9.2f} "
                 f"{h.nic.rx_bytes / 1e6:>9.2f} {'-' if util is None else f'{util:6.1%}':>6}  "
                 f"{h.log}"
+            )
+        for k, u in enumerate(self.uplinks):
+            lines.append(
+                f"island {k} uplink: sent {u.rx_bytes / 1e6:.2f} MB, "
+                f"received {u.tx_bytes / 1e6:.2f} MB"
             )
         if any(h.terminated for h in self.hosts):
             lines.append("* stopped by the testbed after another host failed or the timeout")
