@@ -297,7 +297,8 @@ class TrainConfig(AsyncSettings):
     # --- Local-SGD (diloco, async-diloco) ----------------------------------------------
     # The Local-SGD settings (local_steps, outer, outer_lr, dylu, compress, ...) are the
     # fields this class inherits from thinwire.localsgd.AsyncSettings, which documents
-    # each one; only the trainer's own data layout is defined here.
+    # each one; only Streaming DiLoCo's knobs (the trainer's diloco alone runs it) and
+    # the trainer's own data layout are defined here.
     fragments: int = 1
     """``--algo diloco``: Streaming DiLoCo's fragments. 1 (the default) syncs the whole
     model every H steps; P > 1 cuts it into P runs of consecutive parameters of about
