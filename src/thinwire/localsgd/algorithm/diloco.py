@@ -233,21 +233,27 @@ class DiLoCo:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["global"]) != len(self.global_params):
-            raise ConfigError(
-                f"DiLoCo state holds {len(state['global'])} tensors, the model has "
-                f"{len(self.global_params)}"
-            )
-        with torch.no_grad():
-            for g, saved in zip(self.global_params, state["global"], strict=True):
-                g.copy_(saved)
-            # The local replica mid-round differs per rank, so it is restored too (the
-            # trainer's model checkpoint is rank 0's only).
-            for p, saved in zip(self._shards, state["local"], strict=True):
-                p.copy_(saved)
+        load_replicas(state, self.global_params, self._shards, "DiLoCo")
         self.outer.load_state_dict(state["outer"])
         self.local_step = int(state["local_step"])
         self.outer_steps = int(state["outer_steps"])
         self.rule.round_step = self.local_step % self.sync_every
         if self._onebit is not None and "onebit" in state:
             self._onebit.load_state_dict(state["onebit"])
+
+
+@torch.no_grad()
+def load_replicas(
+    state: dict[str, Any], global_params: list[torch.Tensor], shards: list[torch.Tensor], who: str
+) -> None:
+    """Put a saved ``state``'s global parameters and this rank's local replica back
+    (checked against the model's count in one line). The local replica mid-round
+    differs per rank, so it is restored too (a trainer's model checkpoint is rank 0's)."""
+    if len(state["global"]) != len(global_params):
+        raise ConfigError(
+            f"{who} state holds {len(state['global'])} tensors, the model has {len(global_params)}"
+        )
+    for g, saved in zip(global_params, state["global"], strict=True):
+        g.copy_(saved)
+    for p, saved in zip(shards, state["local"], strict=True):
+        p.copy_(saved)

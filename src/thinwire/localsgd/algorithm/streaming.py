@@ -54,7 +54,7 @@ from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, QUANT_KINDS
 from thinwire.errors import ConfigError
-from thinwire.localsgd.algorithm.diloco import DEFAULT_OUTER_LR
+from thinwire.localsgd.algorithm.diloco import DEFAULT_OUTER_LR, load_replicas
 from thinwire.localsgd.algorithm.outer import check_outer_args
 from thinwire.localsgd.algorithm.streaming_fragments import (
     FRAGMENT_RULES,
@@ -357,21 +357,12 @@ class StreamingDiLoCo:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["global"]) != len(self.global_params):
-            raise ConfigError(
-                f"Streaming DiLoCo state holds {len(state['global'])} tensors, the model has "
-                f"{len(self.global_params)}"
-            )
         if len(state["codecs"]) != len(self.fragments):
             raise ConfigError(
                 f"Streaming DiLoCo state was saved with {len(state['codecs'])} fragments, "
                 f"this run has {len(self.fragments)}: resume with the same fragments"
             )
-        with torch.no_grad():
-            for g, saved in zip(self.global_params, state["global"], strict=True):
-                g.copy_(saved)
-            for p, saved in zip(self._shards, state["local"], strict=True):
-                p.copy_(saved)
+        load_replicas(state, self.global_params, self._shards, "Streaming DiLoCo")
         self.outer.load_state_dict(state["outer"])
         self.local_step = int(state["local_step"])
         self.syncs = int(state["syncs"])
