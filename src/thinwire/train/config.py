@@ -304,8 +304,8 @@ class TrainConfig(AsyncSettings):
     model every H steps; P > 1 cuts it into P runs of consecutive parameters of about
     equal size whose syncs take turns, each fragment still every H steps, so a sync
     carries about 1/P of the model and the peak bandwidth drops P-fold at the same total
-    bytes (:class:`thinwire.localsgd.StreamingDiLoCo`). 2-4 is the paper's range; H must
-    be at least P."""
+    bytes (:class:`thinwire.localsgd.StreamingDiLoCo`). Start with 2-5 (both within 1% of
+    DiLoCo from a trained model, docs/results/localsgd.md); H must be at least P."""
     fragment_overlap: int = 0
     """``--algo diloco``: inner steps a fragment's exchange may take in the background
     before its average is applied (the paper's tau), below ``local_steps // fragments``.

@@ -32,8 +32,10 @@ Usage (as DiLoCo: hooks on the inner optimizer, nothing else changes)::
             inner.zero_grad()
 
 Tuning guide: ``fragments`` 2-8; each fragment needs ``H / fragments`` steps between
-its neighbours' sends, so ``overlap`` must stay below ``sync_every // fragments`` (the
-paper: H = 100, P = 2-4, tau = 1-5). A fragment is a run of consecutive parameters of
+its neighbours' sends, so ``overlap`` must stay below ``sync_every // fragments``; an
+overlap of a few steps with ``alpha = 0.5`` hides the exchange without losing those
+steps (measured: docs/results/localsgd.md, "Streaming DiLoCo"; with ``alpha = 0`` the
+overlap was the worst variant). A fragment is a run of consecutive parameters of
 about equal size (the paper's transformer-block fragments), or pass the modules
 yourself. The exchange runs in one background thread on a process group of its own, so
 the training loop may keep using its groups meanwhile (metrics, barriers).
