@@ -295,10 +295,15 @@ def test_onebit_across_two_rank_islands_matches_its_ddp_version(
     compression's noise only."""
     reference = one_replica_per_island[0][f"whole/{kind}"]
     sharded = [out[f"island2/{kind}"] for out in two_rank_islands]
+    # Adam divides each element by its own sqrt(v): where a gradient is tiny, the
+    # rounding of two half-batch means against one whole-batch mean grows to a few 1e-6
+    # after 4 steps (4.6e-6 on an AMD EPYC host, under 1e-6 on others), against steps of
+    # lr = 1e-2. LAMB's trust ratio rescales whole layers and stays within 1e-6.
+    atol = 1e-5 if kind == "adam" else 1e-6
     for out in sharded:
         assert out["compressing"]
         for a, b in zip(out["at_freeze"], reference["at_freeze"], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
         # Every rank of the sharded run holds the same model (the islands agree).
         for a, b in zip(out["params"], sharded[0]["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
