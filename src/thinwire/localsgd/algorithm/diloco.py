@@ -123,11 +123,7 @@ class DiLoCo:
         self._shards = [local(p) for p in self.params]
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         if sync_initial and self.world > 1:
-            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            for p in self._shards:
-                dist.broadcast(p.data, src=src, group=process_group)
-                nbytes = p.numel() * p.element_size()
-                record("diloco.broadcast", nbytes, nbytes)
+            broadcast_replicas(self._shards, process_group, "diloco.broadcast")
         self.global_params = [p.detach().clone() for p in self._shards]
         if outer_optimizer is None:
             # Momentum 0 is plain averaging: SGD on the averaged pseudo-gradient (torch
@@ -240,6 +236,18 @@ class DiLoCo:
         self.rule.round_step = self.local_step % self.sync_every
         if self._onebit is not None and "onebit" in state:
             self._onebit.load_state_dict(state["onebit"])
+
+
+def broadcast_replicas(
+    shards: list[torch.Tensor], group: dist.ProcessGroup | None, op_name: str
+) -> None:
+    """Give every replica the group's first rank's ``shards`` (so all start equal),
+    counting the bytes under ``op_name``."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for p in shards:
+        dist.broadcast(p.data, src=src, group=group)
+        nbytes = p.numel() * p.element_size()
+        record(op_name, nbytes, nbytes)
 
 
 @torch.no_grad()

@@ -51,12 +51,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from thinwire.comm.accounting import captured, record, replay
+from thinwire.comm.accounting import captured, replay
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, QUANT_KINDS
 from thinwire.errors import ConfigError
-from thinwire.localsgd.algorithm.diloco import DEFAULT_OUTER_LR, load_replicas
+from thinwire.localsgd.algorithm.diloco import (
+    DEFAULT_OUTER_LR,
+    broadcast_replicas,
+    load_replicas,
+)
 from thinwire.localsgd.algorithm.outer import check_outer_args
 from thinwire.localsgd.algorithm.streaming_fragments import (
     FRAGMENT_RULES,
@@ -168,14 +172,7 @@ class StreamingDiLoCo:
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self._shards = [local(p) for p in self.params]
         if sync_initial and self.world > 1:
-            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            for p in self._shards:
-                dist.broadcast(p.data, src=src, group=process_group)
-                record(
-                    "streaming.broadcast",
-                    p.numel() * p.element_size(),
-                    p.numel() * p.element_size(),
-                )
+            broadcast_replicas(self._shards, process_group, "streaming.broadcast")
         self.global_params = [p.detach().clone() for p in self._shards]
         nesterov = outer_momentum > 0  # torch refuses Nesterov without momentum
         self.outer = torch.optim.SGD(
