@@ -99,19 +99,30 @@ def _wait_for_checkpoint(out: Path, p: subprocess.Popen[str], step: int) -> int:
 
 
 def _ranks_of(launcher: int) -> dict[int, int]:
-    """rank -> pid of the ``thinwire-rank<r>`` children of ``launcher`` (their ps name)."""
-    found = {}
+    """rank -> pid of the ``thinwire-rank<r>`` descendants of ``launcher`` (their ps name;
+    forked from its fork server, or its own children)."""
+    names, parents = {}, {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            comm = (proc / "comm").read_text().strip()
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            names[int(proc.name)] = (proc / "comm").read_text().strip()
+            parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if comm.startswith("thinwire-rank") and ppid == launcher:
-            found[int(comm.removeprefix("thinwire-rank"))] = int(proc.name)
-    return found
+
+    def descends(pid: int) -> bool:
+        for _ in range(3):  # the launcher, or the fork server it started
+            pid = parents.get(pid, 0)
+            if pid == launcher:
+                return True
+        return False
+
+    return {
+        int(comm.removeprefix("thinwire-rank")): pid
+        for pid, comm in names.items()
+        if comm.startswith("thinwire-rank") and descends(pid)
+    }
 
 
 def _gone(pid: int, within_s: float) -> bool:

@@ -59,8 +59,13 @@ CASES: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
         (6, 9),
         {"local_steps": 4, "fragments": 2, "fragment_overlap": 1, "compress": "int4"},
     ),
+    # FSDP2 inside islands of 2 ranks, the optimizer across them (one island at 2 ranks,
+    # two at 4): the optimizer state saved as each rank's shards, put back as DTensors
+    "lamb-sharded": ((5,), {"shard_within": 2}),
+    "onebit-lamb-sharded": ((3, 9), {"freeze_step": 6, "shard_within": 2}),
+    "onebit-adam-sharded": ((3, 9), {"freeze_step": 6, "shard_within": 2}),
 }
-VARIANTS = ("-auto", "-pretrained", "-streaming")
+VARIANTS = ("-auto", "-pretrained", "-streaming", "-sharded")
 """Suffixes of a case's name that set a variant of its algorithm."""
 
 
@@ -155,8 +160,13 @@ def test_checkpoint_log_resume_is_exact(tmp_path: Path, name: str) -> None:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", [3, 4])
 def test_resume_is_exact_at_3_and_4_workers(tmp_path: Path, world: int) -> None:
-    # A pretrained start changes no bucket layout: its chains run at 2 ranks only.
-    names = [name for name in CASES if not name.endswith("-pretrained")]
+    # A pretrained start changes no bucket layout: its chains run at 2 ranks only. Islands
+    # of 2 ranks do not divide 3.
+    names = [
+        name
+        for name in CASES
+        if not name.endswith("-pretrained") and not (world == 3 and name.endswith("-sharded"))
+    ]
     chains = {name: _configs(tmp_path / name, name) for name in names}
     runs = [[straight, *pieces] for straight, pieces in chains.values()]
     per_rank = spawn(_chains, world, (runs,), timeout_s=400)

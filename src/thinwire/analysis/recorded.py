@@ -176,7 +176,19 @@ def _steady(rec: Record, skip: int) -> list[dict[str, Any]]:
 
 def profile_from_record(rec: Record, skip: int = 2, model: str | None = None) -> Profile:
     """The record's compute as a profile (see the module docstring); ``model`` names it
-    (default: the header's model and world size)."""
+    (default: the header's model and world size).
+
+    Raises:
+        ConfigError: the record is of a run sharded with FSDP2 (``--shard-within``), whose
+            gradients do not travel as a replica-per-rank job's, which is what is predicted.
+    """
+    within = rec.meta.get("shard_within", 1)
+    if within != 1:
+        raise ConfigError(
+            f"{rec.path}: the run was sharded over islands of {within} ranks (FSDP2, "
+            "--shard-within); analyze run predicts jobs with a replica per rank: record "
+            "the job with --shard-within 1"
+        )
     steps = _steady(rec, skip)
     n = len(rec.header["params"])
     ready: list[float | None] = []

@@ -114,6 +114,14 @@ def _add_run_arguments(g: argparse._ArgumentGroup, d: TrainConfig) -> None:
     g.add_argument("--algo", default=d.algo, help=f"training algorithm ({algos})")
     g.add_argument("--workers", type=int, default=4, help="local worker processes (default 4)")
     g.add_argument(
+        "--shard-within",
+        type=int,
+        default=d.shard_within,
+        metavar="K",
+        help="lamb, onebit-*: FSDP2 shards the model over islands of K ranks, the algorithm "
+        "runs across islands on each shard (HSDP; default 1: a replica per rank under DDP)",
+    )
+    g.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
     )
     g.add_argument(
@@ -425,6 +433,9 @@ def format_summary(s: dict[str, Any]) -> str:
     who = f"{s['world_size']} worker(s)"
     if s["algo"] == "async-diloco":  # rank 0 serves and does not train
         who = f"{s.get('workers', s['world_size'] - 1)} workers plus the server"
+    within = s.get("shard_within", 1)
+    if within > 1:  # the bytes below are the cross-island ones only
+        who += f", FSDP2 inside {s['world_size'] // within} islands of {within}"
     rows = [
         ("algorithm", f"{s['algo']} on {who}"),
         ("steps / samples", f"{s['steps']} / {s['samples']:,}"),

@@ -6,8 +6,9 @@ process group (gloo on CPU, NCCL on GPU). There are two ways to get there.
 * **Launched by torchrun** (or any launcher that sets ``RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``): :func:`init_from_env` joins that group. If a group
   already exists it is used as it is, never re-initialised.
-* **Spawned locally**: :func:`spawn` starts ``nprocs`` fresh processes (the ``spawn``
-  start method, so no forked thread pools), gives them a free loopback port, runs
+* **Spawned locally**: :func:`spawn` starts ``nprocs`` processes (forked from a warm
+  fork server that has imported torch, or fresh interpreters:
+  :mod:`thinwire.comm.start_method`), gives them a free loopback port, runs
   ``fn(rank, world_size, *args)`` in each, returns each rank's result, and always
   destroys the process group. If one rank fails or the deadline passes, the others are
   terminated instead of being left to hang in a collective, and the error names the rank
@@ -35,10 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from thinwire.comm.lifeline import set_process_name, tie_to_parent
+from thinwire.comm.lifeline import set_process_name, tie_to_launcher
 from thinwire.comm.rendezvous import join_store
+from thinwire.comm.start_method import context
 from thinwire.errors import ConfigError
 from thinwire.safeload import safe_loads
 
@@ -150,7 +151,7 @@ def _decode(data: bytes, rank: int) -> Any:
 
 @dataclass(frozen=True)
 class _Launch:
-    """What every rank of one :func:`spawn` starts with (sent to the fresh interpreters)."""
+    """What every rank of one :func:`spawn` starts with (pickled to each new process)."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
@@ -160,13 +161,16 @@ class _Launch:
     master_port: int
     timeout_s: float
     env: dict[str, str]
+    """The whole environment of each rank: the launcher's at launch, plus ``spawn``'s ``env``."""
     launcher_pid: int
 
 
 def _worker(local_rank: int, launch: _Launch, results: Any) -> None:
     nprocs = launch.nprocs
     set_process_name(f"thinwire-rank{local_rank}")
-    tie_to_parent(launch.launcher_pid)  # a killed launcher takes its ranks with it
+    tie_to_launcher(launch.launcher_pid)  # a killed launcher takes its ranks with it
+    # The launcher's environment as it is now, not the fork server's from when it started.
+    os.environ.clear()
     os.environ.update(launch.env)
     os.environ.update(
         {
@@ -230,9 +234,10 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` new local ranks; return their results.
 
-    ``fn`` must be importable by name (a module-level function): the ranks are fresh
-    interpreters, named ``thinwire-rank<r>`` (as ``ps -e``, ``top`` and ``pgrep`` show
-    them), that exit when the launcher does, even when it is killed with SIGKILL
+    ``fn`` must be importable by name (a module-level function): the ranks are new
+    processes (:mod:`thinwire.comm.start_method`) with the launcher's environment, working
+    directory and ``sys.path``, named ``thinwire-rank<r>`` (as ``ps -e``, ``top`` and
+    ``pgrep`` show them), that exit when the launcher does, even when it is killed with SIGKILL
     (:mod:`thinwire.comm.lifeline`). Results travel back through ``torch.save`` and are
     loaded as plain data (tensors, numbers, strings, lists, dicts), never as code.
 
@@ -249,8 +254,9 @@ def spawn(
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     port = free_port(master_addr)
+    environment = {**os.environ, **(env or {})}
     launch = _Launch(
-        fn, args, nprocs, backend, master_addr, port, timeout_s, env or {}, os.getpid()
+        fn, args, nprocs, backend, master_addr, port, timeout_s, environment, os.getpid()
     )
     ranks = _Ranks(launch, may_fail)
     ranks.start()
@@ -266,7 +272,7 @@ class _Ranks:
     """The processes of one :func:`spawn` and what they have reported so far."""
 
     def __init__(self, launch: _Launch, may_fail: Collection[int]) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.launch = launch
         self.results = ctx.Queue()
         self.procs = [

@@ -1,17 +1,19 @@
 """A spawned rank's tie to its launcher: named for ``ps``, and gone when the launcher is.
 
-:func:`thinwire.comm.launch.spawn` calls :func:`tie_to_parent` first thing in every rank
-it starts. Without it, a launcher killed with SIGKILL (which it cannot catch) leaves its
-ranks training unattended: they keep writing checkpoints and race with the user's
+:func:`thinwire.comm.launch.spawn` calls :func:`tie_to_launcher` first thing in every
+rank it starts. Without it, a launcher killed with SIGKILL (which it cannot catch) leaves
+its ranks training unattended: they keep writing checkpoints and race with the user's
 ``--resume``. Two mechanisms, so that one failing does not matter:
 
 * **Parent-death signal** (Linux ``prctl(PR_SET_PDEATHSIG)``): the kernel sends the rank
-  SIGTERM the moment its parent exits, however it exits.
-* **Watching the parent**: a daemon thread checks every ``poll_s`` whether the parent
-  pid changed (the rank was re-parented to init or a subreaper). It then sends the rank
-  SIGTERM, and if the rank is still alive ``grace_s`` later (its main thread stuck in a
-  C++ collective that never returns), ends it with ``os._exit``. This also covers
-  systems without ``prctl``.
+  SIGTERM the moment its parent exits, however it exits. The parent is the launcher, or
+  the fork server the rank was forked from (:mod:`thinwire.comm.start_method`), which
+  exits when the launcher does.
+* **Watching the launcher**: a daemon thread waits for the launcher's pid to exit (a
+  Linux pidfd, which cannot be fooled by a reused pid; elsewhere it polls every
+  ``poll_s`` whether the parent changed, or whether the launcher's pid is gone). It then
+  sends the rank SIGTERM, and if the rank is still alive ``grace_s`` later (its main
+  thread stuck in a C++ collective that never returns), ends it with ``os._exit``.
 
 SIGTERM raises :class:`SystemExit` in the rank's main thread, so ``finally`` blocks run
 and a checkpoint being written is abandoned whole (its temporary file removed, the
@@ -28,13 +30,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
-__all__ = ["process_name", "set_process_name", "tie_to_parent"]
+__all__ = ["process_name", "set_process_name", "tie_to_launcher"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -75,22 +79,61 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def tie_to_parent(parent_pid: int, poll_s: float = 0.5, grace_s: float = 10.0) -> None:
-    """End this process when ``parent_pid`` (its launcher) exits; see the module docstring.
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: it exists
+    return True
 
-    Call it in the main thread of the child, as early as possible. If the parent is
+
+def _launcher_watch(launcher_pid: int, poll_s: float) -> Callable[[], None] | None:
+    """A function that returns once the launcher has exited; None if it already has."""
+    if os.getppid() == launcher_pid:  # a fresh interpreter: the launcher is the parent
+
+        def parent_changes() -> None:
+            while os.getppid() == launcher_pid:
+                time.sleep(poll_s)
+
+        return parent_changes
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is not None:
+        try:
+            fd = pidfd_open(launcher_pid)
+        except ProcessLookupError:
+            return None
+        except OSError:
+            fd = None  # a kernel without pidfds (before Linux 5.3): poll below
+        if fd is not None:
+            return lambda: select.select([fd], [], [])  # readable once the pid has exited
+    if not _alive(launcher_pid):
+        return None
+
+    def pid_goes() -> None:
+        while _alive(launcher_pid):
+            time.sleep(poll_s)
+
+    return pid_goes
+
+
+def tie_to_launcher(launcher_pid: int, poll_s: float = 0.5, grace_s: float = 10.0) -> None:
+    """End this process when ``launcher_pid`` exits; see the module docstring.
+
+    Call it in the main thread of the child, as early as possible. If the launcher is
     already gone when it is called, the process exits at once.
     """
     signal.signal(signal.SIGTERM, _terminate)
     prctl = _prctl()
     if prctl is not None:
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # type: ignore[operator]
-    if os.getppid() != parent_pid:  # died before the signal was armed
+    wait = _launcher_watch(launcher_pid, poll_s)
+    if wait is None:  # died before the signal was armed
         os._exit(128 + signal.SIGTERM)
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(poll_s)
+        wait()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(128 + signal.SIGTERM)  # the main thread did not get to its handler

@@ -147,13 +147,35 @@ def _under_ddp(model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str)
     return ddp
 
 
-def _lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
-    """LAMB; DDP averages the gradients during the backward pass (fp32 by default)."""
+def _train_through(
+    model: nn.Module, opt: Any, cfg: TrainConfig, default_dtype: str, replicas: Any
+) -> nn.Module:
+    """The module of an optimizer that averages across ranks: ``model`` under DDP, or
+    ``model`` itself when it is sharded and ``opt`` averages across the ``replicas``."""
+    return model if replicas is not None else _under_ddp(model, opt, cfg, default_dtype)
+
+
+def _across(replicas: Any) -> dict[str, Any]:
+    """``process_group`` for an optimizer on FSDP2 shards (:mod:`thinwire.train.sharding`)."""
+    return {} if replicas is None else {"process_group": replicas}
+
+
+def _lamb(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> Strategy:
+    """LAMB; DDP averages the gradients during the backward pass (fp32 by default), or
+    LAMB averages each shard across the islands (``replicas``)."""
     from thinwire.optim import Lamb
 
-    opt = Lamb(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    opt = Lamb(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=cfg.betas,
+        weight_decay=cfg.weight_decay,
+        **_across(replicas),
+    )
     return Strategy(
-        model=_under_ddp(model, opt, cfg, "fp32"), optimizer=opt, metrics=_lamb_metrics(opt)
+        model=_train_through(model, opt, cfg, "fp32", replicas),
+        optimizer=opt,
+        metrics=_lamb_metrics(opt),
     )
 
 
@@ -162,7 +184,7 @@ def _precondition(cfg: TrainConfig) -> dict[str, bool]:
     return {} if cfg.precondition is None else {"precondition": cfg.precondition}
 
 
-def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
+def _onebit_adam(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> Strategy:
     from thinwire.optim import OneBitAdam
 
     opt = OneBitAdam(
@@ -173,15 +195,16 @@ def _onebit_adam(model: nn.Module, cfg: TrainConfig) -> Strategy:
         weight_decay=cfg.weight_decay,
         bias_correction=cfg.bias_correction,
         **_precondition(cfg),
+        **_across(replicas),
     )
     return Strategy(
-        model=_under_ddp(model, opt, cfg, "bf16"),
+        model=_train_through(model, opt, cfg, "bf16", replicas),
         optimizer=opt,
         metrics=lambda: {"skipped_steps": opt.skipped_steps} | _stage_metrics(opt),
     )
 
 
-def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
+def _onebit_lamb(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> Strategy:
     from thinwire.optim import OneBitLamb
 
     opt = OneBitLamb(
@@ -192,9 +215,12 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig) -> Strategy:
         weight_decay=cfg.weight_decay,
         bias_correction=cfg.bias_correction,
         **_precondition(cfg),
+        **_across(replicas),
     )
     return Strategy(
-        model=_under_ddp(model, opt, cfg, "bf16"), optimizer=opt, metrics=_lamb_metrics(opt)
+        model=_train_through(model, opt, cfg, "bf16", replicas),
+        optimizer=opt,
+        metrics=_lamb_metrics(opt),
     )
 
 
@@ -357,6 +383,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     cfg.validate()
     check_algorithm(cfg.algo)
     from thinwire.localsgd.algorithm.pretrain import Start
+    from thinwire.train.sharding import check_sharding
+
+    check_sharding(cfg, world)
 
     Start(pretrain_steps=cfg.pretrain_steps or 0, init_from=cfg.init_from)  # checks them
     if cfg.algo == "diloco":
@@ -396,9 +425,12 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         check_async_config(cfg, world - 1)
 
 
-def make_strategy(model: nn.Module, cfg: TrainConfig) -> Strategy:
+def make_strategy(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> Strategy:
+    """``cfg.algo``'s strategy for ``model``; with ``replicas`` (a sharded model's group
+    across islands, :mod:`thinwire.train.sharding`) its optimizer averages over them."""
     check_algorithm(cfg.algo)
-    return _resolve(ALGORITHMS[cfg.algo][0])(model, cfg)
+    make = _resolve(ALGORITHMS[cfg.algo][0])
+    return make(model, cfg) if replicas is None else make(model, cfg, replicas=replicas)
 
 
 def get_runner(name: str) -> Callable[[TrainConfig], dict[str, Any]] | None:

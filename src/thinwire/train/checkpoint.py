@@ -285,7 +285,12 @@ def restore_rank_state(
     check_groups_fit(path, state["optimizer"]["param_groups"], strategy.optimizer.param_groups)
 
     def apply() -> None:
-        strategy.optimizer.load_state_dict(state["optimizer"])
+        from thinwire.train.sharding import reshard_optimizer_state
+
+        # a sharded run's plain shards back into DTensors laid out as the parameters
+        strategy.optimizer.load_state_dict(
+            reshard_optimizer_state(state["optimizer"], strategy.optimizer)
+        )
         if strategy.load_state_dict is not None:
             if state["strategy"] is None:
                 raise ValueError("the algorithm's own state is missing")
@@ -340,12 +345,18 @@ def write_run_identity(out_dir: Path, identity: dict[str, Any]) -> None:
     atomic_write_text(out_dir / "run.json", json.dumps(identity, indent=2, sort_keys=True) + "\n")
 
 
+_ADDED_LATER = {"shard_within": 1}
+"""Identity settings added after runs were first written: a ``run.json`` without one ran
+at this value."""
+
+
 def check_run_identity(out_dir: Path, identity: dict[str, Any]) -> None:
     """Raise a ConfigError naming every setting that differs from the saved run's."""
     saved = _read_run_record(out_dir)
     if saved is None:
         path = out_dir / "run.json"
         raise ConfigError(f"{path} is missing; {out_dir} does not hold a thinwire run to resume")
+    saved = {**_ADDED_LATER, **saved}
     diffs = [
         f"{k}: checkpoint has {short_repr(saved.get(k))}, this run has {identity[k]!r}"
         for k in sorted(identity)

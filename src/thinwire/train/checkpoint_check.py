@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from thinwire.errors import ConfigError
+from thinwire.optim.sharded import local
 from thinwire.train.config import short_repr
 
 __all__ = ["applying", "check_groups_fit", "check_model_state", "check_rank_state", "damaged"]
@@ -101,7 +102,8 @@ def _check_optimizer_state(path: Path, opt: Any, model: nn.Module | None) -> Non
             raise damaged(path, f"the optimizer's betas are {short_repr(betas)}, not two numbers")
     if len(set(order)) != len(order):
         raise damaged(path, "the optimizer lists a parameter twice")
-    shapes = [p.shape for p in model.parameters()] if model is not None else None
+    # this rank's shard of a parameter FSDP2 split (the file holds plain shards)
+    shapes = [local(p).shape for p in model.parameters()] if model is not None else None
     if shapes is not None and len(order) != len(shapes):
         raise damaged(
             path, f"the optimizer holds {len(order)} parameters, the model has {len(shapes)}"

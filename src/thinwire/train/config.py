@@ -43,6 +43,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "fragment_overlap": ("diloco",),
     "fragment_alpha": ("diloco",),
     "error_feedback": ("diloco",),
+    "shard_within": ("lamb", *ONEBIT_ALGOS),
     **dict.fromkeys(LOCAL_SGD, _LOCAL_SGD),
     **dict.fromkeys(ASYNC_ONLY, ("async-diloco",)),
 }
@@ -222,6 +223,14 @@ class TrainConfig(AsyncSettings):
     init_from: str | None = None
     """Start from this model state file (``--init-from``, *identity*) instead; see
     :mod:`thinwire.train.start`."""
+    shard_within: int = 1
+    """Ranks per island that FSDP2 shards the model over (``--shard-within K``,
+    *identity*): islands are ranks ``[i*K, (i+1)*K)``, joined inside by fast links, and
+    ``lamb``, ``onebit-lamb`` or ``onebit-adam`` run across the islands on each rank's
+    shard (HSDP with thinwire's exchange across replicas, :mod:`thinwire.train.sharding`).
+    1 (the default) keeps a whole replica per rank under DDP. Use it when the model does
+    not fit one device, or when ranks come in groups joined by a faster network: only
+    the cross-island traffic is compressed and counted."""
 
     # --- optimisation ------------------------------------------------------------------
     steps: int = 300
@@ -365,6 +374,7 @@ class TrainConfig(AsyncSettings):
         "batch_size",
         "pretrain_steps",
         "init_from",
+        "shard_within",
     )
 
     def gpt_config(self) -> GPTConfig:
@@ -406,6 +416,10 @@ class TrainConfig(AsyncSettings):
         for i, beta in enumerate(self.betas):
             _check_range(f"betas[{i}]", beta, 0.0, 1.0, hi_open=True)
         _check_range("grad-clip", self.grad_clip, 0.0, math.inf)  # 0 = off; NaN is not
+        if not _is_int(self.shard_within) or self.shard_within < 1:
+            raise ConfigError(
+                f"shard-within must be an integer >= 1, got {short_repr(self.shard_within)}"
+            )
         if self.stop_after is not None and self.stop_after < 1:
             raise ConfigError(f"stop-after must be >= 1, got {self.stop_after}")
         self._check_freeze_step()

@@ -39,6 +39,7 @@ from thinwire.train.data import TextData
 from thinwire.train.guard import DivergenceGuard
 from thinwire.train.metrics import MetricsWriter, Progress
 from thinwire.train.model import GPT
+from thinwire.train.sharding import check_sharding, full_state_dict, local_state, shard_model
 from thinwire.train.start import data_offset, read_start_file, run_start, start_of
 
 __all__ = ["evaluate", "lr_at", "parameter_digest", "pick_device", "train"]
@@ -92,18 +93,29 @@ def evaluate(model: nn.Module, data: TextData, cfg: TrainConfig, device: torch.d
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
-    for x, y in data.val_batches(cfg.eval_sequences, cfg.batch_size, get_rank(), get_world_size()):
+    rank, world = get_rank(), get_world_size()
+    batches = data.val_batches(cfg.eval_sequences, cfg.batch_size, rank, world)
+    weights = [1.0] * len(batches)
+    if cfg.shard_within > 1:
+        # FSDP2 gathers each block inside the island in every forward: every rank runs as
+        # many as rank 0 (which holds the most windows), the extra ones weighted 0.
+        most = len(data.val_batches(cfg.eval_sequences, cfg.batch_size, 0, world))
+        spare = batches[:1] or data.val_batches(cfg.eval_sequences, cfg.batch_size, 0, world)
+        batches += spare[:1] * (most - len(batches))
+        weights += [0.0] * (most - len(weights))
+    for (x, y), w in zip(batches, weights, strict=True):
         _, loss = model(x.to(device), y.to(device))
-        total += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
+        total += w * torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
     _all_reduce_sum(total, "eval")
     model.train(was_training)
     return float(total[0] / total[1])
 
 
 def parameter_digest(model: nn.Module) -> str:
-    """SHA-256 of every parameter's bytes: equal digests mean bit-identical replicas."""
+    """SHA-256 of every parameter's bytes: equal digests mean bit-identical replicas (of
+    the whole model: FSDP2 shards are gathered, so every rank of a sharded run calls it)."""
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
+    for name, p in sorted(full_state_dict(model).items()):
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -250,6 +262,7 @@ def _recorder(run: _Run) -> StepRecorder | None:
         "preset": cfg.model,
         "batch_size": cfg.batch_size,
         "seq_len": gcfg.seq_len,
+        "shard_within": cfg.shard_within,
     }
     path = run.out_dir / RECORD_NAME
     return record_run(
@@ -278,7 +291,9 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run | dict[str, Any]:
     begins = run_start(model, data, cfg, device, state) if start == 0 else start_of(cfg).describe()
     _broadcast_parameters(model)
     offset = data_offset(cfg)
-    strategy = make_strategy(model, cfg)
+    check_sharding(cfg, world)  # also under torchrun, which the launcher's checks skip
+    replicas = shard_model(model, cfg.shard_within, device) if cfg.shard_within > 1 else None
+    strategy = make_strategy(model, cfg, replicas)
     elapsed = 0.0
     if start > 0:  # checked against the live objects first: a damaged file is one line
         elapsed = ckpt.restore_rank_state(strategy, model, out_dir, start, rank, run_id)
@@ -405,6 +420,7 @@ def _summarize(run: _Run, end: int) -> dict[str, Any]:
     summary = {
         "algo": run.cfg.algo,
         "world_size": run.world,
+        "shard_within": run.cfg.shard_within,
         "steps": end,
         "samples": end * samples_per_step,
         "parameters": model.num_parameters(),
@@ -499,11 +515,14 @@ def _save(
     rank_state = {
         "rank": rank,
         "step": step,
-        "optimizer": strategy.optimizer.state_dict(),
+        # a sharded run's optimizer state as this rank's plain shards
+        "optimizer": local_state(strategy.optimizer.state_dict()),
         "strategy": strategy.state_dict() if strategy.state_dict is not None else None,
         "rng": torch.get_rng_state(),
         "bytes": COUNTER.snapshot(),
         "elapsed_s": elapsed,
     }
-    model_state = model.state_dict() if rank == 0 else None
+    # The whole model, also when it is sharded (gathered on every rank of an island).
+    whole = full_state_dict(model) if rank == 0 or cfg.shard_within > 1 else None
+    model_state = whole if rank == 0 else None
     ckpt.save_checkpoint(out_dir, step, rank, model_state, rank_state, run_id)

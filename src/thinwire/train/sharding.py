@@ -1,0 +1,145 @@
+"""``--shard-within K``: FSDP2 inside islands of K ranks, thinwire's algorithm across them.
+
+The layout of a job that has outgrown one device, or whose machines come in groups
+joined by a fast network: ranks ``[i*K, (i+1)*K)`` form island ``i``. Inside an island
+FSDP2's ``fully_shard`` splits every parameter over the K ranks (each transformer block
+is its own unit, as in torchtitan); its all-gathers and reduce-scatters stay inside the
+island, uncompressed. Across islands the optimizer (``lamb``, ``onebit-lamb`` or
+``onebit-adam``, given the mesh's ``"replicate"`` group as ``process_group``) averages
+each rank's shard with the ranks that hold the same shard in the other islands: in fp32
+every step for LAMB and for the 1-bit optimizers' warmup, then at ~1 bit per element
+with error feedback (:mod:`thinwire.optim.sharded`). That is HSDP with thinwire on the
+slow tier.
+
+What it changes, against ``--shard-within 1`` (a replica per rank under DDP):
+
+* **Bytes**: ``comm_bytes`` counts the cross-island exchange only, per rank (a rank
+  sends its shard's share, so an island sends what one replica would). FSDP2's
+  traffic inside an island is not counted: on the two-tier testbed
+  (``thinwire testbed run --islands``) the uplinks' own counters measure what crossed.
+* **Arithmetic**: the same global batch and the same averages as under DDP, summed in
+  another order; LAMB's trust ratios reduce the shards' norms inside the island, so
+  they are the whole layer's. 1-bit compression scales each shard's blocks on its own,
+  so 1-bit runs differ from their DDP versions by more than rounding (not in quality).
+* **Checkpoints**: ``model.pt`` holds the whole model (gathered from the shards, as under
+  DDP, so ``--init-from`` and ``analyze`` read it alike); each ``rank{r}.pt`` holds that
+  rank's shard of the optimizer state, so a resume needs the same ``--workers`` and
+  ``--shard-within`` (both are checked).
+
+The warmup's exchange is fp32 (``--grad-dtype`` is DDP's hook setting and is refused
+here). Choose K as the ranks one fast network joins (a node's GPUs); more islands means
+more replicas on the slow link.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thinwire.errors import ConfigError
+from thinwire.train.config import TrainConfig
+
+__all__ = [
+    "SHARDED_ALGOS",
+    "check_sharding",
+    "full_state_dict",
+    "local_state",
+    "reshard_optimizer_state",
+    "shard_model",
+]
+
+SHARDED_ALGOS = ("lamb", "onebit-lamb", "onebit-adam")
+"""The algorithms ``--shard-within`` runs: the optimizers that take a ``process_group``
+and read whole-layer norms of FSDP2 shards."""
+
+
+def check_sharding(cfg: TrainConfig, world: int) -> None:
+    """One-line errors for a ``--shard-within`` the run cannot use, before any process starts."""
+    k = cfg.shard_within
+    if k == 1:
+        return
+    if cfg.algo not in SHARDED_ALGOS:
+        raise ConfigError(
+            f"--shard-within {k}: {cfg.algo} keeps a whole replica per rank; sharded runs "
+            f"take {', '.join(SHARDED_ALGOS)}"
+        )
+    if world % k:
+        raise ConfigError(
+            f"--shard-within {k} must divide the {world} ranks into islands of {k} ranks"
+        )
+    if cfg.grad_dtype not in (None, "fp32"):
+        raise ConfigError(
+            f"--grad-dtype {cfg.grad_dtype} sets DDP's hook; under --shard-within the "
+            "warmup averages each shard across islands in fp32"
+        )
+
+
+def shard_model(model: nn.Module, k: int, device: torch.device) -> dist.ProcessGroup:
+    """Shard ``model`` (every rank holding the same weights) over islands of ``k`` ranks
+    with FSDP2, each block of ``model.blocks`` its own unit; returns the group of the
+    ranks that hold the same shard in every island (the optimizer's ``process_group``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world // k, k), mesh_dim_names=("replicate", "shard"))
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    return mesh.get_group("replicate")
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights as whole tensors on every rank: FSDP2 shards are gathered (a
+    collective inside each island: every rank calls it, in the same order)."""
+    return {
+        name: t.full_tensor() if _is_dtensor(t) else t for name, t in model.state_dict().items()
+    }
+
+
+def local_state(value: Any) -> Any:
+    """``value`` (an optimizer state dict, or any nesting of dicts and lists) with every
+    DTensor replaced by this rank's shard, a plain tensor: what a rank's file holds."""
+    if _is_dtensor(value):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: local_state(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(local_state(v) for v in value)
+    return value
+
+
+def reshard_optimizer_state(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The inverse of :func:`local_state` for ``optimizer.state_dict()``: each parameter's
+    state tensors of its shard's shape become DTensors laid out as the parameter is.
+    Parameters that are not sharded, and scalars (``step``), are left as they are."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, per_param in saved.get("state", {}).items():
+        p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if p is None or not _is_dtensor(p):
+            state[index] = per_param
+            continue
+        from torch.distributed.tensor import DTensor
+
+        shard_shape = p.to_local().shape
+        state[index] = {
+            key: DTensor.from_local(
+                v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == shard_shape
+            else v
+            for key, v in per_param.items()
+        }
+    return {**saved, "state": state}
