@@ -64,8 +64,10 @@ CASES: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
     "lamb-sharded": ((5,), {"shard_within": 2}),
     "onebit-lamb-sharded": ((3, 9), {"freeze_step": 6, "shard_within": 2}),
     "onebit-adam-sharded": ((3, 9), {"freeze_step": 6, "shard_within": 2}),
+    # the momentum exchanged in int8 after the freeze: its error feedback saved and loaded
+    "onebit-lamb-int8": ((3, 9), {"freeze_step": 6, "exchange": "int8"}),
 }
-VARIANTS = ("-auto", "-pretrained", "-streaming", "-sharded")
+VARIANTS = ("-auto", "-pretrained", "-streaming", "-sharded", "-int8")
 """Suffixes of a case's name that set a variant of its algorithm."""
 
 

@@ -578,6 +578,11 @@ class OneBitAllreduce:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's error buffers; fails clearly if they belong elsewhere."""
+        if state.get("kind", "onebit") != "onebit":
+            raise ValueError(
+                f"the saved momentum exchange is {state['kind']}, this optimizer exchanges "
+                "onebit: resume with the exchange it was saved with"
+            )
         for key in ("world_size", "rank"):
             mine = getattr(self, key)
             if state.get(key) != mine:

@@ -392,10 +392,12 @@ class CommOptimizer(torch.optim.Optimizer):
         ranks is left in :attr:`exchanged_side`. Returns None, with every error buffer
         and every optimizer state untouched, if any rank's buffer held NaN/Inf.
         """
-        from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
+        from thinwire.comm.momentum_exchange import make_exchange
+        from thinwire.comm.onebit_allreduce import NonFiniteError
 
         if self._onebit is None:
-            self._onebit = OneBitAllreduce(self.process_group, block=self.onebit_block)
+            kind = getattr(self, "exchange", "onebit")  # 1-bit, or a quantizer
+            self._onebit = make_exchange(kind, self.process_group, self.onebit_block)
             if self._onebit_state is not None:
                 self._onebit.load_state_dict(self._onebit_state)
                 self._onebit_state = None
@@ -541,7 +543,14 @@ class CommOptimizer(torch.optim.Optimizer):
         return {"onebit": onebit}
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
-        self._onebit_state = extra.get("onebit")
+        saved = extra.get("onebit")
+        kind, mine = (saved or {}).get("kind", "onebit"), getattr(self, "exchange", "onebit")
+        if saved is not None and kind != mine:
+            raise ValueError(
+                f"the saved momentum exchange is {kind}, this optimizer exchanges {mine}: "
+                "resume with the exchange it was saved with"
+            )
+        self._onebit_state = saved
         if self._onebit is not None:
             if self._onebit_state is None:
                 self._onebit.reset()

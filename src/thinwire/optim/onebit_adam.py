@@ -83,6 +83,9 @@ class OneBitAdam(TwoStageOptimizer):
             With FSDP2 inside an island, the ranks that hold the same shard in every
             island (``mesh.get_group("replicate")``): each rank then compresses its own
             shards across the islands (:mod:`thinwire.optim.sharded`).
+        exchange: the code of the compressed stage's momentum exchange: ``"onebit"``
+            (the default), or ``"int8"``, ``"fp8"``, ``"int4"`` (finer, 7-4x more bytes);
+            tuning guide in :mod:`thinwire.comm.momentum_exchange`.
 
     With one process (or no process group) it is plain Adam (the "compression" of one
     rank is the identity) with the variance frozen after the warmup. The defaults
@@ -113,6 +116,7 @@ class OneBitAdam(TwoStageOptimizer):
         block: int | None = DEFAULT_BLOCK,
         total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        exchange: str = "onebit",
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = dict(
@@ -125,7 +129,7 @@ class OneBitAdam(TwoStageOptimizer):
             denom_floor=denom_floor,
             step_bound=step_bound,
         )
-        super().__init__(params, defaults, freeze_step, process_group, block, total_steps)
+        super().__init__(params, defaults, freeze_step, process_group, block, total_steps, exchange)
 
     def _warmup_step(self) -> bool:
         items = self._grads()

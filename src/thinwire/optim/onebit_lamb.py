@@ -95,6 +95,8 @@ class OneBitLamb(TwoStageOptimizer):
             With FSDP2 inside an island, the ranks that hold the same shard in every
             island (``mesh.get_group("replicate")``): each rank then compresses its own
             shards across the islands (:mod:`thinwire.optim.sharded`).
+        exchange: the code of the compressed stage's momentum exchange, as for
+            :class:`~thinwire.optim.OneBitAdam`.
 
     With one process it is LAMB in warmup and the same frozen-variance rule afterwards,
     with exact (uncompressed) momenta. The paper's 1-bit LAMB is ``freeze_step=N,
@@ -133,6 +135,7 @@ class OneBitLamb(TwoStageOptimizer):
         block: int | None = DEFAULT_BLOCK,
         total_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        exchange: str = "onebit",
     ) -> None:
         check_adam_hyperparameters(lr, betas, eps, weight_decay)
         check_range("min_coeff", min_coeff, 0.0, float("inf"), lo_open=True)
@@ -157,7 +160,7 @@ class OneBitLamb(TwoStageOptimizer):
             denom_floor=denom_floor,
             step_bound=step_bound,
         )
-        super().__init__(params, defaults, freeze_step, process_group, block, total_steps)
+        super().__init__(params, defaults, freeze_step, process_group, block, total_steps, exchange)
         self.last_coeffs: list[float] = []
         self.last_factors: list[float] = []
         self._work: torch.Tensor | None = None

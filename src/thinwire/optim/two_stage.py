@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import record
+from thinwire.comm.momentum_exchange import check_exchange
 from thinwire.compress.onebit import check_block
 from thinwire.optim.base import CommOptimizer, check_range
 from thinwire.optim.floor import FloorReport, floor_denominators, layer_reference
@@ -76,8 +77,13 @@ class TwoStageOptimizer(CommOptimizer):
         process_group: dist.ProcessGroup | None = None,
         block: int | None = None,
         total_steps: int | None = None,
+        exchange: str = "onebit",
     ) -> None:
         check_block(block)
+        check_exchange(exchange)
+        self.exchange = exchange
+        """The code of the compressed stage's momentum exchange
+        (:mod:`thinwire.comm.momentum_exchange`)."""
         check_range("denom_floor", defaults["denom_floor"], 0.0, 1.0)
         check_step_bound(defaults["step_bound"])
         self.auto_freeze: AutoFreeze | None = None

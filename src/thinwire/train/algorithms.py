@@ -194,6 +194,7 @@ def _onebit_adam(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> St
         betas=cfg.betas,
         weight_decay=cfg.weight_decay,
         bias_correction=cfg.bias_correction,
+        exchange=cfg.exchange,
         **_precondition(cfg),
         **_across(replicas),
     )
@@ -214,6 +215,7 @@ def _onebit_lamb(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> St
         betas=cfg.betas,
         weight_decay=cfg.weight_decay,
         bias_correction=cfg.bias_correction,
+        exchange=cfg.exchange,
         **_precondition(cfg),
         **_across(replicas),
     )

@@ -345,7 +345,7 @@ def write_run_identity(out_dir: Path, identity: dict[str, Any]) -> None:
     atomic_write_text(out_dir / "run.json", json.dumps(identity, indent=2, sort_keys=True) + "\n")
 
 
-_ADDED_LATER = {"shard_within": 1}
+_ADDED_LATER = {"shard_within": 1, "exchange": "onebit"}
 """Identity settings added after runs were first written: a ``run.json`` without one ran
 at this value."""
 

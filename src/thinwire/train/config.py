@@ -44,6 +44,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "fragment_alpha": ("diloco",),
     "error_feedback": ("diloco",),
     "shard_within": ("lamb", *ONEBIT_ALGOS),
+    "exchange": ONEBIT_ALGOS,
     **dict.fromkeys(LOCAL_SGD, _LOCAL_SGD),
     **dict.fromkeys(ASYNC_ONLY, ("async-diloco",)),
 }
@@ -284,6 +285,11 @@ class TrainConfig(AsyncSettings):
     (``1 - beta2^t``) of its steady size, so coordinates with small gradients take huge
     steps from the +-scale noise of the 1-bit momenta: a 120-step tiny-GPT run at lr 0.02
     diverged that way. Turn it off only to reproduce the reference (docs/optimizers.md)."""
+    exchange: str = "onebit"
+    """1-bit optimizers (*identity*): the code their momentum travels in after the freeze:
+    ``onebit`` (the default, ~28x fewer bytes than fp32), or ``int8``, ``fp8`` (3.9x) or
+    ``int4`` (7.8x), finer codes for a model or a link where 1-bit loses quality
+    (:mod:`thinwire.comm.momentum_exchange`)."""
 
     # --- PowerSGD (adamw-powersgd) -----------------------------------------------------
     powersgd_rank: int = 4
@@ -375,6 +381,7 @@ class TrainConfig(AsyncSettings):
         "pretrain_steps",
         "init_from",
         "shard_within",
+        "exchange",
     )
 
     def gpt_config(self) -> GPTConfig:
@@ -416,6 +423,10 @@ class TrainConfig(AsyncSettings):
         for i, beta in enumerate(self.betas):
             _check_range(f"betas[{i}]", beta, 0.0, 1.0, hi_open=True)
         _check_range("grad-clip", self.grad_clip, 0.0, math.inf)  # 0 = off; NaN is not
+        if self.exchange not in ("onebit", *QUANT_KINDS):
+            raise ConfigError(
+                f"exchange must be onebit, {', '.join(QUANT_KINDS)}; got {short_repr(self.exchange)}"
+            )
         if not _is_int(self.shard_within) or self.shard_within < 1:
             raise ConfigError(
                 f"shard-within must be an integer >= 1, got {short_repr(self.shard_within)}"

@@ -421,6 +421,7 @@ def _summarize(run: _Run, end: int) -> dict[str, Any]:
         "algo": run.cfg.algo,
         "world_size": run.world,
         "shard_within": run.cfg.shard_within,
+        "exchange": run.cfg.exchange if hasattr(strategy.optimizer, "compressing") else None,
         "steps": end,
         "samples": end * samples_per_step,
         "parameters": model.num_parameters(),
