@@ -70,3 +70,41 @@ def test_byte_formulas() -> None:
     assert ring_allreduce_bytes(1000, 1) == 0
     assert ring_allreduce_bytes(1000, 4) == 1500
     assert gather_bytes(1000, 4) == 750
+
+
+def _where_am_i(rank: int, world: int) -> dict[str, object]:
+    return {
+        "env": os.environ.get("THINWIRE_TEST_MARK"),
+        "extra": os.environ.get("THINWIRE_TEST_EXTRA"),
+        "cwd": os.getcwd(),
+        "parent": os.getppid(),
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_get_the_launchers_environment_and_directory_as_they_are_now(
+    method: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fork server (the default) was started earlier, from another directory and
+    # environment: each rank must still see the launcher's, as a fresh interpreter would.
+    from thinwire.comm.start_method import ENV
+
+    monkeypatch.setenv(ENV, method)
+    spawn(_where_am_i, 1)  # a server, if any, starts before the changes below
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("THINWIRE_TEST_MARK", method)
+    for out in spawn(_where_am_i, 2, env={"THINWIRE_TEST_EXTRA": "given"}):
+        assert out["env"] == method and out["extra"] == "given"
+        assert out["cwd"] == str(tmp_path)
+        # a fresh interpreter is the launcher's child; a forked rank the server's
+        assert (out["parent"] == os.getpid()) == (method == "spawn")
+
+
+def test_an_unknown_start_method_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from thinwire.comm.start_method import ENV
+    from thinwire.errors import ConfigError
+
+    monkeypatch.setenv(ENV, "fork")
+    with pytest.raises(ConfigError, match="THINWIRE_START_METHOD='fork' is not a start method"):
+        spawn(_where_am_i, 2)
