@@ -85,3 +85,20 @@ def test_a_resume_with_another_sharding_is_refused(tmp_path: Path) -> None:
     check_run_identity(tmp_path, identity | {"shard_within": 1})
     with pytest.raises(ConfigError, match="shard_within: checkpoint has 1, this run has 2"):
         check_run_identity(tmp_path, identity | {"shard_within": 2})
+
+
+def test_a_sharded_comparison_says_which_bytes_it_counts() -> None:
+    from thinwire.train.compare_report import format_comparison
+
+    run = {
+        "final_val_loss": 2.0,
+        "loss_ratio": 1.0,
+        "comm_bytes": 2**20,
+        "bytes_reduction": 1.0,
+        "samples_per_s": 10.0,
+        "speedup": 1.0,
+    }
+    result = {"runs": {"lamb": run}, "reference": "lamb", "workers": 4}
+    assert "islands" not in format_comparison(result | {"base": {"shard_within": 1}})
+    text = format_comparison(result | {"base": {"shard_within": 2}})
+    assert text.splitlines()[-1].startswith("(FSDP2 inside 2 islands of 2 ranks: bytes are")

@@ -48,6 +48,13 @@ def format_comparison(result: dict[str, Any]) -> str:
         cells = [c.rjust(w) for c, w in zip(row, widths, strict=True)]
         cells[0] = row[0].ljust(widths[0])  # labels left, numbers right
         lines.append("  ".join(cells))
+    within = result.get("base", {}).get("shard_within", 1)
+    if within > 1:
+        islands = result["workers"] // within
+        lines.append(
+            f"(FSDP2 inside {islands} islands of {within} ranks: bytes are those across the "
+            "islands; FSDP2's inside an island are not counted)"
+        )
     return "\n".join(lines)
 
 
