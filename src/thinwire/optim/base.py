@@ -174,6 +174,7 @@ class CommOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._recent: deque[bool] = deque(maxlen=SKIP_WINDOW)  # True: that step was skipped
         self._ddp_averages_grads = False
+        self._grad_wire_dtype = torch.float32  # the optimizer's own average (set_grad_wire_dtype)
         self._flat: torch.Tensor | None = None
         self._onebit: Any = None  # the 1-bit collective, created at the first compressed step
         self._onebit_state: dict[str, Any] | None = None  # loaded before that step
@@ -292,9 +293,12 @@ class CommOptimizer(torch.optim.Optimizer):
         total = sum(g.numel() for g in grads)
         flat = self._flat_buffer(total, grads[0].device)
         torch.cat([g.reshape(-1).float() for g in grads], out=flat)
-        flat.div_(self.world_size)
-        dist.all_reduce(flat, group=self.process_group)
-        nbytes = flat.numel() * 4
+        flat.div_(self.world_size)  # before the cast: bf16/fp16 sums stay in range
+        wire = flat if self._grad_wire_dtype == torch.float32 else flat.to(self._grad_wire_dtype)
+        dist.all_reduce(wire, group=self.process_group)
+        if wire is not flat:
+            flat.copy_(wire)
+        nbytes = wire.numel() * wire.element_size()
         record("optim.allreduce", nbytes, ring_allreduce_bytes(nbytes, self.world_size))
         if not self._agree_finite(bool(torch.isfinite(flat).all())):
             return False
@@ -448,6 +452,15 @@ class CommOptimizer(torch.optim.Optimizer):
     def needs_averaged_grads(self) -> bool:
         """Whether the next step needs gradients averaged over the ranks (DDP hook asks)."""
         return True
+
+    def set_grad_wire_dtype(self, wire_dtype: torch.dtype) -> None:
+        """What the gradients travel as when this optimizer averages them itself (LAMB,
+        and the 1-bit optimizers' warmup, without DDP: e.g. on FSDP2 shards across
+        islands): ``torch.float32`` (the default, exact), or ``torch.bfloat16`` /
+        ``torch.float16`` for half the bytes. With DDP, :meth:`register_ddp` sets it."""
+        if wire_dtype not in WIRE_DTYPES.values():
+            raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {wire_dtype}")
+        self._grad_wire_dtype = wire_dtype
 
     def register_ddp(
         self,

@@ -152,7 +152,12 @@ def _train_through(
 ) -> nn.Module:
     """The module of an optimizer that averages across ranks: ``model`` under DDP, or
     ``model`` itself when it is sharded and ``opt`` averages across the ``replicas``."""
-    return model if replicas is not None else _under_ddp(model, opt, cfg, default_dtype)
+    if replicas is None:
+        return _under_ddp(model, opt, cfg, default_dtype)
+    from thinwire.compress.cast import WIRE_DTYPES
+
+    opt.set_grad_wire_dtype(WIRE_DTYPES[cfg.grad_dtype or default_dtype])
+    return model
 
 
 def _across(replicas: Any) -> dict[str, Any]:

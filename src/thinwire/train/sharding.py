@@ -7,9 +7,9 @@ is its own unit, as in torchtitan); its all-gathers and reduce-scatters stay ins
 island, uncompressed. Across islands the optimizer (``lamb``, ``onebit-lamb`` or
 ``onebit-adam``, given the mesh's ``"replicate"`` group as ``process_group``) averages
 each rank's shard with the ranks that hold the same shard in the other islands: in fp32
-every step for LAMB and for the 1-bit optimizers' warmup, then at ~1 bit per element
-with error feedback (:mod:`thinwire.optim.sharded`). That is HSDP with thinwire on the
-slow tier.
+every step for LAMB, in bf16 through the 1-bit optimizers' warmup, then at ~1 bit per
+element with error feedback (:mod:`thinwire.optim.sharded`). That is HSDP with thinwire
+on the slow tier.
 
 What it changes, against ``--shard-within 1`` (a replica per rank under DDP):
 
@@ -26,9 +26,9 @@ What it changes, against ``--shard-within 1`` (a replica per rank under DDP):
   rank's shard of the optimizer state, so a resume needs the same ``--workers`` and
   ``--shard-within`` (both are checked).
 
-The warmup's exchange is fp32 (``--grad-dtype`` is DDP's hook setting and is refused
-here). Choose K as the ranks one fast network joins (a node's GPUs); more islands means
-more replicas on the slow link.
+The gradients travel across islands as ``--grad-dtype`` says, as under DDP: bf16 in
+the 1-bit optimizers' warmup by default, fp32 for LAMB. Choose K as the ranks one fast
+network joins (a node's GPUs); more islands means more replicas on the slow link.
 """
 
 from __future__ import annotations
@@ -69,11 +69,6 @@ def check_sharding(cfg: TrainConfig, world: int) -> None:
     if world % k:
         raise ConfigError(
             f"--shard-within {k} must divide the {world} ranks into islands of {k} ranks"
-        )
-    if cfg.grad_dtype not in (None, "fp32"):
-        raise ConfigError(
-            f"--grad-dtype {cfg.grad_dtype} sets DDP's hook; under --shard-within the "
-            "warmup averages each shard across islands in fp32"
         )
 
 
