@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,17 @@ def _go_on(p: subprocess.Popen[str]) -> None:
     """SIGCONT whatever is left of the run's process group (ranks, resource tracker)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _cleaned_up(p: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """Whatever happens in the test, the run's process group does not outlive it (a
+    paused group left behind would sit stopped forever)."""
+    try:
+        yield p
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def _run(out: Path, *extra: str, workers: str = "2") -> subprocess.CompletedProcess[str]:
@@ -155,13 +167,13 @@ def _resume_matches(out: Path, reference: dict) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """An undisturbed run, with a second run trying the same --out while it trains."""
     out = tmp_path_factory.mktemp("fault") / "reference"
-    first = _start(out)
-    _wait_for_checkpoint(out, first, 10)
-    _pause(first)
-    holder = runlock.holder(out)
-    intruder = _run(out, "--seed", "1", workers="1")
-    _go_on(first)
-    _, stderr = first.communicate(timeout=170)
+    with _cleaned_up(_start(out)) as first:
+        _wait_for_checkpoint(out, first, 10)
+        _pause(first)
+        holder = runlock.holder(out)
+        intruder = _run(out, "--seed", "1", workers="1")
+        _go_on(first)
+        _, stderr = first.communicate(timeout=170)
     assert first.returncode == 0, stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     return {"out": out, "holder": holder, "intruder": intruder, **summary}
@@ -198,14 +210,14 @@ def test_a_killed_worker_rank_fails_the_run_and_resume_loses_nothing(
     reference: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    p = _start(out)
-    _wait_for_checkpoint(out, p, 20)
-    _pause(p)
-    ranks = _ranks_of(p.pid)
-    assert set(ranks) == {0, 1}  # named for ps: thinwire-rank0, thinwire-rank1
-    os.kill(ranks[1], signal.SIGKILL)
-    _go_on(p)
-    _, stderr = p.communicate(timeout=60)
+    with _cleaned_up(_start(out)) as p:
+        _wait_for_checkpoint(out, p, 20)
+        _pause(p)
+        ranks = _ranks_of(p.pid)
+        assert set(ranks) == {0, 1}  # named for ps: thinwire-rank0, thinwire-rank1
+        os.kill(ranks[1], signal.SIGKILL)
+        _go_on(p)
+        _, stderr = p.communicate(timeout=60)
     assert p.returncode == 1
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("thinwire: error: rank 1 exited with code -9 before reporting"), stderr
@@ -225,15 +237,15 @@ def test_a_killed_launcher_takes_its_ranks_along_and_resume_loses_nothing(
     reference: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    p = _start(out)
-    _wait_for_checkpoint(out, p, 20)
-    _pause(p)
-    ranks = _ranks_of(p.pid)
-    assert set(ranks) == {0, 1}
-    p.send_signal(signal.SIGKILL)  # the launcher cannot catch this
-    p.wait(timeout=30)
-    _go_on(p)  # the ranks find their launcher gone
-    p.communicate(timeout=30)  # EOF once the ranks, which share its pipes, are gone
+    with _cleaned_up(_start(out)) as p:
+        _wait_for_checkpoint(out, p, 20)
+        _pause(p)
+        ranks = _ranks_of(p.pid)
+        assert set(ranks) == {0, 1}
+        p.send_signal(signal.SIGKILL)  # the launcher cannot catch this
+        p.wait(timeout=30)
+        _go_on(p)  # the ranks find their launcher gone
+        p.communicate(timeout=30)  # EOF once the ranks, which share its pipes, are gone
     for pid in ranks.values():
         assert _gone(pid, 15), f"rank pid {pid} outlived its launcher"
     assert runlock.holder(out) is None  # the lock died with rank 0
