@@ -26,6 +26,13 @@ What it changes, against ``--shard-within 1`` (a replica per rank under DDP):
   rank's shard of the optimizer state, so a resume needs the same ``--workers`` and
   ``--shard-within`` (both are checked).
 
+The trainer builds the whole model on every rank and then shards it (its presets fit
+one device; a start file or a pretraining runs on the whole model first). A loop of your
+own with a model that fits no device builds it on the ``meta`` device and shards it
+before it materialises, as in torchtitan; the optimizers take the shards either way.
+Not yet here: DiLoCo under ``--shard-within`` (the library's ``DiLoCo`` takes FSDP2
+shards: ``examples/fsdp_islands.py --algo diloco``).
+
 The gradients travel across islands as ``--grad-dtype`` says, as under DDP: bf16 in
 the 1-bit optimizers' warmup by default, fp32 for LAMB. Choose K as the ranks one fast
 network joins (a node's GPUs); more islands means more replicas on the slow link.
