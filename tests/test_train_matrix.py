@@ -64,6 +64,8 @@ CASES: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
     "lamb-sharded": ((5,), {"shard_within": 2}),
     "onebit-lamb-sharded": ((3, 9), {"freeze_step": 6, "shard_within": 2}),
     "onebit-adam-sharded": ((3, 9), {"freeze_step": 6, "shard_within": 2}),
+    # an island is one DiLoCo worker: its AdamW state saved as shards, stops mid-round
+    "diloco-sharded": ((6, 9), {"local_steps": 4, "shard_within": 2}),
     # the momentum exchanged in int8 after the freeze: its error feedback saved and loaded
     "onebit-lamb-int8": ((3, 9), {"freeze_step": 6, "exchange": "int8"}),
 }

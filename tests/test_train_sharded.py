@@ -67,7 +67,7 @@ def test_sharded_lamb_trains_as_ddp_lamb_and_sends_a_third(tmp_path: Path) -> No
     ("settings", "world", "message"),
     [
         ({"algo": "adamw"}, 4, "adamw keeps a whole replica per rank"),
-        ({"algo": "diloco"}, 4, "sharded runs take lamb, onebit-lamb, onebit-adam"),
+        ({"algo": "adamw-powersgd"}, 4, "sharded runs take lamb, onebit-lamb, onebit-adam, diloco"),
         ({"algo": "lamb", "shard_within": 3}, 4, "must divide the 4 ranks into islands of 3"),
         ({"algo": "lamb", "shard_within": 0}, 4, "shard-within must be an integer >= 1"),
     ],

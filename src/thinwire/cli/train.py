@@ -118,7 +118,7 @@ def _add_run_arguments(g: argparse._ArgumentGroup, d: TrainConfig) -> None:
         type=int,
         default=d.shard_within,
         metavar="K",
-        help="lamb, onebit-*: FSDP2 shards the model over islands of K ranks, the algorithm "
+        help="lamb, onebit-*, diloco: FSDP2 shards the model over islands of K ranks, the algorithm "
         "runs across islands on each shard (HSDP; default 1: a replica per rank under DDP)",
     )
     g.add_argument(

@@ -43,7 +43,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "fragment_overlap": ("diloco",),
     "fragment_alpha": ("diloco",),
     "error_feedback": ("diloco",),
-    "shard_within": ("lamb", *ONEBIT_ALGOS),
+    "shard_within": ("lamb", *ONEBIT_ALGOS, "diloco"),
     "exchange": ONEBIT_ALGOS,
     **dict.fromkeys(LOCAL_SGD, _LOCAL_SGD),
     **dict.fromkeys(ASYNC_ONLY, ("async-diloco",)),
@@ -227,8 +227,9 @@ class TrainConfig(AsyncSettings):
     shard_within: int = 1
     """Ranks per island that FSDP2 shards the model over (``--shard-within K``,
     *identity*): islands are ranks ``[i*K, (i+1)*K)``, joined inside by fast links, and
-    ``lamb``, ``onebit-lamb`` or ``onebit-adam`` run across the islands on each rank's
-    shard (HSDP with thinwire's exchange across replicas, :mod:`thinwire.train.sharding`).
+    ``lamb``, ``onebit-lamb``, ``onebit-adam`` or ``diloco`` run across the islands on
+    each rank's shard (HSDP with thinwire's exchange across replicas,
+    :mod:`thinwire.train.sharding`).
     1 (the default) keeps a whole replica per rank under DDP. Use it when the model does
     not fit one device, or when ranks come in groups joined by a faster network: only
     the cross-island traffic is compressed and counted."""

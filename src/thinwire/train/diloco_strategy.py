@@ -19,12 +19,15 @@ from thinwire.train.config import TrainConfig
 __all__ = ["diloco_strategy"]
 
 
-def diloco_strategy(model: nn.Module, cfg: TrainConfig) -> Strategy:
+def diloco_strategy(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> Strategy:
     """Synchronous DiLoCo: raw model, inner AdamW, outer sync every H steps.
 
     Each rank trains on Local-SGD shards, on the shard and lr clock a sync-mode server
     would give it (:class:`thinwire.localsgd.algorithm.shards.SyncSchedule`), so this run and the
-    simulator's ``sync`` method see the same data in the same order.
+    simulator's ``sync`` method see the same data in the same order. With ``replicas``
+    (``--shard-within``: FSDP2 inside islands, :mod:`thinwire.train.sharding`) an island
+    is one DiLoCo worker whose ranks average their gradients every inner step, and the
+    outer sync averages each rank's shard across the islands.
     """
     from thinwire.localsgd import DiLoCo
     from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
@@ -39,6 +42,7 @@ def diloco_strategy(model: nn.Module, cfg: TrainConfig) -> Strategy:
         "outer_momentum": TUNED["sync"].outer_momentum if momentum is None else momentum,
         "compress": cfg.compress,
         "sync_initial": False,  # the trainer broadcasts rank 0's weights before this
+        **({} if replicas is None else {"process_group": replicas}),
     }
     if cfg.streaming():
         return _streaming(model, cfg, inner, outer)

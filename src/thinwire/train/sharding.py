@@ -30,8 +30,9 @@ The trainer builds the whole model on every rank and then shards it (its presets
 one device; a start file or a pretraining runs on the whole model first). A loop of your
 own with a model that fits no device builds it on the ``meta`` device and shards it
 before it materialises, as in torchtitan; the optimizers take the shards either way.
-Not yet here: DiLoCo under ``--shard-within`` (the library's ``DiLoCo`` takes FSDP2
-shards: ``examples/fsdp_islands.py --algo diloco``).
+``diloco`` (and Streaming DiLoCo) under ``--shard-within``: an island is one worker
+(its ranks average their gradients every inner step through FSDP2), and the outer sync
+averages each rank's shard of the pseudo-gradient across the islands every H steps.
 
 The gradients travel across islands as ``--grad-dtype`` says, as under DDP: bf16 in
 the 1-bit optimizers' warmup by default, fp32 for LAMB. Choose K as the ranks one fast
@@ -58,9 +59,10 @@ __all__ = [
     "shard_model",
 ]
 
-SHARDED_ALGOS = ("lamb", "onebit-lamb", "onebit-adam")
+SHARDED_ALGOS = ("lamb", "onebit-lamb", "onebit-adam", "diloco")
 """The algorithms ``--shard-within`` runs: the optimizers that take a ``process_group``
-and read whole-layer norms of FSDP2 shards."""
+and read whole-layer norms of FSDP2 shards, and (Streaming) DiLoCo, whose outer sync
+averages each rank's shard across the islands."""
 
 
 def check_sharding(cfg: TrainConfig, world: int) -> None:
