@@ -23,8 +23,9 @@ What it changes, against ``--shard-within 1`` (a replica per rank under DDP):
   so 1-bit runs differ from their DDP versions by more than rounding. Measured on 2
   islands of 2 (docs/results/testbed.md): 1-bit LAMB within 0.2-1.2% of LAMB on 300-step
   runs of both corpora; from a trained model, 3,000 steps, 2.0% above LAMB with 21.5x
-  fewer bytes across islands (0.9% under DDP on that seed; ``--exchange int8`` ended
-  no closer, so the gap is not the 1-bit code: one seed, being looked into).
+  fewer bytes across islands (0.9% under DDP on that seed; with ``--exchange int8``
+  2.1% sharded and 1.7% under DDP: the spread of the frozen-variance rule's tail on that
+  seed, not a cost of sharding).
 * **Checkpoints**: ``model.pt`` holds the whole model (gathered from the shards, as under
   DDP, so ``--init-from`` and ``analyze`` read it alike); each ``rank{r}.pt`` holds that
   rank's shard of the optimizer state, so a resume needs the same ``--workers`` and
