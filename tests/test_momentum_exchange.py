@@ -109,3 +109,13 @@ def test_a_nan_on_one_rank_is_skipped_everywhere_and_another_code_is_refused() -
         assert "resume with the exchange it was saved with" in out["refused"]
     with pytest.raises(ValueError, match="exchange must be one of onebit, int8, fp8, int4"):
         check_exchange("int16")
+
+
+def test_the_trainer_refuses_an_unknown_code_in_one_line() -> None:
+    from thinwire.errors import ConfigError
+    from thinwire.train.config import TrainConfig
+
+    with pytest.raises(
+        ConfigError, match="exchange must be one of onebit, int8, fp8, int4; got 'int16'"
+    ):
+        TrainConfig(algo="onebit-lamb", exchange="int16").validate()

@@ -37,7 +37,7 @@ from typing import Any
 
 from thinwire.errors import ConfigError
 
-__all__ = ["LOCK_NAME", "RunLock", "acquire", "holder"]
+__all__ = ["LOCK_NAME", "RunLock", "acquire", "holder", "pid_alive"]
 
 LOCK_NAME = ".thinwire.lock"
 """The lock file, inside the output directory."""
@@ -47,7 +47,8 @@ def _os_error(out_dir: Path, exc: OSError) -> ConfigError:
     return ConfigError(f"cannot write to output directory {out_dir}: {exc.strerror or exc}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (also one of another user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -184,7 +185,7 @@ def _judge_record(out_dir: Path, record: dict[str, Any]) -> str | None:
         return None
     pid = record.get("pid")
     here = record.get("host") == socket.gethostname()
-    if here and isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid):
+    if here and isinstance(pid, int) and pid != os.getpid() and not pid_alive(pid):
         return _describe(record)
     if here and pid == os.getpid():
         return None

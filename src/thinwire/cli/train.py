@@ -23,6 +23,7 @@ from typing import Any
 
 from thinwire.cli.train_config import config_from_args, lr_given, note_trained_lr, track_explicit
 from thinwire.comm.launch import launched_by_torchrun
+from thinwire.comm.momentum_exchange import EXCHANGES
 from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
@@ -207,7 +208,7 @@ def _add_optimizer_arguments(o: argparse._ArgumentGroup, d: TrainConfig) -> None
     o.add_argument(
         "--exchange",
         default=d.exchange,
-        choices=("onebit", "int8", "fp8", "int4"),
+        choices=EXCHANGES,
         help="1-bit optimizers: the code the momentum travels in after the freeze (default "
         "onebit; int8/fp8 send 7x more bytes than it, int4 3.6x, each a finer code)",
     )

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from thinwire.runlock import pid_alive
+
 __all__ = ["process_name", "set_process_name", "tie_to_launcher"]
 
 _PR_SET_PDEATHSIG = 1
@@ -79,16 +81,6 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: it exists
-    return True
-
-
 def _launcher_watch(launcher_pid: int, poll_s: float) -> Callable[[], None] | None:
     """A function that returns once the launcher has exited; None if it already has."""
     if os.getppid() == launcher_pid:  # a fresh interpreter: the launcher is the parent
@@ -108,11 +100,11 @@ def _launcher_watch(launcher_pid: int, poll_s: float) -> Callable[[], None] | No
             fd = None  # a kernel without pidfds (before Linux 5.3): poll below
         if fd is not None:
             return lambda: select.select([fd], [], [])  # readable once the pid has exited
-    if not _alive(launcher_pid):
+    if not pid_alive(launcher_pid):
         return None
 
     def pid_goes() -> None:
-        while _alive(launcher_pid):
+        while pid_alive(launcher_pid):
             time.sleep(poll_s)
 
     return pid_goes

@@ -8,6 +8,7 @@ import reprlib
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
+from thinwire.comm.momentum_exchange import EXCHANGES
 from thinwire.compress.cast import parse_cast
 from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
@@ -424,9 +425,9 @@ class TrainConfig(AsyncSettings):
         for i, beta in enumerate(self.betas):
             _check_range(f"betas[{i}]", beta, 0.0, 1.0, hi_open=True)
         _check_range("grad-clip", self.grad_clip, 0.0, math.inf)  # 0 = off; NaN is not
-        if self.exchange not in ("onebit", *QUANT_KINDS):
+        if self.exchange not in EXCHANGES:
             raise ConfigError(
-                f"exchange must be onebit, {', '.join(QUANT_KINDS)}; got {short_repr(self.exchange)}"
+                f"exchange must be one of {', '.join(EXCHANGES)}; got {short_repr(self.exchange)}"
             )
         if not _is_int(self.shard_within) or self.shard_within < 1:
             raise ConfigError(

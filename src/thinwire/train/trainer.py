@@ -99,10 +99,10 @@ def evaluate(model: nn.Module, data: TextData, cfg: TrainConfig, device: torch.d
     if cfg.shard_within > 1:
         # FSDP2 gathers each block inside the island in every forward: every rank runs as
         # many as rank 0 (which holds the most windows), the extra ones weighted 0.
-        most = len(data.val_batches(cfg.eval_sequences, cfg.batch_size, 0, world))
-        spare = batches[:1] or data.val_batches(cfg.eval_sequences, cfg.batch_size, 0, world)
-        batches += spare[:1] * (most - len(batches))
-        weights += [0.0] * (most - len(weights))
+        first = data.val_batches(cfg.eval_sequences, cfg.batch_size, 0, world)
+        extra = len(first) - len(batches)
+        batches += (batches[:1] or first[:1]) * extra
+        weights += [0.0] * extra
     for (x, y), w in zip(batches, weights, strict=True):
         _, loss = model(x.to(device), y.to(device))
         total += w * torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64)
