@@ -25,6 +25,7 @@ from thinwire.testbed import Cluster, remove_clusters, unavailable_reason
 from thinwire.testbed import netns as nx
 from thinwire.testbed.delayline import BuildError, build
 from thinwire.testbed.latency_check import measure_bulk, rtt_row, run_probe
+from thinwire.testbed.rates import parse_rate
 from thinwire.testbed.registry import STATE_DIR, delay_log_path
 
 _REASON = unavailable_reason()
@@ -196,3 +197,32 @@ def test_tcp_over_a_lossy_link_keeps_going_and_loses_single_frames() -> None:
     assert data and all(s["lost"] > 0 and s["overflow"] == 0 for s in data), stats
     # Single frames: the bytes per frame that passed stay near one 1514-byte frame.
     assert all(s["bytes"] / s["out"] < 1600 for s in data), stats
+
+
+@pytest.mark.timeout(120)
+def test_two_tiers_delay_sits_on_the_uplinks_only(capsys: pytest.CaptureFixture[str]) -> None:
+    # 2 islands of 2 hosts, 100 Mbit/s uplinks, island 1 far (30 ms against island 0's
+    # 10 ms): the islands are (10 + 30) / 2 = 20 ms apart one way, hosts inside an
+    # island are not delayed at all.
+    with Cluster(4, "1gbit", islands=2, uplink="100mbit", delay=["10ms", "30ms"]) as c:
+        assert c.delay_line is not None
+        args = ["--count", "12", "--interval", "0.02"]
+        near = rtt_row(0.0, run_probe(c, "rtt", args, timeout_s=60, server_rank=1)[0])
+        far = rtt_row(0.020, run_probe(c, "rtt", args, timeout_s=60, server_rank=2)[0])
+        # The core ends of the uplinks are the delay line's, shaped at its TAPs.
+        assert nx.read_shaping(c.bridge_namespace, "d0") == parse_rate("100mbit")
+        assert nx.read_shaping(c.bridge_namespace, "u1") == parse_rate("100mbit")
+        counters = c.uplink_counters()
+    assert near.icmp_s < 0.004, near
+    for measured in (far.icmp_s, far.tcp_s):
+        assert abs(measured - 0.040) < 0.05 * 0.040 + 1e-3, far
+    assert counters[0].rx_bytes > 0 and counters[1].tx_bytes > 0  # pings crossed the core
+    cid = _new_id()
+    try:
+        flags = ["--hosts", "4", "--islands", "2", "--uplink", "50mbit", "--delay", "5ms"]
+        assert main(["testbed", "up", *flags, "--host-delay", "1=25ms", "--cluster-id", cid]) == 0
+        assert "2 islands joined by 50mbit uplinks (delay 5ms/25ms)" in capsys.readouterr().out
+        assert main(["testbed", "up", *flags, "--host-delay", "2=1ms"]) == 2
+        assert "island 2 does not exist (0-1)" in capsys.readouterr().err
+    finally:
+        remove_clusters([cid], force=True)

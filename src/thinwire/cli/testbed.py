@@ -134,21 +134,27 @@ def _cluster(args: argparse.Namespace, persistent: bool = False) -> Cluster:
         persistent=persistent,
         islands=args.islands,
         uplink=args.uplink,
-        **wan_options(args, hosts),
+        **wan_options(args, hosts, args.islands),
     )
 
 
 def _up(args: argparse.Namespace) -> int:
     c = _cluster(args, persistent=True).up()
-    wan = f", {c.wan.describe()}" if c.wan else ""
-    if c.islands > 1:
-        wan += f", {c.islands} islands joined by {format_rate(c.uplink_bits)} uplinks"
+    wan = _describe_network(c.wan, c.islands, c.uplink_bits)
     print(f"cluster {c.cluster_id}: {c.hosts} hosts at {format_rate(c.rate_bits)}{wan}")
     for ns, addr in zip(c.namespaces, c.addresses, strict=True):
         print(f"  {ns}  {addr}  ({nx.HOST_IFNAME})")
     print(f"run on it:  thinwire testbed run --id {c.cluster_id} -- COMMAND")
     print(f"remove it:  thinwire testbed down {c.cluster_id}")
     return 0
+
+
+def _describe_network(wan: WanConfig | None, islands: int, uplink_bits: int | None) -> str:
+    """``, delay 50ms`` or ``, 2 islands joined by 50mbit uplinks (delay 20ms)``."""
+    if islands <= 1:
+        return f", {wan.describe()}" if wan else ""
+    out = f", {islands} islands joined by {format_rate(uplink_bits)} uplinks"
+    return out + (f" ({wan.describe()})" if wan else "")
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -168,16 +174,13 @@ def _status(args: argparse.Namespace) -> int:
             owner = "in use by pid " + ", ".join(str(p) for p in info.users)
         else:
             owner = "leftover of a dead run" if info.owner_pid else "persistent"
-        wan = ""
+        config = None
         if info.wan:
             with contextlib.suppress(ConfigError, KeyError, TypeError, ValueError):
                 hosts = [HostLink(**h) for h in info.wan["hosts"]]
-                wan = ", " + WanConfig(tuple(hosts), int(info.wan["buffer_bytes"])).describe()
-        if info.tiers:
-            wan += (
-                f", {info.tiers.get('islands')} islands joined by "
-                f"{format_rate(info.tiers.get('uplink_bits'))} uplinks"
-            )
+                config = WanConfig(tuple(hosts), int(info.wan["buffer_bytes"]))
+        tiers = info.tiers or {}
+        wan = _describe_network(config, int(tiers.get("islands", 1)), tiers.get("uplink_bits"))
         print(
             f"cluster {info.cluster_id}: {info.hosts} hosts at "
             f"{format_rate(info.rate_bits)}{wan}, {owner}"

@@ -21,7 +21,8 @@ def add_wan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--delay",
         default=None,
-        help="one-way delay between hosts, e.g. 50ms (ping shows twice it); default none",
+        help="one-way delay between hosts, e.g. 50ms (ping shows twice it; with --islands "
+        "between islands, on their uplinks); default none",
     )
     p.add_argument("--jitter", default=None, help="one-way delay varies by +- this; no reorder")
     p.add_argument("--loss", default=None, help="chance a frame is lost, e.g. 0.1%%")
@@ -31,7 +32,8 @@ def add_wan_arguments(p: argparse.ArgumentParser) -> None:
             action="append",
             default=[],
             metavar="HOST=VALUE",
-            help=f"{what} of one host instead of --{what} (repeatable), e.g. {example}",
+            help=f"{what} of one host (with --islands: one island's uplink) instead of "
+            f"--{what} (repeatable), e.g. {example}",
         )
     p.add_argument(
         "--buffer",
@@ -41,8 +43,10 @@ def add_wan_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _per_host(base: str | None, overrides: list[str], hosts: int, what: str) -> list | None:
-    """``--delay`` for every host, then ``--host-delay H=V`` for some."""
+def _per_host(
+    base: str | None, overrides: list[str], hosts: int, what: str, unit: str
+) -> list | None:
+    """``--delay`` for every host (or island), then ``--host-delay H=V`` for some."""
     if base is None and not overrides:
         return None
     values: list[str | None] = [base] * max(hosts, 0)
@@ -51,15 +55,19 @@ def _per_host(base: str | None, overrides: list[str], hosts: int, what: str) -> 
         if not sep or not host.strip().isdigit():
             raise ConfigError(f"--host-{what} {item!r} is invalid: use HOST=VALUE, e.g. 4=150ms")
         if not 0 <= int(host) < hosts:
-            raise ConfigError(f"--host-{what} {item!r}: host {host} does not exist (0-{hosts - 1})")
+            raise ConfigError(
+                f"--host-{what} {item!r}: {unit} {host} does not exist (0-{hosts - 1})"
+            )
         values[int(host)] = value
     return values
 
 
-def wan_options(args: argparse.Namespace, hosts: int) -> dict[str, Any]:
-    """The ``Cluster`` keyword arguments the options ask for (empty: a plain LAN)."""
+def wan_options(args: argparse.Namespace, hosts: int, islands: int = 1) -> dict[str, Any]:
+    """The ``Cluster`` keyword arguments the options ask for (empty: a plain LAN). With
+    ``islands`` > 1 the settings are the uplinks', one per island."""
+    count, unit = (islands, "island") if islands > 1 else (hosts, "host")
     out = {
-        what: _per_host(getattr(args, what), getattr(args, f"host_{what}"), hosts, what)
+        what: _per_host(getattr(args, what), getattr(args, f"host_{what}"), count, what, unit)
         for what in ("delay", "jitter", "loss")
     }
     out["buffer"] = args.buffer

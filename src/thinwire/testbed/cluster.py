@@ -67,8 +67,7 @@ from thinwire.testbed.wan import PerHost, WanConfig
 
 __all__ = ["CORE_BRIDGE", "DEFAULT_GRACE_S", "MAX_HOSTS", "SUBNET_PREFIX", "Cluster"]
 
-CORE_BRIDGE = "brc"
-"""With islands: the bridge every island's uplink joins (in the bridge namespace)."""
+CORE_BRIDGE = nx.CORE_BRIDGE
 
 SUBNET_PREFIX = "10.213.0"
 """Hosts are ``SUBNET_PREFIX.(i+1)/24``, an address range used only inside namespaces."""
@@ -109,8 +108,11 @@ class Cluster:
             (hosts 0-1 and 2-3 for 4 hosts in 2), each host on its island's bridge at
             ``rate``; the islands reach each other only through their uplinks, one per
             island at ``uplink`` both ways (HSDP: shards inside an island, replicas
-            across). 1 (the default) is one flat network. Not with ``delay``, ``jitter``
-            or ``loss`` yet.
+            across). 1 (the default) is one flat network. With islands, ``delay``,
+            ``jitter`` and ``loss`` sit on the uplinks, one entry per island (lists and
+            dicts index islands): islands A and B are ``(D_A + D_B) / 2`` apart one way,
+            hosts inside an island are not delayed, and ``buffer`` sizes against the
+            uplink's rate.
         uplink: each island's link to the others (``"100mbit"``); needed with islands.
     """
 
@@ -141,10 +143,16 @@ class Cluster:
         )
         self.persistent = persistent
         self.master_port = int(master_port)
-        self.wan = WanConfig.resolve(hosts, self.rate_bits, delay, jitter, loss, buffer)
-        """Per-host delay, jitter and loss; None for a plain (LAN) cluster."""
+        self.islands, self.uplink_bits = _tiers(hosts, islands, uplink)
+        if self.islands == 1:
+            self.wan = WanConfig.resolve(hosts, self.rate_bits, delay, jitter, loss, buffer)
+        else:
+            self.wan = WanConfig.resolve(
+                self.islands, self.uplink_bits, delay, jitter, loss, buffer, unit="island"
+            )
+        """Delay, jitter and loss per host (per island's uplink with islands); None for a
+        plain (LAN) cluster."""
         self.wan_seed = wan_seed
-        self.islands, self.uplink_bits = _tiers(hosts, islands, uplink, self.wan is not None)
         self.delay_line: subprocess.Popen[bytes] | None = None
         self._created: list[str] = []
         self._is_up = False
@@ -234,28 +242,41 @@ class Cluster:
                 port = f"h{i}"
                 bridge = f"br{self.island_of(i)}"
                 address = f"{self.addresses[i]}/24"
-                nx.add_host_link(ns, br, port, address, bridged=not self.wan, bridge=bridge)
+                delayed = self.wan is not None and self.islands == 1
+                nx.add_host_link(ns, br, port, address, bridged=not delayed, bridge=bridge)
                 if self.rate_bits is not None:
                     nx.shape(ns, HOST_IFNAME, self.rate_bits)  # host -> bridge
-                    if not self.wan:
+                    if not delayed:
                         nx.shape(br, port, self.rate_bits)  # bridge -> host
             if self.wan:
-                from thinwire.testbed import delayline  # not on import: -m delayline
-
-                log = delay_log_path(self.cluster_id)
-                self.delay_line = delayline.wire(
-                    br, self.namespaces, self.wan, self.rate_bits, log, self.wan_seed
-                )
-                record_delay_line(self.cluster_id, self.delay_line.pid)
+                self._wire_delay_line(br)
         except BaseException:
             self.down()
             raise
         self._is_up = True
         return self
 
+    def _wire_delay_line(self, br: str) -> None:
+        """Start the delay line on every host's link, or on the uplinks with islands."""
+        from thinwire.testbed import delayline  # not on import: -m delayline
+
+        assert self.wan is not None
+        log = delay_log_path(self.cluster_id)
+        if self.islands == 1:
+            self.delay_line = delayline.wire(
+                br, self.namespaces, self.wan, self.rate_bits, log, self.wan_seed
+            )
+        else:
+            self.delay_line = delayline.wire_uplinks(
+                br, self.namespaces, self.wan, self.uplink_bits, log, self.wan_seed
+            )
+        record_delay_line(self.cluster_id, self.delay_line.pid)
+
     def _add_bridges(self, br: str) -> None:
         """One bridge ``br0``; with islands one per island and the core ``brc``, each
-        island joined to the core by its uplink, shaped both ways."""
+        island joined to the core by its uplink, shaped both ways (toward the core at
+        the island end ``uK``; toward the island at the core end ``cK``, or with a delay
+        line at its TAP, which :meth:`_wire_delay_line` shapes)."""
         nx.add_bridge(br)
         if self.islands == 1:
             return
@@ -263,10 +284,11 @@ class Cluster:
         for k in range(self.islands):
             if k:
                 nx.add_bridge(br, f"br{k}")
-            ends = nx.add_uplink(br, f"br{k}", CORE_BRIDGE, k)
+            up_end, core_end = nx.add_uplink(br, f"br{k}", k, core_bridged=self.wan is None)
             if self.uplink_bits is not None:
-                for dev in ends:
-                    nx.shape(br, dev, self.uplink_bits)
+                nx.shape(br, up_end, self.uplink_bits)
+                if self.wan is None:
+                    nx.shape(br, core_end, self.uplink_bits)
 
     def _tiers_json(self) -> dict[str, int | None] | None:
         if self.islands == 1:
@@ -487,7 +509,7 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def _tiers(hosts: int, islands: int, uplink: str | int | None, wan: bool) -> tuple[int, int | None]:
+def _tiers(hosts: int, islands: int, uplink: str | int | None) -> tuple[int, int | None]:
     """``(islands, uplink rate in bit/s)``, checked, each problem in one line."""
     if isinstance(islands, bool) or not isinstance(islands, int) or islands < 1:
         raise ConfigError(f"islands must be an integer >= 1, got {islands!r}")
@@ -501,6 +523,4 @@ def _tiers(hosts: int, islands: int, uplink: str | int | None, wan: bool) -> tup
         )
     if uplink is None:
         raise ConfigError("islands need an uplink rate (e.g. uplink='100mbit')")
-    if wan:
-        raise ConfigError("islands with delay, jitter or loss are not supported yet")
     return islands, parse_rate(uplink)

@@ -65,7 +65,9 @@ __all__ = [
     "reap",
     "start",
     "tap_name",
+    "uplink_tap",
     "wire",
+    "wire_uplinks",
 ]
 
 SOURCE = Path(__file__).with_name("delayline.c")
@@ -141,18 +143,29 @@ def tap_name(host: int) -> str:
     return f"t{int(host)}"
 
 
-def link_args(wan: WanConfig) -> list[str]:
-    """One ``DEV,TAP,DELAY_NS,JITTER_NS,LOSS,BUFFER,TSO`` argument per host: half the
-    host's delay and jitter per direction, and the per-half loss that makes ``P`` end to
-    end (see :mod:`thinwire.testbed.wan`)."""
+def uplink_tap(island: int) -> str:
+    """The core-side TAP of island ``island``'s uplink (``cK`` is the uplink's core end)."""
+    return f"d{int(island)}"
+
+
+def link_args(wan: WanConfig, ends: Sequence[tuple[str, str]] | None = None) -> list[str]:
+    """One ``DEV,TAP,DELAY_NS,JITTER_NS,LOSS,BUFFER,TSO`` argument per link: half the
+    link's delay and jitter per direction, and the per-half loss that makes ``P`` end to
+    end (see :mod:`thinwire.testbed.wan`).
+
+    ``ends`` names each link's two interfaces; the default is every host's
+    (``hI``, ``tI``). A two-tier cluster passes its uplinks' (``cK``, ``dK``).
+    """
+    if ends is None:
+        ends = [(f"h{i}", tap_name(i)) for i in range(len(wan.hosts))]
     out = []
-    for i, h in enumerate(wan.hosts):
+    for (dev, tap), h in zip(ends, wan.hosts, strict=True):
         half_loss = 1.0 - (1.0 - h.loss) ** 0.5
         out.append(
             ",".join(
                 [
-                    f"h{i}",
-                    tap_name(i),
+                    dev,
+                    tap,
                     str(round(h.delay_s / 2 * 1e9)),
                     str(round(h.jitter_s / 2 * 1e9)),
                     repr(half_loss),
@@ -165,13 +178,18 @@ def link_args(wan: WanConfig) -> list[str]:
 
 
 def start(
-    bridge_ns: str, wan: WanConfig, log_path: Path, seed: int | None = None
+    bridge_ns: str,
+    wan: WanConfig,
+    log_path: Path,
+    seed: int | None = None,
+    ends: Sequence[tuple[str, str]] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start the delay line in ``bridge_ns`` for every host; return it once ready.
+    """Start the delay line in ``bridge_ns`` for every link; return it once ready.
 
-    The hosts' veth ends ``hI`` must exist there, up and not enslaved; on return the
-    TAPs ``tI`` exist (not yet bridge ports: the caller enslaves and shapes them). The
-    process outlives the caller (its own session), for clusters made by ``testbed up``.
+    The links' veth ends (``hI``, or ``ends``' first names) must exist there, up and not
+    enslaved; on return the TAPs (``tI``, or ``ends``' second names) exist (not yet
+    bridge ports: the caller enslaves and shapes them). The process outlives the caller
+    (its own session), for clusters made by ``testbed up``.
 
     Raises:
         ConfigError: not built.
@@ -181,7 +199,7 @@ def start(
     argv = ["ip", "netns", "exec", bridge_ns, str(binary)]
     if seed is not None:
         argv += ["--seed", str(int(seed))]
-    argv += link_args(wan)
+    argv += link_args(wan, ends)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
@@ -234,6 +252,35 @@ def wire(
             nx.shape(bridge_ns, tap, rate_bits)
         if h.loss > 0:
             # One MSS per TCP packet: a loss then drops one wire frame, not a 64 KiB burst.
+            nx.ip("link", "set", "dev", nx.HOST_IFNAME, "gso_max_segs", "1", netns=ns)
+    return proc
+
+
+def wire_uplinks(
+    bridge_ns: str,
+    host_namespaces: Sequence[str],
+    wan: WanConfig,
+    uplink_bits: int | None,
+    log_path: Path,
+    seed: int | None = None,
+) -> subprocess.Popen[bytes]:
+    """Put the delay line into a two-tier cluster's uplinks (``wan`` has one entry per
+    island): each uplink's core end ``cK`` (not a bridge port) is served through the TAP
+    ``dK``, which joins the core bridge and is shaped toward the island, so the rate
+    again comes before the delay both ways (the island end ``uK`` is shaped by the
+    caller). With loss on any uplink every host sends single frames: a host's segments
+    cross the uplink unsplit, so that is where a loss must be one frame.
+    """
+    islands = len(wan.hosts)
+    ends = [(f"c{k}", uplink_tap(k)) for k in range(islands)]
+    proc = start(bridge_ns, wan, log_path, seed, ends)
+    for _, tap in ends:
+        nx.ip("link", "set", tap, "master", nx.CORE_BRIDGE, netns=bridge_ns)
+        nx.ip("link", "set", tap, "up", netns=bridge_ns)
+        if uplink_bits is not None:
+            nx.shape(bridge_ns, tap, uplink_bits)
+    if any(h.loss > 0 for h in wan.hosts):
+        for ns in host_namespaces:
             nx.ip("link", "set", "dev", nx.HOST_IFNAME, "gso_max_segs", "1", netns=ns)
     return proc
 

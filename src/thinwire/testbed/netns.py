@@ -84,6 +84,9 @@ HOST_IFNAME = "tw0"
 
 BRIDGE_IFNAME = "br0"
 
+CORE_BRIDGE = "brc"
+"""With islands: the bridge every island's uplink joins (in the bridge namespace)."""
+
 # Short lowercase ids keep names readable and far from any option syntax ("-x").
 _ID_RE = re.compile(r"^[a-z0-9]{1,12}$")
 _NS_RE = re.compile(r"^thinwire-([a-z0-9]{1,12})-(br|h[0-9]{1,3})$")
@@ -233,14 +236,20 @@ def add_bridge(ns: str, name: str = BRIDGE_IFNAME) -> None:
     ip("link", "set", name, "up", netns=ns)
 
 
-def add_uplink(ns: str, island_bridge: str, core_bridge: str, island: int) -> tuple[str, str]:
+def add_uplink(
+    ns: str, island_bridge: str, island: int, *, core_bridged: bool = True
+) -> tuple[str, str]:
     """Join an island's bridge to the core bridge (both in ``ns``) with a veth pair:
     ``u<island>`` in the island's bridge, ``c<island>`` in the core's. Returns the two
-    names; shaping both ends makes the island's one link to the other islands."""
+    names; shaping both ends makes the island's one link to the other islands. With
+    ``core_bridged=False`` the core end is left out of the core bridge, for the delay
+    line to serve (:func:`thinwire.testbed.delayline.wire_uplinks`)."""
     up_end, core_end = f"u{int(island)}", f"c{int(island)}"
     ip("link", "add", up_end, "type", "veth", "peer", "name", core_end, netns=ns)
-    for dev, bridge in ((up_end, island_bridge), (core_end, core_bridge)):
-        ip("link", "set", dev, "master", bridge, netns=ns)
+    ip("link", "set", up_end, "master", island_bridge, netns=ns)
+    if core_bridged:
+        ip("link", "set", core_end, "master", CORE_BRIDGE, netns=ns)
+    for dev in (up_end, core_end):
         ip("link", "set", dev, "up", netns=ns)
     return up_end, core_end
 

@@ -172,23 +172,29 @@ class WanConfig:
         jitter: PerHost = None,
         loss: PerHost = None,
         buffer: int | str | None = None,
+        *,
+        unit: str = "host",
     ) -> WanConfig | None:
         """Settings per host from scalars (every host), lists (host i) or dicts (hosts
         named; the rest get the scalar default ``0``); None when nothing is set.
+
+        ``unit`` names what the entries are in error messages: ``"island"`` when the
+        settings belong to the uplinks of a two-tier cluster (``hosts`` is then the
+        number of islands and ``rate_bits`` the uplink's rate).
 
         Raises:
             ConfigError: a malformed or negative value, loss over 100%, jitter above
                 the delay, a host index out of range, or a buffer too small for the rate
                 times the time a frame is held.
         """
-        delays = _per_host(delay, hosts, "delay", lambda v: parse_duration(v, "delay"))
-        jitters = _per_host(jitter, hosts, "jitter", lambda v: parse_duration(v, "jitter"))
-        losses = _per_host(loss, hosts, "loss", parse_loss)
+        delays = _per_host(delay, hosts, "delay", lambda v: parse_duration(v, "delay"), unit)
+        jitters = _per_host(jitter, hosts, "jitter", lambda v: parse_duration(v, "jitter"), unit)
+        losses = _per_host(loss, hosts, "loss", parse_loss, unit)
         links = tuple(HostLink(d, j, p) for d, j, p in zip(delays, jitters, losses, strict=True))
         for i, h in enumerate(links):
             if h.jitter_s > h.delay_s:
                 raise ConfigError(
-                    f"host {i}: jitter {format_duration(h.jitter_s)} exceeds its delay "
+                    f"{unit} {i}: jitter {format_duration(h.jitter_s)} exceeds its delay "
                     f"{format_duration(h.delay_s)} (a delay cannot go below zero)"
                 )
         if not any(h.active for h in links):
@@ -236,7 +242,9 @@ class WanConfig:
         return " ".join(parts)
 
 
-def _per_host(value: PerHost, hosts: int, what: str, parse: object) -> list[float]:
+def _per_host(
+    value: PerHost, hosts: int, what: str, parse: object, unit: str = "host"
+) -> list[float]:
     assert callable(parse)
     if value is None:
         return [0.0] * hosts
@@ -244,11 +252,11 @@ def _per_host(value: PerHost, hosts: int, what: str, parse: object) -> list[floa
         out = [0.0] * hosts
         for key, v in value.items():
             if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < hosts:
-                raise ConfigError(f"{what}: host {key!r} does not exist (hosts 0-{hosts - 1})")
+                raise ConfigError(f"{what}: {unit} {key!r} does not exist ({unit}s 0-{hosts - 1})")
             out[key] = parse(v) if v is not None else 0.0
         return out
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != hosts:
-            raise ConfigError(f"{what}: {len(value)} values given for {hosts} hosts")
+            raise ConfigError(f"{what}: {len(value)} values given for {hosts} {unit}s")
         return [parse(v) if v is not None else 0.0 for v in value]
     return [parse(value)] * hosts
