@@ -1,4 +1,4 @@
-"""Block-scaled quantizers (int8, fp8, int4): error bounds, padding, wire bytes, refusals."""
+"""Block-scaled codes (int8, fp8, int4, bf16): error bounds, padding, wire bytes, refusals."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from thinwire.compress import ErrorFeedback, QuantCompressor
-from thinwire.compress.quantize import QUANT_BITS
+from thinwire.compress.quantize import CODE_BITS
 from thinwire.errors import ConfigError
 
 
@@ -38,7 +38,19 @@ def test_fp8_keeps_relative_precision_of_every_element() -> None:
     assert bool((int8.decompress(int8.compress(x))[:8] == 0).all())
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+def test_bf16_keeps_eight_significant_bits_of_every_element() -> None:
+    torch.manual_seed(3)
+    # Values 1e6 apart in one block: bf16 over the block's scale rounds each to 2^-9 of
+    # itself, however small against the block's largest (int8 would send the small ones
+    # as zeros).
+    x = torch.randn(64) * torch.logspace(-6, 0, 64)
+    codec = QuantCompressor("bf16", block=64)
+    y = codec.decompress(codec.compress(x))
+    assert bool(((y - x).abs() <= 2.0**-8 * x.abs()).all())
+    assert codec.ratio(1 << 20) == pytest.approx(32 / (16 + 32 / 64))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "bf16"])
 def test_padding_zero_blocks_dtype_and_wire_bytes(kind: str) -> None:
     codec = QuantCompressor(kind, block=32)
     x = torch.zeros(3, 37, dtype=torch.bfloat16)  # 111 elements: 4 blocks, the last padded
@@ -47,13 +59,13 @@ def test_padding_zero_blocks_dtype_and_wire_bytes(kind: str) -> None:
     y = codec.decompress(message)
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     assert bool((y[1:] == 0).all())  # all-zero blocks come back exactly
-    assert message.nbytes == codec.wire_bytes(x.numel()) == 128 * QUANT_BITS[kind] // 8 + 4 * 4
+    assert message.nbytes == codec.wire_bytes(x.numel()) == 128 * CODE_BITS[kind] // 8 + 4 * 4
     out = torch.empty_like(x)
     assert codec.decompress(message, out=out) is out
-    assert codec.ratio(1 << 20) == pytest.approx(32 / (QUANT_BITS[kind] + 32 / 32))
+    assert codec.ratio(1 << 20) == pytest.approx(32 / (CODE_BITS[kind] + 32 / 32))
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int4", "bf16"])
 def test_error_feedback_sends_what_rounding_lost_later(kind: str) -> None:
     torch.manual_seed(2)
     ef = ErrorFeedback(QuantCompressor(kind, block=64))

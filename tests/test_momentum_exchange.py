@@ -1,4 +1,4 @@
-"""The 1-bit optimizers' momentum exchange in a finer code (``exchange="int8"|"fp8"|"int4"``):
+"""The 1-bit optimizers' momentum exchange in a finer code (``exchange="int8"|"bf16"|...``):
 closer to the uncompressed optimizer than 1-bit, its bytes as counted, a NaN on one rank
 skipped everywhere, and a state of another code refused on load."""
 
@@ -47,7 +47,7 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
     alone = [dist.new_group([r]) for r in range(world)][rank]
     out: dict[str, Any] = {}
     for name, cls in PAIRS.items():
-        for kind in ("exact", "onebit", "int8"):
+        for kind in ("exact", "onebit", "int8", "bf16"):
             model = _model()
             group = {"process_group": alone} if kind == "exact" else {}
             code = "onebit" if kind == "exact" else kind
@@ -63,26 +63,28 @@ def _runs(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_int8_follows_the_uncompressed_optimizer_closer_than_onebit() -> None:
+def test_int8_and_bf16_follow_the_uncompressed_optimizer_closer_than_onebit() -> None:
     a, b = spawn(_runs, 2, timeout_s=110)
     n = sum(p.numel() for p in _model().parameters())
+    codes = ("onebit", "int8", "bf16")
     for name in PAIRS:
-        for kind in ("onebit", "int8"):  # the ranks agree to the bit
+        for kind in codes:  # the ranks agree to the bit
             assert torch.equal(a[f"{name}/{kind}"], b[f"{name}/{kind}"])
         exact = a[f"{name}/exact"]
-        gap = {
-            k: float((a[f"{name}/{k}"] - exact).norm() / exact.norm()) for k in ("onebit", "int8")
-        }
-        # measured: 0.00017 against 0.024 (1-bit LAMB), 0.0013 against 0.17 (1-bit Adam)
+        gap = {k: float((a[f"{name}/{k}"] - exact).norm() / exact.norm()) for k in codes}
+        # measured: int8 0.00017, bf16 0.000026 against 0.024 (1-bit LAMB); int8 0.0013,
+        # bf16 0.00018 against 0.17 (1-bit Adam)
         assert gap["int8"] < 0.05 * gap["onebit"], (name, gap)
-        # every compressed step sent the int8 code, and no 1-bit message
-        sent = a[f"{name}/int8/bytes"]
-        phases = sum(
-            v["wire_bytes"] for k, v in sent.items() if k.startswith("momentum.int8.phase")
-        )
-        assert phases == (STEPS - FREEZE) * quantized_wire_bytes(n, 2, "int8"), sent
-        assert not any(k.startswith("onebit.") for k in sent)
-        assert a[f"{name}/int8/kind"]["kind"] == "int8"
+        assert gap["bf16"] < 0.05 * gap["onebit"], (name, gap)
+        for code in ("int8", "bf16"):
+            # every compressed step sent the code, and no 1-bit message
+            sent = a[f"{name}/{code}/bytes"]
+            phases = sum(
+                v["wire_bytes"] for k, v in sent.items() if k.startswith(f"momentum.{code}.phase")
+            )
+            assert phases == (STEPS - FREEZE) * quantized_wire_bytes(n, 2, code), sent
+            assert not any(k.startswith("onebit.") for k in sent)
+            assert a[f"{name}/{code}/kind"]["kind"] == code
 
 
 def _nan_and_refusal(rank: int, world: int) -> dict[str, Any]:
@@ -107,7 +109,7 @@ def test_a_nan_on_one_rank_is_skipped_everywhere_and_another_code_is_refused() -
     for out in spawn(_nan_and_refusal, 2, timeout_s=50):
         assert out["skipped"] == 1 and out["finite"]
         assert "resume with the exchange it was saved with" in out["refused"]
-    with pytest.raises(ValueError, match="exchange must be one of onebit, int8, fp8, int4"):
+    with pytest.raises(ValueError, match="exchange must be one of onebit, int8, fp8, int4, bf16"):
         check_exchange("int16")
 
 
@@ -116,6 +118,6 @@ def test_the_trainer_refuses_an_unknown_code_in_one_line() -> None:
     from thinwire.train.config import TrainConfig
 
     with pytest.raises(
-        ConfigError, match="exchange must be one of onebit, int8, fp8, int4; got 'int16'"
+        ConfigError, match="exchange must be one of onebit, int8, fp8, int4, bf16; got 'int16'"
     ):
         TrainConfig(algo="onebit-lamb", exchange="int16").validate()

@@ -210,7 +210,7 @@ def _add_optimizer_arguments(o: argparse._ArgumentGroup, d: TrainConfig) -> None
         default=d.exchange,
         choices=EXCHANGES,
         help="1-bit optimizers: the code the momentum travels in after the freeze (default "
-        "onebit; int8/fp8 send 7x more bytes than it, int4 3.6x, each a finer code)",
+        "onebit; int8/fp8 send 7x more bytes than it, int4 3.6x, bf16 14x, each a finer code)",
     )
     o.add_argument(
         "--bias-correction",

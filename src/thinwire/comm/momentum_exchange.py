@@ -3,14 +3,16 @@
 After the freeze, 1-bit Adam and 1-bit LAMB average their momentum across the ranks
 every step through one error-compensated collective. ``exchange="onebit"`` (the
 default, the papers') is :class:`~thinwire.comm.OneBitAllreduce`: ~1 bit per element,
-about 28x fewer bytes than fp32. ``exchange="int8"``, ``"fp8"`` or ``"int4"`` is
-:class:`~thinwire.comm.quantized_allreduce.QuantizedAllreduce` with error feedback on
-both phases: 3.9x (int8, fp8) or 7.8x (int4) fewer bytes, and a far finer code.
+about 28x fewer bytes than fp32. ``exchange="int8"``, ``"fp8"``, ``"int4"`` or
+``"bf16"`` is :class:`~thinwire.comm.quantized_allreduce.QuantizedAllreduce` with error
+feedback on both phases: 3.9x (int8, fp8), 7.8x (int4) or 2.0x (bf16) fewer bytes, and
+a far finer code.
 
 Tuning guide: keep ``onebit`` where it trains (the zoo and the long tier say where).
 Take ``int8`` when the bytes matter less than the noise, e.g. across the islands of a
 sharded job with a fast-enough uplink, or on a model where 1-bit loses quality
-(``thinwire bench zoo`` shows it per model); ``int4`` sits between the two. The frozen
+(``thinwire bench zoo`` shows it per model); ``int4`` sits between the two, and
+``bf16`` is as close to exact momenta as the exchange gets, at twice int8's bytes. The frozen
 variance, the floor and the step bound work alike with every code.
 
 :func:`make_exchange` returns an object with the 1-bit collective's call: ``x(flat,
@@ -33,7 +35,7 @@ from thinwire.compress.quantize import QUANT_KINDS
 
 __all__ = ["EXCHANGES", "QuantizedExchange", "check_exchange", "make_exchange"]
 
-EXCHANGES = ("onebit", *QUANT_KINDS)
+EXCHANGES = ("onebit", *QUANT_KINDS, "bf16")
 """The codes the 1-bit optimizers' compressed stage can exchange its momentum in."""
 
 

@@ -1,4 +1,4 @@
-"""Error-compensated quantized allreduce (int8, fp8 or int4), summed in fp32.
+"""Error-compensated quantized allreduce (int8, fp8, int4 or bf16), summed in fp32.
 
 The exchange behind Streaming DiLoCo's quantized fragments
 (:class:`thinwire.localsgd.StreamingDiLoCo`, ``compress="int8"|"fp8"|"int4"``), with a
@@ -18,7 +18,7 @@ the only thing that differs:
 
 Every rank gets the same output. Each sends ``2 (W-1)/W`` times the quantized message:
 with the default blocks of 256, 3.9x fewer bytes than an fp32 ring allreduce for int8
-and fp8, 7.8x for int4. Without error feedback (``error_feedback=False``) both residuals
+and fp8, 7.8x for int4, 2.0x for bf16. Without error feedback (``error_feedback=False``) both residuals
 stay zero and each call's rounding is lost for good: the Streaming DiLoCo paper's
 4-bit fragments, which thinwire measures against their error-compensated form.
 
@@ -66,7 +66,7 @@ class QuantizedAllreduce:
     """Average a flat fp32 tensor across ``group``, quantized on the wire.
 
     Args:
-        kind: the quantizer, ``int8``, ``fp8`` or ``int4`` (tuning guide:
+        kind: the code, ``int8``, ``fp8``, ``int4`` or ``bf16`` (tuning guide:
             :mod:`thinwire.compress.quantize`).
         group: the ranks that average (default: the default group).
         block: elements per fp32 scale.

@@ -84,8 +84,8 @@ class OneBitAdam(TwoStageOptimizer):
             island (``mesh.get_group("replicate")``): each rank then compresses its own
             shards across the islands (:mod:`thinwire.optim.sharded`).
         exchange: the code of the compressed stage's momentum exchange: ``"onebit"``
-            (the default), or ``"int8"``, ``"fp8"``, ``"int4"`` (finer, 7-4x more bytes);
-            tuning guide in :mod:`thinwire.comm.momentum_exchange`.
+            (the default), or ``"int8"``, ``"fp8"``, ``"int4"``, ``"bf16"`` (finer, 4-14x
+            more bytes); tuning guide in :mod:`thinwire.comm.momentum_exchange`.
 
     With one process (or no process group) it is plain Adam (the "compression" of one
     rank is the identity) with the variance frozen after the warmup. The defaults

@@ -289,8 +289,8 @@ class TrainConfig(AsyncSettings):
     diverged that way. Turn it off only to reproduce the reference (docs/optimizers.md)."""
     exchange: str = "onebit"
     """1-bit optimizers (*identity*): the code their momentum travels in after the freeze:
-    ``onebit`` (the default, ~28x fewer bytes than fp32), or ``int8``, ``fp8`` (3.9x) or
-    ``int4`` (7.8x), finer codes for a model or a link where 1-bit loses quality
+    ``onebit`` (the default, ~28x fewer bytes than fp32), or ``int8``, ``fp8`` (3.9x),
+    ``int4`` (7.8x) or ``bf16`` (2.0x), finer codes for a model or a link where 1-bit loses quality
     (:mod:`thinwire.comm.momentum_exchange`)."""
 
     # --- PowerSGD (adamw-powersgd) -----------------------------------------------------
