@@ -343,6 +343,37 @@ def test_hierarchical_allreduce_costs() -> None:
         NetworkConfig(workers=30, workers_per_node=8)
 
 
+def test_two_tier_jobs_price_each_tier_and_1bit_across_nodes_per_shard() -> None:
+    """With nodes (HSDP islands) the bytes come per tier, and 1-bit crosses the nodes as
+    one 1-bit allreduce per worker's shard (``--shard-within g``), not as a flat one."""
+    from thinwire.analysis import ddp_buckets, render_report, run_study
+    from thinwire.analysis.network_model import bucket_cost
+
+    s, add = 8_000_000, AddCost.zero()
+    ring = NetworkConfig(workers=8, bandwidth_gbps=0.05, workers_per_node=2)
+    onebit = replace(ring, scheme="onebit")
+    r, o = bucket_cost(s, ring, add), bucket_cost(s, onebit, add)
+    # Inside a node each worker sends its reduce-scatter and all-gather: 2 (g-1)/g S.
+    assert r["intra_wire"] == o["intra_wire"] == pytest.approx(s)
+    # Across the 4 nodes: 2 (m-1)/m S through each node's link, or each of its 2 workers'
+    # 1-bit allreduce of its half over 4 nodes (28x fewer with scales).
+    assert r["wire"] == pytest.approx(2 * 3 / 4 * s)
+    assert o["wire"] == 2 * onebit_wire_bytes(s // 8, 4)
+    assert 25 < r["wire"] / o["wire"] < 32
+    flat = bucket_cost(s, NetworkConfig(workers=8, bandwidth_gbps=0.05), add)
+    assert flat["intra_wire"] == 0
+    # The report names the tiers and the HSDP row; the flat comm hook is not offered.
+    prof = Profile("m", 0.2, 0.1, [ParamTiming("w", 0, s, ready_s=0.05)])
+    study = run_study(prof, ddp_buckets(prof), ring)
+    text = render_report(study)
+    assert "across nodes (each node's link)" in text and "inside/step" in text
+    assert "1-bit Adam/LAMB across nodes (--shard-within 2, after backward)" in text
+    assert "comm hook" not in text
+    hsdp = next(a for a in study["alternatives"] if "--shard-within" in a["name"])
+    assert hsdp["intra_wire_bytes"] == pytest.approx(s)
+    assert hsdp["wire_bytes"] == pytest.approx(o["wire"])
+
+
 def test_overlapped_onebit_hook_hides_the_wire_but_not_the_codec() -> None:
     """The 1-bit comm hook: a bucket ready mid-backward is reduced during backward (its
     wire time hidden), but its compression compute shares the processor and delays

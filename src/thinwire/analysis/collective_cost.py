@@ -36,7 +36,10 @@ all_to_alls are not ring messages, though: where ``analyze fit`` measured the ca
 
 **Hierarchical** (``workers_per_node = g > 1``): reduce-scatter inside each node over
 ``intra_node_gbps``, ``g`` rings of ``S/g`` across the ``m = n/g`` nodes, all-gather
-inside each node; only the inter-node ring pays latency.
+inside each node; only the inter-node ring pays latency. The bytes come per tier:
+``2 (g-1)/g * S`` per worker inside its node, ``2 (m-1)/m * S / c`` through each node's
+link. With the 1-bit scheme the ``g`` shards cross the nodes as ``g`` 1-bit allreduces
+(the layout of thinwire's 1-bit optimizers under HSDP, ``--shard-within g``).
 """
 
 from __future__ import annotations
@@ -107,12 +110,21 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
 
     ``network_s`` is the wire time, ``latency_s`` what latency adds to it (the part not
     hidden behind the wire), ``reduce_s`` and ``codec_s`` the compute; their sum is the
-    collective's time alone on the link. ``wire`` is the bytes each worker sends.
+    collective's time alone on the link. ``wire`` is the bytes each worker sends (with
+    nodes: each node's link to the others), ``intra_wire`` what each worker sends inside
+    its node (0 on a flat network).
     """
     n = cfg.workers
     if n == 1 or nbytes <= 0:
-        return {"network_s": 0.0, "reduce_s": 0.0, "latency_s": 0.0, "codec_s": 0.0, "wire": 0.0}
-    if cfg.workers_per_node > 1 and cfg.scheme != "onebit":
+        return {
+            "network_s": 0.0,
+            "reduce_s": 0.0,
+            "latency_s": 0.0,
+            "codec_s": 0.0,
+            "wire": 0.0,
+            "intra_wire": 0.0,
+        }
+    if cfg.workers_per_node > 1:
         return _hierarchical_cost(nbytes, cfg, add)
     if cfg.scheme == "onebit":
         # The implementation's own count: padded sign bits of both phases + scales/meta.
@@ -134,25 +146,43 @@ def bucket_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, fl
         "latency_s": latency,
         "codec_s": cfg.codec_s_per_byte * nbytes,
         "wire": wire,
+        "intra_wire": 0.0,
     }
 
 
 def _hierarchical_cost(nbytes: float, cfg: NetworkConfig, add: AddCost) -> dict[str, float]:
-    # Reduce-scatter inside each node (g workers), g parallel ring allreduces of one
-    # S/g shard each across the m nodes (together they move 2 (m-1)/m * S through each
-    # node's link), all-gather inside each node. Intra-node messages are taken as free
-    # of latency; compression applies to the inter-node phase only.
+    # Reduce-scatter inside each node (g workers), g parallel allreduces of one S/g shard
+    # each across the m nodes (together they move 2 (m-1)/m * S / c through each node's
+    # link), all-gather inside each node. Intra-node messages are taken as free of
+    # latency; compression applies to the inter-node phase only, so each worker encodes
+    # its own shard. With the 1-bit scheme the shards cross in 1-bit: thinwire's 1-bit
+    # optimizers under HSDP (``--shard-within g``), each rank compressing its shard across
+    # the islands.
     g = cfg.workers_per_node
     m = cfg.workers // g
-    inf = math.isinf(cfg.compression)
-    inter = 0.0 if inf else 2 * (m - 1) / m * nbytes / cfg.compression
-    inter_s = 8 * inter / cfg.bandwidth_bps
-    intra_s = 8 * 2 * (g - 1) / g * nbytes / (cfg.intra_node_gbps * 1e9)
-    rounds = ring_rounds(0.0 if inf else nbytes / (g * cfg.compression), m)
+    intra = 2 * (g - 1) / g * nbytes
+    intra_s = 8 * intra / (cfg.intra_node_gbps * 1e9)
+    if m == 1:
+        inter, inter_s, latency = 0.0, 0.0, 0.0
+    elif cfg.scheme == "onebit":
+        shard = float(onebit_wire_bytes(math.ceil(nbytes / (4 * g)), m, cfg.onebit_block))
+        inter = g * shard
+        inter_s = 8 * inter / cfg.bandwidth_bps
+        if cfg.onebit_latency:
+            latency = onebit_wait(cfg.onebit_latency, nbytes / g)
+        else:
+            latency = ONEBIT_COLLECTIVES * cfg.alpha_s
+    else:
+        inf = math.isinf(cfg.compression)
+        inter = 0.0 if inf else 2 * (m - 1) / m * nbytes / cfg.compression
+        inter_s = 8 * inter / cfg.bandwidth_bps
+        rounds = ring_rounds(0.0 if inf else nbytes / (g * cfg.compression), m)
+        latency = ring_time(inter_s, rounds, cfg.alpha_s) - inter_s
     return {
         "network_s": inter_s + intra_s,
         "reduce_s": (g - 1) * add(nbytes / g) + (m - 1) * add(nbytes / (g * m)),
-        "latency_s": ring_time(inter_s, rounds, cfg.alpha_s) - inter_s,
-        "codec_s": cfg.codec_s_per_byte * nbytes,
+        "latency_s": latency,
+        "codec_s": cfg.codec_s_per_byte * nbytes / g,
         "wire": inter,
+        "intra_wire": intra,
     }

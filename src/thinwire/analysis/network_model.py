@@ -207,6 +207,7 @@ class BucketEvent:
     latency_s: float
     codec_s: float
     wire_bytes: float
+    intra_wire_bytes: float = 0.0
 
 
 @dataclass
@@ -220,7 +221,8 @@ class SimResult:
     comm_s: float
     """Channel busy time per step (amortised over H for Local-SGD)."""
     wire_bytes: float
-    """Bytes each worker sends per step (amortised over H for Local-SGD)."""
+    """Bytes each worker sends per step (amortised over H for Local-SGD); with nodes
+    (``workers_per_node > 1``) what each node's link carries to the other nodes."""
     events: list[BucketEvent] = field(default_factory=list)
     compute_stall_s: float = 0.0
     sync_wire_bytes: float = 0.0
@@ -228,6 +230,9 @@ class SimResult:
     once: a step's for DDP and 1-bit, a round's for DiLoCo, a fragment's for Streaming
     DiLoCo."""
     """Codec compute that ran during backward and delayed its end (amortised like comm_s)."""
+    intra_wire_bytes: float = 0.0
+    """With nodes: bytes each worker sends per step inside its node (the fast tier),
+    amortised like ``wire_bytes``; 0 on a flat network."""
 
     @property
     def step_s(self) -> float:
@@ -261,6 +266,7 @@ class SimResult:
             "link_utilization": self.link_utilization,
             "compute_stall_s": self.compute_stall_s,
             "sync_wire_bytes": self.sync_wire_bytes,
+            "intra_wire_bytes": self.intra_wire_bytes,
             "breakdown": self.breakdown(),
         }
         if events:
@@ -312,6 +318,7 @@ def simulate(
                     latency_s=c["latency_s"],
                     codec_s=c["codec_s"],
                     wire_bytes=c["wire"],
+                    intra_wire_bytes=c["intra_wire"],
                 )
             )
             if busy > 0:
@@ -347,6 +354,7 @@ def simulate(
         events=events,
         compute_stall_s=stall / h,
         sync_wire_bytes=wire,
+        intra_wire_bytes=sum(e.intra_wire_bytes for e in events) / h,
     )
 
 
@@ -374,6 +382,7 @@ def _streaming(
             latency_s=c["latency_s"],
             codec_s=c["codec_s"],
             wire_bytes=c["wire"],
+            intra_wire_bytes=c["intra_wire"],
         )
         for _ in range(p)
     ]
@@ -386,6 +395,7 @@ def _streaming(
         wire_bytes=p * c["wire"] / h,
         events=events,
         sync_wire_bytes=c["wire"],
+        intra_wire_bytes=p * c["intra_wire"] / h,
     )
 
 

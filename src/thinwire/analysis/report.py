@@ -132,8 +132,10 @@ def _onebit_advice(
 ) -> str:
     """The advice when a 1-bit scheme reaches the target: ``best``, the first that does;
     ``no_adam``: 1-bit Adam/LAMB failed on this model, so it is not suggested instead."""
+    g = best.get("config", {}).get("workers_per_node", 1)
+    across = f", FSDP2 inside each node and 1-bit across nodes: --shard-within {g}" if g > 1 else ""
     how = (
-        "1-bit Adam / 1-bit LAMB (they communicate after the backward pass)"
+        f"1-bit Adam / 1-bit LAMB (they communicate after the backward pass{across})"
         if best["name"].startswith("1-bit Adam")
         else "the overlapped 1-bit allreduce comm hook (1-bit Adam/LAMB alone would "
         "not: they cannot overlap the backward pass)"
@@ -250,14 +252,23 @@ def _prediction_lines(res: dict[str, Any]) -> list[str]:
         f"predicted   step {fmt_time(res['step_s'])} = compute {fmt_time(res['iteration_s'])}"
         f" + exposed communication {fmt_time(res['exposed_s'])}",
         f"            scaling factor {_pct(res['scaling_factor'])}, link busy "
-        f"{_pct(res['link_utilization'])} of the step, "
-        f"{fmt_bytes(res['wire_bytes'])} sent per worker per step",
+        f"{_pct(res['link_utilization'])} of the step, " + _bytes_per_step(res),
         "            channel time: "
         + ", ".join(f"{k.removesuffix('_s')} {fmt_time(v)}" for k, v in br.items() if v > 0)
         if any(v > 0 for v in br.values())
         else "            channel time: none",
         "",
     ]
+
+
+def _bytes_per_step(res: dict[str, Any]) -> str:
+    """What crosses per step: per worker, or per tier with nodes."""
+    if res["config"].get("workers_per_node", 1) > 1:
+        return (
+            f"{fmt_bytes(res['wire_bytes'])} across nodes (each node's link) and "
+            f"{fmt_bytes(res.get('intra_wire_bytes', 0.0))} inside a node (each worker) per step"
+        )
+    return f"{fmt_bytes(res['wire_bytes'])} sent per worker per step"
 
 
 def _advice_lines(study: dict[str, Any]) -> list[str]:
@@ -294,11 +305,14 @@ def _needs_lines(study: dict[str, Any]) -> list[str]:
         f"            (infinite compression would give SF {_pct(need['infinite_compression_sf'])})"
     )
     width = max([40] + [len(a["name"]) for a in study["alternatives"]])
-    lines += [
-        "",
-        f"{'on this network':{width + 2}s} {'step':>10s} {'SF':>7s} {'wire/step':>11s}"
-        f" {'per sync':>11s}",
-    ]
+    # With nodes the bytes come per tier: each node's link, and inside a node.
+    tiers = study["result"]["config"].get("workers_per_node", 1) > 1
+    bytes_head = (
+        f"{'across/step':>11s} {'per sync':>11s} {'inside/step':>11s}"
+        if tiers
+        else f"{'wire/step':>11s} {'per sync':>11s}"
+    )
+    lines += ["", f"{'on this network':{width + 2}s} {'step':>10s} {'SF':>7s} {bytes_head}"]
     ev = study.get("evidence") or {}
     for a in study["alternatives"]:
         finding = ev.get(_family_of_row(a["name"]) or "", {})
@@ -309,6 +323,7 @@ def _needs_lines(study: dict[str, Any]) -> list[str]:
         lines.append(
             f"  {a['name']:{width}s} {fmt_time(a['step_s']):>10s} {_pct(a['scaling_factor']):>7s} "
             f"{fmt_bytes(a['wire_bytes']):>11s} {fmt_bytes(sync):>11s}"
+            + (f" {fmt_bytes(a.get('intra_wire_bytes', 0.0)):>11s}" if tiers else "")
             + mark.get(finding.get("status", ""), "")
         )
     return lines

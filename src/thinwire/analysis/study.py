@@ -90,9 +90,22 @@ def _alternatives(
     options: list[tuple[str, NetworkConfig]] = [
         ("fp32 allreduce (plain DDP)", ring),
         ("fp16/bf16 allreduce (2x)", replace(ring, compression=2.0)),
-        ("1-bit allreduce, overlapped (comm hook)", replace(onebit, onebit_block=HOOK_BLOCK)),
-        ("1-bit Adam/LAMB (1-bit, after backward)", replace(onebit, overlap=False)),
     ]
+    g = cfg.workers_per_node
+    if g == 1:
+        options += [
+            ("1-bit allreduce, overlapped (comm hook)", replace(onebit, onebit_block=HOOK_BLOCK)),
+            ("1-bit Adam/LAMB (1-bit, after backward)", replace(onebit, overlap=False)),
+        ]
+    else:
+        # With nodes, thinwire's 1-bit path is the optimizers under HSDP: FSDP2 inside a
+        # node, each shard 1-bit across the nodes (the comm hook is flat DDP's only).
+        options.append(
+            (
+                f"1-bit Adam/LAMB across nodes (--shard-within {g}, after backward)",
+                replace(onebit, overlap=False),
+            )
+        )
     hs = sorted({h for h in (4, 16, local_steps) if h is not None and h > 1})
     options += [
         (f"Local-SGD/DiLoCo, H={h}", replace(ring, scheme="localsgd", local_steps=h)) for h in hs
