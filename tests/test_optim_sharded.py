@@ -4,6 +4,9 @@ with one replica per island; layouts they cannot train are refused in one line."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -252,6 +255,79 @@ def _onebit_runs(rank: int, world: int, layouts: tuple[str, ...]) -> dict:
             out[f"{layout}/{kind}"] = _train_onebit(rank, world, layout, kind, 16)
     out[f"{layouts[0]}/auto"] = _train_onebit(rank, world, layouts[0], "lamb", 40, "auto")
     return out
+
+
+def _nan_across_islands(rank: int, world: int) -> dict:
+    """2 islands of 2 ranks, 1-bit LAMB across them: a NaN in one rank's shard in the
+    warmup (step 1, rank 1) and in the compressed stage (step 4, rank 3); which process
+    groups each compressed step's collectives ran over."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from thinwire.optim import OneBitLamb
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = _model()
+    fully_shard(net, mesh=mesh["shard"])
+    opt = OneBitLamb(
+        net.parameters(), lr=1e-2, freeze_step=2, process_group=mesh.get_group("replicate")
+    )
+    groups: list[int] = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_to_all_single")}
+
+    def spy(name: str) -> Callable[..., Any]:
+        def call(*args: Any, group: Any = None, **kwargs: Any) -> Any:
+            groups.append(dist.get_world_size(group))
+            return real[name](*args, group=group, **kwargs)
+
+        return call
+
+    out: dict = {"error_kept": True}
+    for step in range(7):
+        x, y = _batch(step, rank)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        if (step, rank) in ((1, 1), (4, 3)):
+            next(net.parameters()).grad.to_local().fill_(float("nan"))
+        before = (
+            [t.clone() for t in opt._onebit.state_dict().values() if torch.is_tensor(t)]
+            if opt._onebit
+            else []
+        )
+        if step >= 4:
+            for name in real:
+                setattr(dist, name, spy(name))
+        try:
+            opt.step()
+        finally:
+            for name, fn in real.items():
+                setattr(dist, name, fn)
+        if step == 4:  # the skipped compressed step moved no error feedback
+            after = [t for t in opt._onebit.state_dict().values() if torch.is_tensor(t)]
+            out["error_kept"] = len(before) > 0 and all(
+                torch.equal(a, b) for a, b in zip(before, after, strict=True)
+            )
+        opt.zero_grad(set_to_none=True)
+    out["skipped"] = opt.skipped_steps
+    out["compressing"] = opt.compressing
+    out["group_sizes"] = sorted(set(groups))
+    out["params"] = torch.cat([p.full_tensor().reshape(-1) for p in net.parameters()])
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_nan_in_one_shard_skips_everywhere_and_no_vote_crosses_the_slow_tier() -> None:
+    """A NaN in one shard, in the warmup and in the compressed stage: every rank of both
+    islands skips that step, the error feedback stays as it was, and the islands still
+    hold one model. The vote runs inside each island (the poisoned exchange carries it
+    across): a compressed step's collectives run over 2 ranks only, never over all 4."""
+    outs = spawn(_nan_across_islands, 4, (), timeout_s=150)
+    for out in outs:
+        assert out["skipped"] == 2
+        assert out["compressing"]
+        assert out["error_kept"]
+        assert out["group_sizes"] == [2]
+        assert bool(torch.isfinite(out["params"]).all())
+        assert torch.equal(out["params"], outs[0]["params"])
 
 
 @pytest.fixture(scope="module")

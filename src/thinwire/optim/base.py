@@ -31,6 +31,7 @@ user's training loop stays ``loss.backward(); opt.step()``:
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -311,13 +312,17 @@ class CommOptimizer(torch.optim.Optimizer):
 
     def _agree_finite(self, finite: bool) -> bool:
         """With sharded parameters a rank sees only its shard of a NaN: every rank takes
-        the same decision (one allreduce of one number over all ranks), or the ranks
-        that skip would leave the others waiting in the next whole-layer norm."""
+        the same decision, or the ranks that skip would leave the others waiting in the
+        next whole-layer norm. One allreduce of one number, over the island when the
+        optimizer works across islands: an island holds one rank of every replica group,
+        so after an exchange across the replicas (where each group already agrees) the
+        island's vote is everyone's, and nothing extra crosses the slow tier. Over all
+        ranks when FSDP2 owns every rank."""
         if not self.sharded:
             return finite
         device = local(self._params()[0]).device  # NCCL takes device tensors only
         flag = torch.tensor([0.0 if finite else 1.0], device=device)
-        dist.all_reduce(flag)
+        dist.all_reduce(flag, group=self._island)
         return float(flag) == 0.0
 
     def _update_moments(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -416,9 +421,11 @@ class CommOptimizer(torch.optim.Optimizer):
             offset += t.numel()
         value = side() if side is not None else 0.0
         if self.sharded and not self._agree_finite(bool(torch.isfinite(flat).all())):
-            # Every rank skips, before any exchange: a replica group that exchanged
-            # would have moved its error feedback while another skipped.
-            return None
+            # A NaN in one shard: its island agrees on it over the fast links, and each
+            # of the island's ranks poisons its buffer, so that the exchange refuses in
+            # every replica group (each has a rank in this island) before any error
+            # feedback moves. No vote over all ranks has to cross the slow tier.
+            flat.fill_(math.nan)
         exchanged = self.world_size > 1 and total > 0  # all shards empty: nothing to send
         overflow = False
         if exchanged:
