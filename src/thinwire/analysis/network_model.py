@@ -307,20 +307,7 @@ def simulate(
             busy = c["network_s"] + c["reduce_s"] + c["latency_s"] + c["codec_s"]
             if not deferred and t < bk_end + stall:
                 stall += c["codec_s"]  # it shares the processor with the rest of backward
-            events.append(
-                BucketEvent(
-                    nbytes=b.nbytes,
-                    ready_s=ready,
-                    start_s=t,
-                    end_s=t,
-                    network_s=c["network_s"],
-                    reduce_s=c["reduce_s"],
-                    latency_s=c["latency_s"],
-                    codec_s=c["codec_s"],
-                    wire_bytes=c["wire"],
-                    intra_wire_bytes=c["intra_wire"],
-                )
-            )
+            events.append(_event(b.nbytes, ready, t, c))
             if busy > 0:
                 active.append([len(events) - 1, 1.0, busy, c["network_s"] / busy])
         next_ready = math.inf
@@ -358,6 +345,25 @@ def simulate(
     )
 
 
+def _event(
+    nbytes: int, ready_s: float, start_s: float, c: dict[str, float], end_s: float | None = None
+) -> BucketEvent:
+    """One collective priced by :func:`bucket_cost` (``c``); it ends at ``start_s`` until
+    the link model says when."""
+    return BucketEvent(
+        nbytes=nbytes,
+        ready_s=ready_s,
+        start_s=start_s,
+        end_s=start_s if end_s is None else end_s,
+        network_s=c["network_s"],
+        reduce_s=c["reduce_s"],
+        latency_s=c["latency_s"],
+        codec_s=c["codec_s"],
+        wire_bytes=c["wire"],
+        intra_wire_bytes=c["intra_wire"],
+    )
+
+
 def _streaming(
     profile: Profile, buckets: list[Bucket], cfg: NetworkConfig, add: AddCost
 ) -> SimResult:
@@ -371,21 +377,8 @@ def _streaming(
     c = bucket_cost(sum(b.nbytes for b in buckets) / p, cfg, add)
     wire_s = c["network_s"] + c["reduce_s"] + c["latency_s"]
     exposed = c["codec_s"] + max(0.0, wire_s - cfg.fragment_overlap * profile.iteration_s)
-    events = [
-        BucketEvent(
-            nbytes=int(sum(b.nbytes for b in buckets) / p),
-            ready_s=bk_end,
-            start_s=bk_end,
-            end_s=bk_end + wire_s + c["codec_s"],
-            network_s=c["network_s"],
-            reduce_s=c["reduce_s"],
-            latency_s=c["latency_s"],
-            codec_s=c["codec_s"],
-            wire_bytes=c["wire"],
-            intra_wire_bytes=c["intra_wire"],
-        )
-        for _ in range(p)
-    ]
+    nbytes = int(sum(b.nbytes for b in buckets) / p)
+    events = [_event(nbytes, bk_end, bk_end, c, end_s=bk_end + wire_s + c["codec_s"])] * p
     return SimResult(
         config=cfg,
         iteration_s=profile.iteration_s,
