@@ -401,15 +401,6 @@ class CommOptimizer(torch.optim.Optimizer):
         ranks is left in :attr:`exchanged_side`. Returns None, with every error buffer
         and every optimizer state untouched, if any rank's buffer held NaN/Inf.
         """
-        from thinwire.comm.momentum_exchange import make_exchange
-        from thinwire.comm.onebit_allreduce import NonFiniteError
-
-        if self._onebit is None:
-            kind = getattr(self, "exchange", "onebit")  # 1-bit, or a quantizer
-            self._onebit = make_exchange(kind, self.process_group, self.onebit_block)
-            if self._onebit_state is not None:
-                self._onebit.load_state_dict(self._onebit_state)
-                self._onebit_state = None
         shards = [local(p) for p in params]
         total = sum(t.numel() for t in shards)
         flat = self._flat_buffer(total, shards[0].device)
@@ -420,13 +411,37 @@ class CommOptimizer(torch.optim.Optimizer):
             views.append(view)
             offset += t.numel()
         value = side() if side is not None else 0.0
+        if not self._exchange_flat(flat, total > 0, value):
+            return None
+        # What was exchanged keeps its energy through the 1-bit code (RMS block scales):
+        # a gauge of the step's size that every rank reads alike. Both numbers are sums
+        # over elements: over the whole layers when each rank holds shards.
+        energy = float(torch.linalg.vector_norm(flat)) ** 2
+        self.exchanged_energy, self.exchanged_side = sum_over(
+            [energy, self.exchanged_side], self._island, flat.device
+        )
+        return views
+
+    def _exchange_flat(self, flat: torch.Tensor, nonempty: bool, value: float) -> bool:
+        """Average ``flat`` across the replicas in the momentum exchange (in place; its
+        ``side`` number in :attr:`exchanged_side`); False, with the error feedback
+        untouched on every rank, if some rank's buffer held NaN/Inf."""
+        from thinwire.comm.momentum_exchange import make_exchange
+        from thinwire.comm.onebit_allreduce import NonFiniteError
+
+        if self._onebit is None:
+            kind = getattr(self, "exchange", "onebit")  # 1-bit, or a quantizer
+            self._onebit = make_exchange(kind, self.process_group, self.onebit_block)
+            if self._onebit_state is not None:
+                self._onebit.load_state_dict(self._onebit_state)
+                self._onebit_state = None
         if self.sharded and not self._agree_finite(bool(torch.isfinite(flat).all())):
             # A NaN in one shard: its island agrees on it over the fast links, and each
             # of the island's ranks poisons its buffer, so that the exchange refuses in
             # every replica group (each has a rank in this island) before any error
             # feedback moves. No vote over all ranks has to cross the slow tier.
             flat.fill_(math.nan)
-        exchanged = self.world_size > 1 and total > 0  # all shards empty: nothing to send
+        exchanged = self.world_size > 1 and nonempty  # all shards empty: nothing to send
         overflow = False
         if exchanged:
             try:
@@ -436,23 +451,16 @@ class CommOptimizer(torch.optim.Optimizer):
         # An overflow inside one replica group's exchange: every other rank must hear of
         # it, or they would wait for that group in the next island collective.
         if self.sharded and not self._agree_finite(not overflow):
-            return None
+            return False
         if overflow or not (exchanged or bool(torch.isfinite(flat).all())):
-            return None
+            return False
         if exchanged:
             self.exchange_s += self._onebit.last_call_s
             self.exchange_wait_s += self._onebit.last_wait_s
             self.exchanged_side = self._onebit.side_mean
         else:  # one rank, or shards empty on every replica (their side is 0 everywhere)
             self.exchanged_side = float(value)
-        # What was exchanged keeps its energy through the 1-bit code (RMS block scales):
-        # a gauge of the step's size that every rank reads alike. Both numbers are sums
-        # over elements: over the whole layers when each rank holds shards.
-        energy = float(torch.linalg.vector_norm(flat)) ** 2
-        self.exchanged_energy, self.exchanged_side = sum_over(
-            [energy, self.exchanged_side], self._island, flat.device
-        )
-        return views
+        return True
 
     # ------------------------------------------------------------------ DDP
 
