@@ -259,8 +259,8 @@ def _onebit_runs(rank: int, world: int, layouts: tuple[str, ...]) -> dict:
 
 def _nan_across_islands(rank: int, world: int) -> dict:
     """2 islands of 2 ranks, 1-bit LAMB across them: a NaN in one rank's shard in the
-    warmup (step 1, rank 1) and in the compressed stage (step 4, rank 3); which process
-    groups each compressed step's collectives ran over."""
+    warmup (step 1, rank 1) and in the compressed stage (step 4, rank 3); the sizes of
+    the process groups each step's collectives ran over."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -282,7 +282,7 @@ def _nan_across_islands(rank: int, world: int) -> dict:
 
         return call
 
-    out: dict = {"error_kept": True}
+    out: dict = {"error_kept": True, "steps": []}
     for step in range(7):
         x, y = _batch(step, rank)
         torch.nn.functional.mse_loss(net(x), y).backward()
@@ -293,14 +293,15 @@ def _nan_across_islands(rank: int, world: int) -> dict:
             if opt._onebit
             else []
         )
-        if step >= 4:
-            for name in real:
-                setattr(dist, name, spy(name))
+        groups.clear()
+        for name in real:
+            setattr(dist, name, spy(name))
         try:
             opt.step()
         finally:
             for name, fn in real.items():
                 setattr(dist, name, fn)
+        out["steps"].append(list(groups))
         if step == 4:  # the skipped compressed step moved no error feedback
             after = [t for t in opt._onebit.state_dict().values() if torch.is_tensor(t)]
             out["error_kept"] = len(before) > 0 and all(
@@ -309,7 +310,6 @@ def _nan_across_islands(rank: int, world: int) -> dict:
         opt.zero_grad(set_to_none=True)
     out["skipped"] = opt.skipped_steps
     out["compressing"] = opt.compressing
-    out["group_sizes"] = sorted(set(groups))
     out["params"] = torch.cat([p.full_tensor().reshape(-1) for p in net.parameters()])
     return out
 
@@ -319,15 +319,22 @@ def test_a_nan_in_one_shard_skips_everywhere_and_no_vote_crosses_the_slow_tier()
     """A NaN in one shard, in the warmup and in the compressed stage: every rank of both
     islands skips that step, the error feedback stays as it was, and the islands still
     hold one model. The vote runs inside each island (the poisoned exchange carries it
-    across): a compressed step's collectives run over 2 ranks only, never over all 4."""
+    across): a step's collectives run over 2 ranks only, never over all 4. And the
+    whole-layer norms of all 6 tensors go in one collective inside the island, not in
+    one or more per tensor (each a round trip)."""
     outs = spawn(_nan_across_islands, 4, (), timeout_s=150)
     for out in outs:
         assert out["skipped"] == 2
         assert out["compressing"]
         assert out["error_kept"]
-        assert out["group_sizes"] == [2]
         assert bool(torch.isfinite(out["params"]).all())
         assert torch.equal(out["params"], outs[0]["params"])
+        warmup, compressed = out["steps"][0], out["steps"][5]
+        assert set(warmup) == set(compressed) == {2}
+        # Warmup: the gradients' allreduce across, the vote and the norms inside.
+        assert len(warmup) == 3, warmup
+        # Compressed: 2 votes, the 1-bit exchange's collectives, the norms, the energy.
+        assert len(compressed) <= 7, compressed
 
 
 @pytest.fixture(scope="module")

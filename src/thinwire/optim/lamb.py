@@ -25,9 +25,9 @@ from thinwire.optim.base import (
     check_adam_hyperparameters,
     check_range,
 )
-from thinwire.optim.sharded import full_norm
+from thinwire.optim.sharded import full_norm, island_norms
 
-__all__ = ["Lamb", "trust_ratio"]
+__all__ = ["Lamb", "apply_lamb", "ratio_of_norms", "trust_ratio"]
 
 
 def trust_ratio(
@@ -40,10 +40,55 @@ def trust_ratio(
     """``clamp(||p|| / ||u||, min_coeff, max_coeff)``, or 1 when either norm is 0. The
     norms are the whole layer's when ``p`` and ``u`` are FSDP2 shards (DTensors, or
     plain shards of a layer split over ``island``)."""
-    p_norm, u_norm = full_norm(p, island), full_norm(u, island)
+    return ratio_of_norms(full_norm(p, island), full_norm(u, island), min_coeff, max_coeff)
+
+
+def ratio_of_norms(p_norm: float, u_norm: float, min_coeff: float, max_coeff: float) -> float:
+    """:func:`trust_ratio` from the layer's two norms, already reduced."""
     if p_norm == 0.0 or u_norm == 0.0:
         return 1.0
     return min(max(p_norm / u_norm, min_coeff), max_coeff)
+
+
+def apply_lamb(
+    opt: CommOptimizer,
+    items: list[tuple[torch.Tensor, dict[str, Any]]],
+    t: int,
+    after: Callable[[dict[str, Any], dict[str, Any], float], None],
+) -> list[float]:
+    """LAMB's step ``t`` on every ``(parameter, group)`` of ``items`` (their gradients
+    averaged); ``after(group, state, ratio)`` sees each layer's trust ratio. Returns the ratios.
+
+    Under FSDP2 across islands every layer's update is made first (a shard's worth of
+    memory) and all the layers' norms are reduced in one allreduce, then the updates
+    applied: one round trip inside the island per step, not two per layer."""
+
+    def update(p: torch.Tensor, group: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        state = opt._update_moments(p, group)
+        master = opt._master(p)
+        u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
+        if group["weight_decay"]:
+            u.add_(master, alpha=group["weight_decay"])
+        return state, master, u
+
+    island = opt._island
+    made = [] if island is None else [(p, group, *update(p, group)) for p, group in items]
+    norms = island_norms([x for _, _, _, w, u in made for x in (w, u)], island) if made else []
+    coeffs = []
+    for i, (p, group) in enumerate(items):
+        if island is None:  # one layer at a time: no update is held longer than its step
+            state, master, u = update(p, group)
+            c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
+        else:
+            state, master, u = made[i][2:]
+            c = ratio_of_norms(
+                norms[2 * i], norms[2 * i + 1], group["min_coeff"], group["max_coeff"]
+            )
+        after(group, state, c)
+        master.add_(u, alpha=-group["lr"] * c)
+        opt._write_back(p, master)
+        coeffs.append(c)
+    return coeffs
 
 
 class Lamb(CommOptimizer):
@@ -108,19 +153,11 @@ class Lamb(CommOptimizer):
         self._took_step()
         self.global_step += 1
         t = self.global_step
-        coeffs = []
-        for p, group in items:
-            state = self._update_moments(p, group)
-            master = self._master(p)
-            u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
-            if group["weight_decay"]:
-                u.add_(master, alpha=group["weight_decay"])
-            c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
-            master.add_(u, alpha=-group["lr"] * c)
-            self._write_back(p, master)
+
+        def count(_: dict[str, Any], state: dict[str, Any], __: float) -> None:
             state["step"] = float(t)  # per parameter too: see load_state_dict
-            coeffs.append(c)
-        self.last_coeffs = coeffs
+
+        self.last_coeffs = apply_lamb(self, items, t, count)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

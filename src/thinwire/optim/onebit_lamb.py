@@ -32,15 +32,14 @@ import torch.distributed as dist
 
 from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import (
-    adam_direction,
     check_adam_hyperparameters,
     check_range,
     momentum_masks,
 )
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
-from thinwire.optim.lamb import trust_ratio
-from thinwire.optim.sharded import full_norm, layer_max, local
+from thinwire.optim.lamb import apply_lamb, ratio_of_norms
+from thinwire.optim.sharded import full_norm, local
 from thinwire.optim.step_bound import DEFAULT_STEP_BOUND, bound_lamb_ratio
 from thinwire.optim.two_stage import TwoStageOptimizer
 
@@ -172,22 +171,14 @@ class OneBitLamb(TwoStageOptimizer):
         if not self._average_gradients([p for p, _ in items]):
             return False
         self.global_step += 1
-        t = self.global_step
-        coeffs = []
-        for p, group in items:
-            state = self._update_moments(p, group)
-            state.setdefault("lamb_coeff_freeze", 0.0)
+
+        def track(group: dict[str, Any], state: dict[str, Any], c: float) -> None:
+            # The EMA of the trust ratio that the compressed stage starts from.
             state.setdefault("last_factor", 1.0)
-            master = self._master(p)
-            u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
-            if group["weight_decay"]:
-                u.add_(master, alpha=group["weight_decay"])
-            c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
             beta = group["coeff_beta"]
-            state["lamb_coeff_freeze"] = beta * state["lamb_coeff_freeze"] + (1 - beta) * c
-            master.add_(u, alpha=-group["lr"] * c)
-            self._write_back(p, master)
-            coeffs.append(c)
+            state["lamb_coeff_freeze"] = beta * state.get("lamb_coeff_freeze", 0.0) + (1 - beta) * c
+
+        coeffs = apply_lamb(self, items, self.global_step, track)
         self.last_coeffs, self.last_factors = coeffs, [1.0] * len(coeffs)
         return True
 
@@ -240,63 +231,111 @@ class OneBitLamb(TwoStageOptimizer):
         if views is None:
             return False
         self.global_step += 1
-        t = self.global_step
-        masks = momentum_masks(self.param_groups)
-        coeffs, factors, bounded = [], [], False
         bounding = self._bounding()
-        largest = max(view.numel() for view in views)
-        work = self._scratch(2 * largest, views[0].device)
-        island = self._island  # the ranks a layer is split over (FSDP2), or None
-        for p, view in zip(params, views, strict=True):
+        masks = momentum_masks(self.param_groups)
+        # Two passes: every layer's new momentum, its update (into the exchange's view,
+        # no longer needed) and this rank's share of the layer's numbers first; then those
+        # numbers reduced over the island in ONE collective (not five per layer: under
+        # FSDP2 each is a round trip of its own); then the updates.
+        stats = self._layer_stats(
+            [
+                self._new_momentum(p, groups[p], view, masks.get(p), bounding)
+                for p, view in zip(params, views, strict=True)
+            ]
+        )
+        coeffs, factors, bounded = [], [], False
+        for (p, view), (drift, u_norm, full, w_norm) in zip(
+            zip(params, views, strict=True), stats, strict=True
+        ):
             group, state = groups[p], self.state[p]
-            b1, b2 = group["betas"]
-            # This rank's shard of every tensor (the whole tensor without FSDP2).
-            m, v_fresh = local(state["exp_avg"]), local(state["exp_avg_sq_fresh"])
-            s1 = work[: view.numel()].view(view.shape)
-            s2 = work[largest : largest + view.numel()].view(view.shape)
-            denom = self._frozen_denom(p, group)
-            m_new = view.div_(state["scaling_coeff"])
-            if group["precondition"]:
-                m_new.mul_(denom)
-            # The averaged momentum implies the averaged gradient; feed it to v_fresh.
-            g_rec = torch.sub(m_new, torch.mul(m, b1, out=s1), out=s1).div_(1 - b1)
-            v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
-            m.copy_(m_new)
-            if masks.get(p) is not None:
-                m.mul_(masks[p])
-            master = local(self._master(p))
-            # Drift of the frozen variance from the fresh one: the ratio of their
-            # denominators, max over the layer. The frozen one is read as it was (not
-            # floored): an element the floor raised would otherwise read as drift.
-            corrected = group["bias_correction"]
-            fresh = torch.div(v_fresh, 1 - b2**t, out=s2) if corrected else s2.copy_(v_fresh)
-            fresh.sqrt_().add_(group["eps"])
-            frozen = self._denominator(local(state["exp_avg_sq"]), group, self.freeze_step, out=s1)
-            drift = frozen.div_(fresh)
-            f = layer_max(float(drift.max()) if drift.numel() else -math.inf, island, m.device)
-            if corrected:
-                u = torch.div(m, 1 - b1**t, out=s1).div_(denom)
-            else:
-                u = torch.div(m, denom, out=s1)
+            f = drift
             if group["weight_decay"]:
-                u_norm = full_norm(u, island)
-                u.add_(master, alpha=group["weight_decay"])
-                full = full_norm(u, island)
                 rho = min(1.0, u_norm / full) if full > 0 else 1.0
                 f = f * rho + (1 - rho)
             f = self._damped_factor(f, group, state)
+            lamb_ratio = ratio_of_norms(w_norm, full, group["min_coeff"], group["max_coeff"])
             bound = group["step_bound"] if bounding else None
-            coeff, shortened = bound_lamb_ratio(
-                state["lamb_coeff_freeze"] * f, master, u, group, bound, island
-            )
+            coeff, shortened = bound_lamb_ratio(state["lamb_coeff_freeze"] * f, lamb_ratio, bound)
             bounded |= shortened
-            master.add_(u, alpha=-group["lr"] * coeff)
+            master = local(self._master(p))
+            master.add_(view, alpha=-group["lr"] * coeff)
             self._write_back(p, master)
             coeffs.append(coeff)
             factors.append(f)
         self.last_coeffs, self.last_factors = coeffs, factors
         self._count_bounded(bounded)
         return True
+
+    def _new_momentum(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        view: torch.Tensor,
+        mask: torch.Tensor | None,
+        bounding: bool,
+    ) -> torch.Tensor:
+        """Take layer ``p``'s averaged momentum from ``view`` into its state, feed the
+        gradient it implies to the fresh variance (``mask``: the momentum's, if any), and leave the layer's update in
+        ``view``. Returns this rank's share of the layer's numbers (float64): the largest
+        drift of the frozen variance from the fresh one, the update's norm before and
+        after weight decay, and the weights' norm (0 when the step bound is off)."""
+        state = self.state[p]
+        b1, b2 = group["betas"]
+        t = self.global_step
+        # This rank's shard of every tensor (the whole tensor without FSDP2).
+        m, v_fresh = local(state["exp_avg"]), local(state["exp_avg_sq_fresh"])
+        work = self._scratch(2 * view.numel(), view.device)
+        s1, s2 = work[: view.numel()].view(view.shape), work[view.numel() :].view(view.shape)
+        denom = self._frozen_denom(p, group)
+        m_new = view.div_(state["scaling_coeff"])
+        if group["precondition"]:
+            m_new.mul_(denom)
+        # The averaged momentum implies the averaged gradient; feed it to v_fresh.
+        g_rec = torch.sub(m_new, torch.mul(m, b1, out=s1), out=s1).div_(1 - b1)
+        v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
+        m.copy_(m_new)
+        if mask is not None:
+            m.mul_(mask)
+        master = local(self._master(p))
+        # Drift of the frozen variance from the fresh one: the ratio of their
+        # denominators, max over the layer. The frozen one is read as it was (not
+        # floored): an element the floor raised would otherwise read as drift.
+        corrected = group["bias_correction"]
+        fresh = torch.div(v_fresh, 1 - b2**t, out=s2) if corrected else s2.copy_(v_fresh)
+        fresh.sqrt_().add_(group["eps"])
+        frozen = self._denominator(local(state["exp_avg_sq"]), group, self.freeze_step, out=s1)
+        drift = frozen.div_(fresh).max() if view.numel() else torch.full((), -math.inf)
+        u = view  # the momentum now lives in m: the view holds the update from here on
+        if corrected:
+            torch.div(m, 1 - b1**t, out=u).div_(denom)
+        else:
+            torch.div(m, denom, out=u)
+        u_norm = torch.linalg.vector_norm(u)
+        full = u_norm
+        if group["weight_decay"]:
+            u.add_(master, alpha=group["weight_decay"])
+            full = torch.linalg.vector_norm(u)
+        w_norm = torch.linalg.vector_norm(master) if bounding else torch.zeros(())
+        # On the device, no host synchronisation per layer (one for all, when reduced).
+        return torch.stack(
+            [t.to(view.device, torch.float64) for t in (drift, u_norm, full, w_norm)]
+        )
+
+    def _layer_stats(self, shares: list[torch.Tensor]) -> list[tuple[float, float, float, float]]:
+        """Every layer's numbers (:meth:`_new_momentum`) for the whole layer: this rank's
+        own without FSDP2; under FSDP2 the island's shares gathered in one collective,
+        the drifts maxed and the norms combined (an empty shard adds nothing)."""
+        if not shares:
+            return []
+        mine = torch.stack(shares)  # layers x 4, on the parameters' device
+        if self._island is not None:
+            parts = [torch.empty_like(mine) for _ in range(self._island.size())]
+            dist.all_gather(parts, mine, group=self._island)
+            every = torch.stack(parts)  # ranks x layers x 4
+            mine = torch.cat(
+                [every[:, :, :1].amax(dim=0), every[:, :, 1:].square().sum(dim=0).sqrt()], dim=1
+            )
+        return [tuple(row) for row in mine.tolist()]
 
     @staticmethod
     def _damped_factor(f: float, group: dict[str, Any], state: dict[str, Any]) -> float:

@@ -70,7 +70,6 @@ import torch
 import torch.distributed as dist
 
 from thinwire.optim.base import check_range
-from thinwire.optim.lamb import trust_ratio
 from thinwire.optim.sharded import layer_norm
 
 __all__ = [
@@ -161,20 +160,13 @@ def check_step_bound(step_bound: float | None) -> None:
         check_range("step_bound", step_bound, 0.0, float("inf"), lo_open=True, hi_open=True)
 
 
-def bound_lamb_ratio(
-    coeff: float,
-    master: torch.Tensor,
-    u: torch.Tensor,
-    group: dict,
-    bound: float | None,
-    island: dist.ProcessGroup | None = None,
-) -> tuple[float, bool]:
-    """1-bit LAMB's layer ratio ``coeff``, at most ``bound`` times LAMB's own on the
-    update ``u`` (weight decay included); and whether the bound shortened it. ``island``:
-    the ranks a layer is split over when ``master`` and ``u`` are shards."""
+def bound_lamb_ratio(coeff: float, lamb_ratio: float, bound: float | None) -> tuple[float, bool]:
+    """1-bit LAMB's layer ratio ``coeff``, at most ``bound`` times LAMB's own trust ratio
+    ``lamb_ratio`` on the same update (weight decay included); and whether the bound
+    shortened it."""
     if bound is None:
         return coeff, False
-    limit = bound * trust_ratio(master, u, group["min_coeff"], group["max_coeff"], island)
+    limit = bound * lamb_ratio
     return (limit, True) if coeff > limit else (coeff, False)
 
 
