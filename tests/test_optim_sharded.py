@@ -192,7 +192,8 @@ def _train_onebit(
     """1-bit LAMB or Adam, frozen at step 4: ``"whole"`` is one replica per rank (the
     optimizer averages; rank r is island r), ``"island"`` is FSDP2 inside islands of
     ``world // 2`` ranks (or of 1) with the optimizer across them. Every island sees
-    the same data whatever its size."""
+    the same data whatever its size. ``kind`` ``"lamb-bounded"`` or ``"adam-bounded"``:
+    the step bound (at 0.5, so that it bites) on every compressed step."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -206,8 +207,9 @@ def _train_onebit(
         )
         fully_shard(net, mesh=mesh["shard"])
         group, island = mesh.get_group("replicate"), rank // per_island
-    cls = OneBitLamb if kind == "lamb" else OneBitAdam
+    cls = OneBitLamb if kind.startswith("lamb") else OneBitAdam
     total = steps if freeze == "auto" else None
+    bounded = kind.endswith("-bounded")
     opt = cls(
         net.parameters(),
         lr=1e-2,
@@ -215,7 +217,10 @@ def _train_onebit(
         weight_decay=0.01,
         process_group=group,
         total_steps=total,
+        step_bound=0.5 if bounded else 2.0,
     )
+    if bounded:
+        opt._bounding = lambda: True  # past the onset from the first compressed step
     losses, at_freeze = [], None
     for step in range(steps):
         # An island's batch is the same 2 x 8 samples however many ranks share it.
@@ -238,6 +243,7 @@ def _train_onebit(
         "compressing": opt.compressing,
         "freeze_step": opt.freeze_step,
         "floor_elements": opt.floor_report.elements if opt.floor_report else 0,
+        "bounded_steps": opt.bounded_steps,
     }
 
 
@@ -251,7 +257,8 @@ def _onebit_runs(rank: int, world: int, layouts: tuple[str, ...]) -> dict:
     freeze for 40 as well."""
     out = {}
     for layout in layouts:
-        for kind in ("lamb", "adam"):
+        bounded = ("lamb-bounded", "adam-bounded") if layout in ("whole", "island1") else ()
+        for kind in ("lamb", "adam", *bounded):
             out[f"{layout}/{kind}"] = _train_onebit(rank, world, layout, kind, 16)
     out[f"{layouts[0]}/auto"] = _train_onebit(rank, world, layouts[0], "lamb", 40, "auto")
     return out
@@ -350,18 +357,21 @@ def two_rank_islands() -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["lamb", "adam"])
+@pytest.mark.parametrize("kind", ["lamb", "adam", "lamb-bounded", "adam-bounded"])
 def test_onebit_on_one_rank_islands_matches_its_ddp_version_exactly(
     kind: str, one_replica_per_island: list[dict]
 ) -> None:
     """FSDP2 over an island of one rank: the shards are whole tensors, so the exchange
     across islands has the same layout as without FSDP2, and every step (warmup, freeze,
-    compressed) agrees to floating-point tolerance."""
+    compressed) agrees to floating-point tolerance, with the step bound shortening
+    steps too (its norms reduced for all layers at once under FSDP2)."""
     whole = one_replica_per_island[0][f"whole/{kind}"]
     assert whole["compressing"]
+    assert (whole["bounded_steps"] > 0) == kind.endswith("-bounded")
     for out in one_replica_per_island:
         sharded = out[f"island1/{kind}"]
         assert sharded["compressing"]
+        assert sharded["bounded_steps"] == whole["bounded_steps"]
         for a, b in zip(sharded["params"], whole["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

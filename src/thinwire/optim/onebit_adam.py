@@ -27,7 +27,7 @@ from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import adam_direction, check_adam_hyperparameters, momentum_masks
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
-from thinwire.optim.sharded import is_sharded, local
+from thinwire.optim.sharded import is_sharded, local, local_norms, reduce_norms
 from thinwire.optim.step_bound import DEFAULT_STEP_BOUND, bound_adam_update, track_adam_update
 from thinwire.optim.two_stage import TwoStageOptimizer
 
@@ -136,12 +136,17 @@ class OneBitAdam(TwoStageOptimizer):
         if not self._average_gradients([p for p, _ in items]):
             return False
         self.global_step += 1
+        tracked: list[tuple[dict[str, Any], torch.Tensor]] = []
         for p, group in items:
             state = self._update_moments(p, group)
             u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, self.global_step)
             if group["step_bound"] is not None:
-                track_adam_update(state, u)
+                tracked.append((state, local_norms([u])[0]))  # before _apply adds the decay
             self._apply(p, group, u)
+        if tracked:  # the whole layers' norms in one reduction for all of them
+            norms = reduce_norms(torch.stack([n for _, n in tracked]), self._island)
+            for (state, _), norm in zip(tracked, norms, strict=True):
+                track_adam_update(state, norm)
         return True
 
     def _compression_step(self) -> bool:
@@ -167,6 +172,7 @@ class OneBitAdam(TwoStageOptimizer):
         masks = momentum_masks(self.param_groups)
         shortened: list[torch.Tensor] = []
         bounding = self._bounding()
+        held: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor, float]] = []
         for p, view in zip(params, views, strict=True):
             group = groups[p]
             denom = self._frozen_denom(p, group)
@@ -181,13 +187,34 @@ class OneBitAdam(TwoStageOptimizer):
             if group["bias_correction"]:
                 u.div_(1 - group["betas"][0] ** self.global_step)
             bound = group["step_bound"] if bounding else None
-            flag = bound_adam_update(self.state[p], u, bound, self._island)
-            if flag is not None:
-                shortened.append(flag)
-            self._apply(p, group, u)
+            if bound is not None and self._island is not None:
+                held.append((p, group, u, bound))  # applied once every layer's norm is in
+                continue
+            norm = torch.linalg.vector_norm(u) if bound is not None else None
+            self._bounded_apply(p, group, u, bound, norm, shortened)
+        if held:  # under FSDP2: the whole layers' norms in one reduction for all of them
+            norms = reduce_norms(local_norms([u for _, _, u, _ in held]), self._island)
+            for (p, group, u, bound), norm in zip(held, norms, strict=True):
+                self._bounded_apply(p, group, u, bound, norm, shortened)
         # One host synchronisation per step, not one per layer.
         self._count_bounded(bool(torch.stack(shortened).any()) if shortened else False)
         return True
+
+    def _bounded_apply(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        u: torch.Tensor,
+        bound: float | None,
+        norm: torch.Tensor | None,
+        shortened: list[torch.Tensor],
+    ) -> None:
+        """Apply ``u`` held to the step bound (``norm``: its whole layer's norm); a flag
+        of whether it was shortened goes to ``shortened``."""
+        flag = bound_adam_update(self.state[p], u, bound, norm)
+        if flag is not None:
+            shortened.append(flag)
+        self._apply(p, group, u)
 
     def _apply(self, p: torch.Tensor, group: dict[str, Any], u: torch.Tensor) -> None:
         """``p -= lr * (u + weight_decay * p)`` on the fp32 master (``u`` and the master

@@ -37,6 +37,8 @@ __all__ = [
     "layer_max",
     "layer_norm",
     "local",
+    "local_norms",
+    "reduce_norms",
     "replica_groups",
     "sum_over",
 ]
@@ -72,15 +74,27 @@ def layer_norm(t: torch.Tensor, island: dist.ProcessGroup | None = None) -> torc
     return sq.sqrt().reshape(())
 
 
+def local_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norms of this rank's shards of ``tensors`` (the whole tensors without
+    FSDP2), stacked in one fp32 tensor: pass them to :func:`reduce_norms`."""
+    return torch.stack([torch.linalg.vector_norm(local(t).float()) for t in tensors])
+
+
+def reduce_norms(norms: torch.Tensor, island: dist.ProcessGroup | None) -> torch.Tensor:
+    """Whole-layer norms from the shards' :func:`local_norms`, in ONE allreduce for all
+    layers (under FSDP2 a reduction per layer is a round trip per layer); unchanged when
+    nothing is split (``island`` None)."""
+    if island is None:
+        return norms
+    sq = norms.square()
+    dist.all_reduce(sq, group=island)
+    return sq.sqrt()
+
+
 def island_norms(tensors: list[torch.Tensor], island: dist.ProcessGroup) -> list[float]:
     """:func:`full_norm` of each of ``tensors`` (this rank's shards, plain or DTensor, of
-    layers split over ``island``) in ONE allreduce for all of them: under FSDP2 a
-    reduction per layer is a round trip per layer."""
-    if not tensors:
-        return []
-    sq = torch.stack([torch.linalg.vector_norm(local(t).float()) for t in tensors]).square()
-    dist.all_reduce(sq, group=island)
-    return sq.sqrt().tolist()
+    layers split over ``island``), reduced together."""
+    return reduce_norms(local_norms(tensors), island).tolist() if tensors else []
 
 
 def sum_over(

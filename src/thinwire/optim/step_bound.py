@@ -67,10 +67,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from thinwire.optim.base import check_range
-from thinwire.optim.sharded import layer_norm
 
 __all__ = [
     "DEFAULT_STEP_BOUND",
@@ -170,29 +168,26 @@ def bound_lamb_ratio(coeff: float, lamb_ratio: float, bound: float | None) -> tu
     return (limit, True) if coeff > limit else (coeff, False)
 
 
-def track_adam_update(
-    state: dict, u: torch.Tensor, island: dist.ProcessGroup | None = None
-) -> None:
-    """Feed one warmup update into the layer's reference norm (an EMA, on the device: no
-    host synchronisation per layer; the whole layer's norm when ``u`` is a shard)."""
-    norm = layer_norm(u, island)
+def track_adam_update(state: dict, norm: torch.Tensor) -> None:
+    """Feed one warmup update's norm (the whole layer's, a 0-dim tensor) into the layer's
+    reference (an EMA, on the device: no host synchronisation per layer)."""
     ref = state.get("step_norm_ref")
     if ref is None:
-        state["step_norm_ref"] = norm
+        state["step_norm_ref"] = norm.clone()
     else:
         ref.mul_(REF_BETA).add_(norm, alpha=1 - REF_BETA)
 
 
 def bound_adam_update(
-    state: dict, u: torch.Tensor, bound: float | None, island: dist.ProcessGroup | None = None
+    state: dict, u: torch.Tensor, bound: float | None, norm: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Scale the compressed update ``u`` down (in place) to at most ``bound`` times the
-    layer's warmup norm. Returns a 0-dim tensor, 1 where the bound shortened the step
-    (None when there is no bound, or no reference: state saved before it existed)."""
+    layer's warmup norm; ``norm`` is ``u``'s (the whole layer's). Returns a 0-dim
+    tensor, 1 where the bound shortened the step (None when there is no bound, or no
+    reference: state saved before it existed)."""
     ref = state.get("step_norm_ref")
-    if bound is None or ref is None:
+    if bound is None or ref is None or norm is None:
         return None
-    norm = layer_norm(u, island)
     limit = ref * bound
     # min(1, limit / norm) without a branch on the host; a zero update stays zero.
     scale = torch.where(norm > limit, limit / norm.clamp_min(torch.finfo(u.dtype).tiny), 1.0)
