@@ -34,7 +34,6 @@ __all__ = [
     "is_sharded",
     "island_group",
     "island_norms",
-    "layer_max",
     "layer_norm",
     "local",
     "local_norms",
@@ -108,18 +107,6 @@ def sum_over(
     box = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(box, group=island)
     return box.tolist()
-
-
-def layer_max(
-    value: float, island: dist.ProcessGroup | None, device: torch.device | None = None
-) -> float:
-    """A per-shard maximum of a layer (``-inf`` for an empty shard), maxed over the
-    ``island``'s shards (on ``device``, as for :func:`sum_over`)."""
-    if island is None:
-        return value
-    box = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=island)
-    return float(box)
 
 
 def gather_layer(shard: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
