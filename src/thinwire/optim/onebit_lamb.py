@@ -274,11 +274,12 @@ class OneBitLamb(TwoStageOptimizer):
         mask: torch.Tensor | None,
         bounding: bool,
     ) -> torch.Tensor:
-        """Take layer ``p``'s averaged momentum from ``view`` into its state, feed the
-        gradient it implies to the fresh variance (``mask``: the momentum's, if any), and leave the layer's update in
-        ``view``. Returns this rank's share of the layer's numbers (float64): the largest
-        drift of the frozen variance from the fresh one, the update's norm before and
-        after weight decay, and the weights' norm (0 when the step bound is off)."""
+        """Take layer ``p``'s averaged momentum from ``view`` into its state (times
+        ``mask``, the momentum's mask, if any), feed the gradient it implies to the fresh
+        variance, and leave the layer's update in ``view``. Returns this rank's share of
+        the layer's numbers (float64): the largest drift of the frozen variance from the
+        fresh one, the update's norm before and after weight decay, and the weights' norm
+        (0 when the step bound is off)."""
         state = self.state[p]
         b1, b2 = group["betas"]
         t = self.global_step
