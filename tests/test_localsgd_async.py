@@ -54,7 +54,7 @@ def test_async_run_completes(tmp_path: Path) -> None:
     assert summary["inner_steps"] == cfg.steps * 2
     assert summary["updates_applied"] >= cfg.steps * 2 // cfg.local_steps
     assert summary["updates_rejected"] == 0
-    assert summary["inner_momentum"] == "restart"  # the default, for every method
+    assert summary["inner_momentum"] == "keep"  # the default from a trained model
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[0]["step"] == 0 and records[-1]["step"] == cfg.steps * 2
     assert summary["final_val_loss"] < records[0]["val_loss"] - 0.05  # it learned something
@@ -212,9 +212,10 @@ def test_worker_applies_the_inner_state_rule_at_each_round(mode: str) -> None:
 
 
 def test_inner_state_default_is_the_same_for_every_method(tmp_path: Path) -> None:
-    assert resolve_inner_momentum(None, dylu=True) == "restart"
-    assert resolve_inner_momentum(None, dylu=False) == "restart"
-    assert resolve_inner_momentum("keep", dylu=True) == "keep"  # explicit wins
+    assert resolve_inner_momentum(None) == "restart"
+    assert resolve_inner_momentum(None, trained=True) == "keep"  # from a trained model
+    assert resolve_inner_momentum("keep") == "keep"  # explicit wins
+    assert resolve_inner_momentum("restart", trained=True) == "restart"
     with pytest.raises(ConfigError, match="unknown inner-state rule 'Round'"):
         resolve_inner_momentum("Round")
     # The runtime's workers get the resolved mode.
@@ -223,6 +224,8 @@ def test_inner_state_default_is_the_same_for_every_method(tmp_path: Path) -> Non
         ({"dylu": False}, "restart"),
         ({"dylu": True, "inner_momentum": "keep"}, "keep"),
         ({"dylu": False, "inner_momentum": "fresh"}, "fresh"),
+        ({"dylu": True, "pretrain_steps": 3}, "keep"),
+        ({"dylu": True, "pretrain_steps": 3, "inner_momentum": "restart"}, "restart"),
     ]:
         cfg = _cfg(tmp_path, **kw)
         assert make_worker(gpt_task(cfg), async_config(cfg), 1, 2).inner_momentum == mode, kw

@@ -100,6 +100,11 @@ def test_the_simulator_starts_from_the_pretrained_model() -> None:
     assert run["curve"][0]["val_loss"] < 0.5 * scratch["curve"][0]["val_loss"]
     assert run["start"] == "after 20 steps of ordinary training"
     assert scratch["start"] == "from scratch"
+    # The inner-state default follows the start: keep from a trained model.
+    assert (run["config"]["inner_momentum"], scratch["config"]["inner_momentum"]) == (
+        "keep",
+        "restart",
+    )
 
 
 def test_init_from_a_file(tmp_path: Path) -> None:

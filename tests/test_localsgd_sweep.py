@@ -11,7 +11,7 @@ import pytest
 
 from test_localsgd_api import _task
 from thinwire.localsgd import AsyncConfig, SimClock
-from thinwire.localsgd.algorithm.sweep import parse_grid, run_sweep, summarize_sweep
+from thinwire.localsgd.algorithm.sweep import fingerprint, parse_grid, run_sweep, summarize_sweep
 
 
 @pytest.mark.timeout(120)
@@ -53,3 +53,18 @@ def test_a_sweep_resumes_from_its_files_but_never_from_other_settings(tmp_path: 
     best = summarize_sweep(runs)["best"]
     assert set(best) == {"sync", "dn-dylu"}
     assert all(b["setting"]["outer_lr"] in (0.1, 0.3) for b in best.values())
+
+
+def test_a_cached_run_is_keyed_by_the_inner_state_rule_it_resolved_to() -> None:
+    """The inner-state default depends on the start: a run cached under one default is
+    never read back as a run of another, and naming the default changes nothing."""
+    clock = SimClock(seconds_per_step=(1.0, 2.0))
+    trained = AsyncConfig(steps=10, pretrain_steps=5)
+    assert trained.resolved_inner_momentum() == "keep"
+    same = fingerprint(replace(trained, inner_momentum="keep"), clock, 0)
+    assert fingerprint(trained, clock, 0) == same
+    assert fingerprint(replace(trained, inner_momentum="restart"), clock, 0) != same
+    scratch = AsyncConfig(steps=10)
+    assert fingerprint(scratch, clock, 0) == fingerprint(
+        replace(scratch, inner_momentum="restart"), clock, 0
+    )

@@ -60,10 +60,12 @@ def test_a_run_starts_from_its_pretraining(tmp_path: Path, algo: str) -> None:
     cfg = tiny_config(tmp_path, algo=algo, lr=default_lr(algo), steps=4, pretrain_steps=PRETRAIN)
     summary = train(cfg)
     assert summary["start"] == f"after {PRETRAIN} steps of ordinary training"
+    # From a trained model DiLoCo keeps its inner state across rounds, and says so.
+    assert summary["inner_state"] == ("keep" if algo == "diloco" else None)
     # AdamW at its own lr, whatever the algorithm's: the start every algorithm shares
     assert _first_val(cfg.out_dir) == pytest.approx(_val_loss(cfg, _reference(cfg)), rel=1e-6)
     scratch = tiny_config(tmp_path / "scratch", algo=algo, lr=default_lr(algo), steps=4)
-    train(scratch)
+    assert train(scratch)["inner_state"] == ("restart" if algo == "diloco" else None)
     assert _first_val(cfg.out_dir) < _first_val(scratch.out_dir) - 0.05
     assert json.loads((tmp_path / "run" / "run.json").read_text())["pretrain_steps"] == PRETRAIN
 

@@ -127,7 +127,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         dest="inner_state",
         default=None,
         metavar="{" + ",".join(INNER_MOMENTUM) + "}",
-        help="inner-state rule of every method (default restart)",
+        help="inner-state rule of every method (default: keep with --pretrain-steps or "
+        "--init-from, restart from scratch)",
     )
     p.add_argument("--min-local-steps", type=int, default=d.min_local_steps)
     p.add_argument("--calibration-steps", type=int, default=d.calibration_steps)
@@ -379,7 +380,10 @@ def _write_results(
     }
     atomic_write_text(out / "results.json", json.dumps(blob, indent=1) + "\n")
     tables = format_tables(summary)
-    start = f"every method starts {base.start().describe()}"
+    start = (
+        f"every method starts {base.start().describe()}, "
+        f"inner-state rule {base.resolved_inner_momentum()}"
+    )
     atomic_write_text(
         out / "table.md", f"`{command}`\n\n{start[0].upper()}{start[1:]}.\n\n" + tables
     )

@@ -354,7 +354,8 @@ def _add_round_state_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> N
         metavar="{keep,round,restart,fresh}",
         help="diloco, async-diloco: what the inner AdamW carries into the next round: "
         "everything (keep), a zeroed first moment (round), a zeroed and bias-corrected one "
-        "(restart, the default), or nothing (fresh)",
+        "(restart), or nothing (fresh); default: keep from a trained model (--pretrain-steps, "
+        "--init-from), restart from scratch",
     )
     ls.add_argument(
         "--compress",

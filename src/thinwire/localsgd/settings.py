@@ -51,8 +51,10 @@ class LocalSGDSettings:
     """The inner-state rule, the same for every method: ``keep`` (the inner optimizer's
     state persists across rounds, DiLoCo's rule), ``round`` (the first moment restarts
     every round), ``restart`` (it restarts, bias-corrected on the round's clock) or
-    ``fresh`` (a new optimizer every round). None: ``restart``, the best for every method
-    in the ablation. See :mod:`thinwire.localsgd.algorithm.inner_state`."""
+    ``fresh`` (a new optimizer every round). None: ``keep`` when the run starts from a
+    trained model (``pretrain_steps``, ``init_from``: there ``restart``'s full first steps
+    cost DiLoCo 8-10%), ``restart`` from scratch (the best for every method in the short
+    ablation). See :mod:`thinwire.localsgd.algorithm.inner_state`."""
     compress: str = "none"
     """Push codec: ``none`` (fp32), ``fp16`` or ``bf16`` (half the bytes), or ``onebit``
     (signs and one scale, 32x fewer bytes, with per-worker error feedback). See
@@ -73,9 +75,17 @@ class LocalSGDSettings:
                 f"compress must be one of {', '.join(codecs)}, got {self.compress!r}{hint}"
             )
 
+    def starts_trained(self) -> bool:
+        """Whether the run starts from a trained model: ``pretrain_steps`` or ``init_from``
+        set, on the configs that have them (a run's, the trainer's)."""
+        pretrain = getattr(self, "pretrain_steps", 0) or 0
+        return pretrain > 0 or getattr(self, "init_from", None) is not None
+
     def resolved_inner_momentum(self) -> str:
-        """``inner_momentum``, or its default (the same for every method)."""
-        return resolve_inner_momentum(self.inner_momentum)
+        """``inner_momentum``, or its default: ``keep`` from a trained model, ``restart``
+        from scratch (the same for every method;
+        :func:`~thinwire.localsgd.algorithm.inner_state.resolve_inner_momentum`)."""
+        return resolve_inner_momentum(self.inner_momentum, trained=self.starts_trained())
 
 
 @dataclass

@@ -397,12 +397,11 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     Start(pretrain_steps=cfg.pretrain_steps or 0, init_from=cfg.init_from)  # checks them
     if cfg.algo == "diloco":
         from thinwire.localsgd.algorithm.diloco import COMPRESS_CHOICES
-        from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
         from thinwire.localsgd.algorithm.methods import TUNED
         from thinwire.localsgd.algorithm.outer import check_outer_args
         from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
 
-        resolve_inner_momentum(cfg.inner_momentum)
+        cfg.resolved_inner_momentum()
         check_outer_args(
             TUNED["sync"].outer_lr if cfg.outer_lr is None else cfg.outer_lr,
             TUNED["sync"].outer_momentum if cfg.outer_momentum is None else cfg.outer_momentum,

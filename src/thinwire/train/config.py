@@ -495,6 +495,16 @@ class TrainConfig(AsyncSettings):
         quantizer (the codecs that only it has)."""
         return self.fragments > 1 or self.fragment_overlap > 0 or self.compress in QUANT_KINDS
 
+    def inner_state(self) -> str | None:
+        """The inner-state rule a Local-SGD run uses (None for the other algorithms):
+        Streaming DiLoCo's ``keep`` unless set, else the rule's default for this start
+        (:meth:`~thinwire.localsgd.LocalSGDSettings.resolved_inner_momentum`)."""
+        if self.algo not in ("diloco", "async-diloco"):
+            return None
+        if self.algo == "diloco" and self.streaming():
+            return self.inner_momentum or "keep"
+        return self.resolved_inner_momentum()
+
     def _check_powersgd(self) -> None:
         # Checked whatever the algorithm, as every field is: a typo in a file that a
         # later run with --algo adamw-powersgd repeats must not wait for that run.

@@ -30,7 +30,6 @@ def diloco_strategy(model: nn.Module, cfg: TrainConfig, replicas: Any = None) ->
     outer sync averages each rank's shard across the islands.
     """
     from thinwire.localsgd import DiLoCo
-    from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
     from thinwire.localsgd.algorithm.methods import TUNED
 
     inner = torch.optim.AdamW(
@@ -50,7 +49,7 @@ def diloco_strategy(model: nn.Module, cfg: TrainConfig, replicas: Any = None) ->
         model,
         inner,
         cfg.local_steps,
-        inner_momentum=resolve_inner_momentum(cfg.inner_momentum),
+        inner_momentum=cfg.resolved_inner_momentum(),
         **outer,
     )
     batch, lr = _sync_data(cfg)

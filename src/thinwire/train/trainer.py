@@ -426,6 +426,7 @@ def _summarize(run: _Run, end: int) -> dict[str, Any]:
         "samples": end * samples_per_step,
         "parameters": model.num_parameters(),
         "start": run.begins,
+        "inner_state": run.cfg.inner_state(),
         "final_val_loss": val_loss,
         "final_val_ppl": math.exp(min(val_loss, 50.0)),
         "train_time_s": run.elapsed,

@@ -7,6 +7,9 @@ allreduce and lets an outer Nesterov optimizer move the global parameters theta.
 worker then continues from the new theta; what its inner optimizer state carries into
 the next round is the inner-state rule ``inner_momentum`` (default ``restart``: the
 first moment restarts, bias-corrected; see :mod:`thinwire.localsgd.algorithm.inner_state`).
+From a trained model pass ``inner_momentum="keep"``: ``restart`` cost 8-10% there
+(the configs, ``thinwire train`` and the simulator pick ``keep`` by themselves when the
+run starts from a trained model).
 Communication drops by a factor H (the paper uses 500; 20-100 is typical for small
 models), at the price of a round that waits for the slowest worker (see
 :func:`thinwire.localsgd.run_async` for the asynchronous variant).
@@ -79,7 +82,8 @@ class DiLoCo:
         sync_initial: broadcast rank 0's parameters at construction so all replicas start
             equal (skip it when the caller already did).
         inner_momentum: the inner-state rule applied after every outer step: ``keep``
-            (DiLoCo's), ``round``, ``restart`` (the default) or ``fresh``; see
+            (DiLoCo's; take it from a trained model), ``round``, ``restart`` (the
+            default) or ``fresh``; see
             :mod:`thinwire.localsgd.algorithm.inner_state`. ``restart`` scales each inner step's lr
             by a bias correction, through step hooks on ``inner_optimizer`` registered
             here (so it works with or without ``with``), applied after any lr the

@@ -4,7 +4,8 @@ One rule, set once per run and applied to every method of a comparison (synchron
 DiLoCo, every asynchronous variant), since the rule alone moves the final loss by more
 than the methods differ (docs/results/localsgd.md). The four rules:
 
-* ``keep``: the optimizer's state persists across rounds (DiLoCo's rule). A round of
+* ``keep``: the optimizer's state persists across rounds (DiLoCo's rule; the default
+  from a trained model). A round of
   ``H_w`` steps then starts with momentum built from gradients taken at global
   parameters that outer updates have since moved past; that is harmless when rounds are
   long against AdamW's first-moment memory (``1 / (1 - beta1)`` = 10 steps) and harmful
@@ -13,7 +14,7 @@ than the methods differ (docs/results/localsgd.md). The four rules:
   every round; the second moment and the step count are kept. Keeping the step count
   keeps the bias correction off, so the k-th step of a round moves only ``1 - beta1^k``
   as far as a steady step: 10% for the first, 41% on average over a 10-step round.
-* ``restart`` (the default): the first moment is zeroed *and bias-corrected on the
+* ``restart`` (the default from scratch): the first moment is zeroed *and bias-corrected on the
   round's own clock*: the k-th step's lr is multiplied by
   ``(1 - beta1^t) / (1 - beta1^k)`` (``t`` the optimizer's step count, which Adam
   already divides by), so a round's first step is a full normalised-gradient step
@@ -25,7 +26,8 @@ than the methods differ (docs/results/localsgd.md). The four rules:
   become sign-noise; pair it with a DyLU floor (``min_local_steps`` of 5, the notebook's).
 
 Measured for sync DiLoCo and DN+DyLU (docs/results/localsgd.md, "Inner-state ablation");
-:data:`DEFAULT_INNER_STATE` says what was found and why the default is what it is.
+:data:`DEFAULT_INNER_STATE` and :data:`TRAINED_INNER_STATE` say what was found and why the
+defaults are what they are.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from thinwire.errors import ConfigError
 __all__ = [
     "DEFAULT_INNER_STATE",
     "INNER_MOMENTUM",
+    "TRAINED_INNER_STATE",
     "InnerStateRule",
     "check_inner_momentum",
     "resolve_inner_momentum",
@@ -49,13 +52,21 @@ INNER_MOMENTUM = ("keep", "round", "restart", "fresh")
 """The inner-state rules (see the module docstring)."""
 
 DEFAULT_INNER_STATE = "restart"
-"""The rule a run uses unless told otherwise. Chosen over ``keep`` (which stalled sync
-DiLoCo and DyLU's short rounds at the former outer lr 0.7 with momentum) and ``round``
-(which damps every round's start). In the ablation at the tuned outer settings
+"""The rule a run from scratch uses unless told otherwise. Chosen over ``keep`` (which
+stalled sync DiLoCo and DyLU's short rounds at the former outer lr 0.7 with momentum, and
+kept a 300-step DiLoCo run on Shakespeare on its plateau) and ``round`` (which damps
+every round's start). In the ablation at the tuned outer settings
 (docs/results/localsgd.md, "Inner-state ablation": tiny GPT, H = 10, one or two seeds)
 ``fresh`` was 1.3-1.8% better than ``restart`` for both sync DiLoCo and DN+DyLU,
-``keep`` level or better, and ``round`` 5.5% worse for DN+DyLU; the default stays until
-``fresh``'s lead holds on more seeds and data. Try ``fresh``."""
+``keep`` level or better, and ``round`` 5.5% worse for DN+DyLU. Try ``fresh``."""
+
+TRAINED_INNER_STATE = "keep"
+"""The rule a run that starts from a trained model (``init_from``, ``pretrain_steps``)
+uses unless told otherwise. There a round's first steps must not be large: ``restart``
+makes each one a full bias-corrected AdamW step and cost DiLoCo 7.9-10.0% of its final
+loss against ``keep`` (500 trained steps, H = 10, both bundled corpora, 3 seeds each;
+docs/results/localsgd.md, "The inner-state rule from a trained model"), and ``keep`` was
+0.4-0.5% ahead at H = 50 in the long tier, for sync DiLoCo and DN + DyLU alike."""
 
 
 def check_inner_momentum(mode: str) -> None:
@@ -66,16 +77,16 @@ def check_inner_momentum(mode: str) -> None:
         )
 
 
-def resolve_inner_momentum(mode: str | None, dylu: bool = False) -> str:
-    """The rule a run uses: ``mode`` when given, else :data:`DEFAULT_INNER_STATE`.
+def resolve_inner_momentum(mode: str | None, *, trained: bool = False) -> str:
+    """The rule a run uses: ``mode`` when given, else :data:`TRAINED_INNER_STATE` for a
+    run that starts from a trained model (``trained``) and :data:`DEFAULT_INNER_STATE`
+    for one from scratch.
 
-    The default is the same for every method (``dylu`` is accepted for callers of the
-    earlier per-method default and ignored), so a comparison is like-for-like unless a
+    The default is the same for every method, so a comparison is like-for-like unless a
     rule is set on purpose. Raises :class:`ConfigError` for an unknown ``mode``.
     """
-    del dylu
     if mode is None:
-        return DEFAULT_INNER_STATE
+        return TRAINED_INNER_STATE if trained else DEFAULT_INNER_STATE
     check_inner_momentum(mode)
     return mode
 

@@ -123,7 +123,8 @@ def fingerprint(
     """A digest of everything that decides a simulated run's result: ``cfg`` and ``clock``
     (with their seeds) and ``context``, the caller's description of the task."""
     blob = {
-        "config": asdict(replace(cfg, seed=seed)),
+        # The rule the run resolves to: a default that changed must not read back old runs.
+        "config": asdict(replace(cfg, seed=seed, inner_momentum=cfg.resolved_inner_momentum())),
         "clock": asdict(replace(clock, seed=seed)),
         "context": dict(context or {}),
     }
