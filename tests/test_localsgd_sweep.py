@@ -3,7 +3,9 @@ never reads back a run made with other settings."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import hashlib
+import json
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +58,9 @@ def test_a_sweep_resumes_from_its_files_but_never_from_other_settings(tmp_path: 
 
 
 def test_a_cached_run_is_keyed_by_the_inner_state_rule_it_resolved_to() -> None:
-    """The inner-state default depends on the start: a run cached under one default is
-    never read back as a run of another, and naming the default changes nothing."""
+    """The inner-state default depends on the start: a run from a trained model cached
+    under the earlier default (``restart``) is never read back as one of today's, naming
+    today's default changes nothing, and runs from scratch keep their fingerprints."""
     clock = SimClock(seconds_per_step=(1.0, 2.0))
     trained = AsyncConfig(steps=10, pretrain_steps=5)
     assert trained.resolved_inner_momentum() == "keep"
@@ -65,6 +68,11 @@ def test_a_cached_run_is_keyed_by_the_inner_state_rule_it_resolved_to() -> None:
     assert fingerprint(trained, clock, 0) == same
     assert fingerprint(replace(trained, inner_momentum="restart"), clock, 0) != same
     scratch = AsyncConfig(steps=10)
-    assert fingerprint(scratch, clock, 0) == fingerprint(
-        replace(scratch, inner_momentum="restart"), clock, 0
+    assert scratch.resolved_inner_momentum() == "restart"
+    assert fingerprint(scratch, clock, 0) != fingerprint(
+        replace(scratch, inner_momentum="keep"), clock, 0
     )
+    # what a run from scratch was keyed by before the default followed the start
+    blob = {"config": asdict(scratch), "clock": asdict(clock), "context": {}}
+    text = json.dumps(blob, sort_keys=True, default=repr)
+    assert fingerprint(scratch, clock, 0) == hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -122,9 +122,14 @@ def fingerprint(
 ) -> str:
     """A digest of everything that decides a simulated run's result: ``cfg`` and ``clock``
     (with their seeds) and ``context``, the caller's description of the task."""
+    rule = cfg.inner_momentum
+    if rule is None and cfg.starts_trained():
+        # From a trained model the default rule is named: runs cached while the default
+        # there was ``restart`` are not read back as ``keep`` runs. From scratch the
+        # default did not change, and neither do the fingerprints of cached runs.
+        rule = cfg.resolved_inner_momentum()
     blob = {
-        # The rule the run resolves to: a default that changed must not read back old runs.
-        "config": asdict(replace(cfg, seed=seed, inner_momentum=cfg.resolved_inner_momentum())),
+        "config": asdict(replace(cfg, seed=seed, inner_momentum=rule)),
         "clock": asdict(replace(clock, seed=seed)),
         "context": dict(context or {}),
     }
