@@ -119,6 +119,10 @@ class AsyncConfig(AsyncSettings):
             min_lr_ratio=self.min_lr_ratio,
         )
 
+    def starts_trained(self) -> bool:
+        """``pretrain_steps`` or ``init_from`` set (it picks the inner-state default)."""
+        return not Start(pretrain_steps=self.pretrain_steps, init_from=self.init_from).from_scratch
+
     def start(self) -> Start:
         """Where this run starts (:class:`~thinwire.localsgd.algorithm.pretrain.Start`)."""
         return Start(

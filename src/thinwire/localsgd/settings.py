@@ -76,10 +76,9 @@ class LocalSGDSettings:
             )
 
     def starts_trained(self) -> bool:
-        """Whether the run starts from a trained model: ``pretrain_steps`` or ``init_from``
-        set, on the configs that have them (a run's, the trainer's)."""
-        pretrain = getattr(self, "pretrain_steps", 0) or 0
-        return pretrain > 0 or getattr(self, "init_from", None) is not None
+        """Whether the run starts from a trained model. A settings section has no start:
+        the configs that run (``AsyncConfig``, the trainer's) answer from theirs."""
+        return False
 
     def resolved_inner_momentum(self) -> str:
         """``inner_momentum``, or its default: ``keep`` from a trained model, ``restart``

@@ -495,6 +495,12 @@ class TrainConfig(AsyncSettings):
         quantizer (the codecs that only it has)."""
         return self.fragments > 1 or self.fragment_overlap > 0 or self.compress in QUANT_KINDS
 
+    def starts_trained(self) -> bool:
+        """``pretrain_steps`` or ``init_from`` set (it picks the inner-state default).
+        ``Start.from_scratch``'s test, written here: this config builds on the Local-SGD
+        settings section alone."""
+        return bool(self.pretrain_steps) or self.init_from is not None
+
     def inner_state(self) -> str | None:
         """The inner-state rule a Local-SGD run uses (None for the other algorithms):
         Streaming DiLoCo's ``keep`` unless set, else the rule's default for this start
