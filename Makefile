@@ -42,10 +42,15 @@ native: $(STAMP)
 demo: $(NATIVE) $(DELAYLINE)
 	$(VENV)/bin/thinwire demo
 
+# The tests run in TEST_WORKERS processes, a whole file to each at a time (a file's
+# fixtures are built once, in one process). Many tests mostly wait, not compute:
+# on links shaped to 100 Mbit/s, on timeouts a fault test must reach, on ranks that share
+# the cores. TEST_WORKERS=0 runs them in this process, one after the other.
 # pytest exits 5 when it collects no test; that is reported, not hidden, and not a failure
 # of the command itself.
+TEST_WORKERS ?= 3
 test: $(NATIVE) $(DELAYLINE)
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 # The fast lane: the unit tests (a declared timeout of at most 30 s) and one end-to-end
 # smoke per pillar (marked smoke), in a few minutes on 2 cores. `make test` runs everything.

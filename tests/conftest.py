@@ -71,6 +71,14 @@ def tiny_async_config(out_dir: Path, **overrides: object) -> TrainConfig:
 
 
 @pytest.fixture
+def own_clusters() -> set[str]:
+    """The testbed clusters this test process made and still has: other test processes
+    (``pytest -n``) may have clusters of their own up at the same time."""
+    from thinwire.testbed import list_clusters
+
+    return {c.cluster_id for c in list_clusters() if c.owner_pid == os.getpid()}
+
+
 def cli_env() -> dict[str, str]:
     """Environment for running the ``thinwire`` command in a subprocess."""
     env = dict(os.environ)

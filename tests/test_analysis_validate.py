@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import own_clusters
 from thinwire.analysis.collective_cost import ring_rounds, ring_time
 from thinwire.analysis.profile import ParamTiming, Profile, save_profile
 from thinwire.analysis.validate import (
@@ -276,7 +277,7 @@ def test_recorded_predictions_use_the_fitted_link_only_with_a_set_delay() -> Non
 @pytest.mark.timeout(240)
 def test_smoke_on_the_testbed(tmp_path: Path) -> None:
     from thinwire.analysis.validate import repredict, run_validation
-    from thinwire.testbed import list_clusters, unavailable_reason
+    from thinwire.testbed import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:
@@ -295,7 +296,7 @@ def test_smoke_on_the_testbed(tmp_path: Path) -> None:
         fit_max_bytes=MIB,
         local_steps=3,
     )
-    before = {c.cluster_id for c in list_clusters()}
+    before = own_clusters()
     res = run_validation(cfg, tmp_path / "v")
     rows = res["rates"][0]["rows"]
     # Steps 2..2 leave no pair for the fused warmup: DDP, the 1-bit stage and DiLoCo's
@@ -321,7 +322,7 @@ def test_smoke_on_the_testbed(tmp_path: Path) -> None:
     again = repredict(tmp_path / "v")["rates"][0]["rows"]
     assert [r["predicted_recorded"] for r in again] == [r["predicted_recorded"] for r in rows]
     assert json.loads((tmp_path / "v" / "validation.json").read_text())["rates"][0]["rows"]
-    assert {c.cluster_id for c in list_clusters()} <= before  # its cluster is gone
+    assert own_clusters() <= before  # its cluster is gone
 
 
 def test_repredict_refits_the_link_from_saved_runs(tmp_path: Path) -> None:

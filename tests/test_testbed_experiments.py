@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_FLAGS
+from conftest import TINY_FLAGS, own_clusters
 from thinwire.errors import ConfigError
-from thinwire.testbed import list_clusters, unavailable_reason
+from thinwire.testbed import unavailable_reason
 from thinwire.testbed.experiments import (
     expected_tx_total,
     stage_times,
@@ -144,7 +144,7 @@ def test_each_algorithm_gets_its_tuned_lr_unless_one_is_given(
 @pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 @pytest.mark.timeout(120)
 def test_onebit_lamb_on_two_hosts(tmp_path: Path) -> None:
-    before = {c.cluster_id for c in list_clusters()}
+    before = own_clusters()
     cfg = TrainConfig(
         algo="onebit-lamb",
         model="tiny",
@@ -179,7 +179,7 @@ def test_onebit_lamb_on_two_hosts(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "run" / "testbed_run.json").read_text())
     assert saved["nic_over_accounted"] == res["nic_over_accounted"]
     # The cluster this call brought up is gone again.
-    assert {c.cluster_id for c in list_clusters()} <= before
+    assert own_clusters() <= before
 
 
 @pytest.mark.root

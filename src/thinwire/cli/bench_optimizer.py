@@ -6,6 +6,10 @@ Two ways to run it, as ``bench allreduce``:
   ranks on loopback;
 * on real hosts (or the testbed's): under ``torchrun`` it uses the launched group.
 
+Before each timed step the ranks run the job's own forward and backward passes when the
+record is a ``thinwire train`` run (:mod:`thinwire.analysis.job_passes`); for a record of
+a loop of the user's own, arithmetic as long as the record's passes stands in for them.
+
 Rank 0 prints the medians (:func:`thinwire.analysis.optimizer_step.summarize`) and, with
 ``--out DIR``, writes ``optimizer.json``: every rank's timed steps and the summary.
 """
@@ -25,10 +29,14 @@ __all__ = ["add_parser"]
 
 def _print(summary: dict[str, float], args: argparse.Namespace, numels: list[int]) -> None:
     s = summary
+    before = (
+        f"the job's own passes before each ({s['passes_s'] * 1e3:.0f} ms)"
+        if args.config is not None
+        else f"{args.compute_s * 1e3:.0f} ms of stand-in compute before each"
+    )
     print(
         f"{args.algo}, {sum(numels):,} elements in {len(numels)} tensors, "
-        f"{int(s['ranks'])} ranks, {args.compute_s * 1e3:.0f} ms of compute before each; "
-        f"medians over {args.iters} steps:"
+        f"{int(s['ranks'])} ranks, {before}; medians over {args.iters} steps:"
     )
     print(
         f"  step {s['step_s'] * 1e3:.1f} ms = update {s['update_s'] * 1e3:.1f} ms "
@@ -42,13 +50,13 @@ def _print(summary: dict[str, float], args: argparse.Namespace, numels: list[int
 def _under_torchrun(args: argparse.Namespace, numels: list[int]) -> None:
     import torch.distributed as dist
 
-    from thinwire.analysis.optimizer_step import summarize, time_optimizer_step, write_result
+    from thinwire.analysis.optimizer_step import summarize, time_on_this_rank, write_result
     from thinwire.comm.launch import init_from_env
 
     init_from_env("gloo")
     try:
-        mine = time_optimizer_step(
-            args.algo, numels, args.warmup, args.iters, compute_s=args.compute_s
+        mine = time_on_this_rank(
+            args.algo, numels, args.warmup, args.iters, args.compute_s, args.config
         )
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -68,6 +76,7 @@ def _under_torchrun(args: argparse.Namespace, numels: list[int]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from thinwire.analysis.job_passes import job_config
     from thinwire.analysis.optimizer_step import (
         bench_on_local_ranks,
         layout_of_record,
@@ -78,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
 
     rec = load_record(args.record)
     numels = layout_of_record(rec.header)
-    args.compute_s = record_compute_s(rec) if args.compute_ms is None else args.compute_ms / 1e3
+    # the job's own passes where the record is a thinwire train run, unless told otherwise
+    args.config = job_config(args.record) if args.compute_ms is None else None
+    if args.compute_ms is not None:
+        args.compute_s = args.compute_ms / 1e3
+    else:
+        args.compute_s = record_compute_s(rec) if args.config is None else 0.0
     if args.warmup < 2 or args.iters < 1:
         raise ConfigError(
             f"--warmup must be >= 2 and --iters >= 1, got {args.warmup}, {args.iters}"
@@ -89,7 +103,14 @@ def run(args: argparse.Namespace) -> int:
         _under_torchrun(args, numels)
         return 0
     summary = bench_on_local_ranks(
-        args.algo, numels, args.workers, args.out, args.warmup, args.iters, args.compute_s
+        args.algo,
+        numels,
+        args.workers,
+        args.out,
+        args.warmup,
+        args.iters,
+        args.compute_s,
+        args.config,
     )
     _print(summary, args, numels)
     return 0
@@ -121,8 +142,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--compute-ms",
         type=float,
         default=None,
-        help="arithmetic before each step standing in for the forward and backward passes "
-        "(default: the record's own; 0: the ranks start each step together)",
+        help="time after this much arithmetic standing in for the forward and backward "
+        "passes (0: the ranks start each step together). Default: the job's own passes "
+        "when the record is a thinwire train run, else arithmetic for the record's compute",
     )
     p.add_argument("--out", default=None, help="directory for optimizer.json")
     p.set_defaults(func=run)

@@ -12,9 +12,10 @@ side (what ``thinwire demo`` runs).
    cores and the network; the reductions and the 1-bit codec priced at this machine's
    measured costs. Is the network the bottleneck at the chosen link rate, and which fix?
    From the same record it predicts the step of both algorithms after the freeze; 1-bit
-   LAMB's own step (update, codec, exchange) is timed on the job's workers for that
-   (:mod:`thinwire.analysis.optimizer_step`), since a step timed alone misses what the
-   workers' sharing of the cores costs.
+   LAMB's own step (update, codec, exchange) is timed for that on the job's workers,
+   each step after the job's own forward and backward passes
+   (:mod:`thinwire.analysis.job_passes`): a step timed alone misses what the workers'
+   sharing of the cores costs, and one timed after stand-in arithmetic came out too slow.
 3. **Train** it with 1-bit LAMB, same settings, through the same comparison driver, and
    **compare**: validation loss, samples/s (whole run and after the freeze), the step
    after the freeze as predicted in step 2 and as measured, training time, bytes per
@@ -217,9 +218,9 @@ def predicted_steps(
 
 
 def onebit_step_on(cluster: Any, run_dir: Path, out: Path, workers: int) -> dict[str, float]:
-    """1-bit LAMB's compressed step on the job's own parameter sizes, timed on every
-    rank at once where the job runs: on ``cluster``'s hosts, or on ``workers`` local
-    ranks when there is none (:func:`thinwire.analysis.optimizer_step.time_where_the_job_runs`)."""
+    """1-bit LAMB's compressed step on the job itself, after its own forward and backward
+    passes, timed on every rank at once where the job runs: on ``cluster``'s hosts, or
+    on ``workers`` local ranks when there is none (:func:`thinwire.analysis.optimizer_step.time_where_the_job_runs`)."""
     from thinwire.analysis.optimizer_step import time_where_the_job_runs
 
     return time_where_the_job_runs("onebit-lamb", run_dir, out, cluster, workers)
@@ -345,7 +346,8 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
         analyze(lamb_dir, s.workers, s.rate, out, rtt_s, echo)
         onebit_step = onebit_step_on(cluster, lamb_dir, out / "onebit-step", s.workers)
         echo(
-            f"\n1-bit LAMB's own step, timed on the {s.workers} workers at once: update "
+            f"\n1-bit LAMB's own step, timed on the {s.workers} workers at once after the "
+            f"job's own passes: update "
             f"{onebit_step['update_s'] * 1e3:.1f} ms, codec {onebit_step['codec_s'] * 1e3:.1f} ms, "
             f"waiting for the exchange {onebit_step['wait_s'] * 1e3:.1f} ms"
         )
