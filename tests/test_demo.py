@@ -49,6 +49,9 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
         "reductions priced by: measured on cpu",
         "step after freeze, predicted",
         "step after freeze, measured",
+        # where the 1-bit step went, timed before the run and in the run itself
+        "1-bit LAMB's step timed before: update",
+        "1-bit LAMB's step in its run: update",
     ):
         assert needle in text, needle
     result = json.loads((out / "demo.json").read_text())
@@ -65,6 +68,9 @@ def test_demo_tells_the_whole_story(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert all(r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 for r in result["runs"])
     for run in (lamb, onebit):
         assert run["predicted_step_s"] > 0 and run["measured_step_s"] > 0
+    split = result["onebit_step"]
+    assert split["in_the_run"]["wait_s"] >= 0 and split["in_the_run"]["steps"] >= 2
+    assert split["timed_before"]["update_s"] > 0
     # a second demo replaces the first one's output; a foreign directory is refused
     _prepare_out(out)
     assert not (out / "demo.json").exists()

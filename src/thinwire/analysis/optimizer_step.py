@@ -13,19 +13,20 @@ parameters; the update is elementwise and per layer, so their shapes do not matt
 Before each timed step every rank runs the job's own forward and backward passes when
 the record is a ``thinwire train`` run (:mod:`thinwire.analysis.job_passes`), or else
 does as much arithmetic as the record's passes took (``compute_s``), so the ranks reach
-the exchange as unevenly as in training. Each timed step returns three numbers per rank: the whole step, the exchange
-inside it and, of that, the time spent blocked waiting for the network and the other
-ranks. The difference is compute (the update, and the codec), which the analyzer adds
-to the recorded forward and backward passes; the wait is the network's, which it
-predicts from the link. :func:`summarize` takes the median over each rank's steps, then
-over the ranks.
+the exchange as unevenly as in training. Each timed step returns three numbers per rank:
+the whole step, the exchange inside it and, of that, the time spent blocked waiting for
+the network and the other ranks. The difference is compute (the update, and the codec),
+which the analyzer adds to the recorded forward and backward passes; the wait is the
+network's, which it predicts from the link. :func:`summarize` takes the median over each
+rank's steps, then over the ranks.
 
-Tuning: ``warmup`` (3) covers the optimizer's uncompressed steps (``freeze_step=2``)
-and the buffers' allocation; untimed steps go on until the 1-bit exchange has tuned its
-piece count (up to 20 more); then ``iters`` (10) timed steps. Where ranks share cores the wait is the scheduler's as much as the network's:
-on the testbed (4 hosts, 2 cores) it ranged 27-36 ms between timings of the same job,
-and 18-39 ms between training runs; raise ``iters`` for a steadier median, but a
-single run's wait will still scatter around it.
+Tuning: ``warmup`` (3) covers the optimizer's uncompressed steps (``freeze_step=2``) and
+the buffers' allocation; untimed steps go on until the 1-bit exchange has tuned its
+piece count (up to 20 more); then ``iters`` (10) timed steps. Where ranks share cores
+the wait is the scheduler's as much as the network's: on the testbed (4 hosts, 2 cores)
+it ranged 27-36 ms between timings of the same job, and 18-39 ms between training runs;
+raise ``iters`` for a steadier median, but a single run's wait will still scatter around
+it.
 """
 
 from __future__ import annotations
