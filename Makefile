@@ -45,8 +45,8 @@ demo: $(NATIVE) $(DELAYLINE)
 # The tests run in TEST_WORKERS processes, a whole file to each at a time (a file's
 # fixtures are built once, in one process). Many tests mostly wait, not compute:
 # on links shaped to 100 Mbit/s, on timeouts a fault test must reach, on ranks that share
-# the cores. The tests marked `alone` time frames to the millisecond; they run after the
-# others, one at a time. TEST_WORKERS=0 runs the others in one process as well.
+# the cores. The tests marked `alone` (millisecond timings, races between messages) run
+# after the others, one at a time. TEST_WORKERS=0 runs the others in one process as well.
 # pytest exits 5 when it collects no test; that is reported, not hidden, and not a failure
 # of the command itself.
 TEST_WORKERS ?= 2

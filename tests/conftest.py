@@ -120,29 +120,8 @@ def _declared_timeout(item: pytest.Item) -> float | None:
     return float(value) if value is not None else None
 
 
-def _longest_files_first(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` file by file, the files with the longest declared timeout first
-    (then the largest sum of them); a file's own tests keep their order. ``make test``
-    hands whole files to its test processes in this order, so the longest tests start
-    early: the zoo's 3-5 minute test, alphabetically last, used to start when the other
-    processes had little left, and ran alone at the end."""
-
-    def file_of(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0]
-
-    longest: dict[str, float] = {}
-    total: dict[str, float] = {}
-    for item in items:
-        f, t = file_of(item), _declared_timeout(item) or 0.0
-        longest[f], total[f] = max(longest.get(f, 0.0), t), total.get(f, 0.0) + t
-    order = sorted(longest, key=lambda f: (-longest[f], -total[f]))
-    rank = {f: k for k, f in enumerate(order)}
-    items.sort(key=lambda item: rank[file_of(item)])
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--lane") != "fast":
-        _longest_files_first(items)
         return
     keep, drop = [], []
     for item in items:
