@@ -46,11 +46,6 @@ from thinwire.train.async_task import async_config, gpt_task, run
 from thinwire.train.config import TrainConfig
 from thinwire.train.metrics import read_metrics
 
-# alone: which message reaches a stopped worker first, the server's reason or the closed
-# connection, is a race that other tests' load decided wrongly once (make test runs
-# these after the others, one at a time)
-pytestmark = pytest.mark.alone
-
 _MODEL = [
     "--model",
     "tiny",

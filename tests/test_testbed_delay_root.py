@@ -29,13 +29,7 @@ from thinwire.testbed.rates import parse_rate
 from thinwire.testbed.registry import STATE_DIR, delay_log_path
 
 _REASON = unavailable_reason()
-# alone: they time frames through the delay line to the millisecond, which a machine
-# busy with other tests' ranks delays (make test runs them after the others)
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.alone,
-    pytest.mark.skipif(_REASON is not None, reason=_REASON or ""),
-]
+pytestmark = [pytest.mark.root, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
 @pytest.fixture(scope="module", autouse=True)
