@@ -75,6 +75,12 @@ def test_run_key_is_derived_and_never_shown() -> None:
     assert _KEY.read_beat("r", 1, 2, beat) == 7
     assert _KEY.read_beat("r", 1, 3, beat) is None  # another incarnation's
     assert RunKey.from_token(b"another token of the run").read_beat("r", 1, 2, beat) is None
+    # the server's word to a stopped worker, left in the store: only that incarnation's
+    word = _KEY.word("r", 1, 2, b"evicted")
+    assert _KEY.read_word("r", 1, 2, word) == b"evicted"
+    assert _KEY.read_word("r", 1, 3, word) is None
+    assert _KEY.read_word("r", 1, 2, b"evicted" + word[-32:][::-1]) is None  # forged tag
+    assert _KEY.read_word("r", 1, 2, word[-32:]) is None  # a tag alone says nothing
 
 
 # --- seals, without a network ------------------------------------------------------------

@@ -228,6 +228,18 @@ class RunKey:
         tag = self.mac(b"beat\0", _ids(run_id, worker, incarnation), struct.pack("<Q", count))
         return struct.pack("<Q", count) + tag
 
+    def word(self, run_id: str, worker: int, incarnation: int, body: bytes) -> bytes:
+        """``body`` sealed for one worker incarnation: what the server leaves it in the store."""
+        return body + self.mac(b"word\0", _ids(run_id, worker, incarnation), body)
+
+    def read_word(self, run_id: str, worker: int, incarnation: int, blob: bytes) -> bytes | None:
+        """The body of a :meth:`word`; None if it does not verify."""
+        body = blob[:-32]
+        ok = len(blob) > 32 and hmac.compare_digest(
+            self.word(run_id, worker, incarnation, body), blob
+        )
+        return body if ok else None
+
     def read_beat(self, run_id: str, worker: int, incarnation: int, blob: bytes) -> int | None:
         """The count of a sealed heartbeat; None if it does not verify."""
         if len(blob) != 40:

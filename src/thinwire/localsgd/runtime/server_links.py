@@ -75,8 +75,10 @@ class WorkerLinks:
         self.state.banned.add((w, inc))
         self.state.reading.pop(w, None)
         self.pull.forget(w)
+        word = Refused(self.numel, self.crc, Why.EVICTED, _detail(why))
+        self.transport.leave_word(w, inc, word)  # first: the link may close before it is read
         with contextlib.suppress(RuntimeError):
-            self.transport.send(w, Refused(self.numel, self.crc, Why.EVICTED, _detail(why)))
+            self.transport.send(w, word)
         self.transport.close(w, drain=True)
         _log.warning(
             "thinwire: stopped worker %d for its refused pushes, the last: %s", w, describe(why)

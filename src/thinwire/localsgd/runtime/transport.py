@@ -39,6 +39,10 @@ pseudo-gradients as ``localsgd.push``; point-to-point, so payload and wire bytes
 equal. Links are always gloo (NCCL has no CPU-side polling; the traffic is one vector
 per round of H steps).
 
+A worker the server stops (its pushes refused) is told why on its link and, sealed, in
+the store (:meth:`Transport.leave_word`): a worker busy sending when its link closes
+never reads the first, and reads the second when its send fails.
+
 Dead peers: a worker that exits closes its sockets, and a send to it raises, which the
 server takes as a death notice. Workers also beat a heartbeat in the store from a
 background thread (:meth:`Transport.beat`), so the server tells a dead worker from a
@@ -106,6 +110,10 @@ _QUEUE = "to_server"
 
 def _bytes(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().view(torch.uint8).numpy())
+
+
+def _header(msg: Message) -> torch.Tensor:
+    return torch.tensor(encode(msg), dtype=torch.float64)
 
 
 LINK_TIMEOUTS: dict[str, float] = {"connect_timeout_s": 120.0, "timeout_s": 1800.0}
@@ -314,6 +322,31 @@ class Transport:
         finally:
             pg.abort()
 
+    def leave_word(self, worker: int, incarnation: int, why: Refused) -> None:
+        """On the server: why ``worker``'s ``incarnation`` is stopped, kept (sealed) in the
+        store too. The :class:`Refused` sent on its link is lost when the worker is
+        sending, not receiving, as the link closes (a round already under way); the
+        worker then reads it here (:meth:`word_left`). Never raises."""
+        blob = self.key.word(self.run_id, worker, incarnation, _bytes(_header(why)))
+        with contextlib.suppress(RuntimeError):
+            self.store.set(f"stopped/{worker}/{incarnation}", blob)
+
+    def word_left(self, wait_s: float) -> Refused | None:
+        """On a worker whose link failed: why the server stopped this incarnation, waiting
+        up to ``wait_s`` seconds for the word (the server may still be deciding); None
+        if it left none, or cannot be asked."""
+        key = f"stopped/{self.rank}/{self.incarnation}"
+        try:
+            self.store.wait([key], timedelta(seconds=wait_s))
+            blob = self.store.get(key)
+            body = self.key.read_word(self.run_id, self.rank, self.incarnation, blob)
+            if body is None:  # not the server's: ignored, as a forged heartbeat is
+                return None
+            msg = decode(torch.frombuffer(bytearray(body), dtype=torch.float64).tolist())
+        except (RuntimeError, ValueError):  # MessageError is a ValueError
+            return None
+        return msg if isinstance(msg, Refused) else None
+
     def linked(self, worker: int) -> bool:
         """On the server: whether a link to ``worker`` is open."""
         return worker in self._links
@@ -384,7 +417,7 @@ class Transport:
     def _send_header(
         self, pg: dist.ProcessGroupGloo, ch: Channel, msg: Message, digest: bytes | None
     ) -> None:
-        header = torch.tensor(encode(msg), dtype=torch.float64)
+        header = _header(msg)
         seal = ch.seal(_bytes(header), digest or payload_digest(None))
         pg.send([header], 1, _HEADER_TAG).wait(self.timeout)
         pg.send([torch.frombuffer(bytearray(seal), dtype=torch.uint8)], 1, _SEAL_TAG).wait(
@@ -441,7 +474,7 @@ class Transport:
         if flat is not None and msg.kind not in _PAYLOAD_OPS:
             raise ValueError(f"a {msg.kind.name} message carries no payload")
         # Sealed here, in submission order, so the sequence numbers follow the sends.
-        header = torch.tensor(encode(msg), dtype=torch.float64)
+        header = _header(msg)
         ch = self.seals.server(dst, self._link_incarnation[dst])
         seal = ch.seal(_bytes(header), payload_digest(flat))
         pg = self._links[dst]

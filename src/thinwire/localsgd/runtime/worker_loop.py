@@ -39,6 +39,11 @@ from thinwire.safeload import safe_load
 
 __all__ = ["LoopSettings", "load_worker_state", "save_worker_state", "work_loop"]
 
+_WORD_WAIT_S = 5.0
+"""How long a worker whose link failed waits for the server's reason in the store: the
+server leaves it before it closes a link, but a link can also fail first on the worker's
+side while the server is still reading the push that decides it."""
+
 
 def save_worker_state(
     path: Path, worker: LocalWorker, push: PushEncoder, version: int, rank: int
@@ -141,9 +146,17 @@ def work_loop(
     try:
         hello = Hello(*shape_signature(worker.model), st.late, st.force)
         keep = _Keeper(st.state_path, st.resume, transport.rank)
-        return _rounds(
-            worker, transport, st.server, compress, on_round, st.max_restarts, hello, keep
-        )
+        try:
+            return _rounds(
+                worker, transport, st.server, compress, on_round, st.max_restarts, hello, keep
+            )
+        except RuntimeError:
+            # A link that closed while this worker was sending (a round under way) never
+            # delivered the server's reason; the server leaves it in the store as well.
+            word = transport.word_left(_WORD_WAIT_S)
+            if word is None:
+                raise
+            raise ConfigError(_refusal(word, transport.rank, hello.numel, hello.checksum)) from None
     finally:
         stop_beating.set()
         transport.close()
