@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,6 +88,25 @@ def cli_env() -> dict[str, str]:
     env.pop("WORLD_SIZE", None)
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def _in_env(
+    env: dict[str, str], cwd: str, target: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
+
+
+def process(target: Callable[..., Any], *args: Any) -> Any:
+    """A process (not started) that runs ``target(*args)``: a fork of thinwire's warm fork
+    server (:mod:`thinwire.comm.start_method`), as a spawned rank is, with this process's
+    environment and directory as they are now (the server's are from when it started).
+    Events and queues for it come from :func:`thinwire.comm.start_method.context`."""
+    from thinwire.comm.start_method import context
+
+    return context().Process(target=_in_env, args=(dict(os.environ), os.getcwd(), target, args))
 
 
 def interruptible() -> None:

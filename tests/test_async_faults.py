@@ -34,9 +34,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import TINY_FLAGS, tiny_async_config
+from conftest import TINY_FLAGS, process, tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port, spawn
+from thinwire.comm.start_method import context
 from thinwire.localsgd import AsyncConfig, Task, run_async
 from thinwire.localsgd.messages import Hello, Update, pack_queued
 from thinwire.localsgd.runtime.auth import Channel, RunKey
@@ -135,10 +136,10 @@ def _forge(port: int) -> None:
 @pytest.mark.timeout(240)
 def test_a_stranger_cannot_join_or_harm_the_run(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path / "a")
-    ctx = mp.get_context("spawn")
+    ctx = context()
     events = {1: ctx.Event(), 2: ctx.Event(), "go": ctx.Event()}
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, 3, port, cfg, events, results)) for r in range(3)]
+    procs = [process(_rank, r, 3, port, cfg, events, results) for r in range(3)]
     for p in procs:
         p.start()
     attackers: list[subprocess.Popen[str]] = []
@@ -265,7 +266,7 @@ def _poisoned(rank: int, world: int, evicted: Any) -> Any:
 
 @pytest.mark.timeout(150)
 def test_nan_and_absurd_pushes_from_token_holders_are_refused() -> None:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     evicted = {2: ctx.Event(), 3: ctx.Event()}
     s, good, nan_worker, wild_worker = spawn(_poisoned, 4, (evicted,), timeout_s=120)
     # Each bad worker's first round was healthy and applied; then three refusals apiece,
@@ -552,7 +553,7 @@ def _misbehaving(rank: int, world: int, stopped: Any) -> Any:
 def test_a_push_sent_twice_stops_its_sender_at_once_and_nothing_waits() -> None:
     # Before, the server's send of the next round and the worker's send of the copy
     # waited on each other until the link timeout: 98 s for a run of 16.
-    stopped = mp.get_context("spawn").Event()
+    stopped = context().Event()
     s, good, twice = spawn(_misbehaving, 3, (stopped,), timeout_s=120)
     # Refused before its payload could matter, counted, and its sender stopped. The
     # first copy is applied if it was in before the second was announced.

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import tiny_async_config
+from conftest import process, tiny_async_config
 from thinwire.comm.launch import DistributedError, free_port, spawn
+from thinwire.comm.start_method import context
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
 from thinwire.localsgd.algorithm.server_core import Work
@@ -103,10 +104,10 @@ def test_killed_worker_does_not_stop_the_run(tmp_path: Path) -> None:
     # gets a round before the two survivors could spend the whole budget (with 10 they
     # sometimes did, and the victim was told to stop before it could die).
     cfg = _cfg(tmp_path, steps=30, dead_after_s=5.0)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 4, port, cfg, 3, results)) for r in range(4)]
+    procs = [process(_rank_main, r, 4, port, cfg, 3, results) for r in range(4)]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}

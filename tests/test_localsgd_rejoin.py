@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import TINY_FLAGS, tiny_async_config
+from conftest import TINY_FLAGS, process, tiny_async_config
 from thinwire.cli.main import main as cli_main
 from thinwire.comm.launch import free_port
+from thinwire.comm.start_method import context
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.messages import Hello, RunInfo, Work
@@ -121,11 +121,11 @@ def _rank_main(
 
 
 def _start(cfg: TrainConfig, roles: list[str], events: dict[str, Any]) -> tuple[Any, list, int]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, len(roles), port, cfg, role, events, results))
+        process(_rank_main, r, len(roles), port, cfg, role, events, results)
         for r, role in enumerate(roles)
     ]
     for p in procs:
@@ -161,7 +161,7 @@ def _reap(procs: list) -> list[int | None]:
 @pytest.mark.timeout(180)
 def test_killed_worker_process_rejoins(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     events = {"victim": ctx.Event(), "go": ctx.Event()}
     results, procs, port = _start(cfg, ["server", "survivor", "victim"], events)
     rejoiner: subprocess.Popen[str] | None = None
@@ -224,12 +224,12 @@ def test_forced_rejoin_replaces_a_stalled_worker(tmp_path: Path) -> None:
     # The stall is not a death (dead_after_s); the new worker 2 is slowed down, and worker
     # 1 held until the old one has pushed, so that the budget outlasts the stale push.
     cfg = _cfg(tmp_path, slowdown=(1.0, 20.0), dead_after_s=30.0)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     events = {"victim": ctx.Event(), "go": ctx.Event()}
     results, procs, port = _start(cfg, ["server", "held", "stalled"], events)
     try:
         assert events["victim"].wait(90), "worker 2 never finished a round"
-        procs.append(ctx.Process(target=_rejoin_main, args=(port, cfg, results)))
+        procs.append(process(_rejoin_main, port, cfg, results))
         procs[-1].start()
         got = _collect(results, {0, 1, 2, "rejoined"}, time.monotonic() + 120)
     finally:
@@ -266,9 +266,9 @@ def _slow_server(port: int, results: Any) -> None:
 @pytest.mark.timeout(60)
 def test_link_waits_longer_than_its_connect_timeout() -> None:
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
-    server = ctx.Process(target=_slow_server, args=(port, results))
+    server = process(_slow_server, port, results)
     server.start()
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
@@ -291,7 +291,7 @@ def test_bad_rejoins_fail_fast_and_leave_the_run_alone(
 ) -> None:
     # A paused worker must keep looking alive on a loaded machine: a longer silence.
     cfg = _cfg(tmp_path, dead_after_s=8.0)
-    ctx = mp.get_context("spawn")
+    ctx = context()
     events = {"victim": ctx.Event(), "go": ctx.Event()}
     results, procs, port = _start(cfg, ["server", "paused", "paused"], events)
     host = "127.0.0.1"

@@ -22,7 +22,6 @@ Tuning and reading the numbers:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from thinwire.analysis.profile import Profile, load_profile
+from thinwire.comm.start_method import context
 from thinwire.errors import ConfigError
 
 __all__ = ["host_threads", "merge_profiles", "profile_processes"]
@@ -175,7 +175,10 @@ def profile_processes(
         model, batch_size, threads, hosts, warmup, steps, observe_ddp, own_session, onebit_algo
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    # Forks of thinwire's warm fork server (torch already imported), as spawn's ranks are:
+    # a fresh interpreter per process took about 5 s of CPU to import before it timed
+    # anything, 4 processes per point on 2 cores.
+    ctx = context()
     barrier = ctx.Barrier(processes)
     paths = [str(out_dir / f"profile-{i}.json") for i in range(processes)]
     procs = [
