@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import interruptible
+from conftest import TINY_FLAGS, interruptible
 from thinwire.cli.main import main
 from thinwire.errors import ConfigError
 from thinwire.testbed import Cluster, list_clusters, remove_clusters, unavailable_reason
@@ -112,6 +112,38 @@ def test_crashed_rank_stops_the_others_and_cluster_is_removed(tmp_path: Path) ->
     for i in (0, 2, 3):
         assert res.hosts[i].terminated and res.hosts[i].returncode != 0
     assert not res.ok and res.returncode == 3
+    assert _gone(cid)
+
+
+@pytest.mark.timeout(120)
+def test_thinwire_commands_start_on_warm_hosts_and_behave_as_fresh_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tw = [sys.executable, "-m", "thinwire"]
+    train = [*tw, "train", *TINY_FLAGS, "--batch-size", "2", "--no-progress"]
+    with Cluster(2, "1gbit") as c:
+        cid = c.cluster_id
+        # A real job: each host's rank from its RANK, gloo on the host's own interface.
+        ok = c.run([*train, "--steps", "3", "--out", str(tmp_path / "run")], log_dir=tmp_path / "a")
+        bad = c.run([*tw, "train", "--no-such-flag"], log_dir=tmp_path / "b")
+        # Stopped at the timeout, as a fresh host would be: its whole process group.
+        long = c.run(
+            [*train, "--steps", "100000", "--out", str(tmp_path / "long")],
+            timeout_s=10,
+            grace_s=1.0,
+            log_dir=tmp_path / "c",
+        )
+        monkeypatch.setenv("THINWIRE_TESTBED_WARM", "0")
+        fresh = c.run([*tw, "--version"], log_dir=tmp_path / "d")
+        other = c.run([sys.executable, "-c", "print('plain')"], log_dir=tmp_path / "e")
+    assert ok.ok and all(h.warm for h in ok.hosts), ok.summary()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    assert [h.returncode for h in bad.hosts] == [2, 2] and all(h.warm for h in bad.hosts)
+    assert "unrecognized arguments: --no-such-flag" in Path(bad.hosts[1].log).read_text()
+    assert long.timed_out and all(h.terminated and h.warm for h in long.hosts)
+    assert all(h.returncode is not None and h.returncode < 0 for h in long.hosts)
+    assert fresh.ok and not any(h.warm for h in fresh.hosts)  # turned off: started fresh
+    assert other.ok and not any(h.warm for h in other.hosts)  # not a thinwire command
     assert _gone(cid)
 
 

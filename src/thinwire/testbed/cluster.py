@@ -64,6 +64,7 @@ from thinwire.testbed.registry import (
 )
 from thinwire.testbed.results import HostResult, RunResult
 from thinwire.testbed.wan import PerHost, WanConfig
+from thinwire.testbed.warm_host import WarmHosts, WarmProcess
 
 __all__ = ["CORE_BRIDGE", "DEFAULT_GRACE_S", "MAX_HOSTS", "SUBNET_PREFIX", "Cluster"]
 
@@ -154,6 +155,9 @@ class Cluster:
         plain (LAN) cluster."""
         self.wan_seed = wan_seed
         self.delay_line: subprocess.Popen[bytes] | None = None
+        self._warm = WarmHosts(self.namespaces)
+        """Servers that start thinwire's own commands on the hosts without importing torch
+        again (:mod:`thinwire.testbed.warm_host`); up from the first such run."""
         self._created: list[str] = []
         self._is_up = False
         self._attached = False
@@ -297,6 +301,7 @@ class Cluster:
 
     def down(self) -> None:
         """Stop every process left in the cluster and delete its namespaces."""
+        self._warm.close()
         names = set(self._created) | set(nx.list_namespaces().get(self.cluster_id, []))
         remove_namespaces(sorted(names))
         if self.delay_line is not None:
@@ -313,6 +318,7 @@ class Cluster:
         if self._attached:
             self._attached = False
             remove_user(self.cluster_id, os.getpid())
+        self._warm.close()
         if not self.persistent:
             self.down()
 
@@ -396,7 +402,7 @@ class Cluster:
         base_env.update(env or {})
 
         before, uplinks_before = self.counters(), self.uplink_counters()
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[subprocess.Popen[bytes] | WarmProcess] = []
         logs = [out_dir / f"host{i}.log" for i in range(self.hosts)]
         t0 = time.monotonic()
         try:
@@ -421,6 +427,7 @@ class Cluster:
                     log=str(logs[i]),
                     nic=after[i] - before[i],
                     terminated=terminated[i],
+                    warm=isinstance(procs[i], WarmProcess),
                 )
                 for i, ns in enumerate(self.namespaces)
             ],
@@ -447,12 +454,15 @@ class Cluster:
         argv: list[str],
         base_env: dict[str, str],
         logs: list[Path],
-        procs: list[subprocess.Popen[bytes]],
+        procs: list[subprocess.Popen[bytes] | WarmProcess],
     ) -> None:
         """Start ``argv`` in every host's namespace, appending each process to ``procs``
         as it starts (so a failure part way stops those already running)."""
         for i, ns in enumerate(self.namespaces):
             host_env = {**base_env, **self.host_env(i)}
+            if self._warm.can_run(argv, host_env):
+                procs.append(self._warm.start(i, self._argv_for(argv, i), host_env, logs[i]))
+                continue
             with open(logs[i], "wb") as log:
                 procs.append(
                     subprocess.Popen(
@@ -469,7 +479,10 @@ class Cluster:
 
 
 def _wait_for_hosts(
-    procs: list[subprocess.Popen[bytes]], t0: float, timeout_s: float | None, grace_s: float
+    procs: list[subprocess.Popen[bytes] | WarmProcess],
+    t0: float,
+    timeout_s: float | None,
+    grace_s: float,
 ) -> tuple[bool, list[bool]]:
     """Wait until every host exits, or stop them all ``grace_s`` after the first failure
     or at the timeout; returns whether it timed out, and which hosts were stopped."""
@@ -493,7 +506,7 @@ def _wait_for_hosts(
     return timed_out, terminated
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+def _stop(procs: Sequence[subprocess.Popen[bytes] | WarmProcess]) -> None:
     """SIGTERM each live process group, SIGKILL whatever is left after a few seconds."""
     for p in procs:
         if p.poll() is None:

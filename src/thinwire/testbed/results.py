@@ -26,6 +26,9 @@ class HostResult:
     """Bytes and packets on the host's interface during the run (after - before)."""
     terminated: bool = False
     """True if the testbed had to stop this host (another rank failed, or timeout)."""
+    warm: bool = False
+    """True if the host's process was forked by its warm server, not started fresh
+    (:mod:`thinwire.testbed.warm_host`)."""
 
 
 @dataclass
