@@ -15,7 +15,7 @@ The rules this file checks, read from the source with :mod:`ast`:
   ``thinwire.analysis``.
 * The leaves are small shared modules that sit below every layer: ``thinwire``'s own
   ``__init__``, ``errors``, ``io``, ``safeload``, ``rundir``, ``runlock``,
-  ``plotting`` and ``units``. Every module may import them. They import only each other, besides the
+  ``plotting``, ``units`` and ``prestart``. Every module may import them. They import only each other, besides the
   standard library and third-party packages. A new top-level module must be listed here
   as a leaf or a layer, or the test fails.
 * ``thinwire.__main__`` belongs to the CLI. No library module imports ``thinwire.cli``.
@@ -70,7 +70,7 @@ SAME_LAYER_ALLOWED: frozenset[tuple[str, str]] = frozenset(
 """The one allowed direction between packages that share a layer: (importer, imported)."""
 
 LEAVES: frozenset[str] = frozenset(
-    {"__init__", "errors", "io", "safeload", "rundir", "runlock", "plotting", "units"}
+    {"__init__", "errors", "io", "safeload", "rundir", "runlock", "plotting", "units", "prestart"}
 )
 """Shared modules below every layer: anyone may import them; they import only leaves."""
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +112,49 @@ def test_an_unknown_start_method_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(ENV, "fork")
     with pytest.raises(ConfigError, match="THINWIRE_START_METHOD='fork' is not a start method"):
         spawn(_where_am_i, 2)
+
+
+_EARLY = """
+import os, sys
+import thinwire.cli.entry as entry
+assert "torch" not in sys.modules, "the entry point imported torch"
+print(entry.starts_ranks(["train"]), entry.starts_ranks(["compare", "a"]),
+      entry.starts_ranks(["train", "--help"]), entry.starts_ranks(["analyze", "report"]))
+entry_pid = None
+if entry.starts_ranks(["train"]):
+    from multiprocessing import forkserver
+    from thinwire.prestart import warm_up
+    warm_up()
+    entry_pid = forkserver._forkserver._forkserver_pid
+    assert "torch" not in sys.modules  # the server imports it, in the background
+from thinwire.comm.launch import spawn
+parents = spawn(_parent, 2)
+print(entry_pid is not None and set(parents) == {entry_pid})
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_command_starts_the_fork_server_before_it_imports_torch(tmp_path: Path) -> None:
+    # The ranks of a `thinwire train` fork from the server its entry point started, not
+    # from one started at the launch (after the command's own torch import).
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import os\n\ndef _parent(rank, world):\n    return os.getppid()\n\n"
+        "if __name__ == '__main__':\n    from early import _parent\n"
+        + textwrap.indent(_EARLY, "    ")
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "True", "False", "False", "True"]
+    under_torchrun = subprocess.run(
+        [sys.executable, "-c", "import thinwire.cli.entry as e; print(e.starts_ranks(['train']))"],
+        env=env | {"RANK": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert under_torchrun.stdout.split() == ["False"]

@@ -1,5 +1,5 @@
 """The model zoo in CI: every thinwire piece, at its defaults, within 3% of its
-uncompressed baseline on models that are not thinwire's GPT (tiny sizes, one seed).
+uncompressed baseline on every zoo model that is not thinwire's GPT (tiny sizes, one seed).
 
 The benchmark (docs/results/zoo.md, "The model zoo") runs the same code at three seeds
 and a larger size; this is the regression net that keeps a piece from silently breaking
@@ -20,6 +20,9 @@ from thinwire.zoo.compare import EXCEPTIONS, TOLERANCE, render, verdicts, zoo_jo
 from thinwire.zoo.loop import BASELINES
 from thinwire.zoo.run import read_log
 
+HOME = "gpt"
+"""thinwire's own GPT in the zoo (the benchmark's reference row)."""
+
 
 def main(argv: list[str]) -> int:
     """The command without main's error printing, so the ConfigError itself is seen."""
@@ -30,10 +33,13 @@ def main(argv: list[str]) -> int:
 @pytest.mark.timeout(600)
 def test_every_piece_holds_its_baseline_on_every_zoo_model() -> None:
     cnn_freeze_40 = Job(model="relu-cnn", piece="onebit-lamb", seed=7, options={"freeze_step": 40})
-    # The language models at half the batch: the slowest runs of the zoo, and within 3
-    # minutes for all of it on 2 cores (their verdicts match batch 64's, measured).
-    text = ["gpt2", "gpt"]
-    classifiers = [m for m in TASKS if m not in text]
+    # The language model at half the batch: the slowest runs of the zoo (its verdicts
+    # match batch 64's, measured). thinwire's own GPT, the zoo's home row, is left to the
+    # rest of the suite here (every algorithm through the train matrix, the convergence
+    # tests): this net is for the models that are not ours.
+    text = ["gpt2"]
+    models = [m for m in TASKS if m != HOME]
+    classifiers = [m for m in models if m not in text]
     jobs = (
         zoo_jobs(classifiers, PIECES, [0])
         + zoo_jobs(text, PIECES, [0], batch_size=32)
@@ -45,7 +51,7 @@ def test_every_piece_holds_its_baseline_on_every_zoo_model() -> None:
     results = run_jobs(jobs)
     items = verdicts([r for r in results if r.seed == 0])
     print(table := render(items))
-    assert len(items) == len(TASKS) * sum(1 for b in BASELINES.values() if b), table
+    assert len(items) == len(models) * sum(1 for b in BASELINES.values() if b), table
     assert all(v.ok for v in items), table
     assert all(v.skipped_steps == 0 for v in items), table
     for v in items:

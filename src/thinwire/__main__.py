@@ -2,6 +2,6 @@
 
 import sys
 
-from thinwire.cli.main import main
+from thinwire.cli.entry import main
 
 sys.exit(main())

@@ -26,24 +26,11 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from thinwire.errors import ConfigError
+from thinwire.prestart import ENV, PRELOAD
 
 __all__ = ["ENV", "PRELOAD", "context", "start_method"]
 
-ENV = "THINWIRE_START_METHOD"
-"""Environment variable that picks the start method: ``forkserver`` (default) or ``spawn``."""
-
-PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "thinwire.comm.launch",
-    "thinwire.train.trainer",
-]
-"""Imported once by the fork server, so that no rank imports them again. Not ``__main__``
-(multiprocessing's default): the server must not run the user's script. ``torch._dynamo``
-because every ``torch.optim.Optimizer`` imports it on construction: about 2.4 s of CPU on
-this kind of machine, in every rank that builds an optimizer; thinwire's trainer, 0.3 s
-more. Neither import starts a thread or computes."""
+# ENV and PRELOAD live where a command can start the server before it imports torch.
 
 _METHODS = ("forkserver", "spawn")
 

@@ -8,8 +8,8 @@ on this kind of machine, before the first step, on every run. A validation or a 
 
 So, for commands of the form ``[sys.executable, "-m", "thinwire", ...]``, the cluster
 starts one small server per host, inside the host's namespace, at the first such run:
-it imports torch, the compiler and thinwire's command line once, then waits on its
-stdin. For each run it forks a child that becomes the host's process exactly as
+it imports torch and thinwire's command line once (the compiler too, before the first
+command that builds an optimizer), then waits on its stdin. For each run it forks a child that becomes the host's process exactly as
 ``ip netns exec`` would have made it: its own session (the cluster stops a host by its
 process group), the run's environment and working directory, stdout and stderr into the
 host's log, stdin from ``/dev/null``, the run's ``OMP_NUM_THREADS`` applied (torch read
@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -47,7 +49,14 @@ __all__ = ["ENV", "WarmHosts", "WarmProcess", "is_thinwire_command"]
 ENV = "THINWIRE_TESTBED_WARM"
 """``0`` starts every testbed command with ``ip netns exec`` (no warm hosts)."""
 
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "thinwire.cli.main")
+_PRELOAD = ("torch", "torch.distributed", "thinwire.cli.main")
+"""What the server imports when it starts: torch and the command line that ``python -m
+thinwire`` runs."""
+
+_OPTIMIZER_COMMANDS = (("train",), ("bench", "optimizer"))
+"""Commands that build a ``torch.optim.Optimizer``, which imports torch's compiler (2.4 s
+of CPU): the server imports it before it forks the first of them, once, so a probe or a
+benchmark of collectives alone never pays for it."""
 
 
 def is_thinwire_command(argv: Sequence[str]) -> bool:
@@ -207,10 +216,10 @@ def _child(request: dict[str, Any]) -> None:
             import torch
 
             torch.set_num_threads(int(threads))
-        from thinwire.cli.main import main
-
-        sys.argv = ["thinwire", *request["argv"][3:]]
-        code = main(sys.argv[1:])
+        # What "python -m thinwire ..." runs; it ends in sys.exit with the status.
+        sys.argv = [request["argv"][0], *request["argv"][3:]]
+        runpy.run_module("thinwire", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if isinstance(exc.code, str):
@@ -252,6 +261,9 @@ def _serve(requests: IO[bytes], replies: IO[bytes]) -> None:
         while b"\n" in buffered:
             line, buffered = buffered.split(b"\n", 1)
             request = json.loads(line)
+            args = request["argv"][3:]
+            if any(tuple(args[: len(c)]) == c for c in _OPTIMIZER_COMMANDS):
+                importlib.import_module("torch._dynamo")
             pid = os.fork()
             if pid == 0:
                 replies.close()  # the cluster's reader must see the server's end alone
@@ -262,8 +274,6 @@ def _serve(requests: IO[bytes], replies: IO[bytes]) -> None:
 
 def main() -> None:
     """``python -m thinwire.testbed.warm_host``, inside a host's namespace."""
-    import importlib
-
     for name in _PRELOAD:
         importlib.import_module(name)
     replies = os.fdopen(os.dup(1), "wb")
