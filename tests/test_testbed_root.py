@@ -129,7 +129,7 @@ def test_thinwire_commands_start_on_warm_hosts_and_behave_as_fresh_ones(
         # Stopped at the timeout, as a fresh host would be: its whole process group.
         long = c.run(
             [*train, "--steps", "100000", "--out", str(tmp_path / "long")],
-            timeout_s=10,
+            timeout_s=5,
             grace_s=1.0,
             log_dir=tmp_path / "c",
         )

@@ -37,6 +37,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -108,12 +109,14 @@ class _Server:
 
     def __init__(self, namespace: str, env: Mapping[str, str]) -> None:
         self.python_path = env.get("PYTHONPATH")
+        # Why it failed, should it fail to start; closed with the server (close()).
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", namespace, sys.executable, "-m", __name__],
             env=dict(env),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.errors,
             start_new_session=True,  # a Ctrl-C meant for the caller is not meant for it
         )
         self.exits: dict[int, int] = {}
@@ -146,7 +149,12 @@ class _Server:
             self.changed.wait_for(lambda: len(self._started) > seen)
             pid = self._started[seen]
         if pid < 0:
-            raise RuntimeError(f"the warm host server exited (status {self.proc.wait()})")
+            self.errors.seek(0)
+            said = self.errors.read().decode(errors="replace").strip().splitlines()
+            raise RuntimeError(
+                f"a testbed host's warm server exited (status {self.proc.wait()}): "
+                f"{said[-1] if said else 'no message'}; {ENV}=0 starts every command fresh"
+            )
         return WarmProcess(self, pid)
 
     def close(self) -> None:
@@ -158,6 +166,7 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.errors.close()
 
 
 class WarmHosts:
