@@ -56,6 +56,7 @@ from thinwire.optim.sharded import (
 __all__ = [
     "CommOptimizer",
     "adam_direction",
+    "all_finite",
     "check_adam_hyperparameters",
     "check_range",
     "momentum_masks",
@@ -101,6 +102,15 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], t: i
     if group["bias_correction"]:
         return (m / (1 - b1**t)).div_((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
     return m / v.sqrt().add_(group["eps"])
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite, read back in one host sync (a
+    sync per tensor stalls a GPU's stream once per layer)."""
+    if not tensors:
+        return True
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
 def momentum_masks(groups: list[dict[str, Any]]) -> dict[torch.Tensor, torch.Tensor | None]:
@@ -281,15 +291,9 @@ class CommOptimizer(torch.optim.Optimizer):
         """
         if not params:
             return True
-        if self._fsdp_averages_grads:
-            return self._agree_finite(
-                all(bool(torch.isfinite(local(p.grad)).all()) for p in params)
-            )
-        if self.world_size == 1 or self._ddp_averages_grads:
+        if self._fsdp_averages_grads or self.world_size == 1 or self._ddp_averages_grads:
             # One island (a replica group of 1) still agrees: a NaN may be in one shard.
-            return self._agree_finite(
-                all(bool(torch.isfinite(local(p.grad)).all()) for p in params)
-            )
+            return self._agree_finite(all_finite([local(p.grad) for p in params]))
         grads = [local(p.grad) for p in params]
         total = sum(g.numel() for g in grads)
         flat = self._flat_buffer(total, grads[0].device)
@@ -325,17 +329,38 @@ class CommOptimizer(torch.optim.Optimizer):
         dist.all_reduce(flag, group=self._island)
         return float(flag) == 0.0
 
-    def _update_moments(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """Adam's ``m`` and ``v`` of ``p`` (fp32, created at first use) fed ``p.grad``."""
-        b1, b2 = group["betas"]
+    def _moments(self, p: torch.Tensor) -> dict[str, Any]:
+        """``p``'s state, with Adam's ``m`` and ``v`` (fp32) created at first use."""
         state = self.state[p]
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
+
+    def _update_moments(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """Adam's ``m`` and ``v`` of ``p`` (fp32, created at first use) fed ``p.grad``."""
+        b1, b2 = group["betas"]
+        state = self._moments(p)
         g = p.grad.float()
         state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
         state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
         return state
+
+    def _update_moments_all(
+        self, items: list[tuple[torch.Tensor, dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        """:meth:`_update_moments` for plain tensors of one parameter group, with torch's
+        foreach kernels (a few launches for all of them, not a few per layer)."""
+        b1, b2 = items[0][1]["betas"]
+        states = [self._moments(p) for p, _ in items]
+        ms = [s["exp_avg"] for s in states]
+        vs = [s["exp_avg_sq"] for s in states]
+        gs = [p.grad.float() for p, _ in items]
+        torch._foreach_mul_(ms, b1)
+        torch._foreach_add_(ms, gs, alpha=1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        return states
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 copy the update is applied to (the parameter itself when fp32)."""

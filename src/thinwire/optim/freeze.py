@@ -52,10 +52,12 @@ def relative_change(
     """``sum |current - reference| / sum |reference|`` over every element of every tensor
     (of every shard, for FSDP2 shards: DTensors, or plain shards split over ``island``)."""
     pairs = [(local(c), local(r)) for c, r in zip(current, reference, strict=True)]
-    num = sum(float(torch.sub(c, r).abs_().sum()) for c, r in pairs)
-    den = sum(float(r.abs().sum()) for _, r in pairs)
     device = pairs[0][0].device if pairs else None
-    num, den = sum_over([num, den], island, device)
+    totals = [0.0, 0.0]
+    if pairs:  # per-tensor sums stay on the device and are read back in one host sync
+        sums = [torch.stack([torch.sub(c, r).abs_().sum(), r.abs().sum()]) for c, r in pairs]
+        totals = torch.stack([x.to(device) for x in sums]).double().sum(dim=0).tolist()
+    num, den = sum_over(totals, island, device)
     return num / den if den > 0 else math.inf
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from thinwire.optim.base import (
     CommOptimizer,
@@ -25,9 +26,9 @@ from thinwire.optim.base import (
     check_adam_hyperparameters,
     check_range,
 )
-from thinwire.optim.sharded import full_norm, island_norms
+from thinwire.optim.sharded import full_norm, island_norms, layer_norm
 
-__all__ = ["Lamb", "apply_lamb", "ratio_of_norms", "trust_ratio"]
+__all__ = ["FUSED_CHUNK", "Lamb", "apply_lamb", "ratio_of_norms", "trust_ratio"]
 
 
 def trust_ratio(
@@ -50,6 +51,71 @@ def ratio_of_norms(p_norm: float, u_norm: float, min_coeff: float, max_coeff: fl
     return min(max(p_norm / u_norm, min_coeff), max_coeff)
 
 
+FUSED_CHUNK = 1 << 26
+"""Elements per batch of layers that :func:`apply_lamb` steps together: its temporaries
+(the updates and Adam's denominators, fp32) are at most 2 x 256 MiB, whatever the model."""
+
+
+def _batches(
+    items: list[tuple[torch.Tensor, dict[str, Any]]],
+) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
+    """Consecutive runs of ``items`` with one parameter group and one device, each of at
+    most :data:`FUSED_CHUNK` elements (or one larger layer)."""
+    out: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []
+    size = 0
+    for p, group in items:
+        last = out[-1] if out else None
+        if (
+            last is None
+            or last[0][1] is not group
+            or last[0][0].device != p.device
+            or size + p.numel() > FUSED_CHUNK
+        ):
+            out.append([])
+            size = 0
+        out[-1].append((p, group))
+        size += p.numel()
+    return out
+
+
+def _fused_lamb(
+    opt: CommOptimizer, batch: list[tuple[torch.Tensor, dict[str, Any]]], t: int
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """LAMB's step on a batch of whole layers of one group with torch's foreach kernels:
+    a few kernel launches for the batch, and one host sync to read its norms."""
+    group = batch[0][1]
+    b1, b2 = group["betas"]
+    states = opt._update_moments_all(batch)
+    masters = [opt._master(p) for p, _ in batch]
+    ms = [s["exp_avg"] for s in states]
+    vs = [s["exp_avg_sq"] for s in states]
+    # adam_direction's arithmetic, in the same order
+    if group["bias_correction"]:
+        denom = torch._foreach_div(vs, 1 - b2**t)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        u = torch._foreach_div(ms, 1 - b1**t)
+        torch._foreach_div_(u, denom)
+    else:
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_add_(denom, group["eps"])
+        u = torch._foreach_div(ms, denom)
+    del denom
+    if group["weight_decay"]:
+        torch._foreach_add_(u, masters, alpha=group["weight_decay"])
+    norms = torch.stack(torch._foreach_norm(masters) + torch._foreach_norm(u)).tolist()
+    n = len(batch)
+    coeffs = [
+        ratio_of_norms(norms[i], norms[n + i], group["min_coeff"], group["max_coeff"])
+        for i in range(n)
+    ]
+    torch._foreach_mul_(u, [-group["lr"] * c for c in coeffs])
+    torch._foreach_add_(masters, u)
+    for (p, _), master in zip(batch, masters, strict=True):
+        opt._write_back(p, master)
+    return states, coeffs
+
+
 def apply_lamb(
     opt: CommOptimizer,
     items: list[tuple[torch.Tensor, dict[str, Any]]],
@@ -59,35 +125,44 @@ def apply_lamb(
     """LAMB's step ``t`` on every ``(parameter, group)`` of ``items`` (their gradients
     averaged); ``after(group, state, ratio)`` sees each layer's trust ratio. Returns the ratios.
 
-    Under FSDP2 across islands every layer's update is made first (a shard's worth of
-    memory) and all the layers' norms are reduced in one allreduce, then the updates
-    applied: one round trip inside the island per step, not two per layer."""
-
-    def update(p: torch.Tensor, group: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        state = opt._update_moments(p, group)
-        master = opt._master(p)
-        u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
-        if group["weight_decay"]:
-            u.add_(master, alpha=group["weight_decay"])
-        return state, master, u
-
+    Whole layers are stepped in batches with torch's foreach kernels: layer by layer, a
+    GPU spends more time launching LAMB's small kernels and waiting for each layer's
+    norms than computing (an 85M-parameter GPT on an H200: 43 ms a step, against 5 ms
+    for torch's AdamW). Under FSDP2 every layer's update is made first (a shard's worth
+    of memory) and all the layers' norms are read together, across islands in one
+    allreduce inside the island: one round trip per step, not two per layer."""
     island = opt._island
-    made = [] if island is None else [(p, group, *update(p, group)) for p, group in items]
-    norms = island_norms([x for _, _, _, w, u in made for x in (w, u)], island) if made else []
-    coeffs = []
-    for i, (p, group) in enumerate(items):
-        if island is None:  # one layer at a time: no update is held longer than its step
-            state, master, u = update(p, group)
-            c = trust_ratio(master, u, group["min_coeff"], group["max_coeff"])
-        else:
-            state, master, u = made[i][2:]
+    states: list[dict[str, Any]] = []
+    coeffs: list[float] = []
+    if island is None and not any(isinstance(p, DTensor) for p, _ in items):
+        for batch in _batches(items):
+            batch_states, batch_coeffs = _fused_lamb(opt, batch, t)
+            states += batch_states
+            coeffs += batch_coeffs
+    else:
+        made = []
+        for p, group in items:
+            state = opt._update_moments(p, group)
+            master = opt._master(p)
+            u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
+            if group["weight_decay"]:
+                u.add_(master, alpha=group["weight_decay"])
+            made.append((state, master, u))
+        tensors = [x for _, w, u in made for x in (w, u)]
+        if island is not None:
+            norms = island_norms(tensors, island) if made else []
+        else:  # DTensors over every rank: each layer's norm is the whole layer's
+            norms = torch.stack([layer_norm(x) for x in tensors]).tolist() if made else []
+        for i, ((p, group), (state, master, u)) in enumerate(zip(items, made, strict=True)):
             c = ratio_of_norms(
                 norms[2 * i], norms[2 * i + 1], group["min_coeff"], group["max_coeff"]
             )
+            master.add_(u, alpha=-group["lr"] * c)
+            opt._write_back(p, master)
+            states.append(state)
+            coeffs.append(c)
+    for (_, group), state, c in zip(items, states, coeffs, strict=True):
         after(group, state, c)
-        master.add_(u, alpha=-group["lr"] * c)
-        opt._write_back(p, master)
-        coeffs.append(c)
     return coeffs
 
 

@@ -39,7 +39,7 @@ from thinwire.optim.base import (
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.optim.lamb import apply_lamb, ratio_of_norms
-from thinwire.optim.sharded import full_norm, local
+from thinwire.optim.sharded import local, reduce_norms
 from thinwire.optim.step_bound import DEFAULT_STEP_BOUND, bound_lamb_ratio
 from thinwire.optim.two_stage import TwoStageOptimizer
 
@@ -305,7 +305,7 @@ class OneBitLamb(TwoStageOptimizer):
         fresh = torch.div(v_fresh, 1 - b2**t, out=s2) if corrected else s2.copy_(v_fresh)
         fresh.sqrt_().add_(group["eps"])
         frozen = self._denominator(local(state["exp_avg_sq"]), group, self.freeze_step, out=s1)
-        drift = frozen.div_(fresh).max() if view.numel() else torch.full((), -math.inf)
+        drift = frozen.div_(fresh).max() if view.numel() else s1.new_full((), -math.inf)
         u = view  # the momentum now lives in m: the view holds the update from here on
         if corrected:
             torch.div(m, 1 - b1**t, out=u).div_(denom)
@@ -316,7 +316,8 @@ class OneBitLamb(TwoStageOptimizer):
         if group["weight_decay"]:
             u.add_(master, alpha=group["weight_decay"])
             full = torch.linalg.vector_norm(u)
-        w_norm = torch.linalg.vector_norm(master) if bounding else torch.zeros(())
+        # zeros on the device: a host tensor copied up is a sync per layer on a GPU
+        w_norm = torch.linalg.vector_norm(master) if bounding else u_norm.new_zeros(())
         # On the device, no host synchronisation per layer (one for all, when reduced).
         return torch.stack(
             [t.to(view.device, torch.float64) for t in (drift, u_norm, full, w_norm)]
@@ -368,13 +369,15 @@ class OneBitLamb(TwoStageOptimizer):
     def _set_scaling_coeffs(self, items: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Bring every layer's (preconditioned) momentum to the mean RMS, so one 1-bit
         scale fits all."""
-        rms = []
+        norms = []
         for p, group in items:
             m = local(self.state[p]["exp_avg"])
             if group["precondition"]:
                 m = m / self._frozen_denom(p, group)
-            # p.numel() is the whole layer's, shards or not.
-            rms.append(full_norm(m, self._island) / math.sqrt(p.numel()))
+            norms.append(torch.linalg.vector_norm(m))
+        # The whole layers' norms, read back together (p.numel() is the whole layer's).
+        whole = reduce_norms(torch.stack(norms), self._island).tolist() if norms else []
+        rms = [n / math.sqrt(p.numel()) for n, (p, _) in zip(whole, items, strict=True)]
         nonzero = [s for s in rms if s > 0]
         mean = sum(nonzero) / len(nonzero) if nonzero else 1.0
         for (p, _), s in zip(items, rms, strict=True):

@@ -202,13 +202,24 @@ class TwoStageOptimizer(CommOptimizer):
         holding the re-warmup's steps to the step bound instead of lifting ``v`` (BERT
         0.952, bag of words 0.979); lifting only layers whose gradient energy is 4x their
         ``v``'s did not spare the bag of words (0.958; BERT 0.957)."""
+        self._lift(p, group)
+        return super()._update_moments(p, group)
+
+    def _update_moments_all(
+        self, items: list[tuple[torch.Tensor, dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        for p, group in items:
+            self._lift(p, group)
+        return super()._update_moments_all(items)
+
+    def _lift(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Lift ``v`` to this step's ``g^2`` on the first step after a stale freeze."""
         state = self.state[p]
         if self._lift_variance and "exp_avg_sq" in state and p.grad is not None:
             b2, t = group["betas"][1], max(1, self.global_step)
             corr = 1 - b2**t if group["bias_correction"] else 1.0
             g = p.grad.float()
             torch.maximum(state["exp_avg_sq"], g * g * corr, out=state["exp_avg_sq"])
-        return super()._update_moments(p, group)
 
     def _compression_step(self) -> bool:
         raise NotImplementedError
