@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import thinwire.optim.lamb as lamb_module
+import thinwire.optim.base as base_module
 from thinwire.optim import Lamb, OneBitAdam, OneBitLamb
 
 
@@ -58,7 +58,7 @@ def _per_layer_lamb(
 def test_lamb_in_batches_of_layers_matches_a_layer_at_a_time(monkeypatch, chunk: int) -> None:
     # chunk=20 elements: a batch per layer or two, and a layer (7x5) larger than a batch;
     # two groups, so that no batch mixes their settings.
-    monkeypatch.setattr(lamb_module, "FUSED_CHUNK", chunk)
+    monkeypatch.setattr(base_module, "FUSED_CHUNK", chunk)
     params = _layers(8)
     ref = _per_layer_lamb(params, 5, [(0.01, 0.01)] * 5 + [(0.002, 0.0)] * 3)
     opt = Lamb(

@@ -54,11 +54,13 @@ from thinwire.optim.sharded import (
 )
 
 __all__ = [
+    "FUSED_CHUNK",
     "CommOptimizer",
     "adam_direction",
     "all_finite",
     "check_adam_hyperparameters",
     "check_range",
+    "layer_batches",
     "momentum_masks",
 ]
 
@@ -102,6 +104,34 @@ def adam_direction(m: torch.Tensor, v: torch.Tensor, group: dict[str, Any], t: i
     if group["bias_correction"]:
         return (m / (1 - b1**t)).div_((v / (1 - b2**t)).sqrt_().add_(group["eps"]))
     return m / v.sqrt().add_(group["eps"])
+
+
+FUSED_CHUNK = 1 << 26
+"""Elements per batch of layers that the optimizers step together with torch's foreach
+kernels (:func:`layer_batches`): their fp32 temporaries are a few x 256 MiB at most,
+whatever the model."""
+
+
+def layer_batches(
+    items: list[tuple[torch.Tensor, dict[str, Any]]],
+) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
+    """Consecutive runs of ``items`` with one parameter group and one device, each of at
+    most :data:`FUSED_CHUNK` elements (or one larger layer)."""
+    out: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []
+    size = 0
+    for p, group in items:
+        last = out[-1] if out else None
+        if (
+            last is None
+            or last[0][1] is not group
+            or last[0][0].device != p.device
+            or size + p.numel() > FUSED_CHUNK
+        ):
+            out.append([])
+            size = 0
+        out[-1].append((p, group))
+        size += p.numel()
+    return out
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

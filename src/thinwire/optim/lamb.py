@@ -25,10 +25,11 @@ from thinwire.optim.base import (
     adam_direction,
     check_adam_hyperparameters,
     check_range,
+    layer_batches,
 )
 from thinwire.optim.sharded import full_norm, island_norms, layer_norm
 
-__all__ = ["FUSED_CHUNK", "Lamb", "apply_lamb", "ratio_of_norms", "trust_ratio"]
+__all__ = ["Lamb", "apply_lamb", "ratio_of_norms", "trust_ratio"]
 
 
 def trust_ratio(
@@ -49,33 +50,6 @@ def ratio_of_norms(p_norm: float, u_norm: float, min_coeff: float, max_coeff: fl
     if p_norm == 0.0 or u_norm == 0.0:
         return 1.0
     return min(max(p_norm / u_norm, min_coeff), max_coeff)
-
-
-FUSED_CHUNK = 1 << 26
-"""Elements per batch of layers that :func:`apply_lamb` steps together: its temporaries
-(the updates and Adam's denominators, fp32) are at most 2 x 256 MiB, whatever the model."""
-
-
-def _batches(
-    items: list[tuple[torch.Tensor, dict[str, Any]]],
-) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
-    """Consecutive runs of ``items`` with one parameter group and one device, each of at
-    most :data:`FUSED_CHUNK` elements (or one larger layer)."""
-    out: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []
-    size = 0
-    for p, group in items:
-        last = out[-1] if out else None
-        if (
-            last is None
-            or last[0][1] is not group
-            or last[0][0].device != p.device
-            or size + p.numel() > FUSED_CHUNK
-        ):
-            out.append([])
-            size = 0
-        out[-1].append((p, group))
-        size += p.numel()
-    return out
 
 
 def _fused_lamb(
@@ -135,7 +109,7 @@ def apply_lamb(
     states: list[dict[str, Any]] = []
     coeffs: list[float] = []
     if island is None and not any(isinstance(p, DTensor) for p, _ in items):
-        for batch in _batches(items):
+        for batch in layer_batches(items):
             batch_states, batch_coeffs = _fused_lamb(opt, batch, t)
             states += batch_states
             coeffs += batch_coeffs

@@ -34,6 +34,7 @@ from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import (
     check_adam_hyperparameters,
     check_range,
+    layer_batches,
     momentum_masks,
 )
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
@@ -162,7 +163,6 @@ class OneBitLamb(TwoStageOptimizer):
         super().__init__(params, defaults, freeze_step, process_group, block, total_steps, exchange)
         self.last_coeffs: list[float] = []
         self.last_factors: list[float] = []
-        self._work: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ warmup
 
@@ -234,19 +234,18 @@ class OneBitLamb(TwoStageOptimizer):
         bounding = self._bounding()
         masks = momentum_masks(self.param_groups)
         # Two passes: every layer's new momentum, its update (into the exchange's view,
-        # no longer needed) and this rank's share of the layer's numbers first; then those
-        # numbers reduced over the island in ONE collective (not five per layer: under
-        # FSDP2 each is a round trip of its own); then the updates.
-        stats = self._layer_stats(
-            [
-                self._new_momentum(p, groups[p], view, masks.get(p), bounding)
-                for p, view in zip(params, views, strict=True)
-            ]
-        )
-        coeffs, factors, bounded = [], [], False
-        for (p, view), (drift, u_norm, full, w_norm) in zip(
-            zip(params, views, strict=True), stats, strict=True
-        ):
+        # no longer needed) and this rank's share of the layer's numbers first, in
+        # batches of layers with torch's foreach kernels; then those numbers reduced over
+        # the island in ONE collective (not five per layer: under FSDP2 each is a round
+        # trip of its own) and read back in one host sync; then the updates.
+        index = {p: i for i, p in enumerate(params)}
+        shares = [
+            self._new_momenta(batch, [views[index[p]] for p, _ in batch], masks, bounding)
+            for batch in layer_batches(items)
+        ]
+        stats = self._layer_stats(torch.cat(shares)) if shares else []
+        coeffs, factors, scales, bounded = [], [], [], False
+        for p, (drift, u_norm, full, w_norm) in zip(params, stats, strict=True):
             group, state = groups[p], self.state[p]
             f = drift
             if group["weight_decay"]:
@@ -257,79 +256,95 @@ class OneBitLamb(TwoStageOptimizer):
             bound = group["step_bound"] if bounding else None
             coeff, shortened = bound_lamb_ratio(state["lamb_coeff_freeze"] * f, lamb_ratio, bound)
             bounded |= shortened
-            master = local(self._master(p))
-            master.add_(view, alpha=-group["lr"] * coeff)
-            self._write_back(p, master)
+            scales.append(-group["lr"] * coeff)
             coeffs.append(coeff)
             factors.append(f)
+        masters = [local(self._master(p)) for p in params]
+        if params:
+            torch._foreach_mul_(views, scales)
+            torch._foreach_add_(masters, views)
+        for p, master in zip(params, masters, strict=True):
+            self._write_back(p, master)
         self.last_coeffs, self.last_factors = coeffs, factors
         self._count_bounded(bounded)
         return True
 
-    def _new_momentum(
+    def _new_momenta(
         self,
-        p: torch.Tensor,
-        group: dict[str, Any],
-        view: torch.Tensor,
-        mask: torch.Tensor | None,
+        batch: list[tuple[torch.Tensor, dict[str, Any]]],
+        views: list[torch.Tensor],
+        masks: dict[torch.Tensor, torch.Tensor | None],
         bounding: bool,
     ) -> torch.Tensor:
-        """Take layer ``p``'s averaged momentum from ``view`` into its state (times
-        ``mask``, the momentum's mask, if any), feed the gradient it implies to the fresh
-        variance, and leave the layer's update in ``view``. Returns this rank's share of
-        the layer's numbers (float64): the largest drift of the frozen variance from the
-        fresh one, the update's norm before and after weight decay, and the weights' norm
-        (0 when the step bound is off)."""
-        state = self.state[p]
+        """For each layer of ``batch`` (one parameter group): take its averaged momentum
+        from its view into its state (times the momentum's mask, if any), feed the
+        gradient it implies to the fresh variance, and leave the layer's update in the
+        view. Returns this rank's share of each layer's numbers (layers x 4, float64):
+        the largest drift of the frozen variance from the fresh one, the update's norm
+        before and after weight decay, and the weights' norm (0 when the step bound is
+        off). Torch's foreach kernels: a few launches for the batch, none per layer."""
+        group = batch[0][1]
         b1, b2 = group["betas"]
-        t = self.global_step
-        # This rank's shard of every tensor (the whole tensor without FSDP2).
-        m, v_fresh = local(state["exp_avg"]), local(state["exp_avg_sq_fresh"])
-        work = self._scratch(2 * view.numel(), view.device)
-        s1, s2 = work[: view.numel()].view(view.shape), work[view.numel() :].view(view.shape)
-        denom = self._frozen_denom(p, group)
-        m_new = view.div_(state["scaling_coeff"])
-        if group["precondition"]:
-            m_new.mul_(denom)
-        # The averaged momentum implies the averaged gradient; feed it to v_fresh.
-        g_rec = torch.sub(m_new, torch.mul(m, b1, out=s1), out=s1).div_(1 - b1)
-        v_fresh.mul_(b2).addcmul_(g_rec, g_rec, value=1 - b2)
-        m.copy_(m_new)
-        if mask is not None:
-            m.mul_(mask)
-        master = local(self._master(p))
-        # Drift of the frozen variance from the fresh one: the ratio of their
-        # denominators, max over the layer. The frozen one is read as it was (not
-        # floored): an element the floor raised would otherwise read as drift.
+        t, eps = self.global_step, group["eps"]
         corrected = group["bias_correction"]
-        fresh = torch.div(v_fresh, 1 - b2**t, out=s2) if corrected else s2.copy_(v_fresh)
-        fresh.sqrt_().add_(group["eps"])
-        frozen = self._denominator(local(state["exp_avg_sq"]), group, self.freeze_step, out=s1)
-        drift = frozen.div_(fresh).max() if view.numel() else s1.new_full((), -math.inf)
-        u = view  # the momentum now lives in m: the view holds the update from here on
+        states = [self.state[p] for p, _ in batch]
+        # This rank's shard of every tensor (the whole tensor without FSDP2).
+        ms = [local(s["exp_avg"]) for s in states]
+        v_fresh = [local(s["exp_avg_sq_fresh"]) for s in states]
+        denoms = [self._frozen_denom(p, group) for p, _ in batch]
+        masters = [local(self._master(p)) for p, _ in batch]
+        torch._foreach_div_(views, [s["scaling_coeff"] for s in states])
+        if group["precondition"]:
+            torch._foreach_mul_(views, denoms)
+        # The averaged momentum implies the averaged gradient; feed it to v_fresh.
+        g_rec = torch._foreach_sub(views, torch._foreach_mul(ms, b1))
+        torch._foreach_div_(g_rec, 1 - b1)
+        torch._foreach_mul_(v_fresh, b2)
+        torch._foreach_addcmul_(v_fresh, g_rec, g_rec, value=1 - b2)
+        del g_rec
+        torch._foreach_copy_(ms, views)
+        for (p, _), m in zip(batch, ms, strict=True):
+            if masks.get(p) is not None:
+                m.mul_(masks[p])
+        # Drift of the frozen variance from the fresh one: the ratio of their
+        # denominators, max over the layer (both positive: the inf-norm). The frozen one
+        # is read as it was (not floored): an element the floor raised would otherwise
+        # read as drift.
+        fresh = torch._foreach_div(v_fresh, 1 - b2**t) if corrected else None
+        fresh = torch._foreach_sqrt(v_fresh) if fresh is None else torch._foreach_sqrt(fresh)
+        torch._foreach_add_(fresh, eps)
+        vs = [local(s["exp_avg_sq"]) for s in states]
+        frozen = torch._foreach_div(vs, 1 - b2**self.freeze_step) if corrected else None
+        frozen = torch._foreach_sqrt(vs) if frozen is None else torch._foreach_sqrt(frozen)
+        torch._foreach_add_(frozen, eps)
+        torch._foreach_div_(frozen, fresh)
+        # An empty shard has no largest element: -inf, which the island's max ignores.
+        filled = [x for x in frozen if x.numel()]
+        maxima = iter(torch._foreach_norm(filled, math.inf) if filled else [])
+        drifts = [next(maxima) if x.numel() else x.new_full((), -math.inf) for x in frozen]
+        del fresh, frozen
+        # The update replaces the momentum in the views.
+        torch._foreach_copy_(views, ms)
         if corrected:
-            torch.div(m, 1 - b1**t, out=u).div_(denom)
-        else:
-            torch.div(m, denom, out=u)
-        u_norm = torch.linalg.vector_norm(u)
-        full = u_norm
+            torch._foreach_div_(views, 1 - b1**t)
+        torch._foreach_div_(views, denoms)
+        u_norms = torch._foreach_norm(views)
+        full = u_norms
         if group["weight_decay"]:
-            u.add_(master, alpha=group["weight_decay"])
-            full = torch.linalg.vector_norm(u)
-        # zeros on the device: a host tensor copied up is a sync per layer on a GPU
-        w_norm = torch.linalg.vector_norm(master) if bounding else u_norm.new_zeros(())
-        # On the device, no host synchronisation per layer (one for all, when reduced).
-        return torch.stack(
-            [t.to(view.device, torch.float64) for t in (drift, u_norm, full, w_norm)]
-        )
+            torch._foreach_add_(views, masters, alpha=group["weight_decay"])
+            full = torch._foreach_norm(views)
+        columns = [torch.stack(drifts), torch.stack(u_norms), torch.stack(full)]
+        if bounding:
+            columns.append(torch.stack(torch._foreach_norm(masters)))
+        else:
+            columns.append(torch.zeros_like(columns[0]))
+        return torch.stack([c.double() for c in columns], dim=1)
 
-    def _layer_stats(self, shares: list[torch.Tensor]) -> list[tuple[float, float, float, float]]:
-        """Every layer's numbers (:meth:`_new_momentum`) for the whole layer: this rank's
-        own without FSDP2; under FSDP2 the island's shares gathered in one collective,
-        the drifts maxed and the norms combined (an empty shard adds nothing)."""
-        if not shares:
-            return []
-        mine = torch.stack(shares)  # layers x 4, on the parameters' device
+    def _layer_stats(self, mine: torch.Tensor) -> list[tuple[float, float, float, float]]:
+        """Every layer's numbers (:meth:`_new_momenta`, layers x 4, on the parameters'
+        device) for the whole layer: this rank's own without FSDP2; under FSDP2 the
+        island's shares gathered in one collective, the drifts maxed and the norms
+        combined (an empty shard adds nothing)."""
         if self._island is not None:
             parts = [torch.empty_like(mine) for _ in range(self._island.size())]
             dist.all_gather(parts, mine, group=self._island)
@@ -358,13 +373,6 @@ class OneBitLamb(TwoStageOptimizer):
             for key in ("exp_avg_sq_fresh", "scaling_coeff"):
                 state.pop(key, None)
             state["last_factor"] = 1.0
-
-    def _scratch(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A reusable fp32 work buffer (no per-step allocations of layer-sized temporaries)."""
-        buf = self._work
-        if buf is None or buf.numel() < numel or buf.device != device:
-            buf = self._work = torch.empty(numel, dtype=torch.float32, device=device)
-        return buf[:numel]
 
     def _set_scaling_coeffs(self, items: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Bring every layer's (preconditioned) momentum to the mean RMS, so one 1-bit
