@@ -144,6 +144,19 @@ def test_unpack_bits_into_out() -> None:
     np.testing.assert_array_equal(short.numpy(), expected[:100])
 
 
+@pytest.mark.parametrize("scale", [0.25, torch.tensor(-3.5), torch.tensor([1e-30])])
+def test_the_gpus_unpacking_of_signs_matches_the_table_bit_for_bit(scale) -> None:
+    # GPUs unpack signs elementwise (bits, then where); the CPU gathers table rows.
+    from thinwire.compress.packing import _unpack_signs_by_bits
+
+    gen = torch.Generator().manual_seed(3)
+    packed = pack_bits(torch.randn(4_096, generator=gen) >= 0)
+    out = torch.empty(64, 64)
+    by_bits = _unpack_signs_by_bits(packed, scale, out)
+    assert by_bits is out
+    assert torch.equal(by_bits.reshape(-1), unpack_signs(packed, scale))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_packing_matches_cpu() -> None:
     gen = torch.Generator().manual_seed(1)

@@ -10,6 +10,7 @@ import torch
 
 from thinwire.comm import COUNTER, spawn
 from thinwire.comm.onebit_allreduce import (
+    GPU_CHUNK,
     LengthMismatchError,
     NonFiniteError,
     OneBitAllreduce,
@@ -413,3 +414,17 @@ def test_cuda_compute_matches_cpu() -> None:
         assert b.is_cuda
         torch.testing.assert_close(b.cpu(), a)
     assert gpu.tuned and gpu.pieces_in_use == 1  # no tuning on CUDA unless asked
+
+
+def test_the_default_chunk_follows_the_buffers_device() -> None:
+    from thinwire.compress.onebit import DEFAULT_CHUNK
+
+    cpu = OneBitAllreduce.compute_only(4, pieces=1)
+    cpu(torch.randn(5_000))
+    assert cpu.chunk == DEFAULT_CHUNK
+    gpu_like = OneBitAllreduce.compute_only(4, pieces=1)
+    gpu_like._allocate(5_000, torch.device("meta"))  # any device but the CPU
+    assert gpu_like.chunk == GPU_CHUNK
+    given = OneBitAllreduce.compute_only(4, chunk=1_003, pieces=1)
+    given._allocate(5_000, torch.device("meta"))
+    assert given.chunk == 1_000  # whole bytes of bits, as asked, on any device

@@ -66,7 +66,7 @@ import torch.distributed as dist
 from thinwire.comm.allreduce import all_reduce_mean_, allreduce_hook
 from thinwire.comm.hook_worker import HookWorker, completed
 from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
-from thinwire.compress.onebit import DEFAULT_CHUNK, check_block
+from thinwire.compress.onebit import check_block
 
 __all__ = ["HOOK_BLOCK", "OneBitHookState", "onebit_hook"]
 
@@ -168,7 +168,7 @@ class OneBitHookState:
         process_group: dist.ProcessGroup | None = None,
         warmup_steps: int = 10,
         nonfinite: str = "allreduce",
-        chunk: int = DEFAULT_CHUNK,
+        chunk: int | None = None,
         overlap: bool = True,
         block: int | None = HOOK_BLOCK,
     ) -> None:

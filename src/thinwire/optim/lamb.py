@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from thinwire.optim.base import (
     CommOptimizer,
     adam_direction,
+    adam_directions,
     check_adam_hyperparameters,
     check_range,
     layer_batches,
@@ -58,23 +59,9 @@ def _fused_lamb(
     """LAMB's step on a batch of whole layers of one group with torch's foreach kernels:
     a few kernel launches for the batch, and one host sync to read its norms."""
     group = batch[0][1]
-    b1, b2 = group["betas"]
     states = opt._update_moments_all(batch)
     masters = [opt._master(p) for p, _ in batch]
-    ms = [s["exp_avg"] for s in states]
-    vs = [s["exp_avg_sq"] for s in states]
-    # adam_direction's arithmetic, in the same order
-    if group["bias_correction"]:
-        denom = torch._foreach_div(vs, 1 - b2**t)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, group["eps"])
-        u = torch._foreach_div(ms, 1 - b1**t)
-        torch._foreach_div_(u, denom)
-    else:
-        denom = torch._foreach_sqrt(vs)
-        torch._foreach_add_(denom, group["eps"])
-        u = torch._foreach_div(ms, denom)
-    del denom
+    u = adam_directions([s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], group, t)
     if group["weight_decay"]:
         torch._foreach_add_(u, masters, alpha=group["weight_decay"])
     norms = torch.stack(torch._foreach_norm(masters) + torch._foreach_norm(u)).tolist()

@@ -22,9 +22,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from thinwire.compress.onebit import DEFAULT_BLOCK
-from thinwire.optim.base import adam_direction, check_adam_hyperparameters, momentum_masks
+from thinwire.optim.base import (
+    adam_direction,
+    adam_directions,
+    check_adam_hyperparameters,
+    layer_batches,
+    momentum_masks,
+)
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.optim.sharded import is_sharded, local, local_norms, reduce_norms
@@ -136,13 +143,29 @@ class OneBitAdam(TwoStageOptimizer):
         if not self._average_gradients([p for p, _ in items]):
             return False
         self.global_step += 1
+        t = self.global_step
         tracked: list[tuple[dict[str, Any], torch.Tensor]] = []
-        for p, group in items:
-            state = self._update_moments(p, group)
-            u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, self.global_step)
-            if group["step_bound"] is not None:
-                tracked.append((state, local_norms([u])[0]))  # before _apply adds the decay
-            self._apply(p, group, u)
+        if any(isinstance(p, DTensor) for p, _ in items):
+            for p, group in items:
+                state = self._update_moments(p, group)
+                u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
+                if group["step_bound"] is not None:
+                    tracked.append((state, local_norms([u])[0]))  # before the decay
+                self._apply(p, group, u)
+        else:  # batches of whole layers (or plain shards), with torch's foreach kernels
+            for batch in layer_batches(items):
+                group = batch[0][1]
+                states = self._update_moments_all(batch)
+                ms, vs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+                u = adam_directions(ms, vs, group, t)
+                if group["step_bound"] is not None:  # before the decay
+                    tracked += zip(states, torch._foreach_norm(u), strict=True)
+                masters = [local(self._master(p)) for p, _ in batch]
+                if group["weight_decay"]:
+                    torch._foreach_add_(u, masters, alpha=group["weight_decay"])
+                torch._foreach_add_(masters, u, alpha=-group["lr"])
+                for (p, _), master in zip(batch, masters, strict=True):
+                    self._write_back(p, master)
         if tracked:  # the whole layers' norms in one reduction for all of them
             norms = reduce_norms(torch.stack([n for _, n in tracked]), self._island)
             for (state, _), norm in zip(tracked, norms, strict=True):
@@ -153,19 +176,10 @@ class OneBitAdam(TwoStageOptimizer):
         items = self._momentum_params()
         groups = dict(items)
 
-        def fill(p: torch.Tensor, view: torch.Tensor) -> None:
-            group = groups[p]
-            b1 = group["betas"][0]
-            denom = self._frozen_denom(p, group)
-            self._gauge_gradient(p, view, denom)
-            torch.mul(local(self.state[p]["exp_avg"]), b1, out=view)
-            if p.grad is not None:
-                view.add_(local(p.grad).float(), alpha=1 - b1)
-            if group["precondition"]:
-                view.div_(denom)
-
         params = [p for p, _ in items]
-        views = self._compressed_average(params, fill, lambda: self._gauge)
+        views = self._compressed_average(
+            params, lambda vs: self._fill_momenta(items, vs), lambda: self._gauge
+        )
         if views is None:
             return False
         self.global_step += 1

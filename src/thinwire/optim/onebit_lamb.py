@@ -215,19 +215,9 @@ class OneBitLamb(TwoStageOptimizer):
         if params and "scaling_coeff" not in self.state[params[0]]:
             self._set_scaling_coeffs(items)
 
-        def fill(p: torch.Tensor, view: torch.Tensor) -> None:
-            group, state = groups[p], self.state[p]
-            b1 = group["betas"][0]
-            denom = self._frozen_denom(p, group)
-            self._gauge_gradient(p, view, denom)
-            torch.mul(local(state["exp_avg"]), b1, out=view)
-            if p.grad is not None:
-                view.add_(local(p.grad).float(), alpha=1 - b1)
-            if group["precondition"]:
-                view.div_(denom)
-            view.mul_(state["scaling_coeff"])
-
-        views = self._compressed_average(params, fill, lambda: self._gauge)
+        views = self._compressed_average(
+            params, lambda vs: self._fill_momenta(items, vs, scaled=True), lambda: self._gauge
+        )
         if views is None:
             return False
         self.global_step += 1

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from thinwire.comm.accounting import record
 from thinwire.comm.momentum_exchange import check_exchange
 from thinwire.compress.onebit import check_block
-from thinwire.optim.base import CommOptimizer, check_range
+from thinwire.optim.base import CommOptimizer, check_range, layer_batches
 from thinwire.optim.floor import FloorReport, floor_denominators, layer_reference
 from thinwire.optim.freeze import (
     DEFAULT_CAP_SHARE,
@@ -282,13 +282,41 @@ class TwoStageOptimizer(CommOptimizer):
                 f"; {floor}" if floor else "",
             )
 
-    def _gauge_gradient(self, p: torch.Tensor, view: torch.Tensor, denom: torch.Tensor) -> None:
-        """Add ``||g / d||^2`` of this rank's gradient of ``p`` to the step's
-        :class:`~thinwire.optim.step_bound.GradientGauge` number (``view`` is scratch
-        here: call before filling it)."""
-        if p.grad is not None and self.onset_reads_gradients:  # else nobody reads it
-            torch.div(local(p.grad), denom, out=view)
-            self._gauge = self._gauge + torch.linalg.vector_norm(view).square()
+    def _fill_momenta(
+        self,
+        items: list[tuple[torch.Tensor, dict[str, Any]]],
+        views: list[torch.Tensor],
+        scaled: bool = False,
+    ) -> None:
+        """Write each layer's new momentum ``b1*m + (1-b1)*g`` into its view of the
+        exchange's buffer: divided by the frozen denominator where the group
+        preconditions, times the layer's ``scaling_coeff`` when ``scaled``. When the
+        onset reads gradients, add ``||g / d||^2`` of this rank's gradients to the step's
+        :class:`~thinwire.optim.step_bound.GradientGauge` number first (the views are
+        its scratch). In batches of layers with torch's foreach kernels."""
+        start = 0
+        for batch in layer_batches(items):
+            group = batch[0][1]
+            b1 = group["betas"][0]
+            vs = views[start : start + len(batch)]
+            start += len(batch)
+            denoms = [self._frozen_denom(p, group) for p, _ in batch]
+            fed = [i for i, (p, _) in enumerate(batch) if p.grad is not None]
+            grads = [local(batch[i][0].grad).float() for i in fed]
+            if grads and self.onset_reads_gradients:  # else nobody reads it
+                scratch = [vs[i] for i in fed]
+                torch._foreach_copy_(scratch, grads)
+                torch._foreach_div_(scratch, [denoms[i] for i in fed])
+                norms = torch._foreach_norm(scratch)
+                self._gauge = self._gauge + torch.stack(norms).square().sum()
+            torch._foreach_copy_(vs, [local(self.state[p]["exp_avg"]) for p, _ in batch])
+            torch._foreach_mul_(vs, b1)
+            if grads:
+                torch._foreach_add_([vs[i] for i in fed], grads, alpha=1 - b1)
+            if group["precondition"]:
+                torch._foreach_div_(vs, denoms)
+            if scaled:
+                torch._foreach_mul_(vs, [self.state[p]["scaling_coeff"] for p, _ in batch])
 
     def _watch_staleness(self, energy: float) -> None:
         """Feed one compressed step's exchanged energy; on a stale variance, go back to
