@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.algorithm.outer import DelayedNesterov, Nesterov
+from thinwire.localsgd.algorithm.outer import AsyncBuffer, DelayedNesterov, Nesterov
 
 
 def _apply(opt: torch.optim.Optimizer, p: torch.Tensor, grads: list[torch.Tensor]) -> None:
@@ -101,3 +101,38 @@ def test_buffer_shrinks_when_a_worker_dies() -> None:
 def test_bad_outer_settings(kw: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         DelayedNesterov([torch.nn.Parameter(torch.zeros(1))], **kw)
+
+
+@pytest.mark.parametrize("cls", [DelayedNesterov, Nesterov, AsyncBuffer])
+def test_the_momentum_warmup_ramps_beta_from_zero_and_resumes_exactly(cls) -> None:
+    # Against a hand-written Nesterov whose beta at arrival k is 0.9 * min(1, k / 6):
+    # with N = 1 every form of the outer step is that Nesterov.
+    torch.manual_seed(3)
+    theta0, grads = torch.randn(33), [torch.randn(33) for _ in range(10)]
+    p = torch.nn.Parameter(theta0.clone())
+    kw = {} if cls is Nesterov else {"buffer_size": 1}
+    opt = cls([p], lr=0.5, momentum=0.9, momentum_warmup=6, **kw)
+    ref, m = theta0.clone().double(), torch.zeros(33, dtype=torch.float64)
+    for k, g in enumerate(grads):
+        beta = 0.9 * min(1.0, k / 6)
+        m = beta * m + g.double()
+        ref -= 0.5 * (g.double() + beta * m)
+        p.grad = g.clone()
+        opt.step()
+        torch.testing.assert_close(p.data.double(), ref, rtol=1e-5, atol=1e-6)
+        if k == 3:  # mid-ramp: a copy from the state dict goes on exactly as the original
+            q = torch.nn.Parameter(p.data.clone())
+            twin = cls([q], lr=0.5, momentum=0.9, **kw)
+            twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for g in grads[4:]:
+        q.grad = g.clone()
+        twin.step()
+    assert torch.equal(q.data, p.data)
+
+
+def test_the_momentum_warmup_must_count_arrivals() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    for bad in (-1, 2.5):
+        with pytest.raises(ConfigError, match="momentum warmup must be an integer") as err:
+            DelayedNesterov([p], momentum_warmup=bad)
+        assert "\n" not in str(err.value)

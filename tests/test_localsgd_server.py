@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.server_core import ServerCore
+from thinwire.localsgd.config import AsyncConfig
 
 
 def _core(**kw: object) -> ServerCore:
@@ -83,3 +86,11 @@ def test_server_refuses_a_push_of_another_model_size() -> None:
     assert core.guard.refused == {"shape": 1} and core.updates_applied == 0
     assert torch.equal(core.theta.detach(), theta)
     assert core.steps_assigned == 0  # the round is rewound, to be handed out again
+
+
+def test_the_outer_momentum_warmup_reaches_the_servers_optimizer() -> None:
+    cfg = AsyncConfig(steps=10, local_steps=5, outer_momentum_warmup=12)
+    core = ServerCore.from_config(torch.zeros(4), cfg, workers=2, shard_sizes=[100, 100])
+    assert core.opt.param_groups[0]["momentum_warmup"] == 12
+    with pytest.raises(ConfigError, match="outer-momentum-warmup must be >= 0"):
+        AsyncConfig(steps=10, local_steps=5, outer_momentum_warmup=-1).check_async(2)

@@ -119,6 +119,13 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=500, help="inner steps per worker (budget)")
     p.add_argument("--outer-lr", type=float, default=None, help="default: each method's tuned")
     p.add_argument("--outer-momentum", type=float, default=None, help="default: tuned")
+    p.add_argument(
+        "--outer-momentum-warmup",
+        type=int,
+        default=0,
+        metavar="ARRIVALS",
+        help="ramp the outer momentum up from 0 over this many arrivals (default 0)",
+    )
     p.add_argument("--c", type=float, default=d.c, help="Delayed Nesterov's c in [0, 1/W]")
     p.add_argument("--grace", type=float, default=d.grace_s, help="grace period, virtual s")
     p.add_argument(
@@ -305,6 +312,7 @@ def _configs(
         local_steps=args.local_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        outer_momentum_warmup=args.outer_momentum_warmup,
         c=args.c,
         grace_s=args.grace,
         inner_momentum=args.inner_state,

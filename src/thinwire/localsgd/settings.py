@@ -101,6 +101,12 @@ class AsyncSettings(LocalSGDSettings):
     tuned setting is momentum 0 (per-arrival SGD).
     ``buffer``: the paper's asynchronous buffer, one Nesterov step per N arrivals with
     theta standing still in between."""
+    outer_momentum_warmup: int = 0
+    """Arrivals over which the outer momentum ramps up linearly from 0 to
+    ``outer_momentum`` (0: from the first). From a trained model the first asynchronous
+    pushes with momentum 0.9 set DN + DyLU back above its start on one seed of six
+    (docs/results/localsgd.md); a ramp of a tenth of the run's arrivals keeps those first
+    outer steps plain. It does not touch synchronous DiLoCo's outer step."""
     c: float = 0.0
     """Delayed Nesterov's c in ``[0, 1/N]``: the share of the momentum applied on every
     arrival instead of at the N-th. 0 (the paper's) delays it fully; ``1/(2N)`` smooths
@@ -213,7 +219,7 @@ class AsyncSettings(LocalSGDSettings):
         ``workers``: W when known; it bounds ``c`` and sizes ``slowdown`` and ``speeds``.
         """
         self.check_local_sgd()
-        for name in ("max_restarts", "calibration_steps"):
+        for name in ("max_restarts", "calibration_steps", "outer_momentum_warmup"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         if self.outer not in OUTER_CHOICES:

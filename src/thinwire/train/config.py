@@ -594,6 +594,7 @@ FILE_ONLY = (
     "min_lr_ratio",
     "betas",
     "c",
+    "outer_momentum_warmup",
     "dylu_ema",
     "connect_timeout_s",
     "link_timeout_s",
@@ -613,9 +614,9 @@ FILE_ONLY = (
 rarely changes, so a flag would only lengthen ``--help``: ``val_fraction`` fixes what
 the validation loss measures (``thinwire compare`` holds it the same for every run);
 ``min_lr_ratio`` and ``betas`` are the schedule's floor and Adam's decay rates, which
-every algorithm's tuned lr assumes; ``c`` and ``dylu_ema`` are Delayed Nesterov's
-momentum share and DyLU's speed average, whose defaults the asynchronous methods were
-tuned with; the asynchronous runtime's deadlines (``connect_timeout_s`` to
+every algorithm's tuned lr assumes; ``c``, ``outer_momentum_warmup`` and ``dylu_ema``
+are Delayed Nesterov's momentum share and ramp and DyLU's speed average, whose defaults
+the asynchronous methods were tuned with; the asynchronous runtime's deadlines (``connect_timeout_s`` to
 ``max_restarts``) matter only on real links, where the testbed hands each host its
 settings as a file; and the admission settings (``token_file`` to
 ``max_refused_pushes``) belong with a deployment's files (``THINWIRE_RUN_TOKEN_FILE``

@@ -60,6 +60,7 @@ class GlobalModel:
         c: float = 0.0,
         staleness: str = "none",
         max_staleness: int | None = None,
+        outer_momentum_warmup: int = 0,
     ) -> None:
         if outer not in OUTER_CHOICES:
             raise ConfigError(f"unknown outer optimizer {outer!r}; choose one of {OUTER_CHOICES}")
@@ -72,14 +73,28 @@ class GlobalModel:
         self.opt: torch.optim.Optimizer
         if outer == "dn":
             self.opt = DelayedNesterov(
-                [self.theta], lr=outer_lr, momentum=outer_momentum, buffer_size=buffer_size, c=c
+                [self.theta],
+                lr=outer_lr,
+                momentum=outer_momentum,
+                buffer_size=buffer_size,
+                c=c,
+                momentum_warmup=outer_momentum_warmup,
             )
         elif outer == "buffer":
             self.opt = AsyncBuffer(
-                [self.theta], lr=outer_lr, momentum=outer_momentum, buffer_size=buffer_size
+                [self.theta],
+                lr=outer_lr,
+                momentum=outer_momentum,
+                buffer_size=buffer_size,
+                momentum_warmup=outer_momentum_warmup,
             )
         else:
-            self.opt = Nesterov([self.theta], lr=outer_lr, momentum=outer_momentum)
+            self.opt = Nesterov(
+                [self.theta],
+                lr=outer_lr,
+                momentum=outer_momentum,
+                momentum_warmup=outer_momentum_warmup,
+            )
         self.staleness = staleness
         self.max_staleness = max_staleness
         self.version = 0

@@ -28,11 +28,17 @@ import torch
 
 from thinwire.errors import ConfigError
 
-__all__ = ["AsyncBuffer", "DelayedNesterov", "Nesterov", "check_outer_args"]
+__all__ = ["AsyncBuffer", "DelayedNesterov", "Nesterov", "check_outer_args", "ramped"]
 
 
-def check_outer_args(lr: float, momentum: float, buffer_size: int = 1, c: float = 0.0) -> None:
+def check_outer_args(
+    lr: float, momentum: float, buffer_size: int = 1, c: float = 0.0, momentum_warmup: int = 0
+) -> None:
     """Raise :class:`ConfigError` (one line) for an impossible outer-optimizer setting."""
+    if int(momentum_warmup) != momentum_warmup or momentum_warmup < 0:
+        raise ConfigError(
+            f"outer momentum warmup must be an integer >= 0 (arrivals), got {momentum_warmup}"
+        )
     if not lr > 0:
         raise ConfigError(f"outer lr must be > 0, got {lr}")
     if not 0.0 <= momentum < 1.0:
@@ -45,6 +51,12 @@ def check_outer_args(lr: float, momentum: float, buffer_size: int = 1, c: float 
         raise ConfigError(
             f"Delayed Nesterov c must be in [0, 1/N] = [0, {1.0 / buffer_size:.4g}], got {c}"
         )
+
+
+def ramped(beta: float, warmup: int, arrivals: int) -> float:
+    """The momentum at an arrival after ``arrivals`` earlier ones: ``beta`` ramped up
+    linearly from 0 over the first ``warmup`` arrivals (``warmup`` 0: ``beta`` at once)."""
+    return beta if arrivals >= warmup else beta * arrivals / warmup
 
 
 def _buffered_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -72,17 +84,26 @@ class Nesterov(torch.optim.Optimizer):
         lr: outer learning rate (DiLoCo: 0.7). Lower it (e.g. 0.07-0.2) when updates
             arrive one worker at a time and momentum is not delayed.
         momentum: beta (DiLoCo: 0.9).
+        momentum_warmup: arrivals over which beta ramps up linearly from 0 (default 0:
+            from the first one).
     """
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.7, momentum: float = 0.9) -> None:
-        check_outer_args(lr, momentum)
-        super().__init__(params, {"lr": lr, "momentum": momentum})
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        momentum_warmup: int = 0,
+    ) -> None:
+        check_outer_args(lr, momentum, momentum_warmup=momentum_warmup)
+        defaults = {"lr": lr, "momentum": momentum, "momentum_warmup": int(momentum_warmup)}
+        super().__init__(params, defaults)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            lr, beta = group["lr"], group["momentum"]
+            lr, warmup = group["lr"], group.get("momentum_warmup", 0)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -90,6 +111,7 @@ class Nesterov(torch.optim.Optimizer):
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p)
                     state["step"] = 0
+                beta = ramped(group["momentum"], warmup, state["step"])
                 m = state["momentum_buffer"]
                 m.mul_(beta).add_(p.grad)
                 p.add_(p.grad + beta * m, alpha=-lr)
@@ -122,6 +144,9 @@ class DelayedNesterov(torch.optim.Optimizer):
         c: share of the momentum applied on every arrival instead of at the N-th, in
             ``[0, 1/N]``. 0 (the paper's default) delays it fully; ``1/N`` spreads it
             evenly, which smooths the trajectory when workers arrive in bursts.
+        momentum_warmup: arrivals over which beta ramps up linearly from 0 (default 0:
+            from the first one). From a trained model, the first pushes can move it far
+            while the momentum builds up; a ramp keeps those first steps plain.
     """
 
     def __init__(
@@ -131,9 +156,16 @@ class DelayedNesterov(torch.optim.Optimizer):
         momentum: float = 0.9,
         buffer_size: int = 1,
         c: float = 0.0,
+        momentum_warmup: int = 0,
     ) -> None:
-        check_outer_args(lr, momentum, buffer_size, c)
-        defaults = {"lr": lr, "momentum": momentum, "buffer_size": int(buffer_size), "c": c}
+        check_outer_args(lr, momentum, buffer_size, c, momentum_warmup)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "buffer_size": int(buffer_size),
+            "c": c,
+            "momentum_warmup": int(momentum_warmup),
+        }
         super().__init__(params, defaults)
 
     def set_buffer_size(self, n: int) -> None:
@@ -150,12 +182,13 @@ class DelayedNesterov(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            lr, beta, n, c = group["lr"], group["momentum"], group["buffer_size"], group["c"]
+            lr, n, c = group["lr"], group["buffer_size"], group["c"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 g = p.grad
                 state = _buffered_state(self.state[p], p)
+                beta = ramped(group["momentum"], group.get("momentum_warmup", 0), state["step"])
                 m, delta = state["momentum_buffer"], state["delta"]
                 delta.add_(g)
                 # Counting arrivals in the buffer (rather than testing (t+1) % N) keeps the
@@ -201,10 +234,21 @@ class AsyncBuffer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Iterable[Any], lr: float = 0.3, momentum: float = 0.9, buffer_size: int = 1
+        self,
+        params: Iterable[Any],
+        lr: float = 0.3,
+        momentum: float = 0.9,
+        buffer_size: int = 1,
+        momentum_warmup: int = 0,
     ) -> None:
-        check_outer_args(lr, momentum, buffer_size)
-        super().__init__(params, {"lr": lr, "momentum": momentum, "buffer_size": int(buffer_size)})
+        check_outer_args(lr, momentum, buffer_size, momentum_warmup=momentum_warmup)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "buffer_size": int(buffer_size),
+            "momentum_warmup": int(momentum_warmup),
+        }
+        super().__init__(params, defaults)
 
     def set_buffer_size(self, n: int) -> None:
         """Step every ``n`` arrivals from now on; a fuller buffer steps at the next one."""
@@ -216,11 +260,12 @@ class AsyncBuffer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            lr, beta, n = group["lr"], group["momentum"], group["buffer_size"]
+            lr, n = group["lr"], group["buffer_size"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = _buffered_state(self.state[p], p)
+                beta = ramped(group["momentum"], group.get("momentum_warmup", 0), state["step"])
                 m, delta = state["momentum_buffer"], state["delta"]
                 delta.add_(p.grad)
                 state["pending"] += 1

@@ -75,8 +75,9 @@ class ServerSettings:
         local_steps: H, inner steps per round (of the fastest worker under DyLU).
         total_steps: inner-step budget of the whole run, summed over workers.
         shard_sizes: tokens per data shard (see :class:`ShardBook`).
-        outer, outer_lr, outer_momentum, c, staleness, max_staleness: the outer optimizer
-            and the staleness rules (see :class:`GlobalModel`).
+        outer, outer_lr, outer_momentum, c, staleness, max_staleness,
+            outer_momentum_warmup: the outer optimizer and the staleness rules (see
+            :class:`GlobalModel`).
         buffer_size: DN's N; default W.
         dylu: size rounds by measured speed (DyLU) instead of H for everyone.
         grace_s: grace period in seconds (wall or virtual).
@@ -99,6 +100,7 @@ class ServerSettings:
     outer: str = "dn"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_momentum_warmup: int = 0
     buffer_size: int | None = None
     c: float = 0.0
     dylu: bool = False
@@ -148,6 +150,7 @@ class ServerCore:
             c=s.c,
             staleness=s.staleness,
             max_staleness=s.max_staleness,
+            outer_momentum_warmup=s.outer_momentum_warmup,
         )
         self.theta, self.opt = self.model.theta, self.model.opt  # the model's, for reading
         self.workers = s.workers
@@ -203,6 +206,7 @@ class ServerCore:
             outer=cfg.outer,
             outer_lr=cfg.resolved_outer_lr(),
             outer_momentum=cfg.resolved_outer_momentum(),
+            outer_momentum_warmup=cfg.outer_momentum_warmup,
             c=cfg.c,
             dylu=cfg.dylu,
             grace_s=cfg.grace_s,
