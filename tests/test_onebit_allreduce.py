@@ -428,3 +428,11 @@ def test_the_default_chunk_follows_the_buffers_device() -> None:
     given = OneBitAllreduce.compute_only(4, chunk=1_003, pieces=1)
     given._allocate(5_000, torch.device("meta"))
     assert given.chunk == 1_000  # whole bytes of bits, as asked, on any device
+    # A state allocated on the CPU (a checkpoint is loaded there), then used on a GPU:
+    # the buffers move, and the chunk becomes the GPU's.
+    moved = OneBitAllreduce.compute_only(4, pieces=1)
+    moved._allocate(1 << 22, torch.device("cpu"))  # 4 ranks: segments of 1M elements
+    assert moved.chunk == DEFAULT_CHUNK and moved._bufs["tmp"].numel() == DEFAULT_CHUNK
+    moved._ready_for(1 << 22, torch.device("meta"))
+    assert moved.chunk == GPU_CHUNK and moved._bufs["tmp"].numel() == 1 << 20
+    assert moved._bufs["tmp"].device.type == "meta"

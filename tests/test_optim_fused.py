@@ -15,10 +15,13 @@ import thinwire.optim.base as base_module
 from thinwire.optim import Lamb, OneBitAdam, OneBitLamb
 
 
-def _layers(n: int, seed: int = 0) -> list[torch.nn.Parameter]:
+def _layers(n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(7, 5), (5,), (3, 4, 2), (16,)]
-    return [torch.nn.Parameter(torch.randn(shapes[i % len(shapes)], generator=g)) for i in range(n)]
+    return [
+        torch.nn.Parameter(torch.randn(shapes[i % len(shapes)], generator=g).to(dtype))
+        for i in range(n)
+    ]
 
 
 def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
@@ -28,7 +31,7 @@ def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor]:
 
 def _feed(params: list[torch.nn.Parameter], step: int) -> None:
     for p, g in zip(params, _grads(params, step), strict=True):
-        p.grad = g
+        p.grad = g.to(p.dtype)
 
 
 def _per_layer_lamb(
@@ -91,8 +94,9 @@ def test_layers_without_a_gradient_are_left_alone() -> None:
 
 class _Dispatched(TorchDispatchMode):
     """Counts the operators a step dispatches (on a GPU, about a kernel launch each) and
-    the reads of a tensor's value into Python (``float()``, ``bool()``, ``.item()``),
-    each a wait for the stream on a GPU."""
+    the reads of values into Python: ``float()``, ``bool()``, ``.item()`` (one operator)
+    and ``.tolist()`` (none on the CPU, counted by the test), each a wait for the stream
+    on a GPU."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,16 +110,30 @@ class _Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _per_step(make: Callable[[list[Any]], torch.optim.Optimizer], layers: int) -> list:
+def _per_step(
+    make: Callable[[list[Any]], torch.optim.Optimizer],
+    layers: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[tuple[int, int]]:
     """(operators, host reads) of each of 8 steps, the freeze's (step 3) left out: the
     freeze reads every layer's statistics once a run (the floor, the 1-bit scales)."""
-    params = _layers(layers)
+    params = _layers(layers, dtype=dtype)
     opt = make(params)
     counts = []
+    tolist = torch.Tensor.tolist
     for t in range(1, 9):
         _feed(params, t)
-        with _Dispatched() as seen:
+        seen = _Dispatched()
+
+        def counted(x: torch.Tensor, seen: _Dispatched = seen) -> Any:
+            seen.reads += 1
+            return tolist(x)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted)
+        with seen:
             opt.step()
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
         if t != 3:
             counts.append((seen.ops, seen.reads))
     return counts
@@ -129,12 +147,17 @@ MAKERS = {
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(MAKERS))
-def test_a_step_costs_few_operators_per_layer_and_no_host_read(name: str) -> None:
+def test_a_step_costs_few_operators_per_layer_and_no_host_read(
+    name: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Warmup and compressed steps, 4 layers against 16: the host reads do not grow at
     # all, the operators by a few per layer (a layer at a time took 21 to 43, and each
     # is a kernel launch on a GPU; torch's foreach AdamW takes 2).
-    shallow, deep = _per_step(MAKERS[name], 4), _per_step(MAKERS[name], 16)
+    shallow = _per_step(MAKERS[name], 4, dtype, monkeypatch)
+    deep = _per_step(MAKERS[name], 16, dtype, monkeypatch)
     assert [r for _, r in deep] == [r for _, r in shallow]
+    assert all(r <= 6 for _, r in deep), deep
     per_layer = [(d - s) / 12 for (d, _), (s, _) in zip(deep, shallow, strict=True)]
     assert max(per_layer) <= 8, per_layer

@@ -1,8 +1,10 @@
 """Check thinwire's CUDA paths on a machine with a GPU, and time them. One short run.
 
-    python tools/cuda_check.py [--out cuda_check.json] [--numel 100M]
+    PYTHONPATH=src python tools/cuda_check.py [--out cuda_check.json] [--numel 100M]
+        [--skip-tests] [--train-steps 60] [--algos adamw,lamb,onebit-adam,onebit-lamb]
 
-What it does, in order (about a minute on one GPU):
+What it does, in order (about two minutes on one H200, half of it the training runs;
+docs/results/gpu.md has its numbers):
 
 1. the CUDA tests of the suite (``pytest -k cuda``: packing, the 1-bit allreduce's
    compute, the optimizers on CUDA tensors), which skip on machines without CUDA;
@@ -18,7 +20,7 @@ What it does, in order (about a minute on one GPU):
    on a GPT of about 85M parameters, with the job's own passes) for AdamW, LAMB, 1-bit
    Adam and 1-bit LAMB: throughput, final loss, and that every loss is finite.
 
-Prints a table and writes the numbers as JSON. Exits with status 2 and one line when
+Prints each section and writes the numbers as JSON. Exits with status 2 and one line when
 CUDA is not available, 1 when a check fails.
 """
 

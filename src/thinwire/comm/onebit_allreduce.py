@@ -225,9 +225,17 @@ class OneBitAllreduce:
         seg = padded // w
         return padded, seg, min(seg, max(0, n - self.rank * seg))
 
-    def _allocate(self, n: int, device: torch.device) -> None:
+    def _chunk_for(self, device: torch.device, seg: int) -> int:
+        """Elements of the server average's fp32 temporary (``tmp``) on ``device``: the
+        chunk, or the device's default chunk when none was given; whole blocks."""
         if self._chunk is None:
             self.chunk = DEFAULT_CHUNK if device.type == "cpu" else GPU_CHUNK
+        tmp = min(self.chunk, max(8, seg))
+        if self.block is not None:
+            tmp = max(self.block, tmp - tmp % self.block)
+        return tmp
+
+    def _allocate(self, n: int, device: torch.device) -> None:
         padded, seg, _ = self._layout(n)
         w = self.world_size
         sb = onebit_scale_bytes(n, w, self.block)  # phase 1: scales ahead of the bits
@@ -236,10 +244,7 @@ class OneBitAllreduce:
         def zeros(size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
 
-        # the largest fp32 chunk of the server average: whole blocks
-        tmp = min(self.chunk, max(8, seg))
-        if self.block is not None:
-            tmp = max(self.block, tmp - tmp % self.block)
+        tmp = self._chunk_for(device, seg)  # the largest fp32 chunk of the server average
         self._bufs = {
             "worker_error": zeros(padded),
             "work": zeros(padded),  # x = input + worker_error; becomes the next error
@@ -355,6 +360,10 @@ class OneBitAllreduce:
             return True
         if self._bufs["work"].device != device:
             self._bufs = {k: v.to(device) for k, v in self._bufs.items()}
+            # e.g. a state loaded on the CPU, then called on a GPU: the GPU's chunk
+            tmp = self._chunk_for(device, self._layout(n)[1])
+            if tmp != self._bufs["tmp"].numel():
+                self._bufs["tmp"] = torch.zeros(tmp, device=device)
             self._scratch = self._scratch.to(device)
             self._new_tuner(device)
         return False

@@ -428,6 +428,14 @@ class CommOptimizer(torch.optim.Optimizer):
         if p.dtype != torch.float32:
             local(p.data).copy_(local(master))  # whole, or this rank's shard of both
 
+    @staticmethod
+    def _write_back_all(params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        """:meth:`_write_back` for many layers: one foreach copy for the low-precision
+        ones (it converts the dtype)."""
+        low = [(p, m) for p, m in zip(params, masters, strict=True) if p.dtype != torch.float32]
+        if low:
+            torch._foreach_copy_([local(p.data) for p, _ in low], [local(m) for _, m in low])
+
     def _skip(self) -> None:
         """Count a skipped step; warn at the 1st, 2nd, 4th, 8th, ...; raise
         :class:`DivergedError` when most recent steps were skipped."""

@@ -164,8 +164,7 @@ class OneBitAdam(TwoStageOptimizer):
                 if group["weight_decay"]:
                     torch._foreach_add_(u, masters, alpha=group["weight_decay"])
                 torch._foreach_add_(masters, u, alpha=-group["lr"])
-                for (p, _), master in zip(batch, masters, strict=True):
-                    self._write_back(p, master)
+                self._write_back_all([p for p, _ in batch], masters)
         if tracked:  # the whole layers' norms in one reduction for all of them
             norms = reduce_norms(torch.stack([n for _, n in tracked]), self._island)
             for (state, _), norm in zip(tracked, norms, strict=True):
@@ -184,8 +183,12 @@ class OneBitAdam(TwoStageOptimizer):
             return False
         self.global_step += 1
         masks = momentum_masks(self.param_groups)
-        shortened: list[torch.Tensor] = []
         bounding = self._bounding()
+        if not (bounding and any(group["step_bound"] is not None for _, group in items)):
+            self._apply_momenta(items, views, masks)  # no bound this step: in batches
+            self._count_bounded(False)
+            return True
+        shortened: list[torch.Tensor] = []
         held: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor, float]] = []
         for p, view in zip(params, views, strict=True):
             group = groups[p]
@@ -213,6 +216,39 @@ class OneBitAdam(TwoStageOptimizer):
         # One host synchronisation per step, not one per layer.
         self._count_bounded(bool(torch.stack(shortened).any()) if shortened else False)
         return True
+
+    def _apply_momenta(
+        self,
+        items: list[tuple[torch.Tensor, dict[str, Any]]],
+        views: list[torch.Tensor],
+        masks: dict[torch.Tensor, torch.Tensor | None],
+    ) -> None:
+        """A compressed step without the step bound, in batches of layers with torch's
+        foreach kernels: each layer's averaged momentum from its view into its state
+        (times its mask), and ``p -= lr * (m_hat / d + weight_decay * p)`` with the frozen
+        denominator ``d``; the views hold the updates (no other temporaries)."""
+        start = 0
+        for batch in layer_batches(items):
+            group = batch[0][1]
+            vs = views[start : start + len(batch)]
+            start += len(batch)
+            denoms = [self._frozen_denom(p, group) for p, _ in batch]
+            ms = [local(self.state[p]["exp_avg"]) for p, _ in batch]
+            torch._foreach_copy_(ms, vs)
+            if group["precondition"]:
+                torch._foreach_mul_(ms, denoms)
+            for (p, _), m in zip(batch, ms, strict=True):
+                if masks.get(p) is not None:
+                    m.mul_(masks[p])
+            torch._foreach_copy_(vs, ms)
+            torch._foreach_div_(vs, denoms)
+            if group["bias_correction"]:
+                torch._foreach_div_(vs, 1 - group["betas"][0] ** self.global_step)
+            masters = [local(self._master(p)) for p, _ in batch]
+            if group["weight_decay"]:
+                torch._foreach_add_(vs, masters, alpha=group["weight_decay"])
+            torch._foreach_add_(masters, vs, alpha=-group["lr"])
+            self._write_back_all([p for p, _ in batch], masters)
 
     def _bounded_apply(
         self,

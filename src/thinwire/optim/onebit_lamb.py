@@ -104,7 +104,8 @@ class OneBitLamb(TwoStageOptimizer):
 
     Memory: besides LAMB's state (m, v) it keeps ``v_fresh`` and, in the compression
     stage, ``sqrt(v_hat) + eps`` of the frozen variance (4 bytes per element each; the
-    latter is derived, not saved) plus one work buffer of twice the largest parameter.
+    latter is derived, not saved). Each step's temporaries are about three fp32 copies
+    of a batch of layers (:data:`~thinwire.optim.base.FUSED_CHUNK` elements at most).
     """
 
     onset_reads_gradients = True
@@ -253,8 +254,7 @@ class OneBitLamb(TwoStageOptimizer):
         if params:
             torch._foreach_mul_(views, scales)
             torch._foreach_add_(masters, views)
-        for p, master in zip(params, masters, strict=True):
-            self._write_back(p, master)
+        self._write_back_all(params, masters)
         self.last_coeffs, self.last_factors = coeffs, factors
         self._count_bounded(bounded)
         return True
@@ -300,13 +300,18 @@ class OneBitLamb(TwoStageOptimizer):
         # denominators, max over the layer (both positive: the inf-norm). The frozen one
         # is read as it was (not floored): an element the floor raised would otherwise
         # read as drift.
-        fresh = torch._foreach_div(v_fresh, 1 - b2**t) if corrected else None
-        fresh = torch._foreach_sqrt(v_fresh) if fresh is None else torch._foreach_sqrt(fresh)
-        torch._foreach_add_(fresh, eps)
         vs = [local(s["exp_avg_sq"]) for s in states]
-        frozen = torch._foreach_div(vs, 1 - b2**self.freeze_step) if corrected else None
-        frozen = torch._foreach_sqrt(vs) if frozen is None else torch._foreach_sqrt(frozen)
-        torch._foreach_add_(frozen, eps)
+        fresh, frozen = (
+            (
+                torch._foreach_div(v_fresh, 1 - b2**t),
+                torch._foreach_div(vs, 1 - b2**self.freeze_step),
+            )
+            if corrected
+            else (torch._foreach_mul(v_fresh, 1.0), torch._foreach_mul(vs, 1.0))
+        )
+        for x in (fresh, frozen):  # in place: two batch-sized temporaries at most
+            torch._foreach_sqrt_(x)
+            torch._foreach_add_(x, eps)
         torch._foreach_div_(frozen, fresh)
         # An empty shard has no largest element: -inf, which the island's max ignores.
         filled = [x for x in frozen if x.numel()]
@@ -375,7 +380,7 @@ class OneBitLamb(TwoStageOptimizer):
             norms.append(torch.linalg.vector_norm(m))
         # The whole layers' norms, read back together (p.numel() is the whole layer's).
         whole = reduce_norms(torch.stack(norms), self._island).tolist() if norms else []
-        rms = [n / math.sqrt(p.numel()) for n, (p, _) in zip(whole, items, strict=True)]
+        rms = [n / math.sqrt(max(1, p.numel())) for n, (p, _) in zip(whole, items, strict=True)]
         nonzero = [s for s in rms if s > 0]
         mean = sum(nonzero) / len(nonzero) if nonzero else 1.0
         for (p, _), s in zip(items, rms, strict=True):
