@@ -479,9 +479,10 @@ class CommOptimizer(torch.optim.Optimizer):
         """Exchange one value per element of ``params`` in ONE 1-bit compressed allreduce.
 
         ``fill(views)`` writes each parameter's share into its view (in order: slices of
-        one flat fp32 buffer, each shaped like its parameter, or its shard); the buffer is averaged across the ranks with
-        error feedback (:class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`) and the
-        averaged views are returned in order. ``side()``, read once every view is
+        one flat fp32 buffer, each shaped like its parameter, or its shard); the buffer
+        is averaged across the ranks with error feedback
+        (:class:`~thinwire.comm.onebit_allreduce.OneBitAllreduce`) and the averaged views
+        are returned in order. ``side()``, read once every view is
         filled, is one number that travels exactly beside the bits; its average over the
         ranks is left in :attr:`exchanged_side`. Returns None, with every error buffer
         and every optimizer state untouched, if any rank's buffer held NaN/Inf.

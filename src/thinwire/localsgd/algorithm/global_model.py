@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.algorithm.outer import AsyncBuffer, DelayedNesterov, Nesterov
+from thinwire.localsgd.algorithm.outer import (
+    AsyncBuffer,
+    DelayedNesterov,
+    Nesterov,
+    check_outer_args,
+)
 
 __all__ = ["OUTER_CHOICES", "STALENESS_CHOICES", "GlobalModel"]
 
@@ -60,7 +65,6 @@ class GlobalModel:
         c: float = 0.0,
         staleness: str = "none",
         max_staleness: int | None = None,
-        outer_momentum_warmup: int = 0,
     ) -> None:
         if outer not in OUTER_CHOICES:
             raise ConfigError(f"unknown outer optimizer {outer!r}; choose one of {OUTER_CHOICES}")
@@ -73,28 +77,14 @@ class GlobalModel:
         self.opt: torch.optim.Optimizer
         if outer == "dn":
             self.opt = DelayedNesterov(
-                [self.theta],
-                lr=outer_lr,
-                momentum=outer_momentum,
-                buffer_size=buffer_size,
-                c=c,
-                momentum_warmup=outer_momentum_warmup,
+                [self.theta], lr=outer_lr, momentum=outer_momentum, buffer_size=buffer_size, c=c
             )
         elif outer == "buffer":
             self.opt = AsyncBuffer(
-                [self.theta],
-                lr=outer_lr,
-                momentum=outer_momentum,
-                buffer_size=buffer_size,
-                momentum_warmup=outer_momentum_warmup,
+                [self.theta], lr=outer_lr, momentum=outer_momentum, buffer_size=buffer_size
             )
         else:
-            self.opt = Nesterov(
-                [self.theta],
-                lr=outer_lr,
-                momentum=outer_momentum,
-                momentum_warmup=outer_momentum_warmup,
-            )
+            self.opt = Nesterov([self.theta], lr=outer_lr, momentum=outer_momentum)
         self.staleness = staleness
         self.max_staleness = max_staleness
         self.version = 0
@@ -104,6 +94,14 @@ class GlobalModel:
         self.staleness_seen: dict[int, int] = {}  # tau -> arrivals with it
         # sync mode: a round's arrivals by worker, applied in worker order once all are in
         self._held: dict[int, tuple[torch.Tensor, int, int]] = {}
+
+    def ramp_momentum(self, arrivals: int) -> None:
+        """Ramp the outer momentum up linearly from 0 over the first ``arrivals``
+        arrivals (:func:`~thinwire.localsgd.algorithm.outer.ramped`; 0: none). It is a
+        setting of the outer optimizer's group, saved with its state."""
+        check_outer_args(1.0, 0.0, momentum_warmup=arrivals)
+        for group in self.opt.param_groups:
+            group["momentum_warmup"] = int(arrivals)
 
     def staleness_of(self, version: int | None) -> int:
         """``tau`` of a pseudo-gradient computed from theta ``version`` (None: taken as 0)."""

@@ -150,8 +150,8 @@ class ServerCore:
             c=s.c,
             staleness=s.staleness,
             max_staleness=s.max_staleness,
-            outer_momentum_warmup=s.outer_momentum_warmup,
         )
+        self.model.ramp_momentum(s.outer_momentum_warmup)
         self.theta, self.opt = self.model.theta, self.model.opt  # the model's, for reading
         self.workers = s.workers
         self.local_steps = s.local_steps
