@@ -40,6 +40,32 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
 
 
+def test_ctrl_c_inside_torch_save_is_an_interrupt_and_keeps_the_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGINT raised inside a write of torch's zip writer, which then fails to close the
+    # file with "unexpected pos": the caller must see the interrupt (thinwire train exits
+    # 130 and names its last checkpoint), not a RuntimeError and a traceback.
+    import thinwire.io as io
+
+    path = tmp_path / "rank0.pt"
+    atomic_save({"x": torch.ones(3)}, path)
+    calls = {"n": 0}
+    write = io._Recorded.write
+
+    def interrupted(self: io._Recorded, data: object) -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return write(self, data)
+
+    monkeypatch.setattr(io._Recorded, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save({"x": torch.zeros(100_000)}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt"]
+
+
 def test_atomic_save_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     atomic_save({"w": torch.arange(4.0)}, path)

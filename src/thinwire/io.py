@@ -174,7 +174,21 @@ def atomic_save(obj: Any, path: Path) -> None:
         sink = _Recorded(f)
         try:
             torch.save(obj, sink)
-        except RuntimeError:
+        except RuntimeError as e:
+            if _interrupted(e):
+                # Ctrl-C inside torch's zip writer, which then failed to close the file:
+                # the interrupt is what happened (the temporary file goes, path stays).
+                raise KeyboardInterrupt from None
             if sink.error is None:
                 raise
             raise sink.error from None
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether a ``KeyboardInterrupt`` is in ``error``'s chain of context."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__context__
+    return False
