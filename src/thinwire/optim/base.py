@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ __all__ = [
     "check_range",
     "layer_batches",
     "momentum_masks",
+    "view_batches",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -133,6 +134,17 @@ def layer_batches(
         out[-1].append((p, group))
         size += p.numel()
     return out
+
+
+def view_batches(
+    items: list[tuple[torch.Tensor, dict[str, Any]]], views: list[torch.Tensor]
+) -> Iterator[tuple[list[tuple[torch.Tensor, dict[str, Any]]], list[torch.Tensor]]]:
+    """:func:`layer_batches` of ``items``, each with its slice of ``views`` (one view per
+    item, in the same order: the exchange buffer's views of the layers)."""
+    start = 0
+    for batch in layer_batches(items):
+        yield batch, views[start : start + len(batch)]
+        start += len(batch)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -31,6 +31,7 @@ from thinwire.optim.base import (
     check_adam_hyperparameters,
     layer_batches,
     momentum_masks,
+    view_batches,
 )
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
@@ -227,11 +228,8 @@ class OneBitAdam(TwoStageOptimizer):
         foreach kernels: each layer's averaged momentum from its view into its state
         (times its mask), and ``p -= lr * (m_hat / d + weight_decay * p)`` with the frozen
         denominator ``d``; the views hold the updates (no other temporaries)."""
-        start = 0
-        for batch in layer_batches(items):
+        for batch, vs in view_batches(items, views):
             group = batch[0][1]
-            vs = views[start : start + len(batch)]
-            start += len(batch)
             denoms = [self._frozen_denom(p, group) for p, _ in batch]
             ms = [local(self.state[p]["exp_avg"]) for p, _ in batch]
             torch._foreach_copy_(ms, vs)

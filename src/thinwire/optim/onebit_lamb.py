@@ -34,8 +34,8 @@ from thinwire.compress.onebit import DEFAULT_BLOCK
 from thinwire.optim.base import (
     check_adam_hyperparameters,
     check_range,
-    layer_batches,
     momentum_masks,
+    view_batches,
 )
 from thinwire.optim.floor import DEFAULT_DENOM_FLOOR
 from thinwire.optim.freeze import AutoFreeze
@@ -229,10 +229,9 @@ class OneBitLamb(TwoStageOptimizer):
         # batches of layers with torch's foreach kernels; then those numbers reduced over
         # the island in ONE collective (not five per layer: under FSDP2 each is a round
         # trip of its own) and read back in one host sync; then the updates.
-        index = {p: i for i, p in enumerate(params)}
         shares = [
-            self._new_momenta(batch, [views[index[p]] for p, _ in batch], masks, bounding)
-            for batch in layer_batches(items)
+            self._new_momenta(batch, vs, masks, bounding)
+            for batch, vs in view_batches(items, views)
         ]
         stats = self._layer_stats(torch.cat(shares)) if shares else []
         coeffs, factors, scales, bounded = [], [], [], False

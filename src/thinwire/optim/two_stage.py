@@ -37,7 +37,7 @@ import torch.distributed as dist
 from thinwire.comm.accounting import record
 from thinwire.comm.momentum_exchange import check_exchange
 from thinwire.compress.onebit import check_block
-from thinwire.optim.base import CommOptimizer, check_range, layer_batches
+from thinwire.optim.base import CommOptimizer, check_range, view_batches
 from thinwire.optim.floor import FloorReport, floor_denominators, layer_reference
 from thinwire.optim.freeze import (
     DEFAULT_CAP_SHARE,
@@ -294,12 +294,9 @@ class TwoStageOptimizer(CommOptimizer):
         onset reads gradients, add ``||g / d||^2`` of this rank's gradients to the step's
         :class:`~thinwire.optim.step_bound.GradientGauge` number first (the views are
         its scratch). In batches of layers with torch's foreach kernels."""
-        start = 0
-        for batch in layer_batches(items):
+        for batch, vs in view_batches(items, views):
             group = batch[0][1]
             b1 = group["betas"][0]
-            vs = views[start : start + len(batch)]
-            start += len(batch)
             denoms = [self._frozen_denom(p, group) for p, _ in batch]
             fed = [i for i, (p, _) in enumerate(batch) if p.grad is not None]
             grads = [local(batch[i][0].grad).float() for i in fed]
