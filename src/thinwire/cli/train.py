@@ -120,7 +120,8 @@ def _add_run_arguments(g: argparse._ArgumentGroup, d: TrainConfig) -> None:
         default=d.shard_within,
         metavar="K",
         help="lamb, onebit-*, diloco: FSDP2 shards the model over islands of K ranks, the algorithm "
-        "runs across islands on each shard (HSDP; default 1: a replica per rank under DDP)",
+        "runs across islands on each shard (HSDP; default 1: a replica per rank under DDP); "
+        "async-diloco: each worker is an island of K ranks (run 1 + W*K workers)",
     )
     g.add_argument(
         "--steps", type=int, default=d.steps, help="optimizer steps (default %(default)s)"
@@ -440,10 +441,12 @@ def _streaming_words(cfg: TrainConfig) -> str:
 def format_summary(s: dict[str, Any]) -> str:
     """The short table printed at the end of a run."""
     who = f"{s['world_size']} worker(s)"
-    if s["algo"] == "async-diloco":  # rank 0 serves and does not train
-        who = f"{s.get('workers', s['world_size'] - 1)} workers plus the server"
     within = s.get("shard_within", 1)
-    if within > 1:  # the bytes below are the cross-island ones only
+    if s["algo"] == "async-diloco":  # rank 0 serves and does not train
+        workers = s.get("workers", s["world_size"] - 1)
+        each = f" of {within} ranks (FSDP2 inside each)" if within > 1 else ""
+        who = f"{workers} workers{each} plus the server"
+    elif within > 1:  # the bytes below are the cross-island ones only
         who += f", FSDP2 inside {s['world_size'] // within} islands of {within}"
     algo = s["algo"]
     if s.get("exchange") not in (None, "onebit"):

@@ -63,6 +63,15 @@ class AsyncConfig(AsyncSettings):
     """Start from this model state file (``torch.save(model.state_dict())``, or a dict
     with it under ``"model"``) instead; not together with ``pretrain_steps``."""
 
+    # --- workers of several ranks -----------------------------------------------------
+    shard_within: int = 1
+    """Ranks per worker. Above 1 each worker is an island of this many ranks joined by a
+    fast network, its inner model sharded over them by FSDP2 (``Task.shard`` names the
+    units), and only its first rank talks to the server: launch ``1 + W * shard_within``
+    ranks. Take it when the model, its gradients and its inner optimizer's state do not
+    fit one device; see :mod:`thinwire.localsgd.runtime.island` for what it does and does
+    not do (a failed round ends the island; no rejoin)."""
+
     # --- evaluation and checkpoints ----------------------------------------------------
     eval_interval: int = 0
     """Inner steps per worker between evaluations on the server (0: only at the start and
@@ -92,6 +101,8 @@ class AsyncConfig(AsyncSettings):
             )
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if not isinstance(self.shard_within, int) or self.shard_within < 1:
+            raise ConfigError(f"shard_within must be an integer >= 1, got {self.shard_within!r}")
         for name in ("warmup_steps", "eval_interval", "checkpoint_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")

@@ -29,6 +29,9 @@ Contracts the runtime relies on:
   changes hands continues the same data stream. A source with ``len()`` is planned in
   proportion to it (e.g. its token count); otherwise shards are planned equally.
 * ``loss(model, batch)`` returns the scalar loss to backpropagate.
+* ``shard(model, mesh)`` (optional) wraps the model's FSDP2 units when each worker is
+  an island of ranks (``AsyncConfig.shard_within``); see
+  :mod:`thinwire.localsgd.runtime.island`.
 * ``evaluate(model)`` returns the number to report (lower is better, e.g. validation
   loss), or a dict of numbers that names that loss ``"loss"`` or ``"val_loss"``
   (:data:`LOSS_KEYS`) next to any other metrics (``{"loss": 0.31, "accuracy": 0.92}``).
@@ -60,8 +63,10 @@ __all__ = [
     "BatchSource",
     "EvalResult",
     "Task",
+    "batch_part",
     "eval_metrics",
     "evaluate_at",
+    "flat_of",
     "flat_parameters",
     "load_flat_",
     "make_sources",
@@ -105,6 +110,12 @@ class Task:
     evaluate: Callable[[nn.Module], EvalResult] | None = None
     """``evaluate(model)``: the server's loss of theta (lower is better), or a dict of
     metrics naming it ``"loss"`` or ``"val_loss"``; optional."""
+    shard: Callable[[nn.Module, Any], None] | None = None
+    """``shard(model, mesh)``: make the model's FSDP2 units on an island's 1-D device
+    mesh (``fully_shard(block, mesh=mesh)`` for each block, as in torchtitan), when
+    each worker is an island of ranks (``AsyncConfig.shard_within`` > 1). The runtime
+    then shards the root module itself. ``None``: the whole model is one unit (correct,
+    but each forward gathers every parameter at once)."""
 
 
 def make_sources(task: Task, n: int) -> list[BatchSource]:
@@ -136,12 +147,55 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
 @torch.no_grad()
 def load_flat_(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy a flat vector into ``params`` (``vector_to_parameters`` would make them views
-    of ``flat``, so training would silently modify the pulled theta)."""
+    of ``flat``, so training would silently modify the pulled theta).
+
+    A parameter sharded by FSDP2 (a DTensor) takes its own shard of its slice of
+    ``flat``, cut on this rank without communication: every rank of its mesh holds
+    the whole ``flat``."""
     offset = 0
     for p in params:
         n = p.numel()
-        p.copy_(flat[offset : offset + n].view_as(p))
+        whole = flat[offset : offset + n].view(p.shape)
+        if _is_dtensor(p):
+            from torch.distributed.tensor import distribute_tensor
+
+            mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(mine.to_local())
+        else:
+            p.copy_(whole)
         offset += n
+
+
+@torch.no_grad()
+def flat_of(params: list[torch.Tensor]) -> torch.Tensor:
+    """``params`` as one flat fp32 vector on their device, theta's layout.
+
+    A DTensor contributes its whole tensor, gathered over its mesh: a collective, so
+    every rank of that mesh calls this at the same point."""
+    whole = [p.full_tensor() if _is_dtensor(p) else p for p in params]
+    return torch.cat([w.detach().reshape(-1).float() for w in whole])
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def batch_part(batch: Any, part: int, parts: int) -> Any:
+    """Part ``part`` of ``parts`` of ``batch``: every tensor in it (nested in tuples,
+    lists, dicts) split along its first dimension as ``torch.tensor_split`` does (the
+    first parts one row longer when the rows do not divide); other values as they are.
+    The ranks of an island each train on their part of the worker's batch."""
+    if parts == 1:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return torch.tensor_split(batch, parts)[part] if batch.dim() else batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(batch_part(b, part, parts) for b in batch)
+    if isinstance(batch, dict):
+        return {k: batch_part(v, part, parts) for k, v in batch.items()}
+    return batch
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

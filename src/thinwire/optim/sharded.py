@@ -37,8 +37,10 @@ __all__ = [
     "layer_norm",
     "local",
     "local_norms",
+    "local_state",
     "reduce_norms",
     "replica_groups",
+    "reshard_optimizer_state",
     "sum_over",
 ]
 
@@ -195,3 +197,40 @@ def check_layout(
             "mesh.get_group('replicate'))"
         )
     return False
+
+
+def local_state(value: Any) -> Any:
+    """``value`` (an optimizer state dict, or any nesting of dicts and lists) with every
+    DTensor replaced by this rank's shard, a plain tensor: what a rank's file holds."""
+    if is_sharded(value):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: local_state(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(local_state(v) for v in value)
+    return value
+
+
+def reshard_optimizer_state(
+    saved: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The inverse of :func:`local_state` for ``optimizer.state_dict()``: each parameter's
+    state tensors of its shard's shape become DTensors laid out as the parameter is.
+    Parameters that are not sharded, and scalars (``step``), are left as they are."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, per_param in saved.get("state", {}).items():
+        p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if p is None or not is_sharded(p):
+            state[index] = per_param
+            continue
+        shard_shape = p.to_local().shape
+        state[index] = {
+            key: DTensor.from_local(
+                v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape == shard_shape
+            else v
+            for key, v in per_param.items()
+        }
+    return {**saved, "state": state}

@@ -428,7 +428,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     elif cfg.algo == "async-diloco":
         from thinwire.train.async_task import check_async_config
 
-        check_async_config(cfg, world - 1)
+        check_async_config(cfg, (world - 1) // cfg.shard_within)
 
 
 def make_strategy(model: nn.Module, cfg: TrainConfig, replicas: Any = None) -> Strategy:

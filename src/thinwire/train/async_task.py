@@ -35,6 +35,7 @@ from thinwire.localsgd import (
     run_async,
 )
 from thinwire.localsgd.runtime.auth import read_token
+from thinwire.localsgd.runtime.island import workers_of
 from thinwire.localsgd.runtime.run_store import server_address
 from thinwire.localsgd.runtime.trained import load_trained
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
@@ -46,7 +47,15 @@ from thinwire.train.model import GPT
 from thinwire.train.outdir import read_summary
 from thinwire.train.trainer import parameter_digest, pick_device
 
-__all__ = ["async_config", "check_async_config", "gpt_loss", "gpt_task", "rejoin", "run"]
+__all__ = [
+    "async_config",
+    "check_async_config",
+    "gpt_loss",
+    "gpt_task",
+    "gpt_units",
+    "rejoin",
+    "run",
+]
 
 
 def async_config(cfg: TrainConfig) -> AsyncConfig:
@@ -67,6 +76,7 @@ def async_config(cfg: TrainConfig) -> AsyncConfig:
         checkpoint_interval=cfg.checkpoint_interval,
         resume=cfg.resume,
         stop_after=cfg.stop_after,
+        shard_within=cfg.shard_within,
     )
 
 
@@ -127,7 +137,23 @@ def gpt_task(
             n += len(x)
         return total / max(n, 1)
 
-    return Task(model=model, optimizer=optimizer, shards=shards, loss=gpt_loss, evaluate=evaluate)
+    return Task(
+        model=model,
+        optimizer=optimizer,
+        shards=shards,
+        loss=gpt_loss,
+        evaluate=evaluate,
+        shard=gpt_units,
+    )
+
+
+def gpt_units(model: nn.Module, mesh: Any) -> None:
+    """The GPT's FSDP2 units on an island's mesh: each transformer block, as in
+    torchtitan (the root is made a unit by the runtime)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh)
 
 
 def _worker_device(cfg: TrainConfig) -> torch.device:
@@ -150,7 +176,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     with a ``note`` and changes no file.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    workers = world - 1
+    workers = workers_of(world, cfg.shard_within)
     check_async_config(cfg, workers)
     acfg = async_config(cfg)
     if rank != 0:
@@ -211,6 +237,7 @@ def _summary(cfg: TrainConfig, world: int, s: dict[str, Any]) -> dict[str, Any]:
     summary = {
         "algo": cfg.algo,
         "world_size": world,
+        "shard_within": cfg.shard_within,
         **{k: s[k] for k in keys},
         "samples": s["inner_steps"] * cfg.batch_size,  # sequences trained on, all workers
         **{k: s[k] for k in ("inner_steps", "updates_applied", "updates_rejected")},

@@ -40,6 +40,7 @@ from torch import nn
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_save, atomic_write_text, read_input
+from thinwire.optim.sharded import reshard_optimizer_state
 from thinwire.safeload import safe_load as _safe_load
 from thinwire.train.checkpoint_check import (
     applying,
@@ -285,8 +286,6 @@ def restore_rank_state(
     check_groups_fit(path, state["optimizer"]["param_groups"], strategy.optimizer.param_groups)
 
     def apply() -> None:
-        from thinwire.train.sharding import reshard_optimizer_state
-
         # a sharded run's plain shards back into DTensors laid out as the parameters
         strategy.optimizer.load_state_dict(
             reshard_optimizer_state(state["optimizer"], strategy.optimizer)

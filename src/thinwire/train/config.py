@@ -44,7 +44,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "fragment_overlap": ("diloco",),
     "fragment_alpha": ("diloco",),
     "error_feedback": ("diloco",),
-    "shard_within": ("lamb", *ONEBIT_ALGOS, "diloco"),
+    "shard_within": ("lamb", *ONEBIT_ALGOS, *_LOCAL_SGD),
     "exchange": ONEBIT_ALGOS,
     **dict.fromkeys(LOCAL_SGD, _LOCAL_SGD),
     **dict.fromkeys(ASYNC_ONLY, ("async-diloco",)),
@@ -230,7 +230,9 @@ class TrainConfig(AsyncSettings):
     *identity*): islands are ranks ``[i*K, (i+1)*K)``, joined inside by fast links, and
     ``lamb``, ``onebit-lamb``, ``onebit-adam`` or ``diloco`` run across the islands on
     each rank's shard (HSDP with thinwire's exchange across replicas,
-    :mod:`thinwire.train.sharding`).
+    :mod:`thinwire.train.sharding`). Under ``async-diloco`` each worker is an island
+    (rank 0 serves, so run ``1 + W * K`` ranks;
+    :mod:`thinwire.localsgd.runtime.island`).
     1 (the default) keeps a whole replica per rank under DDP. Use it when the model does
     not fit one device, or when ranks come in groups joined by a faster network: only
     the cross-island traffic is compressed and counted."""

@@ -59,15 +59,14 @@ __all__ = [
     "SHARDED_ALGOS",
     "check_sharding",
     "full_state_dict",
-    "local_state",
-    "reshard_optimizer_state",
     "shard_model",
 ]
 
-SHARDED_ALGOS = ("lamb", "onebit-lamb", "onebit-adam", "diloco")
+SHARDED_ALGOS = ("lamb", "onebit-lamb", "onebit-adam", "diloco", "async-diloco")
 """The algorithms ``--shard-within`` runs: the optimizers that take a ``process_group``
-and read whole-layer norms of FSDP2 shards, and (Streaming) DiLoCo, whose outer sync
-averages each rank's shard across the islands."""
+and read whole-layer norms of FSDP2 shards, (Streaming) DiLoCo, whose outer sync
+averages each rank's shard across the islands, and asynchronous Local-SGD, whose
+workers are islands (:mod:`thinwire.localsgd.runtime.island`)."""
 
 
 def check_sharding(cfg: TrainConfig, world: int) -> None:
@@ -80,7 +79,13 @@ def check_sharding(cfg: TrainConfig, world: int) -> None:
             f"--shard-within {k}: {cfg.algo} keeps a whole replica per rank; sharded runs "
             f"take {', '.join(SHARDED_ALGOS)}"
         )
-    if world % k:
+    if cfg.algo == "async-diloco":  # rank 0 serves; the others make the islands
+        if (world - 1) % k:
+            raise ConfigError(
+                f"--shard-within {k} must divide the {world - 1} training ranks (all but "
+                f"the server) into islands of {k}: run 1 + W * {k} workers"
+            )
+    elif world % k:
         raise ConfigError(
             f"--shard-within {k} must divide the {world} ranks into islands of {k} ranks"
         )
@@ -113,42 +118,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: t.full_tensor() if _is_dtensor(t) else t for name, t in model.state_dict().items()
     }
-
-
-def local_state(value: Any) -> Any:
-    """``value`` (an optimizer state dict, or any nesting of dicts and lists) with every
-    DTensor replaced by this rank's shard, a plain tensor: what a rank's file holds."""
-    if _is_dtensor(value):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: local_state(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(local_state(v) for v in value)
-    return value
-
-
-def reshard_optimizer_state(
-    saved: dict[str, Any], optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """The inverse of :func:`local_state` for ``optimizer.state_dict()``: each parameter's
-    state tensors of its shard's shape become DTensors laid out as the parameter is.
-    Parameters that are not sharded, and scalars (``step``), are left as they are."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for index, per_param in saved.get("state", {}).items():
-        p = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-        if p is None or not _is_dtensor(p):
-            state[index] = per_param
-            continue
-        from torch.distributed.tensor import DTensor
-
-        shard_shape = p.to_local().shape
-        state[index] = {
-            key: DTensor.from_local(
-                v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape == shard_shape
-            else v
-            for key, v in per_param.items()
-        }
-    return {**saved, "state": state}

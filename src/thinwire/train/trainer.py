@@ -30,6 +30,7 @@ from thinwire.comm.resumable_ddp import ResumableDDP
 from thinwire.comm.step_record import RECORD_NAME, StepRecorder, record_run
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
+from thinwire.optim.sharded import local_state
 from thinwire.runlock import RunLock
 from thinwire.train import checkpoint as ckpt
 from thinwire.train import outdir
@@ -39,7 +40,7 @@ from thinwire.train.data import TextData
 from thinwire.train.guard import DivergenceGuard
 from thinwire.train.metrics import MetricsWriter, Progress
 from thinwire.train.model import GPT
-from thinwire.train.sharding import check_sharding, full_state_dict, local_state, shard_model
+from thinwire.train.sharding import check_sharding, full_state_dict, shard_model
 from thinwire.train.start import data_offset, read_start_file, run_start, start_of
 
 __all__ = ["evaluate", "lr_at", "parameter_digest", "pick_device", "train"]

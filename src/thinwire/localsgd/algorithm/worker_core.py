@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parameters_to_vector
 
 from thinwire.localsgd.algorithm.inner_state import DEFAULT_INNER_STATE, InnerStateRule
 from thinwire.localsgd.algorithm.shards import inner_lr
 from thinwire.localsgd.messages import Work
-from thinwire.localsgd.task import BatchSource, load_flat_, to_device
+from thinwire.localsgd.task import BatchSource, batch_part, flat_of, load_flat_, to_device
 
-__all__ = ["LocalWorker", "RoundResult", "load_flat_"]
+__all__ = ["IslandPart", "LocalWorker", "RoundResult", "load_flat_"]
 
 
 @dataclass
@@ -40,6 +40,17 @@ class RoundResult:
     steps: int
     seconds_per_step: float
     loss: float
+
+
+@dataclass(frozen=True)
+class IslandPart:
+    """This rank's place in a worker that is an island of ranks (FSDP2 inside it): it
+    trains on part ``index`` of ``parts`` of every batch, and the round's loss is
+    averaged over ``group``, the island's process group."""
+
+    index: int = 0
+    parts: int = 1
+    group: dist.ProcessGroup | None = None
 
 
 class LocalWorker:
@@ -56,6 +67,8 @@ class LocalWorker:
             hardware on one machine (1.0 = no slowdown).
         inner_momentum: the inner-state rule, ``keep``, ``round``, ``restart`` or
             ``fresh`` (see :mod:`thinwire.localsgd.algorithm.inner_state`).
+        part: this rank's part of an island's batches (a model sharded by FSDP2 over
+            the island); ``None``: a whole worker.
     """
 
     def __init__(
@@ -70,6 +83,7 @@ class LocalWorker:
         grad_clip: float = 0.0,
         slowdown: float = 1.0,
         inner_momentum: str = DEFAULT_INNER_STATE,
+        part: IslandPart | None = None,
     ) -> None:
         self.rule = InnerStateRule(inner_momentum)
         self.model = model
@@ -81,6 +95,7 @@ class LocalWorker:
         self.grad_clip = grad_clip
         self.slowdown = slowdown
         self.inner_momentum = inner_momentum
+        self.part = part or IslandPart()
         self._make_optimizer = optimizer
         self.reset()
 
@@ -96,7 +111,8 @@ class LocalWorker:
 
     def batch(self, shard: int, clock: int) -> Any:
         """The batch of inner step ``clock`` of ``shard``, on this worker's device."""
-        return to_device(self.shards[shard](clock), self.device)
+        whole = self.shards[shard](clock)
+        return to_device(batch_part(whole, self.part.index, self.part.parts), self.device)
 
     def run_round(self, theta: torch.Tensor, work: Work) -> RoundResult:
         """Load ``theta``, run ``work.steps`` inner steps, return ``theta - theta_w``."""
@@ -125,8 +141,12 @@ class LocalWorker:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t_step))
             step_times.append(time.perf_counter() - t_step)
         with torch.no_grad():
-            pseudo = theta - parameters_to_vector(self.params).float()
+            pseudo = theta - flat_of(self.params)
         steps = max(1, work.steps)
+        if self.part.group is not None:  # the island's loss, not this rank's part's
+            total = torch.tensor([total_loss / self.part.parts], device=self.device)
+            dist.all_reduce(total, group=self.part.group)
+            total_loss = float(total)
         # The median, not the mean: a round's first step pays one-off costs (allocations,
         # a cold cache) that would make a short calibration round look slow to DyLU.
         return RoundResult(pseudo, work.steps, _median(step_times), total_loss / steps)

@@ -72,14 +72,15 @@ import torch.distributed as dist
 
 from thinwire.comm.launch import init_from_env
 from thinwire.errors import ConfigError
-from thinwire.localsgd.algorithm.worker_core import LocalWorker
+from thinwire.localsgd.algorithm.worker_core import IslandPart, LocalWorker
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.runtime.auth import RunKey, new_token, read_token
+from thinwire.localsgd.runtime.island import Island, join_island, shard_worker_model, workers_of
 from thinwire.localsgd.runtime.keyshare import share_run_key
 from thinwire.localsgd.runtime.run_store import quiet_store_warnings, server_address
 from thinwire.localsgd.runtime.server_process import run_server
 from thinwire.localsgd.runtime.transport import Transport
-from thinwire.localsgd.runtime.worker_loop import LoopSettings, work_loop
+from thinwire.localsgd.runtime.worker_loop import LoopSettings, follow_loop, work_loop
 from thinwire.localsgd.task import Task, make_sources
 
 __all__ = ["make_worker", "open_transport", "run_async", "worker_state_path"]
@@ -95,9 +96,22 @@ def worker_state_path(cfg: AsyncConfig, rank: int) -> Path | None:
     return Path(cfg.checkpoint_dir) / f"localsgd_worker{rank}.pt" if cfg.checkpoint_dir else None
 
 
-def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalWorker:
-    """Worker ``rank``'s replica of ``task`` under ``cfg`` (``workers``: W)."""
+def make_worker(
+    task: Task, cfg: AsyncConfig, rank: int, workers: int, island: Island | None = None
+) -> LocalWorker:
+    """Worker ``rank``'s replica of ``task`` under ``cfg`` (``workers``: W); with an
+    ``island``, this rank's part of that worker: the model sharded over the island."""
     model = task.model()
+    part = None
+    leads = island is None or island.leader
+    slowdown = cfg.slowdown[rank - 1] if cfg.slowdown and leads else 1.0
+    if island is not None:
+        island.device = next(model.parameters()).device  # orders and theta travel there
+        shard_worker_model(model, island, task.shard)
+        part = IslandPart(island.position, island.size, island.group)
+        # Only the leader sleeps (slowdown): the others wait for it at the next collective, so the
+        # island's step stretches once. Were every rank to sleep in proportion to its
+        # own step, which includes waiting for the others, the stretch would compound.
     return LocalWorker(
         model,
         task.optimizer,
@@ -106,8 +120,9 @@ def make_worker(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> LocalW
         warmup_steps=cfg.warmup_steps,
         min_lr_ratio=cfg.min_lr_ratio,
         grad_clip=cfg.grad_clip,
-        slowdown=cfg.slowdown[rank - 1] if cfg.slowdown else 1.0,
+        slowdown=slowdown,
         inner_momentum=cfg.resolved_inner_momentum(),
+        part=part,
     )
 
 
@@ -124,7 +139,9 @@ def _started(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> Task:
     return start.apply(task, cfg.resolved_shards(workers))
 
 
-def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
+def open_transport(
+    cfg: AsyncConfig, *, follower: bool = False
+) -> tuple[Transport | None, bytes | None]:
     """This rank's transport, with the run key; call on every rank of the launch's group.
 
     Rank 0 reads the user's token (:func:`~thinwire.localsgd.runtime.auth.read_token`) or
@@ -133,6 +150,8 @@ def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
     on ``cfg.bind_addr`` / ``THINWIRE_BIND_ADDR`` / ``MASTER_ADDR``. A worker that holds a
     token of its own checks that it is rank 0's. Returns the transport and, on rank 0,
     the token it generated (None when the user gave one, and on workers).
+    ``follower``: a rank of an island other than its leader takes part in handing out
+    the key, and opens no link (its transport is None).
 
     Raises:
         ConfigError: an unreadable or too short token, a worker token that differs from
@@ -163,6 +182,8 @@ def open_transport(cfg: AsyncConfig) -> tuple[Transport, bytes | None]:
             dist.destroy_process_group(group)
     if error is not None:
         raise error
+    if follower:
+        return None, None
     timeouts = {"connect_timeout_s": cfg.connect_timeout_s, "timeout_s": cfg.link_timeout_s}
     if rank == 0:
         return Transport.host(launch_store, key, address, launch, **timeouts), generated
@@ -227,14 +248,16 @@ def run_async(
     restore_log_level = None
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        workers = world - 1
+        workers = workers_of(world, cfg.shard_within)
         cfg.validate(workers)
         if rank == 0:  # it hosts the stores: garbage sent to them must not flood its stderr
             restore_log_level = quiet_store_warnings()
         task = _started(task, cfg, rank, workers)
-        transport, generated = open_transport(cfg)
+        island = join_island(workers, cfg.shard_within, cfg.link_timeout_s)
+        transport, generated = open_transport(cfg, follower=bool(island and not island.leader))
         if rank != 0:
-            return _work(task, cfg, rank, workers, transport)
+            return _work(task, cfg, workers, transport, island)
+        assert transport is not None
         try:
             return run_server(
                 task,
@@ -270,14 +293,23 @@ def _join_group() -> bool:
     return True
 
 
-def _work(task: Task, cfg: AsyncConfig, rank: int, workers: int, transport: Transport) -> Any:
-    """Worker ``rank``'s part of :func:`run_async`: rounds until the server says stop."""
-    worker = make_worker(task, cfg, rank, workers)
+def _work(
+    task: Task, cfg: AsyncConfig, workers: int, transport: Transport | None, island: Island | None
+) -> Any:
+    """A worker's part of :func:`run_async` (or its island's, with ``island``): rounds
+    until the server says stop."""
+    rank = dist.get_rank()
+    worker = make_worker(task, cfg, rank, workers, island)
+    state_path = worker_state_path(cfg, rank)
+    if island is not None and not island.leader:
+        return follow_loop(worker, island, state_path, cfg.resume)
+    assert transport is not None
     settings = LoopSettings(
         compress=cfg.compress,
         heartbeat_s=cfg.heartbeat_s,
         max_restarts=cfg.max_restarts,
-        state_path=worker_state_path(cfg, rank),
+        state_path=state_path,
         resume=cfg.resume,
+        island=island,
     )
     return work_loop(worker, transport, settings)

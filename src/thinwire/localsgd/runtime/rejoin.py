@@ -60,7 +60,8 @@ def rejoin_async(
 
     Raises:
         ConfigError: no address, nothing served there, no token or not the run's, the
-            run has finished, ``rank`` is not a worker of the run, or the model, the shard
+            run has finished, ``rank`` is not a worker of the run, ``cfg.shard_within``
+            above 1 (an island is several processes), or the model, the shard
             count or other settings differ from the run's.
             All are checked before this process says hello, so the run is not disturbed.
             After the hello: the server refused it (its worker is alive, or its model
@@ -73,6 +74,11 @@ def rejoin_async(
             "resume); workers are ranks 1..W"
         )
     cfg.validate()
+    if cfg.shard_within > 1:
+        raise ConfigError(
+            f"cannot rejoin a worker of {cfg.shard_within} ranks (shard_within): a rejoin "
+            "brings back one process; restart the whole run with resume instead"
+        )
     token = read_token(cfg.token_file, run_dir=cfg.checkpoint_dir)
     transport = Transport.rejoin(
         host,

@@ -33,11 +33,13 @@ from thinwire.localsgd.algorithm.compression import CODECS, PullDecoder, PushEnc
 from thinwire.localsgd.algorithm.push_guard import REASONS, describe
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.messages import Hello, Refused, Update, Why, Work
+from thinwire.localsgd.runtime.island import Island
 from thinwire.localsgd.runtime.transport import Transport
 from thinwire.localsgd.task import shape_signature
+from thinwire.optim.sharded import local_state, reshard_optimizer_state
 from thinwire.safeload import safe_load
 
-__all__ = ["LoopSettings", "load_worker_state", "save_worker_state", "work_loop"]
+__all__ = ["LoopSettings", "follow_loop", "load_worker_state", "save_worker_state", "work_loop"]
 
 _WORD_WAIT_S = 5.0
 """How long a worker whose link failed waits for the server's reason in the store: the
@@ -53,7 +55,7 @@ def save_worker_state(
     state = {
         "rank": rank,
         "version": version,
-        "optimizer": worker.opt.state_dict(),
+        "optimizer": local_state(worker.opt.state_dict()),  # a sharded model's own shards
         "rng": torch.get_rng_state(),
         "residual": residual,
     }
@@ -73,7 +75,7 @@ def load_worker_state(
         state = safe_load(path, "worker state file")
         if state.get("rank") != rank or state.get("version") != version:
             return False
-        worker.opt.load_state_dict(state["optimizer"])
+        worker.opt.load_state_dict(reshard_optimizer_state(state["optimizer"], worker.opt))
         torch.set_rng_state(state["rng"])
         if push.feedback is not None and state.get("residual") is not None:
             push.feedback.residual = state["residual"].clone()
@@ -104,6 +106,9 @@ class LoopSettings:
     """Where the worker keeps its inner state across a stop (see the module docstring)."""
     resume: bool = False
     """Load the state kept at ``state_path``."""
+    island: Island | None = None
+    """This worker's island when it is the leader of several ranks (see
+    :mod:`thinwire.localsgd.runtime.island`); ``None``: a worker of one rank."""
 
 
 def work_loop(
@@ -145,7 +150,7 @@ def work_loop(
     threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
     try:
         hello = Hello(*shape_signature(worker.model), st.late, st.force)
-        keep = _Keeper(st.state_path, st.resume, transport.rank)
+        keep = _Keeper(st.state_path, st.resume, transport.rank, st.island)
         try:
             return _rounds(
                 worker, transport, st.server, compress, on_round, st.max_restarts, hello, keep
@@ -159,14 +164,44 @@ def work_loop(
             raise ConfigError(_refusal(word, transport.rank, hello.numel, hello.checksum)) from None
     finally:
         stop_beating.set()
+        if st.island is not None:
+            st.island.abort()  # between rounds the others hear it; mid-round they time out
         transport.close()
+
+
+def follow_loop(
+    worker: LocalWorker, island: Island, state_path: Path | None = None, resume: bool = False
+) -> dict[str, Any]:
+    """A rank of an island other than its leader: run the rounds the leader orders (its
+    shards of the model, its part of each batch) until it says stop; returns rounds,
+    steps and ``state_restored``, as :func:`work_loop` does.
+
+    Raises:
+        RuntimeError: a collective of the island failed or timed out (a partner died, or
+            a round failed on some rank): the island is lost to the run.
+    """
+    keep = _Keeper(state_path, resume, island.rank, None)  # it follows: the leader orders
+    rounds = steps = 0
+    while True:
+        work, theta = island.next_order(worker.numel)
+        if theta is None:
+            if work.version >= 0:  # the server's stop, not the leader leaving
+                keep.stopped(worker, PushEncoder("none"), work.version, rounds)
+            return {"rounds": rounds, "steps": steps, "restarts": 0} | {
+                "state_restored": keep.restored
+            }
+        if rounds == 0:
+            keep.first_round(worker, PushEncoder("none"), work.version)
+        steps += worker.run_round(theta, work).steps
+        rounds += 1
 
 
 class _Keeper:
     """When to save and load a worker's state (see the module docstring)."""
 
-    def __init__(self, path: Path | None, resume: bool, rank: int) -> None:
+    def __init__(self, path: Path | None, resume: bool, rank: int, island: Island | None) -> None:
         self.path, self.resume, self.rank = path, resume, rank
+        self.island = island
         self.restored = False
 
     def first_round(self, worker: LocalWorker, push: PushEncoder, version: int) -> None:
@@ -199,6 +234,8 @@ def _rounds(
         if not isinstance(msg, Work):
             raise RuntimeError(f"unexpected {msg.kind.name} message from the server")
         if msg.stop:
+            if keep.island is not None:
+                keep.island.stop(msg.version)
             keep.stopped(worker, push, msg.version, rounds)
             out = {"rounds": rounds, "steps": steps, "restarts": restarts}
             return out | {"state_restored": keep.restored}
@@ -206,8 +243,12 @@ def _rounds(
         theta = view.delta(payload) if msg.delta else view.whole(payload)
         if rounds == 0 and restarts == 0:
             keep.first_round(worker, push, msg.version)
+        if keep.island is not None:
+            keep.island.order(msg, theta)
         try:
             result = worker.run_round(theta, msg)
+            if keep.island is not None:
+                keep.island.round_done()
             rounds += 1
             if on_round is not None:
                 on_round(rounds)
@@ -215,8 +256,9 @@ def _rounds(
             raise
         except Exception:
             # The round failed (out of memory, a bad batch, a hardware hiccup): rebuild the
-            # inner optimizer, say hello again, and the server re-admits this worker.
-            if restarts >= max_restarts:
+            # inner optimizer, say hello again, and the server re-admits this worker. An
+            # island's ranks may have stopped at different collectives: it ends instead.
+            if restarts >= max_restarts or keep.island is not None:
                 raise
             restarts += 1
             worker.reset()
