@@ -214,3 +214,32 @@ def test_thinwire_train_refuses_islands_that_do_not_divide_the_ranks(tmp_path: P
     with pytest.raises(ConfigError, match="divide the 3 training ranks"):
         check_config(cfg, 4)
     check_config(cfg, 5)  # 2 islands of 2 and the server
+
+
+_CALLS = [0]
+
+
+def _failing_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    import torch.distributed as dist
+
+    _CALLS[0] += 1
+    if dist.get_rank() == 3 and _CALLS[0] > 4:  # island 0's second rank, in its 2nd round
+        raise RuntimeError("a bad batch on one rank of an island")
+    return _loss(model, batch)
+
+
+def _failing_rank(rank: int, world: int, cfg: AsyncConfig) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    task = _task()
+    task.loss = _failing_loss
+    out = run_async(task, cfg)
+    return {k: out[k] for k in ("inner_steps", "dead_workers", "complete") if k in out}
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_round_ends_its_island_and_the_run_goes_on() -> None:
+    cfg = _cfg(shard_within=2, method="dn", link_timeout_s=20.0, dead_after_s=5.0)
+    out = spawn(_failing_rank, 5, (cfg,), timeout_s=150, may_fail=(1, 3))
+    server = out[0]
+    assert server["dead_workers"] == [1]  # island 0, through its leader
+    assert server["inner_steps"] == 24 and server["complete"]  # the other island finished
