@@ -243,3 +243,13 @@ def test_a_failed_round_ends_its_island_and_the_run_goes_on() -> None:
     server = out[0]
     assert server["dead_workers"] == [1]  # island 0, through its leader
     assert server["inner_steps"] == 24 and server["complete"]  # the other island finished
+
+
+def test_each_rank_of_an_island_holds_rows_as_fsdp2_lays_them_out() -> None:
+    from thinwire.localsgd.algorithm.island_params import _local, row_share
+
+    assert [row_share(torch.Size([1, 16]), 2, r) for r in range(2)] == [16, 0]
+    assert [row_share(torch.Size([5, 3]), 2, r) for r in range(2)] == [9, 6]
+    assert [row_share(torch.Size([5]), 4, r) for r in range(4)] == [2, 2, 1, 0]
+    with pytest.raises(ConfigError, match="shard every parameter along dimension 0"):
+        _local(torch.zeros(3, 4), 2, 0)  # all 12 elements where rows 0-1 (8) belong

@@ -66,7 +66,6 @@ __all__ = [
     "batch_part",
     "eval_metrics",
     "evaluate_at",
-    "flat_of",
     "flat_parameters",
     "load_flat_",
     "make_sources",
@@ -147,39 +146,23 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
 @torch.no_grad()
 def load_flat_(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy a flat vector into ``params`` (``vector_to_parameters`` would make them views
-    of ``flat``, so training would silently modify the pulled theta).
-
-    A parameter sharded by FSDP2 (a DTensor) takes its own shard of its slice of
-    ``flat``, cut on this rank without communication: every rank of its mesh holds
-    the whole ``flat``."""
+    of ``flat``, so training would silently modify the pulled theta)."""
     offset = 0
     for p in params:
         n = p.numel()
-        whole = flat[offset : offset + n].view(p.shape)
-        if _is_dtensor(p):
-            from torch.distributed.tensor import distribute_tensor
-
-            mine = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(mine.to_local())
-        else:
-            p.copy_(whole)
+        p.copy_(flat[offset : offset + n].view_as(p))
         offset += n
 
 
-@torch.no_grad()
-def flat_of(params: list[torch.Tensor]) -> torch.Tensor:
-    """``params`` as one flat fp32 vector on their device, theta's layout.
-
-    A DTensor contributes its whole tensor, gathered over its mesh: a collective, so
-    every rank of that mesh calls this at the same point."""
-    whole = [p.full_tensor() if _is_dtensor(p) else p for p in params]
-    return torch.cat([w.detach().reshape(-1).float() for w in whole])
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (nested in tuples, lists, dicts) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
 
 
 def batch_part(batch: Any, part: int, parts: int) -> Any:
@@ -195,17 +178,6 @@ def batch_part(batch: Any, part: int, parts: int) -> Any:
         return type(batch)(batch_part(b, part, parts) for b in batch)
     if isinstance(batch, dict):
         return {k: batch_part(v, part, parts) for k, v in batch.items()}
-    return batch
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it (nested in tuples, lists, dicts) on ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
     return batch
 
 

@@ -23,11 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
 from thinwire.localsgd.algorithm.inner_state import DEFAULT_INNER_STATE, InnerStateRule
+from thinwire.localsgd.algorithm.island_params import gather_flat, scatter_theta_
 from thinwire.localsgd.algorithm.shards import inner_lr
 from thinwire.localsgd.messages import Work
-from thinwire.localsgd.task import BatchSource, batch_part, flat_of, load_flat_, to_device
+from thinwire.localsgd.task import BatchSource, batch_part, load_flat_, to_device
 
 __all__ = ["IslandPart", "LocalWorker", "RoundResult", "load_flat_"]
 
@@ -36,7 +38,8 @@ __all__ = ["IslandPart", "LocalWorker", "RoundResult", "load_flat_"]
 class RoundResult:
     """A finished round: the pseudo-gradient and what the server needs to know."""
 
-    pseudo_grad: torch.Tensor
+    pseudo_grad: torch.Tensor | None
+    """``theta - theta_w``; None on an island's ranks other than its leader."""
     steps: int
     seconds_per_step: float
     loss: float
@@ -114,10 +117,15 @@ class LocalWorker:
         whole = self.shards[shard](clock)
         return to_device(batch_part(whole, self.part.index, self.part.parts), self.device)
 
-    def run_round(self, theta: torch.Tensor, work: Work) -> RoundResult:
-        """Load ``theta``, run ``work.steps`` inner steps, return ``theta - theta_w``."""
-        theta = theta.to(self.device, torch.float32)
-        load_flat_(self.params, theta)
+    def run_round(self, theta: torch.Tensor | None, work: Work) -> RoundResult:
+        """Load ``theta``, run ``work.steps`` inner steps, return ``theta - theta_w``.
+
+        On an island (a model sharded by FSDP2) the leader passes theta and gets the
+        pseudo-gradient back; the others pass None and get None: they receive only their
+        shards of theta and give theirs to the gathered whole."""
+        if theta is not None:
+            theta = theta.to(self.device, torch.float32)
+        self._load(theta)
         self.rule.begin_round(self.opt)
         self.model.train()
         total_loss = 0.0
@@ -141,7 +149,8 @@ class LocalWorker:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t_step))
             step_times.append(time.perf_counter() - t_step)
         with torch.no_grad():
-            pseudo = theta - flat_of(self.params)
+            flat = self._flat()
+            pseudo = theta - flat if theta is not None and flat is not None else None
         steps = max(1, work.steps)
         if self.part.group is not None:  # the island's loss, not this rank's part's
             total = torch.tensor([total_loss / self.part.parts], device=self.device)
@@ -150,6 +159,20 @@ class LocalWorker:
         # The median, not the mean: a round's first step pays one-off costs (allocations,
         # a cold cache) that would make a short calibration round look slow to DyLU.
         return RoundResult(pseudo, work.steps, _median(step_times), total_loss / steps)
+
+    def _load(self, theta: torch.Tensor | None) -> None:
+        part = self.part
+        if part.group is None:
+            assert theta is not None  # a whole worker always pulls theta
+            load_flat_(self.params, theta)
+        else:  # each rank of the island its own shards, from the leader's theta
+            scatter_theta_(self.params, theta, part.group, part.index, part.parts)
+
+    def _flat(self) -> torch.Tensor | None:
+        part = self.part
+        if part.group is None:
+            return parameters_to_vector(self.params).float()
+        return gather_flat(self.params, part.group, part.index, part.parts)  # the leader's
 
 
 def _median(values: list[float]) -> float:

@@ -18,12 +18,13 @@ needs no change: rank 0 serves, ranks ``1..W`` are the leaders, and the
 Per round, on the island's own process group (the launch's backend; NCCL on GPUs):
 
 1. the leader broadcasts the order (the round's shard, steps, lr clock, theta's version)
-   and theta in fp32; each rank cuts its own shards from it
-   (:func:`~thinwire.localsgd.task.load_flat_`);
+   and scatters theta, each rank getting its own shards of each parameter
+   (:func:`~thinwire.localsgd.algorithm.island_params.scatter_theta_`);
 2. every rank runs the round's inner steps on its part of each batch; FSDP2 averages the
    gradients over the island;
-3. the pseudo-gradient is gathered whole (the leader pushes it, with the run's codec and
-   error feedback; the others drop their copy), and the round's loss is averaged.
+3. every rank's shards are gathered to the leader, which pushes the whole
+   pseudo-gradient with the run's codec and error feedback, and the round's loss is
+   averaged.
 
 What it does not do (each said here, and checked where a user could ask for it):
 
@@ -34,8 +35,8 @@ What it does not do (each said here, and checked where a user could ask for it):
   whose partner died does not wait for ever.
 * **No rejoin**: :func:`~thinwire.localsgd.rejoin_async` brings back one process, and
   an island is K.
-* Every rank holds theta whole for the moment it is loaded and pushed (one fp32 copy of
-  the model, not its optimizer state or activations); the server holds it too.
+* The leader holds theta and the pseudo-gradient whole (fp32) at the round's start and
+  end, as the server holds theta; the other ranks hold only their shards (1/K of it).
 
 Each rank keeps its own inner state across a stop (``checkpoint_dir``), its shard of
 the inner optimizer's state as plain tensors, so a stopped and resumed ``sync`` run
@@ -123,11 +124,10 @@ class Island:
         return DeviceMesh.from_group(self.group, self.device.type, mesh_dim_names=("shard",))
 
     # --- the leader's side -----------------------------------------------------------
-    def order(self, work: Work, theta: torch.Tensor) -> None:
-        """Tell the island to run ``work`` from ``theta`` (the leader, each round)."""
+    def order(self, work: Work) -> None:
+        """Tell the island to run ``work`` (the leader, each round; theta follows, each
+        rank's shards scattered as the round loads it)."""
         self._send(_ROUND, work)
-        flat = theta.to(self.device, torch.float32).contiguous()
-        dist.broadcast(flat, self.ranks[0], group=self.group)
         self.ordered = True
 
     def round_done(self) -> None:
@@ -154,19 +154,15 @@ class Island:
         dist.broadcast(_order_tensor(fields, self.device), self.ranks[0], group=self.group)
 
     # --- the other ranks' side -------------------------------------------------------
-    def next_order(self, numel: int) -> tuple[Work, torch.Tensor | None]:
-        """The leader's next order, and theta for a round (None with a stop); an abort
-        comes back as a stop at version -1."""
+    def next_order(self) -> Work:
+        """The leader's next order; an abort comes back as a stop at version -1."""
         buf = _order_tensor([0] * 6, self.device)
         dist.broadcast(buf, self.ranks[0], group=self.group)
         what, version, shard, steps, lr_clock, planned = (int(v) for v in buf.tolist())
         if what != _ROUND:
             self.closed = True
-            return Work(epoch=0, version=version if what == _STOP else -1, stop=True), None
-        theta = torch.empty(numel, dtype=torch.float32, device=self.device)
-        dist.broadcast(theta, self.ranks[0], group=self.group)
-        work = Work(0, version, shard=shard, steps=steps, lr_clock=lr_clock, planned=planned)
-        return work, theta
+            return Work(epoch=0, version=version if what == _STOP else -1, stop=True)
+        return Work(0, version, shard=shard, steps=steps, lr_clock=lr_clock, planned=planned)
 
 
 def _order_tensor(fields: list[int], device: torch.device) -> torch.Tensor:

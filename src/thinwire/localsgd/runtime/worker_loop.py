@@ -183,8 +183,8 @@ def follow_loop(
     keep = _Keeper(state_path, resume, island.rank, None)  # it follows: the leader orders
     rounds = steps = 0
     while True:
-        work, theta = island.next_order(worker.numel)
-        if theta is None:
+        work = island.next_order()
+        if work.stop:
             if work.version >= 0:  # the server's stop, not the leader leaving
                 keep.stopped(worker, PushEncoder("none"), work.version, rounds)
             return {"rounds": rounds, "steps": steps, "restarts": 0} | {
@@ -192,7 +192,7 @@ def follow_loop(
             }
         if rounds == 0:
             keep.first_round(worker, PushEncoder("none"), work.version)
-        steps += worker.run_round(theta, work).steps
+        steps += worker.run_round(None, work).steps
         rounds += 1
 
 
@@ -244,7 +244,7 @@ def _rounds(
         if rounds == 0 and restarts == 0:
             keep.first_round(worker, push, msg.version)
         if keep.island is not None:
-            keep.island.order(msg, theta)
+            keep.island.order(msg)
         try:
             result = worker.run_round(theta, msg)
             if keep.island is not None:
@@ -268,6 +268,7 @@ def _rounds(
         update = Update(
             msg.epoch, result.steps, result.seconds_per_step, result.loss, push.dtype, msg.version
         )
+        assert result.pseudo_grad is not None  # a worker of one rank, or an island's leader
         transport.send(server, update, push.encode(result.pseudo_grad))
 
 
