@@ -67,6 +67,11 @@ def rejoin_async(
             After the hello: the server refused it (its worker is alive, or its model
             differs).
     """
+    if cfg.shard_within > 1:
+        raise ConfigError(
+            f"cannot rejoin a worker of {cfg.shard_within} ranks (shard_within): a rejoin "
+            "brings back one process; restart the whole run with resume instead"
+        )
     host, port = _store_address(host, port)
     if rank < 1:
         raise ConfigError(
@@ -74,11 +79,6 @@ def rejoin_async(
             "resume); workers are ranks 1..W"
         )
     cfg.validate()
-    if cfg.shard_within > 1:
-        raise ConfigError(
-            f"cannot rejoin a worker of {cfg.shard_within} ranks (shard_within): a rejoin "
-            "brings back one process; restart the whole run with resume instead"
-        )
     token = read_token(cfg.token_file, run_dir=cfg.checkpoint_dir)
     transport = Transport.rejoin(
         host,
