@@ -299,3 +299,14 @@ def test_failed_build_says_why_and_leaves_nothing(
     assert thinwire(["bench", "native", "build", "packing"]) == 1
     assert native.load() is None and native.unavailable_reason() == "not built for this machine"
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # no half-written library
+
+
+def test_scratch_keeps_an_index_copy_only_on_the_cpu() -> None:
+    from thinwire.compress.scratch import PackerScratch
+
+    cpu = PackerScratch(64, torch.device("cpu"))
+    assert cpu.index.numel() == 8 and cpu.bools.numel() == 64
+    elsewhere = cpu.to(torch.device("meta"))  # any device but the CPU: bytes read directly
+    assert elsewhere.index.numel() == 0 and elsewhere.bools.numel() == 64
+    assert elsewhere.index_of(torch.zeros(8, dtype=torch.uint8, device="meta")) is None
+    assert elsewhere.to(torch.device("cpu")).index.numel() == 8  # and back again

@@ -4,6 +4,7 @@ GPU each read waits for the stream: one per layer made LAMB 8x slower than AdamW
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -161,3 +162,18 @@ def test_a_step_costs_few_operators_per_layer_and_no_host_read(
     assert all(r <= 6 for _, r in deep), deep
     per_layer = [(d - s) / 12 for (d, _), (s, _) in zip(deep, shallow, strict=True)]
     assert max(per_layer) <= 8, per_layer
+
+
+def test_all_finite_reads_mixed_dtypes_by_kind() -> None:
+    from thinwire.optim.base import all_finite
+
+    fp32, bf16 = torch.ones(5), torch.ones(3, dtype=torch.bfloat16)
+    assert all_finite([fp32, bf16, torch.empty(0)])
+    for bad in (math.nan, math.inf, -math.inf):
+        poisoned = bf16.clone()
+        poisoned[1] = bad
+        assert not all_finite([fp32, poisoned])
+        poisoned32 = fp32.clone()
+        poisoned32[4] = bad
+        assert not all_finite([poisoned32, bf16])
+    assert all_finite([])

@@ -29,21 +29,21 @@ class PackerScratch:
     def __init__(self, numel: int, device: torch.device) -> None:
         self.bools = torch.zeros(numel, dtype=torch.uint8, device=device)
         """``pack_signs``'s 0/1 scratch."""
-        self.index = torch.zeros(numel // 8, dtype=torch.int32, device=device)
-        """int32 copies of packed bytes, for the pure-torch table lookup."""
+        # Off the CPU signs are unpacked elementwise from the bytes themselves: no copy.
+        index_numel = numel // 8 if device.type == "cpu" else 0
+        self.index = torch.zeros(index_numel, dtype=torch.int32, device=device)
+        """int32 copies of packed bytes, for the pure-torch table lookup (CPU only)."""
 
     def to(self, device: torch.device) -> PackerScratch:
         """These buffers on ``device`` (self when already there)."""
         if self.bools.device == device:
             return self
-        moved = PackerScratch.__new__(PackerScratch)
-        moved.bools, moved.index = self.bools.to(device), self.index.to(device)
-        return moved
+        return PackerScratch(self.bools.numel(), device)  # scratch: nothing to carry over
 
     def index_of(self, bits: torch.Tensor) -> torch.Tensor | None:
         """An int32 copy of ``bits`` (same shape) in the reusable index buffer: the
-        pure-torch table lookup needs int32 indices. None with native kernels, which read
-        the bytes."""
-        if native_enabled(bits.device):
+        pure-torch table lookup needs int32 indices. None with native kernels and off the
+        CPU, which read the bytes."""
+        if native_enabled(bits.device) or bits.device.type != "cpu":
             return None
         return self.index[: bits.numel()].view(bits.shape).copy_(bits)

@@ -155,8 +155,15 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     if not filled:
         return True
     device = filled[0].device
-    peaks = torch._foreach_norm(filled, math.inf)
-    return bool(torch.stack([x.to(device) for x in peaks]).isfinite().all())
+    # One kernel per dtype: foreach falls back to a kernel per tensor on a mixed list.
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in filled:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    peaks = [
+        torch.stack(torch._foreach_norm(kind, math.inf)).to(device, torch.float32)
+        for kind in by_kind.values()
+    ]
+    return bool(torch.cat(peaks).isfinite().all())
 
 
 def adam_directions(
