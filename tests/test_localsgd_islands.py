@@ -154,11 +154,12 @@ def test_a_stopped_island_run_resumes_where_it_stopped(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_delayed_nesterov_islands_with_a_one_bit_push_learn() -> None:
+def test_delayed_nesterov_islands_with_compressed_pushes_and_pulls_learn() -> None:
     cfg = _cfg(
         shard_within=2,
         method="dn-dylu",
         compress="onebit",
+        compress_pull="bf16",
         steps=18,
         outer_lr=1.0,
         outer_momentum=0.0,
