@@ -119,6 +119,8 @@ def test_batch_part_splits_every_tensor_by_rows() -> None:
     assert [len(p["y"][0]) for p in parts] == [3, 2]  # the first part one row longer
     assert parts[1]["y"][1] == 3 and parts[1]["n"] == "name"
     assert batch_part(batch, 0, 1) is batch
+    with pytest.raises(ConfigError, match="a batch of 5 rows cannot be split over an island of 8"):
+        batch_part(batch, 0, 8)
 
 
 @pytest.mark.timeout(240)
@@ -151,6 +153,12 @@ def test_a_stopped_island_run_resumes_where_it_stopped(tmp_path: Path) -> None:
     resumed = spawn(_rank, 5, (_cfg(resume=True, **kept),), timeout_s=120)
     assert all(r["state_restored"] for r in resumed[1:])
     torch.testing.assert_close(resumed[0]["theta"], straight, rtol=0, atol=1e-6)
+    # A state lost on one host: that island starts fresh on every rank, the other keeps.
+    lost = {"shard_within": 2, "checkpoint_dir": str(tmp_path / "lost")}
+    spawn(_rank, 5, (_cfg(stop_after=6, **lost),), timeout_s=120)
+    (tmp_path / "lost" / "localsgd_worker3.pt").unlink()  # island 0's other rank (1 and 3)
+    partial = spawn(_rank, 5, (_cfg(resume=True, **lost),), timeout_s=120)
+    assert [r["state_restored"] for r in partial[1:]] == [False, True, False, True]
 
 
 @pytest.mark.timeout(240)
@@ -254,3 +262,27 @@ def test_each_rank_of_an_island_holds_rows_as_fsdp2_lays_them_out() -> None:
     assert [row_share(torch.Size([5]), 4, r) for r in range(4)] == [2, 2, 1, 0]
     with pytest.raises(ConfigError, match="shard every parameter along dimension 0"):
         _local(torch.zeros(3, 4), 2, 0)  # all 12 elements where rows 0-1 (8) belong
+
+
+def _shard_by_columns(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from thinwire.localsgd.algorithm.island_params import scatter_theta_
+
+    mesh = init_device_mesh("cpu", (world,))
+    layer = nn.Linear(4, 4)
+    fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    theta = torch.arange(20, dtype=torch.float32) if rank == 0 else None
+    try:
+        scatter_theta_(list(layer.parameters()), theta, mesh.get_group(), rank, world)
+    except ConfigError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.timeout(120)
+def test_parameters_sharded_by_columns_are_refused_not_loaded_into_the_wrong_places() -> None:
+    said = spawn(_shard_by_columns, 2, timeout_s=60)
+    assert all("shard every parameter along dimension 0" in line for line in said), said

@@ -169,11 +169,23 @@ def batch_part(batch: Any, part: int, parts: int) -> Any:
     """Part ``part`` of ``parts`` of ``batch``: every tensor in it (nested in tuples,
     lists, dicts) split along its first dimension as ``torch.tensor_split`` does (the
     first parts one row longer when the rows do not divide); other values as they are.
-    The ranks of an island each train on their part of the worker's batch."""
+    The ranks of an island each train on their part of the worker's batch; with a loss
+    that averages over rows, the island's gradient is the whole batch's only when
+    ``parts`` divides the rows (otherwise a mean of the parts' means).
+
+    Raises:
+        ConfigError: a tensor with fewer rows than ``parts`` (a rank would get none)."""
     if parts == 1:
         return batch
     if isinstance(batch, torch.Tensor):
-        return torch.tensor_split(batch, parts)[part] if batch.dim() else batch
+        if not batch.dim():
+            return batch
+        if len(batch) < parts:
+            raise ConfigError(
+                f"a batch of {len(batch)} rows cannot be split over an island of {parts} "
+                "ranks: give each worker at least as many rows per batch as its ranks"
+            )
+        return torch.tensor_split(batch, parts)[part]
     if isinstance(batch, (tuple, list)):
         return type(batch)(batch_part(b, part, parts) for b in batch)
     if isinstance(batch, dict):

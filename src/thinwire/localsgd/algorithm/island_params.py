@@ -9,8 +9,8 @@ each transfer is one collective of one flat buffer per rank:
 
 * :func:`scatter_theta_`: the leader cuts theta into each rank's shards and scatters
   them (each rank receives 1/K of theta, not all of it);
-* :func:`gather_flat`: each rank sends its shards to the leader, which puts the whole
-  parameters back together in theta's layout.
+* :func:`gather_difference`: each rank sends its shards to the leader, which writes
+  ``theta - parameters`` whole, in theta's layout, straight from what it received.
 
 A parameter laid out otherwise (FSDP2's ``shard_placement_fn`` on another dimension)
 is refused in one line rather than loaded into the wrong rows.
@@ -22,10 +22,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 from thinwire.errors import ConfigError
 
-__all__ = ["gather_flat", "row_share", "scatter_theta_"]
+__all__ = ["gather_difference", "row_share", "scatter_theta_"]
 
 
 def row_share(shape: torch.Size, parts: int, part: int) -> int:
@@ -41,7 +42,10 @@ def row_share(shape: torch.Size, parts: int, part: int) -> int:
 def _local(p: torch.Tensor, parts: int, part: int) -> torch.Tensor:
     """This rank's shard of ``p``, checked to be its rows as FSDP2 lays them out."""
     local = p.to_local() if hasattr(p, "to_local") else p  # type: ignore[operator]
-    if local.numel() != row_share(p.shape, parts, part):
+    placements = getattr(p, "placements", None)
+    by_rows = placements is None or (len(placements) == 1 and placements[0] == Shard(0))
+    whole_rows = local.shape[1:] == p.shape[1:]
+    if not (by_rows and whole_rows) or local.numel() != row_share(p.shape, parts, part):
         raise ConfigError(
             f"a parameter of shape {tuple(p.shape)} holds {local.numel()} elements on rank "
             f"{part} of its island, not its rows as FSDP2 shards them by default: shard "
@@ -89,30 +93,38 @@ def scatter_theta_(
 
 
 @torch.no_grad()
-def gather_flat(
-    params: list[torch.Tensor], group: dist.ProcessGroup, part: int, parts: int
+def gather_difference(
+    params: list[torch.Tensor],
+    theta: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    part: int,
+    parts: int,
 ) -> torch.Tensor | None:
-    """The whole parameters as one flat fp32 vector in theta's layout on the leader
-    (group rank 0), None elsewhere: one gather of every rank's shards."""
+    """``theta - parameters`` (flat fp32, theta's layout) on the leader (group rank 0,
+    the one passing ``theta``), None elsewhere: one gather of every rank's shards. The
+    leader holds theta, what it received (about one more copy) and the difference; no
+    whole parameter vector besides."""
     shares = _shares(params, parts)
     size = max(sum(s) for s in shares)
     locals_ = [_local(p, parts, part) for p in params]
     device = locals_[0].device
     mine = _padded([t.reshape(-1).float() for t in locals_], size, device)
-    everyone = [torch.empty_like(mine) for _ in range(parts)] if part == 0 else None
+    received = torch.empty(parts * size, dtype=torch.float32, device=device) if part == 0 else None
+    everyone = list(received.view(parts, size)) if received is not None else None
     dist.gather(mine, everyone, group_dst=0, group=group)
-    if everyone is None:
+    if everyone is None or theta is None:
         return None
-    offsets = [0] * parts
-    flat = []
+    out = torch.empty_like(theta)
+    offsets, at = [0] * parts, 0
     for i in range(len(params)):
-        rows = []
-        for r in range(parts):
+        for r in range(parts):  # the rows in order make the whole parameter, flattened
             n = shares[r][i]
-            rows.append(everyone[r][offsets[r] : offsets[r] + n])
+            torch.sub(
+                theta[at : at + n], everyone[r][offsets[r] : offsets[r] + n], out=out[at : at + n]
+            )
             offsets[r] += n
-        flat.append(torch.cat(rows))  # the rows in order: the whole parameter, flattened
-    return torch.cat(flat)
+            at += n
+    return out
 
 
 def _padded(pieces: list[torch.Tensor], size: int, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from thinwire.localsgd.algorithm.inner_state import DEFAULT_INNER_STATE, InnerStateRule
-from thinwire.localsgd.algorithm.island_params import gather_flat, scatter_theta_
+from thinwire.localsgd.algorithm.island_params import gather_difference, scatter_theta_
 from thinwire.localsgd.algorithm.shards import inner_lr
 from thinwire.localsgd.messages import Work
 from thinwire.localsgd.task import BatchSource, batch_part, load_flat_, to_device
@@ -149,8 +149,7 @@ class LocalWorker:
                 time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t_step))
             step_times.append(time.perf_counter() - t_step)
         with torch.no_grad():
-            flat = self._flat()
-            pseudo = theta - flat if theta is not None and flat is not None else None
+            pseudo = self._difference(theta)
         steps = max(1, work.steps)
         if self.part.group is not None:  # the island's loss, not this rank's part's
             total = torch.tensor([total_loss / self.part.parts], device=self.device)
@@ -168,11 +167,12 @@ class LocalWorker:
         else:  # each rank of the island its own shards, from the leader's theta
             scatter_theta_(self.params, theta, part.group, part.index, part.parts)
 
-    def _flat(self) -> torch.Tensor | None:
+    def _difference(self, theta: torch.Tensor | None) -> torch.Tensor | None:
         part = self.part
         if part.group is None:
-            return parameters_to_vector(self.params).float()
-        return gather_flat(self.params, part.group, part.index, part.parts)  # the leader's
+            assert theta is not None
+            return theta - parameters_to_vector(self.params).float()
+        return gather_difference(self.params, theta, part.group, part.index, part.parts)
 
 
 def _median(values: list[float]) -> float:

@@ -31,8 +31,9 @@ What it does not do (each said here, and checked where a user could ask for it):
 * **A failed round ends the island.** A worker of one rank rebuilds its inner optimizer
   and joins again; an island's ranks may have stopped at different collectives, so its
   ranks raise instead, and the server carries on with the other workers (as when a
-  worker dies). The island's collectives time out after ``link_timeout_s``, so a rank
-  whose partner died does not wait for ever.
+  worker dies). The island's collectives time out after ``3 * link_timeout_s`` (a
+  rank's wait for its next order spans the leader's push, its wait and its pull), so a
+  rank whose partner died does not wait for ever.
 * **No rejoin**: :func:`~thinwire.localsgd.rejoin_async` brings back one process, and
   an island is K.
 * The leader holds theta and the pseudo-gradient whole (fp32) at the round's start and
@@ -40,7 +41,9 @@ What it does not do (each said here, and checked where a user could ask for it):
 
 Each rank keeps its own inner state across a stop (``checkpoint_dir``), its shard of
 the inner optimizer's state as plain tensors, so a stopped and resumed ``sync`` run
-continues as if it had never stopped, as with unsharded workers.
+continues as if it had never stopped, as with unsharded workers. An island restores
+its state on all its ranks or on none (a file missing on one host makes every rank of
+that island start fresh).
 """
 
 from __future__ import annotations
@@ -139,6 +142,12 @@ class Island:
         self._send(_STOP, Work(epoch=0, version=version, stop=True))
         self.closed = True
 
+    def all_agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank of the island (all call it together)."""
+        votes = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(votes.item())
+
     def abort(self) -> None:
         """The leader leaves without a stop (refused, its link failed): the others stop
         too, keeping nothing. Only between rounds: mid-round they wait in a collective
@@ -182,7 +191,9 @@ def join_island(
     rank = dist.get_rank()
     mine = None
     for ranks in island_ranks(workers, k):
-        group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
+        # A rank that is not the leader waits for its next order through the leader's
+        # push, its wait for the server and its pull, each allowed timeout_s.
+        group = dist.new_group(ranks, timeout=timedelta(seconds=3 * timeout_s))
         if rank in ranks:
             mine = Island(ranks, group, rank, device or torch.device("cpu"))
     return mine

@@ -146,11 +146,11 @@ def work_loop(
 
     if isinstance(compress, torch.dtype):
         compress = next(name for name, d in CODECS.items() if d == compress)
-    transport.beat()
-    threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
     try:
+        transport.beat()
+        threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
         hello = Hello(*shape_signature(worker.model), st.late, st.force)
-        keep = _Keeper(st.state_path, st.resume, transport.rank, st.island)
+        keep = _Keeper(st.state_path, st.resume, transport.rank, st.island, st.island)
         try:
             return _rounds(
                 worker, transport, st.server, compress, on_round, st.max_restarts, hello, keep
@@ -178,9 +178,10 @@ def follow_loop(
 
     Raises:
         RuntimeError: a collective of the island failed or timed out (a partner died, or
-            a round failed on some rank): the island is lost to the run.
+            a round failed on some rank): the island is lost to the run. (On NCCL the
+            watchdog may end the process instead.)
     """
-    keep = _Keeper(state_path, resume, island.rank, None)  # it follows: the leader orders
+    keep = _Keeper(state_path, resume, island.rank, None, island)  # the leader orders
     rounds = steps = 0
     while True:
         work = island.next_order()
@@ -197,16 +198,34 @@ def follow_loop(
 
 
 class _Keeper:
-    """When to save and load a worker's state (see the module docstring)."""
+    """When to save and load a worker's state (see the module docstring).
 
-    def __init__(self, path: Path | None, resume: bool, rank: int, island: Island | None) -> None:
+    ``island``: the island this rank leads (it sends the orders); ``member``: the island
+    this rank belongs to, leader or not, whose ranks restore their states all or none.
+    """
+
+    def __init__(
+        self,
+        path: Path | None,
+        resume: bool,
+        rank: int,
+        island: Island | None,
+        member: Island | None,
+    ) -> None:
         self.path, self.resume, self.rank = path, resume, rank
-        self.island = island
+        self.island, self.member = island, member
         self.restored = False
 
     def first_round(self, worker: LocalWorker, push: PushEncoder, version: int) -> None:
         if self.path is not None and self.resume:
             self.restored = load_worker_state(self.path, worker, push, version, self.rank)
+        if self.member is not None and not self.member.all_agree(self.restored):
+            # Some rank of the island has no state to load (a file lost on one host): the
+            # shards of one optimizer must not be half kept, half fresh.
+            if self.restored:
+                worker.reset()
+                push.reset()
+            self.restored = False
 
     def stopped(self, worker: LocalWorker, push: PushEncoder, version: int, rounds: int) -> None:
         if self.path is not None and rounds > 0:  # a stop before any round changes nothing
@@ -241,10 +260,10 @@ def _rounds(
             return out | {"state_restored": keep.restored}
         payload = transport.recv_payload(server, numel, msg.dtype)
         theta = view.delta(payload) if msg.delta else view.whole(payload)
+        if keep.island is not None:
+            keep.island.order(msg)  # before the state's load: its ranks agree on it
         if rounds == 0 and restarts == 0:
             keep.first_round(worker, push, msg.version)
-        if keep.island is not None:
-            keep.island.order(msg)
         try:
             result = worker.run_round(theta, msg)
             if keep.island is not None:
