@@ -76,3 +76,29 @@ def test_a_cached_run_is_keyed_by_the_inner_state_rule_it_resolved_to() -> None:
     blob = {"config": asdict(scratch), "clock": asdict(clock), "context": {}}
     text = json.dumps(blob, sort_keys=True, default=repr)
     assert fingerprint(scratch, clock, 0) == hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_dn_dylu_from_a_trained_model_takes_the_long_tier_outer_settings() -> None:
+    """From a trained model DN + DyLU defaults to (0.3, 0.9), from scratch to (0.5, 0); a
+    run cached under the short-run default is not read back as one of the new default,
+    and the methods whose defaults did not change keep their fingerprints."""
+    from thinwire.localsgd import for_method
+
+    clock = SimClock(seconds_per_step=(1.0, 2.0))
+    trained = for_method(AsyncConfig(steps=10, pretrain_steps=5), "dn-dylu")
+    scratch = for_method(AsyncConfig(steps=10), "dn-dylu")
+    assert (trained.resolved_outer_lr(), trained.resolved_outer_momentum()) == (0.3, 0.9)
+    assert (scratch.resolved_outer_lr(), scratch.resolved_outer_momentum()) == (0.5, 0.0)
+    named = replace(trained, outer_lr=0.3, outer_momentum=0.9)
+    assert fingerprint(trained, clock, 0) == fingerprint(named, clock, 0)
+    short = replace(trained, outer_lr=0.5, outer_momentum=0.0)
+    assert fingerprint(trained, clock, 0) != fingerprint(short, clock, 0)
+    naive = for_method(AsyncConfig(steps=10, pretrain_steps=5), "naive")
+    assert (naive.resolved_outer_lr(), naive.resolved_outer_momentum()) == (0.3, 0.0)
+    blob = {
+        "config": asdict(replace(naive, inner_momentum="keep")),
+        "clock": asdict(clock),
+        "context": {},
+    }
+    text = json.dumps(blob, sort_keys=True, default=repr)
+    assert fingerprint(naive, clock, 0) == hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -55,7 +55,7 @@ See ``docs/localsgd.md`` for the user guide and ``docs/architecture.md`` for the
 from thinwire.localsgd.algorithm.diloco import DiLoCo
 from thinwire.localsgd.algorithm.dylu import SpeedTracker, dylu_steps
 from thinwire.localsgd.algorithm.inner_state import InnerStateRule
-from thinwire.localsgd.algorithm.methods import METHODS, TUNED, for_method, method_of
+from thinwire.localsgd.algorithm.methods import METHODS, TUNED, TUNED_TRAINED, for_method, method_of
 from thinwire.localsgd.algorithm.outer import AsyncBuffer, DelayedNesterov, Nesterov
 from thinwire.localsgd.algorithm.pretrain import Start
 from thinwire.localsgd.algorithm.push_guard import PushGuard
@@ -76,6 +76,7 @@ __all__ = [
     "HETEROGENEITY",
     "METHODS",
     "TUNED",
+    "TUNED_TRAINED",
     "AsyncBuffer",
     "AsyncConfig",
     "AsyncSettings",

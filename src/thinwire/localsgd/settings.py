@@ -21,7 +21,7 @@ from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.localsgd.algorithm.inner_state import resolve_inner_momentum
-from thinwire.localsgd.algorithm.methods import TUNED, method_of
+from thinwire.localsgd.algorithm.methods import method_of, tuned
 from thinwire.localsgd.algorithm.server_core import OUTER_CHOICES, STALENESS_CHOICES
 from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
 
@@ -42,11 +42,14 @@ class LocalSGDSettings:
     """Outer learning rate; None: the tuned value of the method this config runs
     (:data:`thinwire.localsgd.algorithm.methods.TUNED`: 0.2 for sync, 0.3 for ``dn``, ``buffer`` and
     naive ``nesterov``, 0.5 for DN+DyLU; naive and DN+DyLU with momentum 0; the module
-    docstring of :mod:`thinwire.localsgd.algorithm.methods` gives the sweep). Lower it if the loss
-    jumps at each outer step."""
+    docstring of :mod:`thinwire.localsgd.algorithm.methods` gives the sweep). From a
+    trained model (``pretrain_steps``, ``init_from``) DN+DyLU takes 0.3 with momentum 0.9
+    instead, its best in the long tier (:data:`~thinwire.localsgd.algorithm.methods.TUNED_TRAINED`).
+    Lower it if the loss jumps at each outer step."""
     outer_momentum: float | None = None
-    """Outer Nesterov momentum beta, in ``[0, 1)``; None: the method's tuned value. 0 is
-    plain SGD on the pseudo-gradients (with sync and ``outer_lr=1``: plain averaging)."""
+    """Outer Nesterov momentum beta, in ``[0, 1)``; None: the method's tuned value (from
+    a trained model, as ``outer_lr`` says). 0 is plain SGD on the pseudo-gradients (with
+    sync and ``outer_lr=1``: plain averaging)."""
     inner_momentum: str | None = None
     """The inner-state rule, the same for every method: ``keep`` (the inner optimizer's
     state persists across rounds, DiLoCo's rule), ``round`` (the first moment restarts
@@ -321,12 +324,14 @@ class AsyncSettings(LocalSGDSettings):
 
     def resolved_outer_lr(self) -> float:
         """``outer_lr``, or the tuned outer lr of :attr:`method`."""
-        return TUNED[self.method].outer_lr if self.outer_lr is None else self.outer_lr
+        if self.outer_lr is None:
+            return tuned(self.method, self.starts_trained()).outer_lr
+        return self.outer_lr
 
     def resolved_outer_momentum(self) -> float:
         """``outer_momentum``, or the tuned outer momentum of :attr:`method`."""
         if self.outer_momentum is None:
-            return TUNED[self.method].outer_momentum
+            return tuned(self.method, self.starts_trained()).outer_momentum
         return self.outer_momentum
 
     @property

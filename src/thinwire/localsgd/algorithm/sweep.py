@@ -36,7 +36,7 @@ import torch
 
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_save, atomic_write_text
-from thinwire.localsgd.algorithm.methods import METHODS, for_method
+from thinwire.localsgd.algorithm.methods import METHODS, TUNED_TRAINED, for_method
 from thinwire.localsgd.algorithm.pretrain import ProgressFn, Start, load_start_state
 from thinwire.localsgd.algorithm.virtual_clock import SimClock, simulate, time_to_reach
 from thinwire.localsgd.config import AsyncConfig
@@ -123,13 +123,21 @@ def fingerprint(
     """A digest of everything that decides a simulated run's result: ``cfg`` and ``clock``
     (with their seeds) and ``context``, the caller's description of the task."""
     rule = cfg.inner_momentum
-    if rule is None and cfg.starts_trained():
-        # From a trained model the default rule is named: runs cached while the default
-        # there was ``restart`` are not read back as ``keep`` runs. From scratch the
-        # default did not change, and neither do the fingerprints of cached runs.
-        rule = cfg.resolved_inner_momentum()
+    outer = {}
+    if cfg.starts_trained():
+        # From a trained model the defaults that changed are named: runs cached while the
+        # default there was ``restart``, or a method's short-run outer settings, are not
+        # read back as runs of the new defaults. From scratch nothing changed, and
+        # neither do the fingerprints of cached runs.
+        if rule is None:
+            rule = cfg.resolved_inner_momentum()
+        if cfg.method in TUNED_TRAINED:
+            outer = {
+                "outer_lr": cfg.resolved_outer_lr(),
+                "outer_momentum": cfg.resolved_outer_momentum(),
+            }
     blob = {
-        "config": asdict(replace(cfg, seed=seed, inner_momentum=rule)),
+        "config": asdict(replace(cfg, seed=seed, inner_momentum=rule, **outer)),
         "clock": asdict(replace(clock, seed=seed)),
         "context": dict(context or {}),
     }
