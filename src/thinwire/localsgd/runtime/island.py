@@ -5,7 +5,8 @@ network joins (a node's GPUs). Their inner model is sharded over them by FSDP2: 
 all-gathers and reduce-scatters stay inside the island, and each rank trains on its
 part of the worker's batch, so an island computes what one worker with the whole model
 would (the same batch, gradients averaged over its parts), in about 1/K of the memory
-per rank for parameters, gradients and the inner optimizer's state.
+per rank for parameters, gradients and the inner optimizer's state (the leader holds
+theta whole besides, below).
 
 The server sees W workers as before. An island's first rank, its **leader**, is the
 only one that talks to it: it pulls theta, tells the other ranks of its island what to
@@ -36,8 +37,9 @@ What it does not do (each said here, and checked where a user could ask for it):
   rank whose partner died does not wait for ever.
 * **No rejoin**: :func:`~thinwire.localsgd.rejoin_async` brings back one process, and
   an island is K.
-* The leader holds theta and the pseudo-gradient whole (fp32) at the round's start and
-  end, as the server holds theta; the other ranks hold only their shards (1/K of it).
+* The leader holds theta whole (fp32), as the server does, and at a round's end also
+  what it gathered (about one more copy) and the pseudo-gradient it pushes: three fp32
+  copies for a moment. The other ranks hold only their shards.
 
 Each rank keeps its own inner state across a stop (``checkpoint_dir``), its shard of
 the inner optimizer's state as plain tensors, so a stopped and resumed ``sync`` run
@@ -184,8 +186,8 @@ def join_island(
     """Make every island's process group (every rank of the launch calls this, in the
     same order, as ``new_group`` asks) and return this rank's island (None on the
     server, and when ``k`` is 1: a worker of one rank needs no island). ``device``: where
-    the island's orders and theta travel (the CPU unless given; the worker's model's
-    device once it is built)."""
+    the island's orders travel (the CPU unless given; the worker's model's device once
+    it is built)."""
     if k == 1:
         return None
     rank = dist.get_rank()

@@ -103,15 +103,15 @@ def make_worker(
     ``island``, this rank's part of that worker: the model sharded over the island."""
     model = task.model()
     part = None
+    # In an island only the leader sleeps (slowdown): the others wait for it at the next
+    # collective, so the island's step stretches once. Were every rank to sleep in
+    # proportion to its own step, which includes waiting for the others, it would compound.
     leads = island is None or island.leader
     slowdown = cfg.slowdown[rank - 1] if cfg.slowdown and leads else 1.0
     if island is not None:
-        island.device = next(model.parameters()).device  # orders and theta travel there
+        island.device = next(model.parameters()).device  # where its orders travel
         shard_worker_model(model, island, task.shard)
         part = IslandPart(island.position, island.size, island.group)
-        # Only the leader sleeps (slowdown): the others wait for it at the next collective, so the
-        # island's step stretches once. Were every rank to sleep in proportion to its
-        # own step, which includes waiting for the others, the stretch would compound.
     return LocalWorker(
         model,
         task.optimizer,
