@@ -43,7 +43,9 @@ needs_hf = pytest.mark.skipif(
 
 _TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 _TORCHRUN4 = [*_TORCHRUN[:-1], "4"]  # 2 islands of 2 ranks
+_TORCHRUN5 = [*_TORCHRUN[:-1], "5"]  # a server and 2 islands of 2 ranks
 RECIPES: dict[str, list[str]] = {
+    "async_islands": _TORCHRUN5,
     "ddp_onebit_lamb": _TORCHRUN,
     "fsdp_islands": _TORCHRUN4,
     "fsdp_islands_diloco": _TORCHRUN4,
@@ -278,6 +280,19 @@ def test_fsdp_islands_lamb_recipe(recipes: _Runner) -> None:
     assert _ints(_line(out, "fp32, every step").split(":", 1)[1])[0] == _fsdp_recipe_shard_bytes()
     losses = _losses(out)
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.timeout(300)
+def test_async_islands_recipe(recipes: _Runner) -> None:
+    """Asynchronous Local-SGD with workers of 2 ranks each (FSDP2 inside): every rank of
+    an island runs its leader's rounds, and the 1-bit pushes beat an fp32 allreduce."""
+    out = recipes.output("async_islands")
+    assert _line(out, "2 islands of 2 ranks").endswith("dn-dylu across islands")
+    rounds = {r: _ints(_line(out, f"rank {r}:"))[1] for r in (1, 2, 3, 4)}
+    assert rounds[1] == rounds[3] and rounds[2] == rounds[4], rounds  # leaders 1, 2
+    assert _ratio(_line(out, "bytes through the server")) > 3
+    losses = _losses(out)
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
 
 
 @pytest.mark.timeout(300)
