@@ -261,7 +261,9 @@ def test_the_simulate_command_pretrains_and_says_so(
     blob = json.loads((out / "results.json").read_text())
     assert [r["start"] for r in blob["runs"]] == ["after 3 steps of ordinary training"]
     assert len(list((out / "runs").glob("pretrained-seed0-*.pt"))) == 1
-    assert "every method starts after 3 steps of ordinary training" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "every method starts after 3 steps of ordinary training" in said
+    assert "outer lr/momentum where not swept: dn 0.3/0.9" in said  # what "defaults" were
     assert "Every method starts after 3 steps" in (out / "table.md").read_text()
     for flags, said in (
         (["--init-from", str(tmp_path / "absent.pt")], "absent.pt is missing"),

@@ -39,7 +39,7 @@ import torch
 from thinwire.cli.parser import add_moved
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
-from thinwire.localsgd import METHODS, AsyncConfig, SimClock
+from thinwire.localsgd import METHODS, AsyncConfig, SimClock, for_method
 from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.localsgd.algorithm.inner_state import INNER_MOMENTUM
 from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
@@ -178,6 +178,16 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 def _setting(s: dict[str, Any]) -> str:
     return " ".join(f"{k.replace('_', '-')}={v}" for k, v in sorted(s.items())) or "defaults"
+
+
+def _defaults(base: AsyncConfig, methods: list[str]) -> str:
+    """What "defaults" means for each method's outer lr and momentum in this run (they
+    follow the start: see ``thinwire.localsgd.TUNED_TRAINED``)."""
+    each = []
+    for m in methods:
+        cfg = for_method(base, m)
+        each.append(f"{m} {cfg.resolved_outer_lr():g}/{cfg.resolved_outer_momentum():g}")
+    return "outer lr/momentum where not swept: " + ", ".join(each)
 
 
 def _times(xs: list[float | None]) -> str:
@@ -390,7 +400,7 @@ def _write_results(
     tables = format_tables(summary)
     start = (
         f"every method starts {base.start().describe()}, "
-        f"inner-state rule {base.resolved_inner_momentum()}"
+        f"inner-state rule {base.resolved_inner_momentum()}; {_defaults(base, list(summary['best']))}"
     )
     atomic_write_text(
         out / "table.md", f"`{command}`\n\n{start[0].upper()}{start[1:]}.\n\n" + tables
