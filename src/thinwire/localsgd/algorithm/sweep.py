@@ -117,6 +117,11 @@ def run_key(method: str, setting: dict[str, Any], seed: int) -> str:
     return f"{method}__{'_'.join(parts) or 'default'}__seed{seed}"
 
 
+RUNTIME_ONLY = ("shard_within",)
+"""Fields of :class:`AsyncConfig` that only the multi-process runtime reads (the simulator
+has no ranks to shard over), left out of :func:`fingerprint`."""
+
+
 def fingerprint(
     cfg: AsyncConfig, clock: SimClock, seed: int, context: Mapping[str, Any] | None = None
 ) -> str:
@@ -136,8 +141,11 @@ def fingerprint(
                 "outer_lr": cfg.resolved_outer_lr(),
                 "outer_momentum": cfg.resolved_outer_momentum(),
             }
+    config = asdict(replace(cfg, seed=seed, inner_momentum=rule, **outer))
+    for name in RUNTIME_ONLY:  # no simulated result depends on them: cached runs stay valid
+        config.pop(name, None)
     blob = {
-        "config": asdict(replace(cfg, seed=seed, inner_momentum=rule, **outer)),
+        "config": config,
         "clock": asdict(replace(clock, seed=seed)),
         "context": dict(context or {}),
     }
