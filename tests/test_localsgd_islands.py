@@ -84,24 +84,14 @@ def _cfg(**kw: Any) -> AsyncConfig:
     return for_method(AsyncConfig(**(base | kw)), method)
 
 
+_KEPT = ("theta", "final_val_loss", "rounds", "steps", "state_restored", "inner_steps")
+_KEPT += ("updates_applied", "comm_bytes")
+"""What a rank's result brings back to the test (the summary holds more)."""
+
+
 def _rank(rank: int, world: int, cfg: AsyncConfig) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out = run_async(_task(), cfg)
-    return {
-        k: v
-        for k, v in out.items()
-        if k
-        in (
-            "theta",
-            "final_val_loss",
-            "rounds",
-            "steps",
-            "state_restored",
-            "inner_steps",
-            "updates_applied",
-            "comm_bytes",
-        )
-    }
+    return {k: v for k, v in run_async(_task(), cfg).items() if k in _KEPT}
 
 
 def test_island_ranks_put_the_leaders_first() -> None:
