@@ -54,8 +54,11 @@ def _local(p: torch.Tensor, parts: int, part: int) -> torch.Tensor:
     return local
 
 
-def _shares(params: list[torch.Tensor], parts: int) -> list[list[int]]:
-    return [[row_share(p.shape, parts, r) for p in params] for r in range(parts)]
+def _layout(params: list[torch.Tensor], parts: int) -> tuple[list[list[int]], int]:
+    """Each part's elements of each parameter, and the longest part's total (every
+    rank's buffer is that long, so the scatter and gather move equal sizes)."""
+    shares = [[row_share(p.shape, parts, r) for p in params] for r in range(parts)]
+    return shares, max(sum(s) for s in shares)
 
 
 @torch.no_grad()
@@ -68,8 +71,7 @@ def scatter_theta_(
 ) -> None:
     """Load each rank's shards of ``theta`` (flat fp32, the leader's; None elsewhere)
     into ``params``: one scatter from the leader (group rank 0)."""
-    shares = _shares(params, parts)
-    size = max(sum(s) for s in shares)
+    _, size = _layout(params, parts)
     device = _local(params[0], parts, part).device
     out = torch.empty(size, dtype=torch.float32, device=device)
     chunks = None
@@ -104,8 +106,7 @@ def gather_difference(
     the one passing ``theta``), None elsewhere: one gather of every rank's shards. The
     leader holds theta, what it received (about one more copy) and the difference; no
     whole parameter vector besides."""
-    shares = _shares(params, parts)
-    size = max(sum(s) for s in shares)
+    shares, size = _layout(params, parts)
     locals_ = [_local(p, parts, part) for p in params]
     device = locals_[0].device
     mine = _padded([t.reshape(-1).float() for t in locals_], size, device)

@@ -105,11 +105,6 @@ class Island:
     """A stop has been sent (leader) or received (the others)."""
 
     @property
-    def index(self) -> int:
-        """The worker this island is, counted from 0 (its leader's rank minus one)."""
-        return self.ranks[0] - 1
-
-    @property
     def size(self) -> int:
         return len(self.ranks)
 

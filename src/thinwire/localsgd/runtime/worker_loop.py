@@ -150,7 +150,7 @@ def work_loop(
         transport.beat()
         threading.Thread(target=beat, daemon=True, name="thinwire-heartbeat").start()
         hello = Hello(*shape_signature(worker.model), st.late, st.force)
-        keep = _Keeper(st.state_path, st.resume, transport.rank, st.island, st.island)
+        keep = _Keeper(st.state_path, st.resume, transport.rank, st.island)
         try:
             return _rounds(
                 worker, transport, st.server, compress, on_round, st.max_restarts, hello, keep
@@ -181,7 +181,7 @@ def follow_loop(
             a round failed on some rank): the island is lost to the run. (On NCCL the
             watchdog may end the process instead.)
     """
-    keep = _Keeper(state_path, resume, island.rank, None, island)  # the leader orders
+    keep = _Keeper(state_path, resume, island.rank, island)
     rounds = steps = 0
     while True:
         work = island.next_order()
@@ -200,20 +200,14 @@ def follow_loop(
 class _Keeper:
     """When to save and load a worker's state (see the module docstring).
 
-    ``island``: the island this rank leads (it sends the orders); ``member``: the island
-    this rank belongs to, leader or not, whose ranks restore their states all or none.
+    ``member``: the island this rank belongs to, leader or not, whose ranks restore their
+    states all or none; :attr:`island` is it when this rank leads it (sends the orders).
     """
 
-    def __init__(
-        self,
-        path: Path | None,
-        resume: bool,
-        rank: int,
-        island: Island | None,
-        member: Island | None,
-    ) -> None:
+    def __init__(self, path: Path | None, resume: bool, rank: int, member: Island | None) -> None:
         self.path, self.resume, self.rank = path, resume, rank
-        self.island, self.member = island, member
+        self.member = member
+        self.island = member if member is not None and member.leader else None
         self.restored = False
 
     def first_round(self, worker: LocalWorker, push: PushEncoder, version: int) -> None:
