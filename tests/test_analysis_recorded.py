@@ -300,3 +300,24 @@ def test_the_records_own_link_is_taken_at_the_rate_its_collectives_achieved(
     # the achieved link predicts the recorded setting slower than the nominal one did
     nominal = RecordedPredictor.from_run(path.parent, 2, Link.nominal(1e9, 1e-9))
     assert own.step("ddp").step_s > nominal.step("ddp").step_s
+
+
+@pytest.mark.timeout(30)
+def test_the_1bit_row_takes_the_timed_passes_of_a_train_run_only(tmp_path: Path) -> None:
+    # A timing after a user's own loop ran stand-in arithmetic before each step: its
+    # "passes" are not the job's, and the record's stay. After a ``thinwire train`` run
+    # (its config.json beside the record) they are the job's own passes.
+    from thinwire.analysis.recorded_predict import RecordedPredictor
+    from thinwire.analysis.validate_compare import Link
+
+    steps = [_step(k, [0.05, 0.02]) for k in range(1, 8)]
+    path = _write(tmp_path / "record.jsonl", steps)
+    timing = {"update_s": 0.01, "codec_s": 0.002, "wait_s": 0.0, "passes_s": 0.01}
+    link = Link.nominal(1e9)
+    own_loop = RecordedPredictor.from_run(path.parent, 2, link, timing)
+    assert "onebit_passes_s" not in own_loop.profile.meta
+    (tmp_path / "config.json").write_text("{}")
+    train_run = RecordedPredictor.from_run(path.parent, 2, link, timing)
+    assert train_run.profile.meta["onebit_passes_s"] == pytest.approx(0.01)
+    assert train_run.step("onebit").step_s < own_loop.step("onebit").step_s
+    assert train_run.step("ddp").step_s == pytest.approx(own_loop.step("ddp").step_s)

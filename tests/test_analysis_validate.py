@@ -103,6 +103,25 @@ def test_onebit_is_one_collective_after_backward_with_codec() -> None:
     assert predict_step(timed, "ddp", link, n).iteration_s == pytest.approx(1.0)
 
 
+def test_onebit_takes_the_passes_timed_between_1bit_steps() -> None:
+    # The record's passes (0.3 + 0.6 s) ran beside DDP's allreduce; timed between 1-bit
+    # steps they took 0.6 s: the stage's iteration and its gradients' ready times follow.
+    link = Link(bandwidth_gbps=0.1, alpha_per_message_s=1e-3, source="fitted")
+    plain = predict_step(_profile(), "onebit", link, 4, 2e-9)
+    timed = _profile()
+    timed.meta["onebit_passes_s"] = 0.6
+    res = predict_step(timed, "onebit", link, 4, 2e-9)
+    assert res.iteration_s == pytest.approx(0.7)
+    assert res.step_s == pytest.approx(plain.step_s - 0.3)
+    # the one buffer leaves when the last gradient is ready: 0.6 s scaled by 2/3
+    assert res.events[0].start_s == pytest.approx(0.4)
+    # with the timed update as well, both apply
+    timed.meta["onebit_optimizer_s"] = 0.25
+    assert predict_step(timed, "onebit", link, 4).iteration_s == pytest.approx(0.85)
+    # DDP's own prediction keeps the record's passes
+    assert predict_step(timed, "ddp", link, 4).iteration_s == pytest.approx(1.0)
+
+
 def test_fused_fp32_is_a_ring_allreduce_after_backward() -> None:
     prof, n = _profile(), 4
     link = Link(bandwidth_gbps=0.05, alpha_per_message_s=2e-3)

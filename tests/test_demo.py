@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from thinwire.cli.main import main
-from thinwire.workflow.demo import _prepare_out
+from thinwire.workflow.demo import DemoSettings, _prepare_out
 
 
 @pytest.mark.timeout(300)
@@ -118,3 +118,12 @@ def test_demo_on_the_testbed_predicts_both_rows_from_the_lamb_record(tmp_path: P
     assert lamb["nic_bytes"] and onebit["nic_bytes"]  # read back, LAMB kept its counters
     for row in result["runs"]:
         assert row["predicted_step_s"] > 0 and row["measured_step_s"] > 0
+
+
+def test_the_demo_runs_one_worker_per_core_by_default() -> None:
+    from thinwire.workflow.demo import DEMO_MAX_WORKERS, default_workers
+
+    assert [default_workers(c) for c in (1, 2, 3, 4, 16)] == [2, 2, 3, 4, DEMO_MAX_WORKERS]
+    assert default_workers() >= 2
+    cfg = DemoSettings(steps=20).train_config()  # None resolves before the checks
+    assert cfg.steps == 20

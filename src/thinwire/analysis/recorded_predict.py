@@ -13,7 +13,10 @@ it :class:`RecordedPredictor` predicts the step of
   after the backward pass. Its own step (the update, the codec and the exchange's waits)
   is not in the record; pass it timed on the job's ranks
   (:mod:`thinwire.analysis.optimizer_step`), and the update and the codec's compute are
-  taken from there, with the wait beyond the wire time charged per call.
+  taken from there, with the wait beyond the wire time charged per call; when that
+  timing ran the job's own forward and backward passes (a ``thinwire train`` run), so
+  are the passes: the record's, run beside DDP's allreduce, came out 12-25% slower than
+  the same passes between 1-bit steps on the demo.
 
 Without that timing, ``onebit`` prices the codec at the machine's cost for one process
 and keeps the record's update: on a machine whose cores the ranks share that misses by
@@ -82,6 +85,7 @@ class RecordedPredictor:
         """Read ``run_dir``'s record; ``onebit_step`` is a timing's summary
         (:func:`thinwire.analysis.optimizer_step.summarize`), or None."""
         from thinwire.analysis.costs import machine_costs
+        from thinwire.analysis.job_passes import job_config
         from thinwire.analysis.recorded import load_record, profile_from_record
         from thinwire.comm.onebit_exchange import onebit_wire_bytes
 
@@ -99,6 +103,9 @@ class RecordedPredictor:
             onebit_link = replace(link, onebit_latency=((float(nbytes), wait),))
             if profile.optimizer_s is not None:
                 profile.meta["onebit_optimizer_s"] = onebit_step["update_s"]
+            if "passes_s" in onebit_step and job_config(run_dir) is not None:
+                # the job's own passes, timed between 1-bit steps (not a stand-in)
+                profile.meta["onebit_passes_s"] = onebit_step["passes_s"]
             codec = onebit_step["codec_s"] / max(nbytes, 1)
         return cls(profile, workers, link, costs["add"], codec, onebit_link)
 

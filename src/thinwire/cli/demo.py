@@ -1,6 +1,6 @@
 """``thinwire demo``: the whole story on built-in defaults, in a few minutes on a CPU.
 
-1. **Train** the job (thinwire's GPT on 4 workers) with LAMB, recording every step: as
+1. **Train** the job (thinwire's GPT on one worker per core, 2 to 4) with LAMB, recording every step: as
    root on W emulated hosts joined by ``tc``-limited links, otherwise over loopback (and
    the demo says so).
 2. **Analyze** LAMB's own record: is the network the bottleneck at the link rate, which
@@ -30,7 +30,12 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--workers", type=int, default=4, help="workers / emulated hosts (default 4)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="workers / emulated hosts (default: one per core, 2 to 4)",
+    )
     p.add_argument("--rate", default="100mbit", help="emulated link rate (default 100mbit)")
     p.add_argument(
         "--delay",

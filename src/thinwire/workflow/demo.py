@@ -25,7 +25,7 @@ Python::
 
     from thinwire.workflow import DemoSettings, run_demo
 
-    result = run_demo(DemoSettings(workers=4, rate="100mbit", out="runs/demo"))
+    result = run_demo(DemoSettings(rate="100mbit", out="runs/demo"))  # one worker per core
     result["runs"][1]["comm_bytes"] / result["runs"][0]["comm_bytes"]
 """
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
@@ -55,9 +56,11 @@ if TYPE_CHECKING:
 __all__ = [
     "ALGOS",
     "DEMO_LR",
+    "DEMO_MAX_WORKERS",
     "DEMO_STEPS",
     "DemoSettings",
     "analyze",
+    "default_workers",
     "onebit_split",
     "onebit_step_on",
     "predicted_steps",
@@ -80,12 +83,37 @@ setting: at 120 steps (lr 0.015, warmup 12, the freeze capped at step 36) 1-bit 
 ended 3% above LAMB (2.652 against 2.573, loopback, seed 0)."""
 
 
+DEMO_MAX_WORKERS = 4
+"""The most workers the demo picks by itself (:func:`default_workers`)."""
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_workers(cores: int | None = None) -> int:
+    """The demo's workers when none are named: one per usable core, from 2 up to
+    :data:`DEMO_MAX_WORKERS`.
+
+    Why one per core: the demo measures time, and emulated hosts that share a core take
+    turns on it, so how long a step waits for the others is the scheduler's choice. On
+    the 2-core machine, 4 hosts left 1-bit LAMB's predicted step 3-13% off the measured
+    one over 3 demos (and its measured step 0.15-0.17 s between runs of one command);
+    2 hosts, 1-6% (0.068-0.070 s). docs/results/analysis.md has the runs."""
+    return max(2, min(DEMO_MAX_WORKERS, usable_cores() if cores is None else cores))
+
+
 @dataclass
 class DemoSettings:
     """What the demo runs; the defaults are ``thinwire demo``'s."""
 
-    workers: int = 4
-    """Workers, or emulated hosts on the testbed (at least 2)."""
+    workers: int | None = None
+    """Workers, or emulated hosts on the testbed (at least 2); None: one per core, at
+    most 4 (:func:`default_workers`)."""
     rate: str = "100mbit"
     """Link rate of the emulated hosts (``100mbit``, ``1gbit``, ``unlimited``); the
     analysis predicts at it even over loopback."""
@@ -117,6 +145,8 @@ class DemoSettings:
 
     def train_config(self) -> TrainConfig:
         """The runs' shared settings, checked (a one-line ConfigError when impossible)."""
+        if self.workers is None:
+            return replace(self, workers=default_workers()).train_config()
         if self.workers < 2:
             raise ConfigError(
                 f"the demo compares distributed runs: --workers must be >= 2, got {self.workers}"
@@ -341,8 +371,9 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
     """
     from thinwire.testbed.netns import unavailable_reason
 
-    s = settings
+    s = settings if settings.workers is not None else replace(settings, workers=default_workers())
     cfg = s.train_config()
+    cores = usable_cores()
     reason = unavailable_reason() if s.testbed else "--no-testbed was given"
     rtt_s = 2 * parse_duration(s.delay) if s.delay else 0.0
     if rtt_s and reason is not None:
@@ -356,6 +387,16 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
         else f"{s.workers} local workers over loopback (network not slowed: {reason})"
     )
     echo(f"== 1/3  Training with LAMB on {where}, every step recorded\n")
+    if settings.workers is None:
+        echo(
+            f"({s.workers} workers: one per core of this machine's {cores}, at most "
+            f"{DEMO_MAX_WORKERS}; --workers N to choose)\n"
+        )
+    elif s.workers > cores:
+        echo(
+            f"note: {s.workers} workers share this machine's {cores} cores: their step "
+            "times follow the scheduler, and the predicted steps are looser\n"
+        )
     with training(cfg, s.workers, s.rate, out, reason is None, s.delay) as (train, cluster):
         train(["lamb"])
         lamb_dir = out / "train" / "lamb"
