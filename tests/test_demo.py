@@ -121,9 +121,15 @@ def test_demo_on_the_testbed_predicts_both_rows_from_the_lamb_record(tmp_path: P
 
 
 def test_the_demo_runs_one_worker_per_core_by_default() -> None:
-    from thinwire.workflow.demo import DEMO_MAX_WORKERS, default_workers
+    from thinwire.workflow.demo import DEMO_MAX_WORKERS, default_workers, workers_line
 
     assert [default_workers(c) for c in (1, 2, 3, 4, 16)] == [2, 2, 3, 4, DEMO_MAX_WORKERS]
     assert default_workers() >= 2
     cfg = DemoSettings(steps=20).train_config()  # None resolves before the checks
     assert cfg.steps == 20
+    # it says how it chose, or that the workers asked for share the cores
+    assert workers_line(None, 2, 2) == (
+        "(2 workers: one per core of this machine's 2, at most 4; --workers N to choose)"
+    )
+    assert workers_line(4, 4, 2).startswith("note: 4 workers share this machine's 2 cores")
+    assert workers_line(2, 2, 2) is None

@@ -66,6 +66,7 @@ __all__ = [
     "predicted_steps",
     "run_demo",
     "training",
+    "workers_line",
 ]
 
 ALGOS = ("lamb", "onebit-lamb")
@@ -101,10 +102,27 @@ def default_workers(cores: int | None = None) -> int:
 
     Why one per core: the demo measures time, and emulated hosts that share a core take
     turns on it, so how long a step waits for the others is the scheduler's choice. On
-    the 2-core machine, 4 hosts left 1-bit LAMB's predicted step 3-13% off the measured
-    one over 3 demos (and its measured step 0.15-0.17 s between runs of one command);
-    2 hosts, 1-6% (0.068-0.070 s). docs/results/analysis.md has the runs."""
+    the 2-core machine, with the same prediction, 1-bit LAMB's predicted step was -3% to
+    +13% off the measured one over 3 demos on 4 hosts, -6% to +8% over 6 on 2; between
+    runs of one command its measured step spread 0.15-0.17 s on 4 hosts, 0.065-0.079 s
+    on 2 (docs/results/analysis.md has the runs)."""
     return max(2, min(DEMO_MAX_WORKERS, usable_cores() if cores is None else cores))
+
+
+def workers_line(asked: int | None, workers: int, cores: int) -> str | None:
+    """What the demo says about its worker count: how it was chosen when ``asked`` is
+    None, a note when more workers than cores were asked for, else nothing."""
+    if asked is None:
+        return (
+            f"({workers} workers: one per core of this machine's {cores}, at most "
+            f"{DEMO_MAX_WORKERS}; --workers N to choose)"
+        )
+    if workers > cores:
+        return (
+            f"note: {workers} workers share this machine's {cores} cores: their step times "
+            "follow the scheduler, and the predicted steps are looser"
+        )
+    return None
 
 
 @dataclass
@@ -373,7 +391,6 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
 
     s = settings if settings.workers is not None else replace(settings, workers=default_workers())
     cfg = s.train_config()
-    cores = usable_cores()
     reason = unavailable_reason() if s.testbed else "--no-testbed was given"
     rtt_s = 2 * parse_duration(s.delay) if s.delay else 0.0
     if rtt_s and reason is not None:
@@ -387,16 +404,9 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
         else f"{s.workers} local workers over loopback (network not slowed: {reason})"
     )
     echo(f"== 1/3  Training with LAMB on {where}, every step recorded\n")
-    if settings.workers is None:
-        echo(
-            f"({s.workers} workers: one per core of this machine's {cores}, at most "
-            f"{DEMO_MAX_WORKERS}; --workers N to choose)\n"
-        )
-    elif s.workers > cores:
-        echo(
-            f"note: {s.workers} workers share this machine's {cores} cores: their step "
-            "times follow the scheduler, and the predicted steps are looser\n"
-        )
+    line = workers_line(settings.workers, s.workers, usable_cores())
+    if line is not None:
+        echo(line + "\n")
     with training(cfg, s.workers, s.rate, out, reason is None, s.delay) as (train, cluster):
         train(["lamb"])
         lamb_dir = out / "train" / "lamb"
