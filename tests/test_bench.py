@@ -55,6 +55,7 @@ def test_run_allreduce_bench_rows_are_complete_and_agree_across_ranks() -> None:
     assert by[n, "bf16"]["wire_bytes"] == ring_allreduce_bytes(n // 2, 2)
     assert by[n, "onebit"]["wire_bytes"] == onebit_wire_bytes(n // 4, 2)
     assert by[n, "onebit-fanout"]["wire_bytes"] == by[n, "onebit"]["wire_bytes"]
+    assert by[n, "onebit-serial"]["wire_bytes"] == by[n, "onebit"]["wire_bytes"]
     # 16384 elements as a 128 x 128 matrix: rank-r factors P and Q of 128 x r each.
     assert by[n, "powersgd-r4"]["wire_bytes"] == 2 * ring_allreduce_bytes(4 * 4 * 128, 2)
     assert by[n, "onebit"]["wire_bytes"] < by[n, "powersgd-r4"]["wire_bytes"]

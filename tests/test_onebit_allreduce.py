@@ -155,7 +155,8 @@ class CompressorReference:
 
 
 def _steps_body(rank: int, world: int, n: int, steps: int, block: int | None) -> list[tuple]:
-    allreduce = OneBitAllreduce(pieces=2, block=block)
+    # a fixed plan: from the second call on, phase 1 leaves before the metadata is in
+    allreduce = OneBitAllreduce(pieces=2, block=block, phase2="fanout" if world == 3 else "ring")
     results = []
     for step in range(steps):
         out = allreduce(_inputs(n, world, seed=100 * n + step)[rank])
@@ -330,6 +331,113 @@ def test_nan_inf_and_length_errors_are_reported_on_every_rank() -> None:
         assert "non-finite input (NaN/Inf) on rank(s) [0]" in report["block_nan"]
 
 
+def _logged(allreduce: OneBitAllreduce, log: list[str]) -> None:
+    """Log when the metadata leaves and lands and when phase 1 leaves."""
+    ex = allreduce._exchange
+    start_meta, start_all_to_all = ex.start_meta, ex.start_all_to_all
+
+    def meta(m: torch.Tensor) -> object:
+        wait = start_meta(m)
+        log.append("meta out")
+
+        def landed() -> torch.Tensor:
+            out = wait()
+            log.append("meta in")
+            return out
+
+        return landed
+
+    def bits(recvs: list, sends: list) -> object:
+        log.append("bits out")
+        return start_all_to_all(recvs, sends)
+
+    ex.start_meta, ex.start_all_to_all = meta, bits  # type: ignore[method-assign]
+
+
+def _early_body(rank: int, world: int) -> dict:
+    report: dict = {}
+    xs = _inputs(50, world, seed=3)
+    allreduce, twin = OneBitAllreduce(pieces=2), OneBitAllreduce(pieces=2)
+    for ar in (allreduce, twin):
+        ar._plan.phase2 = "ring"  # a fixed plan, no scheme trials
+        ar._exchange.phase2 = "ring"
+    log: list[str] = []
+    _logged(allreduce, log)
+    allreduce(xs[rank])
+    twin(xs[rank])
+    report["first"], log[:] = list(log), []
+    allreduce(xs[rank])
+    twin(xs[rank])
+    report["second"], log[:] = list(log), []
+    # A NaN in a call whose bits left early: raised on every rank, nothing changed.
+    before = allreduce.state_dict()
+    poisoned = xs[rank].clone()
+    if rank == 1:
+        poisoned[5] = float("nan")
+    try:
+        allreduce(poisoned)
+    except NonFiniteError as exc:
+        report["nan"] = str(exc)
+    report["nan_kept"] = torch.equal(before["worker_error"], allreduce.state_dict()["worker_error"])
+    # Another length on one rank: its bits leave in the agreed layout, every rank raises.
+    try:
+        allreduce(xs[rank] if rank == 0 else torch.ones(51))
+    except LengthMismatchError as exc:
+        report["length"] = str(exc)
+    report["in_step"] = torch.equal(allreduce(xs[rank]), twin(xs[rank]))
+    # One rank drops its buffers (a fixed plan): it waits for the metadata, the other
+    # does not, and the call still meets in the same collectives.
+    if rank == 1:
+        allreduce.reset()
+        twin.reset()
+    log[:] = []
+    report["one_reset"] = torch.equal(allreduce(xs[rank]), twin(xs[rank]))
+    report["one_reset_log"] = list(log)
+    # The same with a tuned piece count: the plans differ, both raise, and nothing is
+    # left in flight. (The scheme is fixed: a rank that dropped a tuned fan-out would
+    # send its metadata by the ring, which no check can catch.)
+    tuned = OneBitAllreduce(phase2="ring")
+    for _ in range(40):
+        if tuned.tuned:
+            break
+        tuned(xs[rank])
+    tuned(xs[rank])  # a call with the final plan: the next one sends early
+    if rank == 1:
+        tuned.reset()
+    _logged(tuned, log)
+    log[:] = []
+    try:
+        tuned(xs[rank])
+    except ValueError as exc:
+        report["tuner"] = str(exc)
+    report["tuner_log"] = list(log)
+    fresh = OneBitAllreduce(pieces=2, phase2="ring", block=8)
+    report["group_in_step"] = torch.equal(fresh(xs[rank]), reference(xs, block=8))
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_a_call_after_an_agreed_one_sends_its_bits_before_the_metadata_is_in() -> None:
+    for rank, report in enumerate(spawn(_early_body, 2, timeout_s=100)):
+        # the first call waits for the lengths to be agreed; later ones do not
+        assert report["first"] == ["meta out", "meta in", "bits out"]
+        assert report["second"] == ["meta out", "bits out", "meta in"]
+        assert "non-finite input (NaN/Inf) on rank(s) [1]" in report["nan"]
+        assert report["nan_kept"]
+        assert report["length"] == (
+            "1-bit allreduce: ranks disagree on the length: rank 0 has 50, rank 1 has 51"
+        )
+        assert report["in_step"]
+        assert report["one_reset"]
+        expected = ["meta out", "meta in", "bits out"] if rank == 1 else report["second"]
+        assert report["one_reset_log"] == expected
+        assert "ranks disagree on the piece count" in report["tuner"]
+        # rank 0's bits had left; rank 1 sent zeros in their layout before raising
+        tuner_log = ["meta out", "bits out", "meta in"] if rank == 0 else report["first"]
+        assert report["tuner_log"] == tuner_log
+        assert report["group_in_step"]
+
+
 def _checkpoint_body(rank: int, world: int) -> bool:
     gen = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(300, generator=gen) for _ in range(10)]
@@ -392,11 +500,11 @@ def test_compute_only_matches_reference_for_identical_ranks() -> None:
 
 def test_wire_bytes_formula() -> None:
     assert onebit_wire_bytes(1000, 1) == 0
-    # 4 ranks, 1024 elements, one scale: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 68
+    # 4 ranks, 1024 elements, one scale: 128 bytes of signs, 2 * 3/4 of it, plus 3 * 76
     # bytes of metadata and server scale.
-    assert onebit_wire_bytes(1024, 4, block=None) == 192 + 204
+    assert onebit_wire_bytes(1024, 4, block=None) == 192 + 228
     # Blocks of 256: 4 scales (16 bytes) travel beside the signs in both phases.
-    assert onebit_wire_bytes(1024, 4, block=256) == 2 * 3 * (128 + 16) // 4 + 3 * 64
+    assert onebit_wire_bytes(1024, 4, block=256) == 2 * 3 * (128 + 16) // 4 + 3 * 72
     n = 16 * 2**20
     fp32_ring = 2 * 3 * 4 * n // 4
     assert fp32_ring / onebit_wire_bytes(n, 4, block=None) == pytest.approx(32, rel=1e-3)

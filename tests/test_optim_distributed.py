@@ -98,10 +98,10 @@ def _check_agreement(name: str, world: int, steps: int, results: list[dict]) -> 
             assert calls.get("optim.allreduce", 0) == 0
             total = sum(nbytes.values())
             # ~1/28 of the fp32 allreduce: the bits of both phases, a scale per 256
-            # elements and the small metadata gather, exactly the collective's formula
-            # for the fused buffer
+            # elements and the small metadata gather (72 bytes per peer, 4% of this
+            # small model's share), exactly the collective's formula for the fused buffer
             assert total == onebit_wire_bytes(n, world), (total, fp32_bytes)
-            assert fp32_bytes / 29 < total < fp32_bytes / 26
+            assert fp32_bytes / 29 < total < fp32_bytes / 25
         else:
             assert calls.get("optim.allreduce", 0) == 1
             assert calls.get("onebit.phase1", 0) == 0

@@ -15,7 +15,9 @@ buffer of that size across the group:
   factors would not be smaller than the matrix);
 * ``onebit``: :class:`thinwire.comm.onebit_allreduce.OneBitAllreduce` at its defaults
   (``phase2="auto"``); ``onebit-ring`` and ``onebit-fanout`` with phase 2 fixed to
-  gloo's ring all_gather or to a fan-out to every peer at once.
+  gloo's ring all_gather or to a fan-out to every peer at once; ``onebit-serial`` at
+  the defaults but every call waiting for the metadata before its bits
+  (``overlap_meta=False``: three round trips in sequence instead of two).
 
 Timing: ``warmup`` untimed calls per method, then ``iters`` rounds in which the methods
 take turns, each call timed from a barrier to its end (CUDA synchronised); taking turns
@@ -76,6 +78,7 @@ METHODS: tuple[str, ...] = (
     "onebit",
     "onebit-ring",
     "onebit-fanout",
+    "onebit-serial",
 )
 
 
@@ -174,8 +177,13 @@ def _make_op(
         inner, wire = _powersgd_op(buf, int(method.removeprefix("powersgd-r")), group)
         return reset_then(inner), wire, None
     if method.startswith("onebit"):
-        phase2 = method.removeprefix("onebit-") if method != "onebit" else "auto"
-        allreduce = OneBitAllreduce(group, pieces=pieces, phase2=phase2)
+        phase2 = method.removeprefix("onebit-")
+        allreduce = OneBitAllreduce(
+            group,
+            pieces=pieces,
+            phase2=phase2 if phase2 in ("ring", "fanout") else "auto",
+            overlap_meta=method != "onebit-serial",
+        )
 
         def op() -> None:
             allreduce(x, out=buf)

@@ -47,6 +47,7 @@ running beside it made phase 2 2-7% slower on 4 emulated hosts.)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from thinwire.comm.onebit_exchange import (
     LoopbackExchange,
     NonFiniteError,
     check_metas,
+    match_early_phase1,
     onebit_padded_numel,
     onebit_scale_bytes,
     onebit_wire_bytes,
@@ -142,6 +144,12 @@ class OneBitAllreduce:
             CUDA). Same bytes, same result. With hosts 10-50 ms apart the fan-out was
             11-26% faster, on a LAN within noise (docs/results/testbed.md, "What latency
             changes"). Every rank must pass the same.
+        overlap_meta: once a call has succeeded and the piece count and scheme are
+            final, send phase 1 right behind the metadata instead of waiting for it, so
+            that a call waits for two round trips instead of three (default True; same
+            bytes, same result; a failed check still raises on every rank with nothing
+            left in flight). False waits on every call, as the first call does: for
+            measuring what the overlap saves. Every rank must pass the same.
 
     Raises (on every rank alike, nothing changed):
         NonFiniteError: some rank's input (plus its error) holds NaN/Inf or overflows
@@ -158,9 +166,11 @@ class OneBitAllreduce:
         pieces: int | None = None,
         phase2: str = "auto",
         block: int | None = DEFAULT_BLOCK,
+        overlap_meta: bool = True,
     ) -> None:
         check_block(block)
         self.block = block
+        self.overlap_meta = overlap_meta
         self._plan = PiecePlan(pieces, phase2)
         self._exchange: GroupExchange = GroupExchange(process_group, self._plan.fixed_scheme)
         self._chunk = chunk  # None: chosen by the buffer's device at the first call
@@ -169,6 +179,9 @@ class OneBitAllreduce:
         self._bufs: dict[str, torch.Tensor] = {}
         self._scratch: PackerScratch | None = None
         self._last_seconds = 0.0  # this rank's time for its previous successful call
+        # True after a call that succeeded, until the buffers or the tuning start again:
+        # the ranks then hold buffers for the length they agreed on (see _early_cuts)
+        self._agreed = False
         self.side_mean = 0.0
         """The last call's ``side`` numbers, averaged over the ranks."""
         self.last_call_s = 0.0
@@ -273,6 +286,7 @@ class OneBitAllreduce:
         _, seg, _ = self._layout(self.numel or 0)
         self._plan.restart(seg // 8, device)
         self._last_seconds = 0.0
+        self._agreed = False
 
     @property
     def pieces_in_use(self) -> int | None:
@@ -300,6 +314,7 @@ class OneBitAllreduce:
         self._bufs = {}
         self._scratch = None
         self._plan.clear()
+        self._agreed = False
 
     # ------------------------------------------------------------------ the call
 
@@ -335,8 +350,19 @@ class OneBitAllreduce:
         seg8 = seg // 8
 
         scale, scales = self._compensate(tensor, ours)
-        metas = self._gather_meta(scale, n, previous, fresh, ours, side)
-        cuts, recvs, waits = self._phase1(metas, scale, scales, n, seg8, sb)
+        plan = self._plan.meta()  # before this call's cuts, as every rank sends it
+        early = self._early_cuts()
+        wait_meta = self._start_meta(scale, n, previous, side, plan, early)
+        if ours:  # packing overlaps the tiny gather; the bits are only used if all is well
+            pack_signs(self._bufs["work"], out=self._bufs["send"], scratch=self._scratch.bools)
+        sent = None if early is None else self._phase1(early, scale, scales, n if ours else None)
+        metas = self._checked_metas(wait_meta, n, fresh, sent)
+        if sent is None:
+            # The last rank to arrive waited least: its time is closest to the call's own.
+            align = 1 if self.block is None else self.block // 8
+            cuts = self._plan.cuts(seg8, float(metas[:, 3].min()), align)
+            sent = self._phase1(cuts, scale, scales, n)
+        cuts, recvs, waits = sent
         y = self._server_average(metas, recvs, waits, cuts, sb, real)
         gathered, waits, scales2, sb2 = self._phase2(y, cuts, sb, real)
 
@@ -345,6 +371,7 @@ class OneBitAllreduce:
         self._swap("server_error", "server_work")
 
         out = self._unpack_output(tensor, out, gathered, waits, scales2, cuts, sb2, seg8)
+        self._agreed = True
         self._last_seconds = time.perf_counter() - started
         self.last_call_s = self._last_seconds
         self.last_wait_s = self._exchange.waited_s - waited0
@@ -392,41 +419,65 @@ class OneBitAllreduce:
             scale = torch.zeros((), device=tensor.device)
         return scale, scales
 
-    def _gather_meta(
+    def _early_cuts(self) -> list[int] | None:
+        """This call's piece cuts when it sends phase 1 without waiting for the metadata,
+        else None.
+
+        Only after a call that succeeded (the ranks then hold buffers for the length they
+        agreed on) and with the piece count and scheme final: every rank that kept its
+        buffers decides alike, and one that dropped them (``reset``, ``load_state_dict``)
+        waits, then meets the others' phase 1 in the same order of collectives. Saves a
+        round trip per call on a link with latency; the bytes and the result are the
+        same."""
+        if not (self.overlap_meta and self._agreed and self._plan.final) or self.numel is None:
+            return None
+        align = 1 if self.block is None else self.block // 8
+        return self._plan.cuts(self._layout(self.numel)[1] // 8, 0.0, align)
+
+    def _start_meta(
         self,
         scale: torch.Tensor,
         n: int,
         previous: float,
-        fresh: bool,
-        ours: bool,
         side: torch.Tensor | float,
-    ) -> torch.Tensor:
-        """Every rank's metadata (scale, length, ...), checked alike on every rank; the
-        sign bits are packed while it travels."""
+        plan: tuple[int, int],
+        early: list[int] | None,
+    ) -> Callable[[], torch.Tensor]:
+        """Start gathering every rank's metadata (scale, length, ...); returns the wait."""
+        values = [n, self.numel, previous, plan[0], plan[1], self.block or 0]
         meta = torch.stack(
             [
                 scale.double(),
-                scale.new_tensor(n, dtype=torch.float64),
-                scale.new_tensor(self.numel, dtype=torch.float64),
-                scale.new_tensor(previous, dtype=torch.float64),
-                scale.new_tensor(self._plan.meta()[0], dtype=torch.float64),
-                scale.new_tensor(self._plan.meta()[1], dtype=torch.float64),
-                scale.new_tensor(self.block or 0, dtype=torch.float64),
+                *(scale.new_tensor(v, dtype=torch.float64) for v in values),
                 torch.as_tensor(side, dtype=torch.float64, device=scale.device).reshape(()),
+                scale.new_tensor(0 if early is None else len(early) - 1, dtype=torch.float64),
             ]
         )
         # The metadata travels like the previous call's phase 2 (every rank knows that
         # scheme; this call's is picked once the metadata is in).
         self._exchange.phase2 = self._plan.scheme
-        wait_meta = self._exchange.start_meta(meta)
-        if ours:  # packing overlaps the tiny gather; the bits are only sent if all is well
-            pack_signs(self._bufs["work"], out=self._bufs["send"], scratch=self._scratch.bools)
+        return self._exchange.start_meta(meta)
+
+    def _checked_metas(
+        self,
+        wait_meta: Callable[[], torch.Tensor],
+        n: int,
+        fresh: bool,
+        sent: tuple[list[int], list[torch.Tensor], list[Any]] | None,
+    ) -> torch.Tensor:
+        """Every rank's metadata, checked alike on every rank; on a failed check, no
+        collective of this call is left in flight when it raises."""
         metas = wait_meta().cpu()
         # Summed in rank order: alike on every rank.
         self.side_mean = float(metas[:, 7].sum()) / self.world_size
         try:
             check_metas(metas, n)
         except (ValueError, FloatingPointError):
+            if sent is not None:
+                for wait in sent[2]:
+                    wait()
+            else:
+                match_early_phase1(self._exchange, metas, self._bufs["send"].device)
             if fresh:  # a first call that fails leaves no buffers behind
                 self.reset()
             raise
@@ -434,15 +485,15 @@ class OneBitAllreduce:
 
     def _phase1(
         self,
-        metas: torch.Tensor,
+        cuts: list[int],
         scale: torch.Tensor,
         scales: torch.Tensor | None,
-        n: int,
-        seg8: int,
-        sb: int,
+        n: int | None,
     ) -> tuple[list[int], list[torch.Tensor], list[Any]]:
-        """Start phase 1 and compute the next worker error while it travels; returns the
-        piece cuts, the receive views and the waits."""
+        """Start phase 1 in the pieces ``cuts`` gives and compute the next worker error
+        while it travels (``n``: the input's length; None when it is not the length of
+        the buffers, which then go out as they are, only to keep the collectives matched
+        before the call raises); returns the cuts, the receive views and the waits."""
         b, block, w = self._bufs, self.block, self.world_size
         # Phase 1: every rank's sign bits for segment r go to rank r, in pieces (with
         # block scales, segment r's scales ride ahead of its bits, in the first piece).
@@ -450,15 +501,16 @@ class OneBitAllreduce:
         # buffer (x is no longer needed: its bits are packed); it only replaces the error
         # at the commit. Then the server averages each piece as it lands, while later
         # pieces are still on the wire.
-        # The last rank to arrive waited least: its time is closest to the call's own.
-        align = 1 if block is None else block // 8
-        cuts = self._plan.cuts(seg8, float(metas[:, 3].min()), align)
+        numel = self.numel if n is None else n
+        seg8 = self._layout(numel)[1] // 8
+        sb = onebit_scale_bytes(numel, w, block)
         self._exchange.phase2 = self._plan.scheme
         msg_cuts = [0] + [sb + c for c in cuts[1:]]
         recvs = piece_views(b["recv"], msg_cuts, w)
         if sb:
             message1 = b["message1"].view(w, sb + seg8)
-            message1[:, :sb].copy_(scales.view(torch.uint8).view(w, sb))
+            if scales is not None:
+                message1[:, :sb].copy_(scales.view(torch.uint8).view(w, sb))
             message1[:, sb:].copy_(b["send"].view(w, seg8))
         else:
             message1 = b["send"].view(w, seg8)
@@ -471,15 +523,16 @@ class OneBitAllreduce:
         waits = self._exchange.start_all_to_all(
             [r.view(-1) for r in recvs], [p.reshape(-1) for p in sends]
         )
-        subtract_signs_(
-            b["work"],
-            b["send"],
-            scale if block is None else scales,
-            n,
-            self._scratch.index_of(b["send"]),
-            self.chunk,
-            block,
-        )
+        if n is not None:
+            subtract_signs_(
+                b["work"],
+                b["send"],
+                scale if block is None else scales,
+                n,
+                self._scratch.index_of(b["send"]),
+                self.chunk,
+                block,
+            )
         return cuts, recvs, waits
 
     def _server_average(

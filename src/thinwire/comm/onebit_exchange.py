@@ -12,9 +12,19 @@ Per call each rank takes part in three collectives (see
    ``all_to_all_single`` of W copies: the same bytes, one step), and the metadata of
    the next call the same way.
 
+Once the ranks have agreed on the length in a call that succeeded and the piece count
+and phase-2 scheme are final, a call starts phase 1 right behind the metadata instead of
+waiting for it: on a link with latency the metadata's round trip then overlaps the
+bits', and a call waits for two round trips instead of three. The order of the
+collectives is the same either way, so a rank that waits (after its own ``reset()`` or
+``load_state_dict()``) still meets the others' phase 1.
+
 :func:`check_metas` reads the gathered metadata and fails the same way on every rank,
-before any large message is sent, when the ranks disagree or some input is not finite.
-:class:`LoopbackExchange` stands in for the network when only the compute is timed.
+before the bits are used, when the ranks disagree or some input is not finite; where
+some rank had already sent phase 1, the others first send theirs (zeros, sized as the
+early ranks' by :func:`match_early_phase1`), so no collective of the call is left in
+flight. :class:`LoopbackExchange` stands in for the network when only the compute is
+timed.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.accounting import gather_bytes, record
+from thinwire.comm.onebit_pieces import piece_cuts, piece_views
 from thinwire.compress.onebit import DEFAULT_BLOCK
 
 __all__ = [
@@ -38,17 +49,19 @@ __all__ = [
     "LoopbackExchange",
     "NonFiniteError",
     "check_metas",
+    "match_early_phase1",
     "onebit_padded_numel",
     "onebit_scale_bytes",
     "onebit_wire_bytes",
 ]
 
-META_BYTES = 64
+META_BYTES = 72
 """Per rank, before phase 1, as fp64: scale (with blocks: the sum of the block scales),
 length, length the state was built for, seconds the previous call took, fixed piece
-count (0: tuned), tuner's call count (-1: none), elements per scale (0: one scale), and
-the caller's side number (averaged over the ranks and handed back; the 1-bit optimizers
-send how large their local gradients are, see :mod:`thinwire.optim.stale`)."""
+count (0: tuned), tuner's call count (-1: none), elements per scale (0: one scale), the
+caller's side number (averaged over the ranks and handed back; the 1-bit optimizers
+send how large their local gradients are, see :mod:`thinwire.optim.stale`), and the
+pieces of phase 1 this rank sent without waiting for the metadata (0: it waited)."""
 SCALE_BYTES = 4
 """Per rank, phase 2: one fp32 scale, ahead of the packed segment."""
 PHASE2_SCHEMES = ("ring", "fanout")
@@ -106,7 +119,7 @@ def _describe(pieces: int, calls: int) -> str:
 
 
 def check_metas(metas: torch.Tensor, n: int) -> None:
-    """Raise, on every rank alike, if the gathered metadata (``[W, 8]``) shows ranks that
+    """Raise, on every rank alike, if the gathered metadata (``[W, 9]``) shows ranks that
     disagree on the length, the buffers' length, the piece plan or the elements per
     scale, or a non-finite scale.
     """
@@ -144,6 +157,32 @@ def check_metas(metas: torch.Tensor, n: int) -> None:
             f"1-bit allreduce: non-finite input (NaN/Inf) on rank(s) {bad}; "
             "error buffers left unchanged"
         )
+
+
+def match_early_phase1(exchange: GroupExchange, metas: torch.Tensor, device: torch.device) -> None:
+    """Send and receive, as zeros, the phase 1 that the ranks which did not wait for the
+    metadata started (``metas[:, 8] > 0``), and wait for it: a call that raises after
+    the metadata leaves none of its collectives in flight. Every rank that waited calls
+    this; the early ones wait for their own phase 1 instead. Nothing if none was early.
+
+    The early ranks agreed on their length in the same successful call, so their first
+    one's row gives the layout all of them used."""
+    early = (metas[:, 8] > 0).nonzero()
+    if early.numel() == 0:
+        return
+    row = metas[int(early[0, 0])]
+    numel, block, pieces = int(row[2]), int(row[6]) or None, int(row[8])
+    w = metas.shape[0]
+    seg8 = onebit_padded_numel(numel, w, block) // w // 8
+    sb = onebit_scale_bytes(numel, w, block)
+    cuts = piece_cuts(seg8, pieces, 1 if block is None else block // 8)
+    msg_cuts = [0] + [sb + c for c in cuts[1:]]
+    zeros = torch.zeros(w * (sb + seg8), dtype=torch.uint8, device=device)
+    recv = torch.empty_like(zeros)
+    views = piece_views(zeros, msg_cuts, w), piece_views(recv, msg_cuts, w)
+    sends, recvs = ([v.reshape(-1) for v in side] for side in views)
+    for wait in exchange.start_all_to_all(recvs, sends):
+        wait()
 
 
 # torch >= 2.11 renamed all_gather_into_tensor; both gather into one flat tensor.

@@ -16,7 +16,7 @@ import torch
 
 from thinwire.comm.piece_tuner import PieceTuner
 
-__all__ = ["PiecePlan", "piece_views"]
+__all__ = ["PiecePlan", "piece_cuts", "piece_views"]
 
 
 class PiecePlan:
@@ -78,9 +78,20 @@ class PiecePlan:
         """Byte offsets of this call's pieces inside a segment's bits (same on every rank),
         multiples of ``align`` bytes (a block's bits, so no block straddles two pieces)."""
         k = self.tuner.next(previous_seconds) if self.tuner is not None else self.pieces or 1
-        units = seg8 // align
-        k = max(1, min(k, units))
-        return [units * j // k * align for j in range(k + 1)]
+        return piece_cuts(seg8, k, align)
+
+    @property
+    def final(self) -> bool:
+        """True when the count and the scheme will not change again (fixed, or tuned)."""
+        return self.tuner is None or self.tuner.done
+
+
+def piece_cuts(seg8: int, pieces: int, align: int = 1) -> list[int]:
+    """Byte offsets of ``pieces`` pieces (at most one per ``align`` bytes) of a segment's
+    ``seg8`` bytes of bits, each a multiple of ``align``."""
+    units = seg8 // align
+    k = max(1, min(pieces, units))
+    return [units * j // k * align for j in range(k + 1)]
 
 
 def piece_views(buf: torch.Tensor, cuts: list[int], world_size: int) -> list[torch.Tensor]:
