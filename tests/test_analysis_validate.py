@@ -83,15 +83,15 @@ def test_merge_profiles_rejects_different_models() -> None:
 
 def test_onebit_is_one_collective_after_backward_with_codec() -> None:
     # Analytic: the 1-bit optimizer sends ONE buffer after backward; the step is the
-    # iteration plus its wire time, 3 latencies (three one-step collectives) and the
-    # codec over all bytes.
+    # iteration plus its wire time, 2 latencies (one-step collectives, the metadata's
+    # beside phase 1) and the codec over all bytes.
     prof, n = _profile(), 4
     link = Link(bandwidth_gbps=0.1, alpha_per_message_s=1e-3, source="fitted")
     codec = 2e-9
     res = predict_step(prof, "onebit", link, n, codec)
     total = 7 * MIB
     wire = onebit_wire_bytes(total // 4, n)
-    expected = 1.0 + 8 * wire / 0.1e9 + 3 * 1e-3 + codec * total
+    expected = 1.0 + 8 * wire / 0.1e9 + 2 * 1e-3 + codec * total
     assert res.step_s == pytest.approx(expected)
     assert len(res.events) == 1 and res.events[0].start_s == pytest.approx(0.6)
     # Where the profile timed the 1-bit optimizer's own update, the stage runs it.

@@ -55,7 +55,7 @@ class LinkFit:
     onebit_latency: tuple[tuple[float, float], ...] = ()
     """(message bytes, seconds) per benchmarked size: what one call of thinwire's 1-bit
     allreduce waited on the network beyond its wire time and its compute (empty: not
-    measured; the model then charges 3 alpha)."""
+    measured; the model then charges 2 alpha)."""
 
     @property
     def alpha_per_message_s(self) -> float:
@@ -123,10 +123,11 @@ def onebit_waits(
     """Per size, what a 1-bit call took beyond its compute and its wire time at the
     fitted rate (>= 0), from ``onebit`` rows with ``compute_s``; () without them.
 
-    Its three collectives are all_to_alls, not rings: gloo's rendezvous per message and
-    TCP's windows make each cost more than a ring message's alpha on some networks, and
-    more for larger messages (on the testbed at 25 ms, 4 hosts: 3.1 round trips at
-    64 KiB, 3.5 at 1-2 MiB), so it is measured per size, not derived.
+    Its collectives are all_to_alls, not rings: gloo's rendezvous per message and TCP's
+    windows make each cost more than a ring message's alpha on some networks, and more
+    for larger messages (on the testbed at 25 ms, 4 hosts, with the three collectives in
+    sequence: 3.1 round trips at 64 KiB, 3.5 at 1-2 MiB), so it is measured per size,
+    not derived.
     """
     waits = sorted(
         (

@@ -30,8 +30,8 @@ short, for a ring of ``S`` bytes on links of ``B`` bit/s with latency ``alpha``:
 
 ``c`` divides only the network term. ``alpha = 0``, ``codec = 0``, one channel and the
 paper's vector-add table reproduce the paper. The 1-bit allreduce sends about
-``2 (n-1)/n * S/32`` bytes in three one-step collectives (``3 alpha``, or the wait
-``analyze fit`` measured); overlapped it is the 1-bit comm hook
+``2 (n-1)/n * S/32`` bytes in three one-step collectives, two of them at once
+(``2 alpha``, or the wait ``analyze fit`` measured); overlapped it is the 1-bit comm hook
 (:mod:`thinwire.comm.onebit_hook`: one thread, so one channel whatever ``concurrency``), with
 ``overlap=False`` 1-bit Adam/LAMB's one exchange after backward. ``localsgd``: workers
 step alone and all-reduce the model every ``local_steps`` = H steps, after the step
@@ -122,8 +122,8 @@ class NetworkConfig:
     onebit_latency: tuple[tuple[float, float], ...] = ()
     """(message bytes, seconds >= 0): what a 1-bit allreduce call waited on the network
     beyond its wire time, per size (``analyze fit`` measures it:
-    ``LinkFit.onebit_latency``). Empty: three messages' latency, ``3 * alpha`` (its
-    three one-step collectives)."""
+    ``LinkFit.onebit_latency``). Empty: two messages' latency, ``2 * alpha`` (its
+    one-step collectives, the metadata's beside phase 1)."""
     onebit_block: int | None = DEFAULT_BLOCK
     """Elements per 1-bit scale of the ``onebit`` scheme: 256 for 1-bit Adam/LAMB, 64 for
     the comm hook (:data:`thinwire.comm.onebit_hook.HOOK_BLOCK`), None for the papers' one

@@ -75,7 +75,7 @@ class Link:
     latency) or ``fitted``."""
     onebit_latency: tuple[tuple[float, float], ...] = ()
     """A 1-bit call's measured wait beyond its wire time per size (fitted links;
-    empty: 3 alpha)."""
+    empty: 2 alpha)."""
 
     @classmethod
     def nominal(cls, rate_bits: float, rtt_s: float = 0.0) -> Link:
