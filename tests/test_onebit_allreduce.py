@@ -223,24 +223,30 @@ def test_running_average_converges_to_true_mean() -> None:
         assert side == pytest.approx(1.6, abs=1e-12)  # (0.1 + 3.1) / 2, fp64 on the wire
 
 
+def _nan_on_rank_1(allreduce: OneBitAllreduce, x: torch.Tensor, rank: int) -> tuple[str, bool]:
+    """Call with a NaN in rank 1's input: the error this rank got, and whether both its
+    error buffers were left as they were."""
+    before = allreduce.state_dict()
+    poisoned = x.clone()
+    if rank == 1:
+        poisoned[5] = float("nan")
+    message = ""
+    try:
+        allreduce(poisoned)
+    except NonFiniteError as exc:
+        message = str(exc)
+    after = allreduce.state_dict()
+    kept = all(torch.equal(before[k], after[k]) for k in ("worker_error", "server_error"))
+    return message, kept
+
+
 def _bad_input_body(rank: int, world: int) -> dict:
     report: dict = {}
     xs = _inputs(50, world, seed=3)
     allreduce, twin = OneBitAllreduce(), OneBitAllreduce()
     allreduce(xs[rank])
     twin(xs[rank])
-    before = allreduce.state_dict()
-    poisoned = xs[rank].clone()
-    if rank == 1:
-        poisoned[5] = float("nan")
-    try:
-        allreduce(poisoned)
-    except NonFiniteError as exc:
-        report["nan"] = str(exc)
-    after = allreduce.state_dict()
-    report["state_kept"] = all(
-        torch.equal(before[k], after[k]) for k in ("worker_error", "server_error")
-    )
+    report["nan"], report["state_kept"] = _nan_on_rank_1(allreduce, xs[rank], rank)
     report["continues"] = torch.equal(allreduce(xs[rank]), twin(xs[rank]))
     inf = xs[rank].clone()
     inf[0] = float("inf") if rank == 0 else 1.0
@@ -370,15 +376,7 @@ def _early_body(rank: int, world: int) -> dict:
     twin(xs[rank])
     report["second"], log[:] = list(log), []
     # A NaN in a call whose bits left early: raised on every rank, nothing changed.
-    before = allreduce.state_dict()
-    poisoned = xs[rank].clone()
-    if rank == 1:
-        poisoned[5] = float("nan")
-    try:
-        allreduce(poisoned)
-    except NonFiniteError as exc:
-        report["nan"] = str(exc)
-    report["nan_kept"] = torch.equal(before["worker_error"], allreduce.state_dict()["worker_error"])
+    report["nan"], report["nan_kept"] = _nan_on_rank_1(allreduce, xs[rank], rank)
     # Another length on one rank: its bits leave in the agreed layout, every rank raises.
     try:
         allreduce(xs[rank] if rank == 0 else torch.ones(51))

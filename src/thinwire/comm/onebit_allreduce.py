@@ -365,8 +365,7 @@ class OneBitAllreduce:
         metas = self._checked_metas(wait_meta, n, fresh, sent)
         if sent is None:
             # The last rank to arrive waited least: its time is closest to the call's own.
-            align = 1 if self.block is None else self.block // 8
-            cuts = self._plan.cuts(seg8, float(metas[:, 3].min()), align)
+            cuts = self._plan.cuts(seg8, float(metas[:, 3].min()), self._align)
             sent = self._phase1(cuts, scale, scales, n)
         cuts, recvs, waits = sent
         y = self._server_average(metas, recvs, waits, cuts, sb, real)
@@ -437,8 +436,12 @@ class OneBitAllreduce:
         same."""
         if not (self.overlap_meta and self._agreed and self._plan.final) or self.numel is None:
             return None
-        align = 1 if self.block is None else self.block // 8
-        return self._plan.cuts(self._layout(self.numel)[1] // 8, 0.0, align)
+        return self._plan.cuts(self._layout(self.numel)[1] // 8, 0.0, self._align)
+
+    @property
+    def _align(self) -> int:
+        """Bytes per cut between pieces: a block's bits, so no block straddles two."""
+        return 1 if self.block is None else self.block // 8
 
     def _start_meta(
         self,
