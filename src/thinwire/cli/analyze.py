@@ -416,7 +416,7 @@ def _add_profile_arguments(pr: argparse.ArgumentParser) -> None:
         "--model",
         default="tiny",
         metavar="MODEL",
-        help="a GPT preset (tiny, small, base), or your own factory returning (model, batch, "
+        help="a GPT preset (tiny, mini, small, base), or your own factory returning (model, batch, "
         "loss_fn): package.module:function or path/file.py:function (see docs/analysis.md)",
     )
     pr.add_argument(
