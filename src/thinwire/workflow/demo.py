@@ -103,7 +103,7 @@ def default_workers(cores: int | None = None) -> int:
     Why one per core: the demo measures time, and emulated hosts that share a core take
     turns on it, so how long a step waits for the others is the scheduler's choice. On
     the 2-core machine, with the same prediction, 1-bit LAMB's predicted step was -3% to
-    +13% off the measured one over 3 demos on 4 hosts, -6% to +8% over 6 on 2; between
+    +13% off the measured one over 3 demos on 4 hosts, -6% to +8% over 9 on 2; between
     runs of one command its measured step spread 0.15-0.17 s on 4 hosts, 0.065-0.079 s
     on 2 (docs/results/analysis.md has the runs)."""
     return max(2, min(DEMO_MAX_WORKERS, usable_cores() if cores is None else cores))
