@@ -4,6 +4,6 @@ demo`` runs). It sits above the analysis, the testbed and the trainer, and below
 which only parses flags into :class:`DemoSettings`.
 """
 
-from thinwire.workflow.demo import DemoSettings, run_demo
+from thinwire.workflow.demo import DemoSettings, default_workers, run_demo
 
-__all__ = ["DemoSettings", "run_demo"]
+__all__ = ["DemoSettings", "default_workers", "run_demo"]
