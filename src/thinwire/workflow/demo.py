@@ -161,13 +161,16 @@ class DemoSettings:
     n_embd: int | None = None
     """Override the preset's width."""
 
+    def resolved(self) -> DemoSettings:
+        """These settings with the worker count chosen (:func:`default_workers`)."""
+        return self if self.workers is not None else replace(self, workers=default_workers())
+
     def train_config(self) -> TrainConfig:
         """The runs' shared settings, checked (a one-line ConfigError when impossible)."""
-        if self.workers is None:
-            return replace(self, workers=default_workers()).train_config()
-        if self.workers < 2:
+        workers = self.resolved().workers
+        if workers < 2:
             raise ConfigError(
-                f"the demo compares distributed runs: --workers must be >= 2, got {self.workers}"
+                f"the demo compares distributed runs: --workers must be >= 2, got {workers}"
             )
         cfg = TrainConfig(
             model=self.model,
@@ -389,7 +392,7 @@ def run_demo(settings: DemoSettings, echo: Callable[[str], None] = print) -> dic
     """
     from thinwire.testbed.netns import unavailable_reason
 
-    s = settings if settings.workers is not None else replace(settings, workers=default_workers())
+    s = settings.resolved()
     cfg = s.train_config()
     reason = unavailable_reason() if s.testbed else "--no-testbed was given"
     rtt_s = 2 * parse_duration(s.delay) if s.delay else 0.0
