@@ -363,10 +363,9 @@ def _logged(allreduce: OneBitAllreduce, log: list[str]) -> None:
 def _early_body(rank: int, world: int) -> dict:
     report: dict = {}
     xs = _inputs(50, world, seed=3)
-    allreduce, twin = OneBitAllreduce(pieces=2), OneBitAllreduce(pieces=2)
-    for ar in (allreduce, twin):
-        ar._plan.phase2 = "ring"  # a fixed plan, no scheme trials
-        ar._exchange.phase2 = "ring"
+    # a fixed plan: no trials of counts or schemes
+    allreduce = OneBitAllreduce(pieces=2, phase2="ring")
+    twin = OneBitAllreduce(pieces=2, phase2="ring")
     log: list[str] = []
     _logged(allreduce, log)
     allreduce(xs[rank])
