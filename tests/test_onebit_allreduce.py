@@ -17,6 +17,7 @@ from thinwire.comm.onebit_allreduce import (
     onebit_padded_numel,
     onebit_wire_bytes,
 )
+from thinwire.comm.piece_tuner import MIN_PIECE_BYTES
 from thinwire.compress import ErrorFeedback, OneBitCompressor
 
 
@@ -433,6 +434,58 @@ def test_a_call_after_an_agreed_one_sends_its_bits_before_the_metadata_is_in() -
         tuner_log = ["meta out", "bits out", "meta in"] if rank == 0 else report["first"]
         assert report["tuner_log"] == tuner_log
         assert report["group_in_step"]
+
+
+def _tuning_early_body(rank: int, world: int) -> tuple[list[tuple], bool, str]:
+    gen = torch.Generator().manual_seed(rank)
+    n = 8 * world * 4 * MIN_PIECE_BYTES  # 4 x 16 KiB of bits per segment: 1, 2, 4 tried
+    tuned = OneBitAllreduce()  # count and scheme tuned, the overlap on
+    whole = OneBitAllreduce(pieces=1, phase2="ring", overlap_meta=False)
+    log: list[str] = []
+    _logged(tuned, log)
+    calls, same = [], True
+    for _ in range(24):
+        log[:] = []
+        x = torch.randn(n, generator=gen)
+        same &= torch.equal(tuned(x), whole(x))
+        early = log.index("bits out") < log.index("meta in")
+        tuner = tuned._tuner
+        assert tuner is not None
+        calls.append((early, tuner.current, tuner.current_scheme, tuned.tuned))
+    # One rank drops its buffers amid the trials: its plan restarts, the other's bits of
+    # a trial had left; both raise, nothing is left in flight, and a reset on both
+    # starts them afresh together.
+    x = torch.randn(n, generator=gen)
+    mid = OneBitAllreduce()
+    for _ in range(5):
+        mid(x)
+    if rank == 1:
+        mid.reset()
+    try:
+        mid(x)
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    mid.reset()
+    same &= torch.equal(mid(x), OneBitAllreduce()(x))
+    return calls, same, error
+
+
+@pytest.mark.timeout(180)
+def test_the_piece_count_is_tuned_with_the_bits_sent_ahead_of_the_metadata() -> None:
+    (calls, same, error), (calls1, same1, error1) = spawn(_tuning_early_body, 2, timeout_s=170)
+    assert same and same1  # bit-identical to one serial piece throughout
+    assert "ranks disagree on the piece count" in error and error == error1
+    assert calls == calls1  # both ranks planned every call alike
+    waited = [i for i, (early, *_) in enumerate(calls) if not early]
+    # The first call, the count's choice and the scheme's wait (one more if giving up
+    # was judged ahead and undone): every trial runs as the tuned calls will.
+    assert waited[0] == 0 and 3 <= len(waited) <= 4
+    trials = {(k, s) for early, k, s, done in calls if early and not done}
+    assert {(1, "ring"), (2, "ring")} <= trials and any(s == "fanout" for _, s in trials)
+    # tuned in the call that chose the scheme (which waited), early ever after
+    first_tuned = next(i for i, (*_, done) in enumerate(calls) if done)
+    assert first_tuned == waited[-1] and all(early for early, *_ in calls[first_tuned + 1 :])
 
 
 def _checkpoint_body(rank: int, world: int) -> bool:

@@ -111,6 +111,57 @@ def test_one_scheme_and_one_count_need_no_tuning() -> None:
     assert tuner.done and tuner.next(0.0) == 2 and tuner.current_scheme == "fanout"
 
 
+def _drive_ahead(tuner: PieceTuner, seconds: dict[tuple[str, int], float], calls: int = 30):
+    """As :func:`_drive_schemes`, noting the calls whose plan was not known a call early."""
+    used, waited, previous = [], [], 0.0
+    for call in range(calls):
+        upcoming = tuner.upcoming
+        k = tuner.next(previous)
+        if upcoming is None:
+            waited.append(call)
+        else:
+            assert upcoming == (k, tuner.current_scheme)  # what was announced is what runs
+        used.append((tuner.current_scheme, k))
+        previous = seconds[tuner.current_scheme, k]
+    return used, waited
+
+
+@pytest.mark.parametrize(
+    "ring",
+    [
+        {1: 0.44, 2: 0.41, 4: 0.37, 8: 0.35, 16: 0.36},  # a slow link: 8 pieces
+        {1: 0.155, 2: 0.16, 4: 0.20, 8: 0.21, 16: 0.22},  # gives up after 4
+        {1: 0.199, 2: 0.193, 4: 0.265, 8: 0.427, 16: 0.819},  # 10 ms apart
+    ],
+)
+def test_ahead_the_trials_are_known_a_call_early_and_choose_alike(ring: dict) -> None:
+    times = {("ring", k): t for k, t in ring.items()}
+    times |= {("fanout", k): 0.9 * t for k, t in ring.items()}
+    plain = PieceTuner(16 * MIN_PIECE_BYTES, schemes=("ring", "fanout"))
+    ahead = PieceTuner(16 * MIN_PIECE_BYTES, schemes=("ring", "fanout"), ahead=True)
+    plain_used = _drive_schemes(plain, times)
+    used, waited = _drive_ahead(ahead, times)
+    assert used == plain_used and ahead.done
+    assert (ahead.choice, ahead.scheme) == (plain.choice, plain.scheme)
+    # Only the first call, the count's choice and the scheme's wait for the metadata.
+    pick = used.index(("fanout", ahead.choice)) - 1
+    assert waited == [0, pick, pick + 1 + ahead.trials]
+
+
+def test_ahead_judges_giving_up_on_the_trials_timed_so_far() -> None:
+    # 4 pieces' trials take 0.3, 0.1, 0.1 s (1 piece: 0.15): deciding ahead sees the
+    # first two (median 0.2, over 1.2 x 0.15) and waits; with the third in, 4 pieces are
+    # the fastest so far and 8 is tried.
+    seq = {7: 0.3, 8: 0.1, 9: 0.1}
+    tuner = PieceTuner(16 * MIN_PIECE_BYTES, ahead=True)
+    waited, used = [], []
+    for call in range(12):
+        if tuner.upcoming is None:
+            waited.append(call)
+        used.append(tuner.next(seq.get(call - 1, 0.15) if call else 0.0))
+    assert waited == [0, 10] and used[10] == 8
+
+
 def _tuned_body(rank: int, world: int) -> tuple[int | None, bool, list[int]]:
     gen = torch.Generator().manual_seed(rank)
     n = 8 * world * 4 * MIN_PIECE_BYTES  # 4 * 16 KiB of bits per segment: 1, 2, 4 tried

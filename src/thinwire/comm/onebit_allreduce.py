@@ -43,11 +43,12 @@ call, to ``ErrorFeedback(OneBitCompressor())`` per rank and per segment on one p
 Tuning: one instance per buffer. Fuse everything that is exchanged in a step into one
 flat buffer and call once: every call costs at least 2 collective latencies in sequence
 (the all_to_all with the metadata gather beside it, then the final gather; 3 on the first
-call and while the piece count is tuned, when the metadata goes first), which dominate
-below ~1 MiB on a WAN: a 64 KiB call between 4 hosts 50 ms apart took 0.21 s, 0.31 s
-with the metadata ahead of the bits (``overlap_meta=False``). (The final gather carries
-the scales inside the bits message: a separate scale gather running beside it made phase
-2 2-7% slower on 4 emulated hosts.)
+call and on the two tuning calls that choose the count and the scheme, when the metadata
+goes first: the tuner plans its trials a call ahead, so they run as tuned calls will),
+which dominate below ~1 MiB on a WAN: a 64 KiB call between 4 hosts 50 ms apart took
+0.21 s, 0.31 s with the metadata ahead of the bits (``overlap_meta=False``); 4 MiB 0.28
+s against 0.38-0.40 s. (The final gather carries the scales inside the bits message: a
+separate scale gather running beside it made phase 2 2-7% slower on 4 emulated hosts.)
 """
 
 from __future__ import annotations
@@ -177,7 +178,9 @@ class OneBitAllreduce:
         check_block(block)
         self.block = block
         self.overlap_meta = overlap_meta
-        self._plan = PiecePlan(pieces, phase2)
+        # With the overlap the count is tuned a call ahead, so the trials are timed as
+        # the tuned calls will run (bits behind the metadata).
+        self._plan = PiecePlan(pieces, phase2, ahead=overlap_meta)
         self._exchange: GroupExchange = GroupExchange(process_group, self._plan.fixed_scheme)
         self._chunk = chunk  # None: chosen by the buffer's device at the first call
         self.chunk = _whole_bytes(DEFAULT_CHUNK if chunk is None else chunk)
@@ -363,10 +366,14 @@ class OneBitAllreduce:
             pack_signs(self._bufs["work"], out=self._bufs["send"], scratch=self._scratch.bools)
         sent = None if early is None else self._phase1(early, scale, scales, n if ours else None)
         metas = self._checked_metas(wait_meta, n, fresh, sent)
+        # The last rank to arrive waited least: its time is closest to the call's own.
+        cuts = self._plan.cuts(seg8, float(metas[:, 3].min()), self._align)
         if sent is None:
-            # The last rank to arrive waited least: its time is closest to the call's own.
-            cuts = self._plan.cuts(seg8, float(metas[:, 3].min()), self._align)
             sent = self._phase1(cuts, scale, scales, n)
+        elif cuts != sent[0]:  # the plan decided ahead is the plan: a bug otherwise
+            for wait in sent[2]:  # leave nothing in flight
+                wait()
+            raise RuntimeError(f"1-bit allreduce: sent pieces {sent[0]}, planned {cuts}")
         cuts, recvs, waits = sent
         y = self._server_average(metas, recvs, waits, cuts, sb, real)
         gathered, waits, scales2, sb2 = self._phase2(y, cuts, sb, real)
@@ -429,14 +436,15 @@ class OneBitAllreduce:
         else None.
 
         Only after a call that succeeded (the ranks then hold buffers for the length they
-        agreed on) and with the piece count and scheme final: every rank that kept its
+        agreed on) and with the call's piece count known before its metadata (fixed,
+        tuned, or a trial the tuner decided a call ahead): every rank that kept its
         buffers decides alike, and one that dropped them (``reset``, ``load_state_dict``)
         waits, then meets the others' phase 1 in the same order of collectives. Saves a
         round trip per call on a link with latency; the bytes and the result are the
         same."""
-        if not (self.overlap_meta and self._agreed and self._plan.final) or self.numel is None:
+        if not (self.overlap_meta and self._agreed) or self.numel is None:
             return None
-        return self._plan.cuts(self._layout(self.numel)[1] // 8, 0.0, self._align)
+        return self._plan.upcoming_cuts(self._layout(self.numel)[1] // 8, self._align)
 
     @property
     def _align(self) -> int:
@@ -513,7 +521,6 @@ class OneBitAllreduce:
         numel = self.numel if n is None else n
         seg8 = self._layout(numel)[1] // 8
         sb = onebit_scale_bytes(numel, w, block)
-        self._exchange.phase2 = self._plan.scheme
         msg_cuts = [0] + [sb + c for c in cuts[1:]]
         recvs = piece_views(b["recv"], msg_cuts, w)
         if sb:
@@ -582,6 +589,7 @@ class OneBitAllreduce:
         check every rank's server scale; returns the gathered views, the waits, the
         scales and their bytes per message."""
         b, block, w = self._bufs, self.block, self.world_size
+        self._exchange.phase2 = self._plan.scheme  # this call's, now that it is planned
         sb2 = SCALE_BYTES if block is None else sb
         scale2 = rms_scale(y, real).reshape(1) if block is None else block_scales(y, real, block)
         message = b["message"]

@@ -27,9 +27,12 @@ class PiecePlan:
             the host clock would not see the asynchronous kernels).
         phase2: ``ring``, ``fanout``, or ``auto`` (measured on CPU after the count;
             the ring on CUDA).
+        ahead: tune with each call's count decided a call early
+            (:class:`~thinwire.comm.piece_tuner.PieceTuner`), for a collective that
+            sends its bits before the metadata is in.
     """
 
-    def __init__(self, pieces: int | None, phase2: str = "auto") -> None:
+    def __init__(self, pieces: int | None, phase2: str = "auto", ahead: bool = False) -> None:
         if pieces is not None and pieces < 1:
             raise ValueError(f"1-bit allreduce: pieces must be at least 1, got {pieces}")
         if phase2 not in ("ring", "fanout", "auto"):
@@ -38,6 +41,7 @@ class PiecePlan:
             )
         self.pieces = pieces
         self.phase2 = phase2
+        self.ahead = ahead
         self.tuner: PieceTuner | None = None
 
     def restart(self, seg8: int, device: torch.device) -> None:
@@ -48,7 +52,9 @@ class PiecePlan:
         schemes = ("ring", "fanout") if auto else (self.fixed_scheme,)
         counts = (max(1, min(self.pieces, seg8)),) if self.pieces is not None else None
         tune = cpu and (self.pieces is None or auto)
-        self.tuner = PieceTuner(seg8, schemes=schemes, counts=counts) if tune else None
+        self.tuner = (
+            PieceTuner(seg8, schemes=schemes, counts=counts, ahead=self.ahead) if tune else None
+        )
 
     @property
     def fixed_scheme(self) -> str:
@@ -80,10 +86,14 @@ class PiecePlan:
         k = self.tuner.next(previous_seconds) if self.tuner is not None else self.pieces or 1
         return piece_cuts(seg8, k, align)
 
-    @property
-    def final(self) -> bool:
-        """True when the count and the scheme will not change again (fixed, or tuned)."""
-        return self.tuner is None or self.tuner.done
+    def upcoming_cuts(self, seg8: int, align: int = 1) -> list[int] | None:
+        """The next call's cuts when they are known before its metadata arrives (a fixed
+        count, a tuned one, or a trial decided ahead), else None. Does not advance the
+        tuner: :meth:`cuts` does, once the metadata is in, and returns the same."""
+        if self.tuner is None:
+            return piece_cuts(seg8, self.pieces or 1, align)
+        upcoming = self.tuner.upcoming
+        return None if upcoming is None else piece_cuts(seg8, upcoming[0], align)
 
 
 def piece_cuts(seg8: int, pieces: int, align: int = 1) -> list[int]:

@@ -69,6 +69,14 @@ class PieceTuner:
     (a call's time reaches the tuner with the next call); all of them produce the
     normal, bit-identical result.
 
+    With ``ahead=True`` the tuner also decides each call's count one call before it
+    (:attr:`upcoming`), from the times it has by then, so that the collective can send
+    its bits before the call's metadata is in and the trials are timed the way the
+    tuned calls will run (``OneBitAllreduce(overlap_meta=True)``). The trial sequence is
+    known in advance; only three decisions need the time of the call just before them
+    and wait for it: the count (after its trials, or on giving up), and the phase-2
+    scheme. Giving up on larger counts is judged on the trials timed so far.
+
     Args:
         segment_bytes: bytes of sign bits in one rank's segment (``N / W / 8``).
         trials: calls per candidate; the median of their times is its score (robust to
@@ -77,6 +85,7 @@ class PieceTuner:
             the count alone, ``("ring", "fanout")`` then tries the fan-out too.
         counts: the counts to try (default: :data:`CANDIDATES` the segment can hold);
             one count, e.g. a fixed ``pieces``, leaves only the scheme to tune.
+        ahead: decide each call's count a call early (see above).
     """
 
     def __init__(
@@ -85,26 +94,32 @@ class PieceTuner:
         trials: int = 3,
         schemes: tuple[str, ...] = ("ring",),
         counts: tuple[int, ...] | None = None,
+        ahead: bool = False,
     ) -> None:
         limit = max(1, segment_bytes // MIN_PIECE_BYTES)
         self.candidates = list(counts) if counts else [k for k in CANDIDATES if k <= limit]
         self.trials = max(1, trials)
+        self.ahead = ahead
+        self.schemes = schemes
         self.scores: dict[int, float] = {}
-        self._times: dict[int, list[float]] = {}
+        """Each count's median time (the default scheme)."""
+        self.scheme_scores: dict[str, float] = {}
         # One count and one scheme: nothing to measure. (One count and two schemes: the
         # count is still timed, as the baseline the other scheme is held against.)
         single = len(self.candidates) == 1 and len(schemes) == 1
         self.choice: int | None = self.candidates[0] if single else None
-        self._plan = [self.candidates[0]] + [k for k in self.candidates for _ in range(self.trials)]
-        self._calls = 0
-        self.current = self.candidates[0]  # the count of the latest call
-        self.schemes = schemes
         self.scheme: str | None = schemes[0] if len(schemes) == 1 else None
         """The phase-2 scheme chosen (None while it is being tried)."""
+        self.current = self.candidates[0]  # the count of the latest call
         self.current_scheme = schemes[0]  # the scheme of the latest call
-        self.scheme_scores: dict[str, float] = {}
-        self._alt_times: list[float] = []
-        self._alt_calls = 0
+        # The count stage: a warm-up call, then ``trials`` calls per candidate.
+        self._plan = [self.candidates[0]] + [k for k in self.candidates for _ in range(trials)]
+        # Each call's (count, scheme, timed) as decided, in call order; ``timed`` says
+        # whether its time scores a trial.
+        self._decided: list[tuple[int, str, bool]] = []
+        self._times: dict[tuple[int, str], list[float]] = {}
+        self._alt_start = 0  # the first call of the other scheme's trials
+        self._calls = 0
 
     @property
     def calls(self) -> int:
@@ -116,54 +131,88 @@ class PieceTuner:
         """True once the count (and the phase-2 scheme) are fixed."""
         return self.choice is not None and self.scheme is not None
 
+    @property
+    def upcoming(self) -> tuple[int, str] | None:
+        """The next call's count and scheme when they are decided before its metadata
+        (once tuned, or with ``ahead``); None when that call must wait for it."""
+        if self.done:
+            return self.choice, self.scheme  # type: ignore[return-value]
+        if len(self._decided) > self._calls:
+            count, scheme, _ = self._decided[self._calls]
+            return count, scheme
+        return None
+
     def next(self, previous_seconds: float) -> int:
-        """The piece count for this call.
+        """The piece count for this call (:attr:`current_scheme` its phase-2 scheme).
 
         Args:
             previous_seconds: the shortest rank's duration of the previous call; 0 when
                 unknown (the first call, or the previous call raised), which is ignored.
         """
-        measured = previous_seconds > 0 and math.isfinite(previous_seconds)
-        if self.choice is None and self._calls >= 2 and measured:  # nothing kept once chosen
-            times = self._times.setdefault(self.current, [])
-            times.append(previous_seconds)
-            self.scores[self.current] = statistics.median(times)
-        if self.choice is None:
-            if self._calls < len(self._plan) and not self._gave_up():
-                self.current = self._plan[self._calls]
-            else:
-                self.choice = self._pick()
-        elif self.scheme is None:
-            self._try_scheme(previous_seconds if measured else 0.0)
-        if self.choice is not None:
-            self.current = self.choice
+        k = self._calls
         self._calls += 1
+        if self.done:
+            self.current, self.current_scheme = self.choice, self.scheme  # type: ignore[assignment]
+            return self.current
+        if k >= 1 and previous_seconds > 0 and math.isfinite(previous_seconds):
+            self._record(k - 1, previous_seconds)
+        if len(self._decided) == k:  # not decided ahead: every time it needs is in
+            self._decided.append(self._decide(k, complete=True))  # type: ignore[arg-type]
+        if self.ahead and not self.done:
+            following = self._decide(k + 1, complete=False)
+            if following is not None:
+                self._decided.append(following)
+        self.current, self.current_scheme, _ = self._decided[k]
         return self.current
 
-    def _try_scheme(self, previous_seconds: float) -> None:
-        """After the count: ``trials`` calls of the other scheme at it, then the choice."""
-        if self.current_scheme != self.schemes[0] and previous_seconds > 0:
-            self._alt_times.append(previous_seconds)
-        if self._alt_calls < self.trials:
-            self._alt_calls += 1
-            self.current_scheme = self.schemes[1]
+    def _record(self, call: int, seconds: float) -> None:
+        count, scheme, timed = self._decided[call]
+        if not timed:
             return
-        base = self.scores.get(self.choice, math.inf) if self.choice is not None else math.inf
-        alt = statistics.median(self._alt_times) if self._alt_times else math.inf
-        self.scheme_scores = {self.schemes[0]: base, self.schemes[1]: alt}
-        self.scheme = self.schemes[1] if alt * PREFER_FEWER < base else self.schemes[0]
-        self.current_scheme = self.scheme
+        times = self._times.setdefault((count, scheme), [])
+        times.append(seconds)
+        if scheme == self.schemes[0]:
+            self.scores[count] = statistics.median(times)
+
+    def _decide(self, call: int, complete: bool) -> tuple[int, str, bool] | None:
+        """Call ``call``'s (count, scheme, timed). ``complete``: the previous call's time
+        is in (else None where the decision needs it)."""
+        base = self.schemes[0]
+        if self.choice is None:
+            if call < len(self._plan) and not self._gave_up(call):
+                return self._plan[call], base, call > 0
+            if not complete:  # the choice needs every trial's time
+                return None
+            self.choice = self._pick()
+            self._alt_start = call + 1
+            return self.choice, self.scheme or base, False
+        if self.scheme is None:
+            if call < self._alt_start + self.trials:
+                return self.choice, self.schemes[1], True
+            if not complete:
+                return None
+            self._pick_scheme()
+        return self.choice, self.scheme or base, False
 
     def _pick(self) -> int:
         """The smallest count whose score is within :data:`PREFER_FEWER` of the best."""
         if not self.scores:
-            return self.current
+            return self._plan[0]
         best = min(self.scores.values())
         return min(k for k, t in self.scores.items() if t <= PREFER_FEWER * best)
 
-    def _gave_up(self) -> bool:
-        """The count just finished is clearly slower than the best one."""
-        if self._calls < 1 + self.trials or self._plan[self._calls] == self.current:
+    def _pick_scheme(self) -> None:
+        """After the count: keep the other scheme if it was clearly faster at it."""
+        base = self.scores.get(self.choice, math.inf)  # type: ignore[arg-type]
+        alt_times = self._times.get((self.choice, self.schemes[1]), [])  # type: ignore[arg-type]
+        alt = statistics.median(alt_times) if alt_times else math.inf
+        self.scheme_scores = {self.schemes[0]: base, self.schemes[1]: alt}
+        self.scheme = self.schemes[1] if alt * PREFER_FEWER < base else self.schemes[0]
+
+    def _gave_up(self, call: int) -> bool:
+        """The count whose trials end before ``call`` is clearly slower than the best
+        one (judged on the trials timed so far: one fewer when deciding ahead)."""
+        if call < 1 + self.trials or self._plan[call] == self._plan[call - 1]:
             return False
         best = min(self.scores.values(), default=math.inf)
-        return self.scores.get(self.current, math.inf) > GIVE_UP * best
+        return self.scores.get(self._plan[call - 1], math.inf) > GIVE_UP * best
