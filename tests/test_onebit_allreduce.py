@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 
 import pytest
 import torch
@@ -361,6 +362,19 @@ def _logged(allreduce: OneBitAllreduce, log: list[str]) -> None:
     ex.start_meta, ex.start_all_to_all = meta, bits  # type: ignore[method-assign]
 
 
+def _slow_ring(allreduce: OneBitAllreduce) -> None:
+    """Make phase 2's ring 50 ms slower than the fan-out, so the tuner keeps the fan-out."""
+    ex = allreduce._exchange
+    start_all_gather = ex.start_all_gather
+
+    def gather(outs: list, msgs: list) -> list:
+        if ex.phase2 == "ring":
+            time.sleep(0.05)
+        return start_all_gather(outs, msgs)
+
+    ex.start_all_gather = gather  # type: ignore[method-assign]
+
+
 def _early_body(rank: int, world: int) -> dict:
     report: dict = {}
     xs = _inputs(50, world, seed=3)
@@ -391,14 +405,16 @@ def _early_body(rank: int, world: int) -> dict:
     log[:] = []
     report["one_reset"] = torch.equal(allreduce(xs[rank]), twin(xs[rank]))
     report["one_reset_log"] = list(log)
-    # The same with a tuned piece count: the plans differ, both raise, and nothing is
-    # left in flight. (The scheme is fixed: a rank that dropped a tuned fan-out would
-    # send its metadata by the ring, which no check can catch.)
-    tuned = OneBitAllreduce(phase2="ring")
+    # The same with a tuned plan whose phase 2 became the fan-out (the ring made slow
+    # here): the plans differ, both raise, and nothing is left in flight. The metadata
+    # always fans out, so the rank that restarted on the ring still meets it.
+    tuned = OneBitAllreduce(phase2="auto")
+    _slow_ring(tuned)
     for _ in range(40):
         if tuned.tuned:
             break
         tuned(xs[rank])
+    report["tuned_scheme"] = tuned.phase2_in_use
     tuned(xs[rank])  # a call with the final plan: the next one sends early
     if rank == 1:
         tuned.reset()
@@ -429,6 +445,7 @@ def test_a_call_after_an_agreed_one_sends_its_bits_before_the_metadata_is_in() -
         assert report["one_reset"]
         expected = ["meta out", "meta in", "bits out"] if rank == 1 else report["second"]
         assert report["one_reset_log"] == expected
+        assert report["tuned_scheme"] == "fanout"
         assert "ranks disagree on the piece count" in report["tuner"]
         # rank 0's bits had left; rank 1 sent zeros in their layout before raising
         tuner_log = ["meta out", "bits out", "meta in"] if rank == 0 else report["first"]

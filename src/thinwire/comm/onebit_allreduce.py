@@ -470,9 +470,6 @@ class OneBitAllreduce:
                 scale.new_tensor(0 if early is None else len(early) - 1, dtype=torch.float64),
             ]
         )
-        # The metadata travels like the previous call's phase 2 (every rank knows that
-        # scheme; this call's is picked once the metadata is in).
-        self._exchange.phase2 = self._plan.scheme
         return self._exchange.start_meta(meta)
 
     def _checked_metas(

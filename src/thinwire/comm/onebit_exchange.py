@@ -3,19 +3,21 @@
 Per call each rank takes part in three collectives (see
 :mod:`thinwire.comm.onebit_allreduce` for the algorithm):
 
-1. a small ``all_gather`` of its metadata (``META`` below: scale, lengths, piece plan);
+1. a small gather of its metadata (``META`` below: scale, lengths, piece plan), sent to
+   every peer at once (one ``all_to_all_single`` of W copies: one step);
 2. phase 1, ``all_to_all_single`` of its packed sign bits, segment ``r`` to rank ``r``
    (with block scales, each segment's scales ride ahead of its bits);
 3. phase 2, ``all_gather`` of its server message: the fp32 server scale as 4 bytes
-   (with block scales, one per block of the segment), then its packed segment. gloo's all_gather walks a ring of W - 1 steps, one after
-   the other; ``phase2="fanout"`` sends the message to every peer at once instead (one
-   ``all_to_all_single`` of W copies: the same bytes, one step), and the metadata of
-   the next call the same way.
+   (with block scales, one per block of the segment), then its packed segment. gloo's
+   all_gather walks a ring of W - 1 steps, one after the other; ``phase2="fanout"``
+   sends the message to every peer at once instead, as the metadata goes (the same
+   bytes, one step).
 
-Once the ranks have agreed on the length in a call that succeeded and the piece count
-and phase-2 scheme are final, a call starts phase 1 right behind the metadata instead of
-waiting for it: on a link with latency the metadata's round trip then overlaps the
-bits', and a call waits for two round trips instead of three. The order of the
+Once the ranks have agreed on the length in a call that succeeded and the call's piece
+count is known before its metadata (fixed, tuned, or a trial planned a call ahead), a
+call starts phase 1 right behind the metadata instead of waiting for it: on a link with
+latency the metadata's round trip then overlaps the bits', and a call waits for two
+round trips instead of three. The order of the
 collectives is the same either way, so a rank that waits (after its own ``reset()`` or
 ``load_state_dict()``) still meets the others' phase 1.
 
@@ -222,13 +224,15 @@ class GroupExchange:
         return dist.get_rank(self.group) if dist.is_initialized() else 0
 
     def start_meta(self, meta: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Start gathering every rank's (scale, length, built-for length); returns a wait."""
+        """Start gathering every rank's (scale, length, built-for length); returns a wait.
+
+        Always a fan-out (one ``all_to_all_single`` of W copies, the ring's bytes): one
+        round trip instead of the ring's W - 1, for a message far too small for the
+        ring's bandwidth to matter; and it does not depend on anything a rank could
+        have dropped alone (``reset``), so every rank's metadata always meets."""
         w = self.world_size
         out = meta.new_empty(w * meta.numel())
-        if self.phase2 == "fanout":  # one round trip instead of the ring's W - 1
-            work = dist.all_to_all_single(out, meta.repeat(w), group=self.group, async_op=True)
-        else:
-            work = _all_gather_flat(out, meta, group=self.group, async_op=True)
+        work = dist.all_to_all_single(out, meta.repeat(w), group=self.group, async_op=True)
         record("onebit.meta", META_BYTES, (w - 1) * META_BYTES)
 
         done = self._timed(work.wait)
