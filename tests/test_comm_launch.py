@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from thinwire.comm import COUNTER, DistributedError, all_reduce_mean_, spawn
 from thinwire.comm.accounting import gather_bytes, ring_allreduce_bytes
+from thinwire.comm.allreduce import sum_small_
 
 
 def _mean_of_ranks(rank: int, world: int) -> tuple[torch.Tensor, dict]:
@@ -40,6 +41,28 @@ def test_spawn_allreduce_mean_and_bytes(world: int) -> None:
         assert snap["allreduce"]["calls"] == 1
         assert snap["allreduce"]["payload_bytes"] == 40
         assert snap["allreduce"]["wire_bytes"] == ring_allreduce_bytes(40, world)
+
+
+def _small_sums(rank: int, world: int) -> tuple[list[float], list[float], dict]:
+    COUNTER.reset()
+    loss = torch.tensor([0.1 * (rank + 1)], dtype=torch.float32)  # as the trainer logs it
+    counts = torch.tensor([[rank, 1.0], [2.0 * rank, 3.0]], dtype=torch.float64)
+    sum_small_(loss, op_name="t.loss")
+    sum_small_(counts, op_name="t.counts")
+    return loss.tolist(), counts.flatten().tolist(), COUNTER.snapshot()
+
+
+@pytest.mark.timeout(120)
+def test_small_sums_take_one_step_and_agree_on_every_rank() -> None:
+    results = spawn(_small_sums, 3, timeout_s=100)
+    losses, counts, snaps = zip(*results, strict=True)
+    assert len({tuple(v) for v in losses}) == 1  # bit-identical on every rank
+    assert losses[0][0] == pytest.approx(0.6, rel=1e-6)
+    assert list(counts) == [[3.0, 3.0, 6.0, 9.0]] * 3
+    for snap in snaps:  # each rank sends its numbers to its 2 peers
+        assert snap["t.loss"]["wire_bytes"] == 2 * 8
+        assert snap["t.counts"]["wire_bytes"] == 2 * 4 * 8
+    assert sum_small_(torch.ones(2)).tolist() == [1.0, 1.0]  # one process: unchanged
 
 
 @pytest.mark.timeout(120)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.comm.accounting import record
+from thinwire.comm.allreduce import sum_small_
 from thinwire.comm.quantized_allreduce import QuantizedAllreduce
 from thinwire.compress.quantize import QUANT_KINDS
 
@@ -72,10 +72,7 @@ class QuantizedExchange:
         mean = self._reduce(tensor)
         if self.world_size > 1:
             box = torch.tensor([float(side)], dtype=torch.float64, device=tensor.device)
-            dist.all_reduce(box, group=self.group)
-            record(
-                f"momentum.{self.kind}.side", 8, 2 * 8 * (self.world_size - 1) // self.world_size
-            )
+            sum_small_(box, self.group, op_name=f"momentum.{self.kind}.side")
             self.side_mean = float(box) / self.world_size
         else:
             self.side_mean = float(side)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from thinwire.comm.allreduce import sum_small_
 from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
 from thinwire.errors import ConfigError
@@ -137,8 +138,8 @@ def _pretrain(
     finally:
         bar.close()
     final = loss.detach().float().cpu().view(1)
-    if world > 1:
-        dist.all_reduce(final)  # every rank learns a divergence, so none is left waiting
+    if world > 1:  # every rank learns a divergence, so none is left waiting
+        sum_small_(final, op_name="trainer.pretrain_loss")  # a trainer op: not the job's bytes
     if not torch.isfinite(final).all():
         raise ConfigError(
             f"pretraining diverged within its {start.pretrain_steps} steps (loss "

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from thinwire.comm.accounting import COUNTER, record
+from thinwire.comm.allreduce import sum_small_
 from thinwire.comm.launch import local_cuda_device
 from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
@@ -70,13 +71,9 @@ def pick_device(cfg: TrainConfig) -> torch.device:
 
 
 def _all_reduce_sum(t: torch.Tensor, op: str) -> torch.Tensor:
-    """A small trainer-side collective, counted under ``trainer.*``."""
-    w = get_world_size()
-    if w > 1:
-        dist.all_reduce(t)
-        nbytes = t.numel() * t.element_size()
-        record(TRAINER_OPS + op, nbytes, 2 * (w - 1) * nbytes // w)
-    return t
+    """A small trainer-side sum (one step, :func:`sum_small_`), counted under
+    ``trainer.*``: the trainer's metrics should not cost the job round trips."""
+    return sum_small_(t, op_name=TRAINER_OPS + op)
 
 
 def _broadcast_decision(obj: Any) -> Any:
