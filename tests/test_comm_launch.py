@@ -43,19 +43,22 @@ def test_spawn_allreduce_mean_and_bytes(world: int) -> None:
         assert snap["allreduce"]["wire_bytes"] == ring_allreduce_bytes(40, world)
 
 
-def _small_sums(rank: int, world: int) -> tuple[list[float], list[float], dict]:
+def _small_sums(rank: int, world: int) -> tuple[list[float], list[float], dict, int]:
     COUNTER.reset()
     loss = torch.tensor([0.1 * (rank + 1)], dtype=torch.float32)  # as the trainer logs it
     counts = torch.tensor([[rank, 1.0], [2.0 * rank, 3.0]], dtype=torch.float64)
+    big = torch.tensor([2**53 + 1], dtype=torch.int64)  # past float64's exact integers
     sum_small_(loss, op_name="t.loss")
     sum_small_(counts, op_name="t.counts")
-    return loss.tolist(), counts.flatten().tolist(), COUNTER.snapshot()
+    sum_small_(big, op_name="t.big")
+    return loss.tolist(), counts.flatten().tolist(), COUNTER.snapshot(), int(big)
 
 
 @pytest.mark.timeout(120)
 def test_small_sums_take_one_step_and_agree_on_every_rank() -> None:
     results = spawn(_small_sums, 3, timeout_s=100)
-    losses, counts, snaps = zip(*results, strict=True)
+    losses, counts, snaps, bigs = zip(*results, strict=True)
+    assert set(bigs) == {3 * (2**53 + 1)}  # integers add exactly
     assert len({tuple(v) for v in losses}) == 1  # bit-identical on every rank
     assert losses[0][0] == pytest.approx(0.6, rel=1e-6)
     assert list(counts) == [[3.0, 3.0, 6.0, 9.0]] * 3

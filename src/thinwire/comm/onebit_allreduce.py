@@ -151,11 +151,13 @@ class OneBitAllreduce:
             CUDA). Same bytes, same result. With hosts 10-50 ms apart the fan-out was
             11-26% faster, on a LAN within noise (docs/results/testbed.md, "What latency
             changes"). Every rank must pass the same.
-        overlap_meta: once a call has succeeded and the piece count and scheme are
-            final, send phase 1 right behind the metadata instead of waiting for it, so
-            that a call waits for two round trips instead of three (default True; same
-            bytes, same result; a failed check still raises on every rank with nothing
-            left in flight). False waits on every call, as the first call does: for
+        overlap_meta: once a call has succeeded and the next call's piece count is
+            known ahead (fixed, tuned, or a trial the tuner planned a call early), send
+            phase 1 right behind the metadata instead of waiting for it, so that a call
+            waits for two round trips instead of three, and the tuning times its trials
+            that way (default True; same bytes, same result; a failed check still raises
+            on every rank with nothing left in flight). False waits on every call, as
+            the first call does, and tunes that way: for
             measuring what the overlap saves. Every rank must pass the same.
 
     Raises (on every rank alike, nothing changed):

@@ -113,7 +113,7 @@ class PieceTuner:
         self.current = self.candidates[0]  # the count of the latest call
         self.current_scheme = schemes[0]  # the scheme of the latest call
         # The count stage: a warm-up call, then ``trials`` calls per candidate.
-        self._plan = [self.candidates[0]] + [k for k in self.candidates for _ in range(trials)]
+        self._plan = [self.candidates[0]] + [k for k in self.candidates for _ in range(self.trials)]
         # Each call's (count, scheme, timed) as decided, in call order; ``timed`` says
         # whether its time scores a trial.
         self._decided: list[tuple[int, str, bool]] = []
