@@ -50,12 +50,11 @@ def sum_small_(
 
     Every rank sends its numbers to every peer at once (one ``all_to_all_single`` of W
     copies) and adds the W rows in rank order, in float64 (int64 for integers, exact):
-    the same sum on every rank.
-    A ring allreduce takes ``2 (W-1)`` steps one after the other, each a round trip
-    with gloo, for numbers whose bytes cost nothing: between 4 hosts 50 ms apart it took
-    302 ms, this 101 ms. Use it for metrics and votes, not for buffers (it sends W - 1
-    copies where a ring sends about two). A CPU tensor on an NCCL group travels through
-    this rank's GPU (``LOCAL_RANK``).
+    the same sum on every rank. A ring allreduce takes ``2 (W-1)`` steps one after the
+    other, each a round trip with gloo, for numbers whose bytes cost nothing: between 4
+    hosts 50 ms apart it took 302 ms, this 101 ms. Use it for metrics and votes, not for
+    buffers (it sends W - 1 copies where a ring sends about two). A CPU tensor on an
+    NCCL group travels through this rank's GPU (``LOCAL_RANK``).
     """
     w = _group_size(group)
     if w == 1:

@@ -17,9 +17,9 @@ Once the ranks have agreed on the length in a call that succeeded and the call's
 count is known before its metadata (fixed, tuned, or a trial planned a call ahead), a
 call starts phase 1 right behind the metadata instead of waiting for it: on a link with
 latency the metadata's round trip then overlaps the bits', and a call waits for two
-round trips instead of three. The order of the
-collectives is the same either way, so a rank that waits (after its own ``reset()`` or
-``load_state_dict()``) still meets the others' phase 1.
+round trips instead of three. The order of the collectives is the same either way, so
+a rank that waits (after its own ``reset()`` or ``load_state_dict()``) still meets the
+others' phase 1.
 
 :func:`check_metas` reads the gathered metadata and fails the same way on every rank,
 before the bits are used, when the ranks disagree or some input is not finite; where
