@@ -94,6 +94,37 @@ def test_alpha_mixes_the_local_weights_back_in() -> None:
     s.close()
 
 
+def test_finish_takes_no_outer_step_for_a_fragment_that_just_synced() -> None:
+    """A fragment synced at the last step (without mixing) is already on every replica;
+    a sync of its zero pseudo-gradient would still move it by the outer momentum, a step
+    DiLoCo does not take. The other fragment syncs its last step. A resumed run knows
+    which fragment synced when, and finishes alike."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    s = StreamingDiLoCo(model, opt, 2, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+    for i in range(1, 5):  # fragment 0 syncs at odd steps, fragment 1 at even ones
+        _step(model, opt, i)
+        s.after_inner_step()
+    frags, before = s.fragments, [g.clone() for g in s.global_params]
+    saved = copy.deepcopy(s.state_dict())
+    s.finish()
+    moved = [any(not torch.equal(before[k], s.global_params[k]) for k in f) for f in frags]
+    assert moved == [True, False] and s.syncs == 5
+    torch.testing.assert_close(_flat(model), torch.cat([g.reshape(-1) for g in s.global_params]))
+    twin_model = _model(seed=1)
+    twin = StreamingDiLoCo(
+        twin_model,
+        torch.optim.SGD(twin_model.parameters(), lr=0.05),
+        2,
+        fragments=2,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
+    twin.load_state_dict(saved)
+    twin.finish()
+    torch.testing.assert_close(_flat(twin_model), _flat(model), rtol=0, atol=0)
+
+
 def test_refusals_are_one_line() -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters())

@@ -1,6 +1,6 @@
 """The quantized allreduce on 3 ranks: bit-identical to a one-process reference built from
-the codec, the same output everywhere, its bytes, resume, and the errors every rank
-raises together."""
+the codec and to the simulator's exchange, the same output everywhere, its bytes, resume,
+and the errors every rank raises together."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from thinwire.comm import COUNTER, QuantizedAllreduce, quantized_wire_bytes
 from thinwire.comm.launch import spawn
 from thinwire.comm.onebit_exchange import LengthMismatchError, NonFiniteError
 from thinwire.compress import QuantCompressor
+from thinwire.localsgd.algorithm.streaming_sim import SimulatedExchange
 
 KINDS = ("int8", "fp8", "int4")
 N, W, BLOCK = 1000, 3, 64  # 1000 is not a multiple of W * BLOCK: the last segment pads
@@ -123,3 +124,23 @@ def test_errors_are_raised_on_every_rank_and_change_nothing(ranks: list) -> None
     # The failed call left the error feedback as the last good call did.
     for r in ranks:
         torch.testing.assert_close(r["after_nan"], r["before_nan"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_simulators_exchange_is_the_collective_bit_for_bit(kind: str, ranks: list) -> None:
+    """The simulator's Streaming DiLoCo averages W workers in one process: the same
+    outputs as the collective, error feedback carried over calls, and the same bytes."""
+    sim = SimulatedExchange(kind, block=BLOCK)
+    for c in range(3):
+        got = sim.mean(0, [_input(r, c) for r in range(W)])
+        torch.testing.assert_close(got, ranks[0][kind]["results"][c], rtol=0, atol=0)
+    assert sim.bytes_per_worker == ranks[0][kind]["bytes"]
+    assert sim.peak_bytes == quantized_wire_bytes(N, W, kind, BLOCK)
+    # Without error feedback nothing is kept, and the second call differs from the first
+    # collective's second output (which carried the first call's rounding).
+    plain = SimulatedExchange(kind, error_feedback=False, block=BLOCK)
+    plain.mean(0, [_input(r, 0) for r in range(W)])
+    assert not plain.errors
+    second = plain.mean(0, [_input(r, 1) for r in range(W)])
+    assert not torch.equal(second, ranks[0][kind]["results"][1])

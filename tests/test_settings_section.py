@@ -1,6 +1,6 @@
 """The Local-SGD settings are one section, defined once: the trainer's config and the
 asynchronous runtime's config both are :class:`AsyncSettings`, and the trainer hands the
-section over whole."""
+section over whole, less Streaming DiLoCo's knobs (synchronous: ``--algo diloco``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, AsyncSettings, LocalSGDSettings
-from thinwire.localsgd.settings import ASYNC_ONLY, LOCAL_SGD
+from thinwire.localsgd.settings import ASYNC_ONLY, LOCAL_SGD, STREAMING
 from thinwire.train.async_task import async_config
 from thinwire.train.config import USED_BY, TrainConfig
 from thinwire.train.config_file import read_config_file
@@ -62,7 +62,9 @@ def test_both_configs_are_the_section_and_nothing_is_copied() -> None:
     assert set(LOCAL_SGD) == {f.name for f in fields(LocalSGDSettings)}
     assert set(LOCAL_SGD) | set(ASYNC_ONLY) == set(SECTION)
     # which algorithms read them follows from the section too
-    assert all(USED_BY[n] == ("diloco", "async-diloco") for n in LOCAL_SGD)
+    assert set(STREAMING) < set(LOCAL_SGD)
+    assert all(USED_BY[n] == ("diloco", "async-diloco") for n in LOCAL_SGD if n not in STREAMING)
+    assert all(USED_BY[n] == ("diloco",) for n in STREAMING)
     assert all(USED_BY[n] == ("async-diloco",) for n in ASYNC_ONLY)
 
 
@@ -71,7 +73,10 @@ def test_the_trainer_hands_every_setting_of_the_section_to_the_runtime() -> None
     cfg = TrainConfig(algo="async-diloco", **changed)
     acfg = async_config(cfg)
     for name, value in changed.items():
-        assert getattr(acfg, name) == value, name
+        if name in STREAMING:  # not read by async-diloco (the trainer warns): the defaults
+            assert getattr(acfg, name) == getattr(AsyncConfig(), name), name
+        else:
+            assert getattr(acfg, name) == value, name
 
 
 def test_a_config_file_written_before_the_section_reads_as_the_defaults(tmp_path: Path) -> None:

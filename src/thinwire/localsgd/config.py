@@ -88,11 +88,12 @@ class AsyncConfig(AsyncSettings):
     """Stop this launch after this many inner steps per worker, with a checkpoint;
     ``resume`` continues to ``steps`` (the lr schedules are planned for ``steps``)."""
 
-    def validate(self, workers: int | None = None) -> None:
+    def validate(self, workers: int | None = None, *, simulated: bool = False) -> None:
         """Raise a one-line :class:`ConfigError` for the first impossible setting.
 
         ``workers``: W when known (rank 0 serves, so W is the world size minus one);
-        it bounds ``c`` and sizes ``slowdown``.
+        it bounds ``c`` and sizes ``slowdown``. ``simulated``: a run of the simulator,
+        whose ``sync`` method may be Streaming DiLoCo (fragments, the quantizers).
         """
         if workers is not None and workers < 1:
             raise ConfigError(
@@ -106,7 +107,7 @@ class AsyncConfig(AsyncSettings):
         for name in ("warmup_steps", "eval_interval", "checkpoint_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
-        self.check_async(workers)
+        self.check_async(workers, simulated=simulated)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):

@@ -25,7 +25,7 @@ from thinwire.localsgd.algorithm.methods import method_of, tuned
 from thinwire.localsgd.algorithm.server_core import OUTER_CHOICES, STALENESS_CHOICES
 from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
 
-__all__ = ["ASYNC_ONLY", "LOCAL_SGD", "AsyncSettings", "LocalSGDSettings"]
+__all__ = ["ASYNC_ONLY", "LOCAL_SGD", "STREAMING", "AsyncSettings", "LocalSGDSettings"]
 
 
 @dataclass
@@ -61,7 +61,38 @@ class LocalSGDSettings:
     compress: str = "none"
     """Push codec: ``none`` (fp32), ``fp16`` or ``bf16`` (half the bytes), or ``onebit``
     (signs and one scale, 32x fewer bytes, with per-worker error feedback). See
-    :mod:`thinwire.localsgd.algorithm.compression`."""
+    :mod:`thinwire.localsgd.algorithm.compression`. Streaming DiLoCo (below) also takes
+    the block-scaled quantizers ``int8``, ``fp8`` and ``int4``."""
+
+    # --- Streaming DiLoCo: synchronous only (the trainer's ``--algo diloco`` and the
+    # simulator's ``sync``); the asynchronous runtime refuses them ----------------------
+    fragments: int = 1
+    """Streaming DiLoCo's fragments. 1 (the default) syncs the whole model every H steps;
+    P > 1 cuts it into P runs of consecutive parameters of about equal size whose syncs
+    take turns, each fragment still every H steps, so a sync carries about 1/P of the
+    model and the peak bandwidth drops P-fold at the same total bytes
+    (:class:`thinwire.localsgd.StreamingDiLoCo`). Start with 2-5 (both within 1% of
+    DiLoCo from a trained model, docs/results/localsgd.md); H must be at least P."""
+    fragment_overlap: int = 0
+    """Streaming DiLoCo: inner steps a fragment's exchange may take in the background
+    before its average is applied (the paper's tau), below ``local_steps // fragments``.
+    0 waits for it; 1-5 hide the network behind training when a sync takes less than
+    that many steps."""
+    fragment_alpha: float = 0.0
+    """Streaming DiLoCo: how much of the local weights a fragment keeps when its new
+    global weights arrive, in ``[0, 1)``. 0 replaces them (DiLoCo's rule) and drops the
+    ``fragment_overlap`` steps taken meanwhile; 0.5, the paper's choice with an overlap,
+    keeps half of them."""
+    error_feedback: bool = True
+    """Streaming DiLoCo with a quantizer (``compress`` ``int8``, ``fp8`` or ``int4``): keep
+    what rounding lost and send it with the fragment's next sync. Off
+    (``--no-error-feedback``) is the Streaming DiLoCo paper's plain quantization, whose
+    rounding is lost for good."""
+
+    def streaming(self) -> bool:
+        """Whether these settings run Streaming DiLoCo: fragments, an overlap or a
+        quantizer (the codecs that only it has)."""
+        return self.fragments > 1 or self.fragment_overlap > 0 or self.compress in QUANT_KINDS
 
     def check_local_sgd(self, more_codecs: tuple[str, ...] = ()) -> None:
         """A one-line :class:`ConfigError` for the first impossible setting here.
@@ -86,7 +117,11 @@ class LocalSGDSettings:
     def resolved_inner_momentum(self) -> str:
         """``inner_momentum``, or its default: ``keep`` from a trained model, ``restart``
         from scratch (the same for every method;
-        :func:`~thinwire.localsgd.algorithm.inner_state.resolve_inner_momentum`)."""
+        :func:`~thinwire.localsgd.algorithm.inner_state.resolve_inner_momentum`), and
+        ``keep`` for Streaming DiLoCo, whose rule acts per fragment (``restart`` has no
+        per-fragment form)."""
+        if self.inner_momentum is None and self.streaming():
+            return "keep"
         return resolve_inner_momentum(self.inner_momentum, trained=self.starts_trained())
 
 
@@ -217,12 +252,15 @@ class AsyncSettings(LocalSGDSettings):
     push in between does not forgive. A duplicate, a future version or another epoch
     stops the worker at once."""
 
-    def check_async(self, workers: int | None = None) -> None:
+    def check_async(self, workers: int | None = None, *, simulated: bool = False) -> None:
         """A one-line :class:`ConfigError` for the first impossible setting here.
 
         ``workers``: W when known; it bounds ``c`` and sizes ``slowdown`` and ``speeds``.
+        ``simulated``: the settings of a simulated run, whose ``sync`` method may run
+        Streaming DiLoCo (the asynchronous runtime refuses its settings).
         """
-        self.check_local_sgd()
+        self.check_local_sgd(QUANT_KINDS if simulated else ())
+        self._check_streaming(simulated)
         for name in ("max_restarts", "calibration_steps", "outer_momentum_warmup"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -258,6 +296,32 @@ class AsyncSettings(LocalSGDSettings):
             )
         self._check_seconds(workers)
         self._check_pushes()
+
+    def _check_streaming(self, simulated: bool) -> None:
+        untouched = (self.fragments, self.fragment_overlap, self.fragment_alpha) == (1, 0, 0.0)
+        if untouched and not self.streaming():
+            return
+        if not simulated:
+            raise ConfigError(
+                "Streaming DiLoCo (fragments, a fragment overlap or alpha, the int8/fp8/int4 "
+                "quantizers) is synchronous: train it with --algo diloco, or simulate it "
+                "with the sync method (thinwire simulate --methods sync)"
+            )
+        if self.method != "sync":
+            raise ConfigError(
+                f"Streaming DiLoCo is synchronous: the simulator runs it as the sync method, "
+                f"not {self.method} (set it for sync alone: --sweep sync:fragments=P)"
+            )
+        from thinwire.localsgd.algorithm.streaming import check_streaming_args
+
+        check_streaming_args(
+            self.local_steps,
+            self.fragments,
+            self.fragment_overlap,
+            self.fragment_alpha,
+            self.compress,
+            self.resolved_inner_momentum(),
+        )
 
     def _check_pushes(self) -> None:
         ratio = self.max_push_ratio
@@ -369,6 +433,9 @@ def _flag(name: str) -> str:
 
 LOCAL_SGD: tuple[str, ...] = tuple(f.name for f in fields(LocalSGDSettings))
 """The fields every Local-SGD run reads (synchronous DiLoCo too)."""
+STREAMING = ("fragments", "fragment_overlap", "fragment_alpha", "error_feedback")
+"""Streaming DiLoCo's fields: synchronous only (the trainer's ``--algo diloco`` and the
+simulator's ``sync``)."""
 ASYNC_ONLY: tuple[str, ...] = tuple(
     f.name for f in fields(AsyncSettings) if f.name not in LOCAL_SGD
 )

@@ -38,6 +38,7 @@ from thinwire.localsgd.runtime.auth import read_token
 from thinwire.localsgd.runtime.island import workers_of
 from thinwire.localsgd.runtime.run_store import server_address
 from thinwire.localsgd.runtime.trained import load_trained
+from thinwire.localsgd.settings import STREAMING
 from thinwire.train.checkpoint import check_run_identity, write_run_identity
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import CONFIG_NAME, write_config_file
@@ -60,8 +61,11 @@ __all__ = [
 
 def async_config(cfg: TrainConfig) -> AsyncConfig:
     """The asynchronous Local-SGD settings of a trainer run: its Local-SGD section as it
-    is, and the run's budget, schedule, start and checkpoints."""
-    section = {f.name: getattr(cfg, f.name) for f in fields(AsyncSettings)}
+    is (less Streaming DiLoCo's knobs, which only ``--algo diloco`` reads), and the run's
+    budget, schedule, start and checkpoints."""
+    section = {
+        f.name: getattr(cfg, f.name) for f in fields(AsyncSettings) if f.name not in STREAMING
+    }
     return AsyncConfig(
         **section,
         steps=cfg.steps,

@@ -12,7 +12,7 @@ from thinwire.comm.momentum_exchange import EXCHANGES
 from thinwire.compress.cast import parse_cast
 from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
-from thinwire.localsgd.settings import ASYNC_ONLY, LOCAL_SGD, AsyncSettings
+from thinwire.localsgd.settings import ASYNC_ONLY, LOCAL_SGD, STREAMING, AsyncSettings
 from thinwire.optim.freeze import AutoFreeze
 from thinwire.train.model import PRESETS, GPTConfig
 
@@ -40,14 +40,12 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "bias_correction": ONEBIT_ALGOS,
     "powersgd_rank": ("adamw-powersgd",),
     "powersgd_start": ("adamw-powersgd",),
-    "fragments": ("diloco",),
-    "fragment_overlap": ("diloco",),
-    "fragment_alpha": ("diloco",),
-    "error_feedback": ("diloco",),
     "shard_within": ("lamb", *ONEBIT_ALGOS, *_LOCAL_SGD),
     "exchange": ONEBIT_ALGOS,
     **dict.fromkeys(LOCAL_SGD, _LOCAL_SGD),
     **dict.fromkeys(ASYNC_ONLY, ("async-diloco",)),
+    # Streaming DiLoCo is synchronous: of the trainer's algorithms diloco alone runs it.
+    **dict.fromkeys(STREAMING, ("diloco",)),
 }
 """The algorithm-specific fields of :class:`TrainConfig` and the algorithms that read them;
 the others are read by every algorithm."""
@@ -316,29 +314,8 @@ class TrainConfig(AsyncSettings):
     # --- Local-SGD (diloco, async-diloco) ----------------------------------------------
     # The Local-SGD settings (local_steps, outer, outer_lr, dylu, compress, ...) are the
     # fields this class inherits from thinwire.localsgd.AsyncSettings, which documents
-    # each one; only Streaming DiLoCo's knobs (the trainer's diloco alone runs it) and
-    # the trainer's own data layout are defined here.
-    fragments: int = 1
-    """``--algo diloco``: Streaming DiLoCo's fragments. 1 (the default) syncs the whole
-    model every H steps; P > 1 cuts it into P runs of consecutive parameters of about
-    equal size whose syncs take turns, each fragment still every H steps, so a sync
-    carries about 1/P of the model and the peak bandwidth drops P-fold at the same total
-    bytes (:class:`thinwire.localsgd.StreamingDiLoCo`). Start with 2-5 (both within 1% of
-    DiLoCo from a trained model, docs/results/localsgd.md); H must be at least P."""
-    fragment_overlap: int = 0
-    """``--algo diloco``: inner steps a fragment's exchange may take in the background
-    before its average is applied (the paper's tau), below ``local_steps // fragments``.
-    0 waits for it; 1-5 hide the network behind training when a sync takes less than
-    that many steps."""
-    fragment_alpha: float = 0.0
-    """``--algo diloco`` with fragments: how much of the local weights a fragment keeps
-    when its new global weights arrive, in ``[0, 1)``. 0 replaces them (DiLoCo's rule) and
-    drops the ``fragment_overlap`` steps taken meanwhile; 0.5, the paper's choice with an
-    overlap, keeps half of them."""
-    error_feedback: bool = True
-    """``--algo diloco`` with a quantizer (``--compress int8|fp8|int4``): keep what
-    rounding lost and send it with the fragment's next sync. Off (``--no-error-feedback``)
-    is the Streaming DiLoCo paper's plain quantization, whose rounding is lost for good."""
+    # each one (Streaming DiLoCo's knobs too, which the trainer's diloco alone runs of
+    # its algorithms); only the trainer's own data layout is defined here.
     shard_layout: str = "striped"
     """How Local-SGD cuts the training text into shards: ``striped`` (4 KiB blocks dealt
     round-robin: every shard samples the whole text) or ``contiguous`` (one stretch each,
@@ -492,10 +469,9 @@ class TrainConfig(AsyncSettings):
             )
         _check_range("fragment-alpha", self.fragment_alpha, 0.0, 1.0, hi_open=True)
 
-    def streaming(self) -> bool:
-        """Whether ``--algo diloco`` runs Streaming DiLoCo: fragments, an overlap or a
-        quantizer (the codecs that only it has)."""
-        return self.fragments > 1 or self.fragment_overlap > 0 or self.compress in QUANT_KINDS
+    def _check_streaming(self, simulated: bool) -> None:
+        """Streaming DiLoCo is ``--algo diloco``'s here, checked with it; ``--algo
+        async-diloco`` ignores its settings (with a warning) rather than refusing them."""
 
     def starts_trained(self) -> bool:
         """``pretrain_steps`` or ``init_from`` set (it picks the inner-state default).

@@ -91,12 +91,6 @@ def check_streaming_args(
         )
     if not 0.0 <= alpha < 1.0:
         raise ConfigError(f"Streaming DiLoCo alpha must be in [0, 1), got {alpha}")
-    if inner_momentum not in FRAGMENT_RULES:
-        raise ConfigError(
-            f"Streaming DiLoCo applies the inner-state rule per fragment: choose one of "
-            f"{', '.join(FRAGMENT_RULES)} (got {inner_momentum!r}; 'restart' rescales the "
-            "whole optimizer's lr and has no per-fragment form)"
-        )
     if int(fragments) != fragments or fragments < 1:
         raise ConfigError(f"Streaming DiLoCo fragments must be an integer >= 1, got {fragments}")
     sync_offsets(int(sync_every), fragments)  # a step per fragment
@@ -105,6 +99,12 @@ def check_streaming_args(
         raise ConfigError(
             f"Streaming DiLoCo overlap must be an integer in [0, sync_every // fragments) "
             f"= [0, {gap}), got {overlap}"
+        )
+    if inner_momentum not in FRAGMENT_RULES:
+        raise ConfigError(
+            f"Streaming DiLoCo applies the inner-state rule per fragment: choose one of "
+            f"{', '.join(FRAGMENT_RULES)} (got {inner_momentum!r}; 'restart' rescales the "
+            "whole optimizer's lr and has no per-fragment form)"
         )
 
 
@@ -187,6 +187,7 @@ class StreamingDiLoCo:
         self._records: dict[int, list[tuple[str, int, int]]] = {}  # bytes not yet counted
         self.local_step = 0
         self.syncs = 0
+        self._applied_at: list[int | None] = [None] * len(self.fragments)
         self._handle: Any = None
 
     def _exchange_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -251,11 +252,16 @@ class StreamingDiLoCo:
         """End training on the global model: wait for the fragments in flight, then
         sync every fragment once more and replace the local weights with the result, so
         the replicas end equal and hold every worker's last steps (as DiLoCo's do after
-        its last round). This last sync carries the whole model at once."""
+        its last round). This last sync carries the whole model at once, less a fragment
+        that synced at this very step without mixing (``alpha = 0``): every replica
+        already holds it, and a sync of nothing would still move it by the outer
+        momentum, a step DiLoCo does not take."""
         self.flush()
         alpha, self.alpha = self.alpha, 0.0
         try:
             for f in range(len(self.fragments)):
+                if alpha == 0.0 and self._applied_at[f] == self.local_step:
+                    continue
                 self._pending[f] = (self.local_step, self._average(f, self._pseudo(f)))
                 self._apply(f)
         finally:
@@ -331,6 +337,7 @@ class StreamingDiLoCo:
         apply_fragment_rule(
             self.inner, [self.params[i] for i in self.fragments[f]], self.inner_momentum
         )
+        self._applied_at[f] = self.local_step
         self.syncs += 1
 
     # --- checkpoints -------------------------------------------------------------------
@@ -348,6 +355,7 @@ class StreamingDiLoCo:
             "outer": self.outer.state_dict(),
             "local_step": self.local_step,
             "syncs": self.syncs,
+            "applied_at": list(self._applied_at),
             "pending": pending,
             # The bytes of the fragments in flight are counted when they are applied, in
             # the resumed run as in this one.
@@ -365,6 +373,8 @@ class StreamingDiLoCo:
         self.outer.load_state_dict(state["outer"])
         self.local_step = int(state["local_step"])
         self.syncs = int(state["syncs"])
+        # Saved before it was kept: finish then syncs every fragment, as it did.
+        self._applied_at = list(state.get("applied_at", [None] * len(self.fragments)))
         self._pending = {
             int(f): (int(due), avg.clone()) for f, (due, avg) in state["pending"].items()
         }

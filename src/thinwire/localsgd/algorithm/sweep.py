@@ -186,7 +186,7 @@ def run_sweep(
     for method, mgrid in grid.items():
         for setting in settings_of(mgrid):
             cfg = replace(for_method(base, method), **setting)
-            cfg.validate(len(clock.seconds_per_step))
+            cfg.validate(len(clock.seconds_per_step), simulated=True)
             plan += [(method, setting, cfg, seed) for seed in seeds]
     runs_dir = None
     if out_dir is not None:

@@ -124,13 +124,18 @@ def simulate(
     """
     clock = clock or SimClock()
     clock.validate()
-    cfg.validate(len(clock.seconds_per_step))
+    cfg.validate(len(clock.seconds_per_step), simulated=True)
     if cfg.slowdown is not None:
         raise ConfigError(
             "the simulator's speeds come from SimClock.seconds_per_step, not slowdown"
         )
     if task.evaluate is None:
         raise ConfigError("simulate needs task.evaluate: the curve it returns is of that metric")
+    if cfg.streaming():  # sync DiLoCo with fragments or a quantizer (checked above)
+        from thinwire.localsgd.algorithm.streaming_sim import simulate_streaming
+
+        own, curve, now = simulate_streaming(task, cfg, clock, pretrained)
+        return _summary(cfg, clock, own, curve, now)
     sim = _Simulation(task, cfg, clock, pretrained)
     return sim.summary(sim.run())
 
@@ -243,30 +248,45 @@ class _Simulation:
         return now
 
     def summary(self, now: float) -> dict[str, Any]:
-        cfg, core, curve = self.cfg, self.core, self.curve
-        return {
-            "config": asdict(cfg)
-            | {
-                "inner_momentum": self.inner_momentum,
-                "outer_lr": cfg.resolved_outer_lr(),
-                "outer_momentum": cfg.resolved_outer_momentum(),
-                "method": cfg.method,
-            },
-            "clock": asdict(self.clock),
-            "start": self.start.describe(),
+        core = self.core
+        own = {
             "parameters": sum(p.numel() for p in self.model.parameters()),
-            "final_val_loss": curve[-1]["val_loss"],
-            "final_metrics": {k: v for k, v in curve[-1].items() if k not in _POINT},
             "inner_steps": core.steps_applied,
             "updates": core.updates_applied,
             "updates_dropped": core.updates_dropped,
             "staleness": {str(k): v for k, v in sorted(core.staleness_seen.items())},
-            "sim_time_s": now,
             "shard_steps": list(core.shards.clock),
             "shard_planned": list(core.shards.planned),
             **self.wire,
-            "curve": curve,
         }
+        return _summary(self.cfg, self.clock, own, self.curve, now)
+
+
+def _summary(
+    cfg: AsyncConfig,
+    clock: SimClock,
+    own: dict[str, Any],
+    curve: list[dict[str, float]],
+    now: float,
+) -> dict[str, Any]:
+    """A simulated run's summary: its settings, start, final loss and curve, and
+    ``own``, the counts its kind of run keeps (updates, staleness, bytes, ...)."""
+    return {
+        "config": asdict(cfg)
+        | {
+            "inner_momentum": cfg.resolved_inner_momentum(),
+            "outer_lr": cfg.resolved_outer_lr(),
+            "outer_momentum": cfg.resolved_outer_momentum(),
+            "method": cfg.method,
+        },
+        "clock": asdict(clock),
+        "start": cfg.start().describe(),
+        "final_val_loss": curve[-1]["val_loss"],
+        "final_metrics": {k: v for k, v in curve[-1].items() if k not in _POINT},
+        "sim_time_s": now,
+        **own,
+        "curve": curve,
+    }
 
 
 def time_to_reach(curve: list[dict[str, float]], target: float) -> float | None:

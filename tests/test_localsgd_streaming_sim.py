@@ -1,0 +1,155 @@
+"""Streaming DiLoCo on the simulator's clock: one fragment is the sync method bit for bit,
+fragments cut the bytes per sync, quantizers with and without error feedback, the overlap
+on a jittered clock, the sweep and the CLI, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from thinwire.cli.main import main
+from thinwire.comm import quantized_wire_bytes
+from thinwire.errors import ConfigError
+from thinwire.localsgd import AsyncConfig, SimClock, for_method, simulate
+from thinwire.localsgd.algorithm.streaming_sim import simulate_streaming
+from thinwire.train.async_task import gpt_task
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import TextData
+
+SPEEDS = (0.5, 1.0, 2.0)
+
+
+@pytest.fixture(scope="module")
+def data() -> TextData:
+    return TextData(None, 16, 0.05, 0)
+
+
+def _task(data: TextData) -> Any:
+    model = TrainConfig(
+        n_layer=1, n_embd=32, n_head=2, seq_len=16, batch_size=4, eval_sequences=8, seed=0
+    )
+    return gpt_task(model, data)
+
+
+def _cfg(**kw: Any) -> AsyncConfig:
+    return for_method(
+        AsyncConfig(**({"local_steps": 4, "steps": 8, "warmup_steps": 2} | kw)), "sync"
+    )
+
+
+def _clock(**kw: Any) -> SimClock:
+    return SimClock(**({"seconds_per_step": SPEEDS, "eval_points": 2} | kw))
+
+
+@pytest.mark.timeout(120)
+def test_one_fragment_is_the_sync_method_bit_for_bit(data: TextData) -> None:
+    """Streaming DiLoCo with one whole fragment is DiLoCo: the simulator's sync method
+    (the server's Delayed Nesterov with N = W) and the library's StreamingDiLoCo in
+    lockstep agree on every evaluation, in loss and in time. ``fresh`` keeps the inner
+    state out of it (the server hands shards to whichever worker asks)."""
+    cfg = _cfg(inner_momentum="fresh")
+    sync = simulate(_task(data), cfg, _clock())
+    own, curve, now = simulate_streaming(_task(data), cfg, _clock(), None)
+    assert [p["val_loss"] for p in curve] == pytest.approx(
+        [p["val_loss"] for p in sync["curve"]], rel=1e-6
+    )
+    assert [p["time_s"] for p in curve] == [p["time_s"] for p in sync["curve"]]
+    assert now == sync["sim_time_s"] == 2 * 4 * 2.0  # two rounds of the slowest worker
+    assert own["updates"] == 2  # the last round's sync is the end: finish() adds none
+    assert own["inner_steps"] == sync["inner_steps"] == 24
+
+
+@pytest.mark.timeout(180)
+def test_fragments_and_quantizers_cut_the_bytes_and_error_feedback_carries_over(
+    data: TextData,
+) -> None:
+    whole = simulate(_task(data), _cfg(fragments=1, compress="none"), _clock())
+    two = simulate(_task(data), _cfg(fragments=2), _clock())
+    int4 = simulate(_task(data), _cfg(fragments=2, compress="int4"), _clock())
+    plain = simulate(
+        _task(data), _cfg(fragments=2, compress="int4", error_feedback=False), _clock()
+    )
+    assert "streaming" not in whole and two["streaming"]["fragments"] == 2
+    assert two["config"]["inner_momentum"] == "keep"  # per fragment; restart has no form
+    # Two fragments: each sync about half the model; the same total but the last one-off
+    # sync of the first fragment at the end (finish()).
+    n, w = two["parameters"], len(SPEEDS)
+    fp32_all = 2 * (w - 1) * 4 * n // w
+    assert two["peak_sync_bytes"] == pytest.approx(fp32_all / 2, rel=0.2)
+    assert two["updates"] == 5  # 2 rounds x 2 fragments, then finish() syncs fragment 0
+    assert int4["peak_sync_bytes"] < two["peak_sync_bytes"] / 7
+    assert int4["push_bytes"] == plain["push_bytes"] < two["push_bytes"] / 7
+    assert int4["peak_sync_bytes"] <= quantized_wire_bytes(n, w, "int4")
+    assert int4["streaming"]["error_feedback"] and not plain["streaming"]["error_feedback"]
+    # Error feedback changes what is sent; both train (below the start, near fp32).
+    assert int4["final_val_loss"] != plain["final_val_loss"]
+    for run in (int4, plain):
+        assert run["final_val_loss"] < run["curve"][0]["val_loss"]
+        assert run["final_val_loss"] == pytest.approx(two["final_val_loss"], rel=0.02)
+    assert all(r["sim_time_s"] == whole["sim_time_s"] for r in (two, int4, plain))
+
+
+@pytest.mark.timeout(180)
+def test_the_overlap_waits_only_where_the_average_lands(data: TextData) -> None:
+    """On a jittered clock of equal speeds the slowest worker changes from round to
+    round: with an overlap a worker waits for an exchange only where its average is
+    applied, so the run ends sooner than one that waits at every send."""
+    clock = _clock(seconds_per_step=(1.0, 1.0, 1.0), jitter=0.5, seed=3)
+    cfg = _cfg(local_steps=4, steps=12, fragments=2)
+    waits = simulate(_task(data), cfg, clock)
+    overlaps = simulate(_task(data), replace(cfg, fragment_overlap=1, fragment_alpha=0.5), clock)
+    assert overlaps["sim_time_s"] < waits["sim_time_s"]
+    assert overlaps["final_val_loss"] != waits["final_val_loss"]
+    assert overlaps["streaming"]["overlap"] == 1 and overlaps["streaming"]["alpha"] == 0.5
+
+
+def test_refusals_are_one_line(data: TextData) -> None:
+    with pytest.raises(ConfigError, match=r"Streaming DiLoCo is synchronous.*not dn-dylu"):
+        simulate(_task(data), for_method(_cfg(fragments=2), "dn-dylu"), _clock())
+    with pytest.raises(ConfigError, match="train it with --algo diloco"):
+        AsyncConfig(fragments=2).validate(3)  # the asynchronous runtime
+    with pytest.raises(ConfigError, match="train it with --algo diloco"):
+        AsyncConfig(fragment_alpha=0.5).validate(3)
+    with pytest.raises(ConfigError, match="quantizers are diloco's"):
+        AsyncConfig(compress="int4").validate(3)
+    with pytest.raises(ConfigError, match="fragments must be an integer >= 1, got 0"):
+        simulate(_task(data), _cfg(fragments=0), _clock())
+    with pytest.raises(ConfigError, match="inner-state rule per fragment"):
+        simulate(_task(data), _cfg(fragments=2, inner_momentum="restart"), _clock())
+    with pytest.raises(ConfigError, match="overlap must be an integer in"):
+        simulate(_task(data), _cfg(fragments=2, fragment_overlap=2), _clock())
+    with pytest.raises(ConfigError, match="shards must equal the 3 workers"):
+        simulate(_task(data), _cfg(fragments=2, shards=6), _clock())
+
+
+@pytest.mark.timeout(300)
+def test_cli_sweeps_fragments_for_sync_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim"
+    common = ["simulate", "--steps", "8", "--local-steps", "4", "--eval-points", "2"]
+    common += ["--seconds-per-step", "1,2", "--batch-size", "4", "--out", str(out)]
+    rc = main([*common, "--methods", "sync,dn-dylu", "--sweep", "sync:fragments=1,2"])
+    assert rc == 0
+    runs = {r["key"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    streamed = runs["sync__fragments=2__seed0"]
+    assert streamed["streaming"]["fragments"] == 2
+    assert "streaming" not in runs["sync__fragments=1__seed0"]
+    assert "keep for Streaming DiLoCo" in (out / "table.md").read_text()
+    # Flags for every method: the asynchronous ones are refused in one line.
+    assert main([*common, "--methods", "sync,naive", "--fragments", "2"]) == 2
+    assert "not naive" in capsys.readouterr().err
+    rc = main([*common, "--methods", "sync", "--compress", "int4", "--no-error-feedback"])
+    assert rc == 0
+    run = json.loads((out / "runs" / "sync__default__seed0.json").read_text())
+    assert run["streaming"] == {
+        "fragments": 1,
+        "overlap": 0,
+        "alpha": 0.0,
+        "compress": "int4",
+        "error_feedback": False,
+    }
