@@ -11,6 +11,7 @@ import torch
 
 from thinwire.comm import COUNTER, QuantizedAllreduce, quantized_wire_bytes
 from thinwire.comm.launch import spawn
+from thinwire.comm.momentum_exchange import make_exchange
 from thinwire.comm.onebit_exchange import LengthMismatchError, NonFiniteError
 from thinwire.compress import QuantCompressor
 from thinwire.localsgd.algorithm.streaming_sim import SimulatedExchange
@@ -46,6 +47,12 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
     out["nan"] = _raises(lambda: ar(_input(rank, 4) * (float("nan") if rank == 1 else 1.0)))
     out["after_nan"] = ar.state_dict()["worker_error"]
     out["length"] = _raises(lambda: QuantizedAllreduce("int8")(torch.ones(N + rank)))
+    # A number of the caller's rides in the call's check: summed, no collective of its own.
+    COUNTER.reset()
+    exchange = make_exchange("int8", None, None)
+    flat = _input(rank, 0)
+    exchange(flat, out=flat, side=torch.tensor(0.25 + rank, dtype=torch.float64))
+    out["side"] = (exchange.side_mean, exchange._reduce.side_sum, sorted(COUNTER.ops))
     return out
 
 
@@ -144,3 +151,15 @@ def test_the_simulators_exchange_is_the_collective_bit_for_bit(kind: str, ranks:
     assert not plain.errors
     second = plain.mean(0, [_input(r, 1) for r in range(W)])
     assert not torch.equal(second, ranks[0][kind]["results"][1])
+
+
+@pytest.mark.timeout(120)
+def test_a_side_number_rides_in_the_check(ranks: list) -> None:
+    """The 1-bit optimizers' momentum exchange sends a number beside the momentum (their
+    gauge's statistic); with a quantizer it travels in the check's gather, so a
+    compressed step spends no collective of its own on it."""
+    total = sum(0.25 + r for r in range(W))
+    for r in ranks:
+        mean, summed, ops = r["side"]
+        assert summed == total and mean == total / W
+        assert ops == ["momentum.int8.phase1", "momentum.int8.phase2"]

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thinwire.comm.allreduce import sum_small_
 from thinwire.comm.quantized_allreduce import QuantizedAllreduce
 from thinwire.compress.quantize import QUANT_KINDS
 
@@ -69,13 +68,8 @@ class QuantizedExchange:
         :class:`~thinwire.comm.onebit_exchange.NonFiniteError` on every rank, with the
         error feedback untouched."""
         started = time.perf_counter()
-        mean = self._reduce(tensor)
-        if self.world_size > 1:
-            box = torch.tensor([float(side)], dtype=torch.float64, device=tensor.device)
-            sum_small_(box, self.group, op_name=f"momentum.{self.kind}.side")
-            self.side_mean = float(box) / self.world_size
-        else:
-            self.side_mean = float(side)
+        mean = self._reduce(tensor, side=float(side))  # side rides in the call's check
+        self.side_mean = self._reduce.side_sum / self.world_size
         target = tensor if out is None else out
         target.copy_(mean.view_as(target))
         self.last_call_s = time.perf_counter() - started

@@ -6,7 +6,9 @@ block-scaled quantizer from :mod:`thinwire.compress.quantize`. The same two phas
 the 1-bit allreduce (:class:`~thinwire.comm.OneBitAllreduce`), with the quantizer as
 the only thing that differs:
 
-0. one small ``all_gather`` of every rank's length and a non-finite flag: ranks that
+0. one small ``all_gather`` of every rank's length, a non-finite flag and the caller's
+   ``side`` number (summed in rank order into :attr:`QuantizedAllreduce.side_sum`, so a
+   number that goes with the tensor costs no collective of its own): ranks that
    disagree raise the same one-line error together, before any state changes;
 1. each rank adds its ``worker_error`` to its input, quantizes it and keeps what the
    quantizer lost as the next ``worker_error``; ``all_to_all_single`` of the quantized
@@ -91,13 +93,18 @@ class QuantizedAllreduce:
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
+        self.side_sum = 0.0
+        """The last call's ``side`` summed over the ranks (in rank order, float64)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The mean of ``x`` (flat) over the group, as every rank receives it (fp32)."""
+    def __call__(self, x: torch.Tensor, side: float = 0.0) -> torch.Tensor:
+        """The mean of ``x`` (flat) over the group, as every rank receives it (fp32);
+        ``side``, a number of the caller's, travels with the check and its sum over the
+        ranks is left in :attr:`side_sum`."""
         flat = x.detach().reshape(-1).to(torch.float32)
         if self.world == 1:
+            self.side_sum = float(side)
             return flat.clone()
-        self._check(flat)
+        self._check(flat, side)
         n, w = flat.numel(), self.world
         seg = _segment(n, w, self.codec.block)
         padded = torch.zeros(seg * w, dtype=torch.float32, device=flat.device)
@@ -128,18 +135,18 @@ class QuantizedAllreduce:
         out = torch.cat([self._decode(m, seg) for m in gathered.view(w, -1)])
         return out[:n]
 
-    def _check(self, flat: torch.Tensor) -> None:
-        """Every rank learns every rank's length and whether its input is finite, and
-        all raise the same error together (a rank alone would leave the others hanging
-        in the exchange)."""
+    def _check(self, flat: torch.Tensor, side: float) -> None:
+        """Every rank learns every rank's length, whether its input is finite and its
+        ``side``, and all raise the same error together (a rank alone would leave the
+        others hanging in the exchange)."""
         mine = torch.tensor(
-            [float(flat.numel()), float(not bool(torch.isfinite(flat).all()))],
+            [float(flat.numel()), float(not bool(torch.isfinite(flat).all())), float(side)],
             dtype=torch.float64,
             device=flat.device,
         )
-        everyone = torch.empty(2 * self.world, dtype=torch.float64, device=flat.device)
+        everyone = torch.empty(3 * self.world, dtype=torch.float64, device=flat.device)
         _all_gather_flat(everyone, mine, group=self.group)
-        lengths, bad = everyone.view(-1, 2).cpu().unbind(1)
+        lengths, bad, sides = everyone.view(-1, 3).cpu().unbind(1)
         if bool((lengths != lengths[0]).any()):
             raise LengthMismatchError(
                 f"quantized allreduce: ranks passed different lengths {lengths.long().tolist()}"
@@ -150,6 +157,10 @@ class QuantizedAllreduce:
                 f"quantized allreduce: NaN or Inf in the input of rank(s) {ranks}; "
                 "nothing was sent and the error feedback is unchanged"
             )
+        total = 0.0
+        for value in sides.tolist():  # rank order: the same sum on every rank
+            total += value
+        self.side_sum = total
 
     def _quantize(self, x: torch.Tensor, error: torch.Tensor, segments: int) -> torch.Tensor:
         """``x + error`` quantized, as ``segments`` uint8 messages back to back (each its
