@@ -123,6 +123,37 @@ def test_finish_takes_no_outer_step_for_a_fragment_that_just_synced() -> None:
     twin.load_state_dict(saved)
     twin.finish()
     torch.testing.assert_close(_flat(twin_model), _flat(model), rtol=0, atol=0)
+    # A checkpoint from before the step of each fragment's last sync was kept: finish()
+    # syncs every fragment, as it did when that checkpoint was written.
+    older_model = _model(seed=2)
+    older = StreamingDiLoCo(
+        older_model,
+        torch.optim.SGD(older_model.parameters(), lr=0.05),
+        2,
+        fragments=2,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+    )
+    older.load_state_dict({k: v for k, v in saved.items() if k != "applied_at"})
+    older.finish()
+    assert older.syncs == 4 + 2
+
+
+def test_finish_leaves_a_fragment_the_flush_landed() -> None:
+    """With an overlap, the fragment still in flight at the end lands in finish()'s flush
+    and replaces the local weights (alpha 0): it is not synced again."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    s = StreamingDiLoCo(model, opt, 4, fragments=2, overlap=1, outer_lr=0.7)
+    for i in range(1, 5):  # fragment 0 sends at step 2 and lands at 3; fragment 1 at 4
+        _step(model, opt, i)
+        s.after_inner_step()
+    assert list(s._pending) == [1] and s.syncs == 1
+    assert s.finishing() == [0, 1]  # before the flush, fragment 1 is still in flight
+    s.finish()
+    assert s.syncs == 1 + 1 + 1  # the landed one, then fragment 0 once more
+    assert s.finishing() == []  # both synced at this step: nothing left to finish
+    torch.testing.assert_close(_flat(model), torch.cat([g.reshape(-1) for g in s.global_params]))
 
 
 def test_refusals_are_one_line() -> None:

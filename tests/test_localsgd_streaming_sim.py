@@ -54,9 +54,7 @@ def test_one_fragment_is_the_sync_method_bit_for_bit(data: TextData) -> None:
     cfg = _cfg(inner_momentum="fresh")
     sync = simulate(_task(data), cfg, _clock())
     own, curve, now = simulate_streaming(_task(data), cfg, _clock(), None)
-    assert [p["val_loss"] for p in curve] == pytest.approx(
-        [p["val_loss"] for p in sync["curve"]], rel=1e-6
-    )
+    assert [p["val_loss"] for p in curve] == [p["val_loss"] for p in sync["curve"]]
     assert [p["time_s"] for p in curve] == [p["time_s"] for p in sync["curve"]]
     assert now == sync["sim_time_s"] == 2 * 4 * 2.0  # two rounds of the slowest worker
     assert own["updates"] == 2  # the last round's sync is the end: finish() adds none
@@ -91,6 +89,28 @@ def test_fragments_and_quantizers_cut_the_bytes_and_error_feedback_carries_over(
         assert run["final_val_loss"] < run["curve"][0]["val_loss"]
         assert run["final_val_loss"] == pytest.approx(two["final_val_loss"], rel=0.02)
     assert all(r["sim_time_s"] == whole["sim_time_s"] for r in (two, int4, plain))
+    # Every sync counted, and only those: one whole int4 fragment, 2 rounds, no extra
+    # sync at the end (the last round's is the end).
+    one = simulate(_task(data), _cfg(compress="int4"), _clock())
+    assert one["updates"] == 2
+    assert one["push_bytes"] == 2 * w * quantized_wire_bytes(n, w, "int4")
+
+
+@pytest.mark.timeout(180)
+def test_rounds_that_do_not_divide_the_budget_and_alpha_alone(data: TextData) -> None:
+    """10 steps at H = 4 with 2 fragments and an overlap: the fragments sync at steps 2,
+    4, 6, 8, 10 and land a step later (the last one by the flush at the end), then the
+    fragment that trained since its last sync syncs once more."""
+    run = simulate(
+        _task(data), _cfg(steps=10, fragments=2, fragment_overlap=1, compress="int8"), _clock()
+    )
+    assert run["updates"] == 6 and run["inner_steps"] == 30
+    assert run["curve"][-1]["steps"] == 30 and run["final_val_loss"] < run["curve"][0]["val_loss"]
+    # A mixing alpha alone is Streaming DiLoCo too (the mixing changes the run).
+    mixed = simulate(_task(data), _cfg(fragment_alpha=0.5), _clock())
+    assert mixed["streaming"]["alpha"] == 0.5
+    plain = simulate(_task(data), _cfg(fragment_alpha=0.5, fragments=1), _clock())
+    assert plain["final_val_loss"] == mixed["final_val_loss"]
 
 
 @pytest.mark.timeout(180)
@@ -123,7 +143,17 @@ def test_refusals_are_one_line(data: TextData) -> None:
     with pytest.raises(ConfigError, match="overlap must be an integer in"):
         simulate(_task(data), _cfg(fragments=2, fragment_overlap=2), _clock())
     with pytest.raises(ConfigError, match="shards must equal the 3 workers"):
-        simulate(_task(data), _cfg(fragments=2, shards=6), _clock())
+        _cfg(fragments=2, shards=6).validate(3, simulated=True)  # before any run
+    with pytest.raises(ConfigError, match="no pulls"):
+        _cfg(fragments=2, compress_pull="bf16").validate(3, simulated=True)
+    with pytest.raises(ConfigError, match="no outer-momentum warmup"):
+        _cfg(fragments=2, outer_momentum_warmup=5).validate(3, simulated=True)
+    with pytest.raises(ConfigError, match="no shard sampling"):
+        _cfg(fragments=2, shard_sampling="paper").validate(3, simulated=True)
+    with pytest.raises(ConfigError, match="error feedback is the quantizers'"):
+        _cfg(error_feedback=False).validate(3, simulated=True)
+    with pytest.raises(ConfigError, match="train it with --algo diloco"):
+        AsyncConfig(error_feedback=False).validate(3)
 
 
 @pytest.mark.timeout(300)
@@ -135,11 +165,16 @@ def test_cli_sweeps_fragments_for_sync_alone(
     common += ["--seconds-per-step", "1,2", "--batch-size", "4", "--out", str(out)]
     rc = main([*common, "--methods", "sync,dn-dylu", "--sweep", "sync:fragments=1,2"])
     assert rc == 0
+    # From scratch the rule left unset would differ (restart against Streaming DiLoCo's
+    # keep): every sync run takes keep, and says so; dn-dylu keeps its restart.
+    assert "all take the inner-state rule keep" in capsys.readouterr().out
     runs = {r["key"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
-    streamed = runs["sync__fragments=2__seed0"]
+    streamed = runs["sync__fragments=2_inner-momentum=keep__seed0"]
     assert streamed["streaming"]["fragments"] == 2
-    assert "streaming" not in runs["sync__fragments=1__seed0"]
-    assert "keep for Streaming DiLoCo" in (out / "table.md").read_text()
+    whole = runs["sync__fragments=1_inner-momentum=keep__seed0"]
+    assert "streaming" not in whole and whole["config"]["inner_momentum"] == "keep"
+    assert runs["dn-dylu__default__seed0"]["config"]["inner_momentum"] == "restart"
+    assert "inner-state rule restart (sync: keep" in (out / "table.md").read_text()
     # Flags for every method: the asynchronous ones are refused in one line.
     assert main([*common, "--methods", "sync,naive", "--fragments", "2"]) == 2
     assert "not naive" in capsys.readouterr().err

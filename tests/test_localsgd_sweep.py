@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from test_localsgd_api import _task
-from thinwire.localsgd import AsyncConfig, SimClock
+from thinwire.localsgd import AsyncConfig, SimClock, for_method
 from thinwire.localsgd.algorithm.sweep import fingerprint, parse_grid, run_sweep, summarize_sweep
 
 
@@ -57,6 +57,10 @@ def test_a_sweep_resumes_from_its_files_but_never_from_other_settings(tmp_path: 
     assert all(b["setting"]["outer_lr"] in (0.1, 0.3) for b in best.values())
 
 
+LATER = ("shard_within", "fragments", "fragment_overlap", "fragment_alpha", "error_feedback")
+"""Fields added after runs were cached (left out of a fingerprint at their defaults)."""
+
+
 def test_a_cached_run_is_keyed_by_the_inner_state_rule_it_resolved_to() -> None:
     """The inner-state default depends on the start: a run from a trained model cached
     under the earlier default (``restart``) is never read back as one of today's, naming
@@ -73,8 +77,8 @@ def test_a_cached_run_is_keyed_by_the_inner_state_rule_it_resolved_to() -> None:
         replace(scratch, inner_momentum="keep"), clock, 0
     )
     # what a run from scratch was keyed by before the default followed the start (and
-    # before the runtime-only shard_within existed)
-    old = {k: v for k, v in asdict(scratch).items() if k != "shard_within"}
+    # before the runtime-only shard_within and Streaming DiLoCo's fields existed)
+    old = {k: v for k, v in asdict(scratch).items() if k not in LATER}
     blob = {"config": old, "clock": asdict(clock), "context": {}}
     text = json.dumps(blob, sort_keys=True, default=repr)
     assert fingerprint(scratch, clock, 0) == hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -99,12 +103,22 @@ def test_dn_dylu_from_a_trained_model_takes_the_long_tier_outer_settings() -> No
     assert (naive.resolved_outer_lr(), naive.resolved_outer_momentum()) == (0.3, 0.0)
     blob = {
         "config": {
-            k: v
-            for k, v in asdict(replace(naive, inner_momentum="keep")).items()
-            if k != "shard_within"
+            k: v for k, v in asdict(replace(naive, inner_momentum="keep")).items() if k not in LATER
         },
         "clock": asdict(clock),
         "context": {},
     }
     text = json.dumps(blob, sort_keys=True, default=repr)
     assert fingerprint(naive, clock, 0) == hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_settings_added_at_their_defaults_keep_the_cached_runs_fingerprints() -> None:
+    """Streaming DiLoCo's fields came after runs were cached: at their defaults they leave
+    a run's fingerprint as it was (these digests were computed before they existed), so a
+    sweep read back from ``--out/runs`` is not simulated again."""
+    clock = SimClock(seconds_per_step=(1.0, 2.0))
+    sync = for_method(AsyncConfig(steps=10), "sync")
+    assert fingerprint(sync, clock, 0) == "59a77b124c03c5dd"
+    trained = for_method(AsyncConfig(steps=10, pretrain_steps=5), "dn-dylu")
+    assert fingerprint(trained, clock, 1, {"model": "tiny"}) == "61a55db525a11557"
+    assert fingerprint(replace(sync, fragments=2), clock, 0) != "59a77b124c03c5dd"

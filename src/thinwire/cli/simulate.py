@@ -38,6 +38,7 @@ import math
 import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from thinwire.localsgd import METHODS, AsyncConfig, SimClock, for_method
 from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.localsgd.algorithm.inner_state import INNER_MOMENTUM
 from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
-from thinwire.localsgd.algorithm.sweep import parse_grid, run_sweep, summarize_sweep
+from thinwire.localsgd.algorithm.sweep import parse_grid, run_sweep, settings_of, summarize_sweep
 from thinwire.localsgd.algorithm.virtual_clock import HETEROGENEITY
 from thinwire.rundir import writable_dir
 from thinwire.train.async_task import gpt_task
@@ -318,7 +319,7 @@ def run_async(args: argparse.Namespace) -> int:
         raise ConfigError(f"--c must be in [0, 1/W] = [0, {1 / len(speeds):.4g}], got {args.c}")
     torch.set_num_threads(args.threads)
     model, base, clock = _configs(args, speeds)
-    grid = parse_grid(args.sweep, methods)
+    grid = _one_rule_for_sync(base, parse_grid(args.sweep, methods))
 
     def task_for_seed(seed: int) -> Any:
         cfg = TrainConfig(**{**model.to_dict(), "seed": seed})
@@ -332,6 +333,29 @@ def run_async(args: argparse.Namespace) -> int:
     )
     _write_results(args, runs, speeds, seeds, model, base)
     return 0
+
+
+def _one_rule_for_sync(
+    base: AsyncConfig, grid: dict[str, dict[str, tuple]]
+) -> dict[str, dict[str, tuple]]:
+    """Sync runs with and without Streaming DiLoCo in one sweep (``--sweep
+    sync:fragments=1,2``) would differ in their inner-state rule too where it is left
+    unset (Streaming DiLoCo's is ``keep``, from scratch the others' is ``restart``): they
+    all take ``keep`` then, and the user is told."""
+    own = grid.get("sync")
+    if own is None or base.inner_momentum is not None or "inner_momentum" in own:
+        return grid
+    sync = for_method(base, "sync")
+    rules = {replace(sync, **setting).resolved_inner_momentum() for setting in settings_of(own)}
+    if len(rules) == 1:
+        return grid
+    print(
+        "thinwire: sync runs with and without Streaming DiLoCo all take the inner-state "
+        "rule keep (Streaming DiLoCo's), so that only the swept settings differ; "
+        "--inner-state chooses another",
+        flush=True,
+    )
+    return grid | {"sync": own | {"inner_momentum": ("keep",)}}
 
 
 def _methods(args: argparse.Namespace) -> list[str]:
@@ -446,8 +470,12 @@ def _write_results(
     atomic_write_text(out / "results.json", json.dumps(blob, indent=1) + "\n")
     tables = format_tables(summary)
     rule = base.resolved_inner_momentum()
-    if base.inner_momentum is None and any("streaming" in r for r in runs) and rule != "keep":
-        rule += " (keep for Streaming DiLoCo, whose rule acts per fragment)"
+    others = sorted(
+        {f"{r['method']}: {r['config']['inner_momentum']}" for r in runs}
+        - {f"{r['method']}: {rule}" for r in runs}
+    )
+    if others:  # Streaming DiLoCo's keep, where the rule was left unset
+        rule += f" ({', '.join(others)}: Streaming DiLoCo's rule acts per fragment)"
     start = (
         f"every method starts {base.start().describe()}, "
         f"inner-state rule {rule}; {_defaults(base, list(summary['best']))}"

@@ -90,9 +90,14 @@ class LocalSGDSettings:
     rounding is lost for good."""
 
     def streaming(self) -> bool:
-        """Whether these settings run Streaming DiLoCo: fragments, an overlap or a
-        quantizer (the codecs that only it has)."""
-        return self.fragments > 1 or self.fragment_overlap > 0 or self.compress in QUANT_KINDS
+        """Whether these settings run Streaming DiLoCo: fragments, an overlap, a mixing
+        alpha or a quantizer (the codecs that only it has)."""
+        return (
+            self.fragments > 1
+            or self.fragment_overlap > 0
+            or self.fragment_alpha > 0
+            or self.compress in QUANT_KINDS
+        )
 
     def check_local_sgd(self, more_codecs: tuple[str, ...] = ()) -> None:
         """A one-line :class:`ConfigError` for the first impossible setting here.
@@ -260,7 +265,7 @@ class AsyncSettings(LocalSGDSettings):
         Streaming DiLoCo (the asynchronous runtime refuses its settings).
         """
         self.check_local_sgd(QUANT_KINDS if simulated else ())
-        self._check_streaming(simulated)
+        self._check_streaming(simulated, workers)
         for name in ("max_restarts", "calibration_steps", "outer_momentum_warmup"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -297,20 +302,20 @@ class AsyncSettings(LocalSGDSettings):
         self._check_seconds(workers)
         self._check_pushes()
 
-    def _check_streaming(self, simulated: bool) -> None:
-        untouched = (self.fragments, self.fragment_overlap, self.fragment_alpha) == (1, 0, 0.0)
-        if untouched and not self.streaming():
+    def _check_streaming(self, simulated: bool, workers: int | None) -> None:
+        knobs = (self.fragments, self.fragment_overlap, self.fragment_alpha, self.error_feedback)
+        if knobs == (1, 0, 0.0, True) and not self.streaming():
             return
         if not simulated:
             raise ConfigError(
-                "Streaming DiLoCo (fragments, a fragment overlap or alpha, the int8/fp8/int4 "
-                "quantizers) is synchronous: train it with --algo diloco, or simulate it "
-                "with the sync method (thinwire simulate --methods sync)"
+                "Streaming DiLoCo (fragments, a fragment overlap or alpha, error feedback, "
+                "the int8/fp8/int4 quantizers) is synchronous: train it with --algo diloco, "
+                "or simulate it with the sync method (thinwire simulate --methods sync)"
             )
         if self.method != "sync":
             raise ConfigError(
                 f"Streaming DiLoCo is synchronous: the simulator runs it as the sync method, "
-                f"not {self.method} (set it for sync alone: --sweep sync:fragments=P)"
+                f"not {self.method} (set it for sync alone: --sweep sync:KEY=VALUE)"
             )
         from thinwire.localsgd.algorithm.streaming import check_streaming_args
 
@@ -321,7 +326,26 @@ class AsyncSettings(LocalSGDSettings):
             self.fragment_alpha,
             self.compress,
             self.resolved_inner_momentum(),
+            self.error_feedback,
         )
+        # What the server's sync has and Streaming DiLoCo has not: refused, not ignored.
+        if self.compress_pull != "none":
+            raise ConfigError(
+                "Streaming DiLoCo has no pulls (the workers average among themselves): "
+                "compress-pull must be none"
+            )
+        if self.outer_momentum_warmup:
+            raise ConfigError("Streaming DiLoCo has no outer-momentum warmup: set it to 0")
+        if self.shard_sampling != "least-progress":
+            raise ConfigError(
+                "Streaming DiLoCo's workers each train their own shard: no shard sampling "
+                f"({self.shard_sampling!r})"
+            )
+        if workers is not None and self.resolved_shards(workers) != workers:
+            raise ConfigError(
+                f"Streaming DiLoCo's workers each train their own shard: shards must equal "
+                f"the {workers} workers, got {self.shards}"
+            )
 
     def _check_pushes(self) -> None:
         ratio = self.max_push_ratio

@@ -410,7 +410,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             raise ConfigError(
                 f"unknown shard sampling {cfg.shard_sampling!r}; choose one of {SAMPLING_CHOICES}"
             )
-        if cfg.streaming():
+        if cfg.streaming() or not cfg.error_feedback:  # --no-error-feedback needs int*/fp8
             from thinwire.localsgd.algorithm.streaming import check_streaming_args
 
             check_streaming_args(
@@ -419,7 +419,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
                 cfg.fragment_overlap,
                 cfg.fragment_alpha,
                 cfg.compress,
-                cfg.inner_momentum or "keep",
+                cfg.resolved_inner_momentum(),
+                cfg.error_feedback,
             )
         elif cfg.compress not in COMPRESS_CHOICES:
             raise ConfigError(

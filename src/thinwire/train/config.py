@@ -469,7 +469,12 @@ class TrainConfig(AsyncSettings):
             )
         _check_range("fragment-alpha", self.fragment_alpha, 0.0, 1.0, hi_open=True)
 
-    def _check_streaming(self, simulated: bool) -> None:
+    def streaming(self) -> bool:
+        """Whether the run is Streaming DiLoCo: ``--algo diloco`` with its settings (the
+        other algorithms ignore them, with a warning)."""
+        return self.algo == "diloco" and super().streaming()
+
+    def _check_streaming(self, simulated: bool, workers: int | None) -> None:
         """Streaming DiLoCo is ``--algo diloco``'s here, checked with it; ``--algo
         async-diloco`` ignores its settings (with a warning) rather than refusing them."""
 
@@ -485,8 +490,6 @@ class TrainConfig(AsyncSettings):
         (:meth:`~thinwire.localsgd.LocalSGDSettings.resolved_inner_momentum`)."""
         if self.algo not in ("diloco", "async-diloco"):
             return None
-        if self.algo == "diloco" and self.streaming():
-            return self.inner_momentum or "keep"
         return self.resolved_inner_momentum()
 
     def _check_powersgd(self) -> None:

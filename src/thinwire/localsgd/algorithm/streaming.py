@@ -77,10 +77,21 @@ STREAMING_COMPRESS = ("none", *CAST_DTYPES, *QUANT_KINDS)
 
 
 def check_streaming_args(
-    sync_every: int, fragments: int, overlap: int, alpha: float, compress: str, inner_momentum: str
+    sync_every: int,
+    fragments: int,
+    overlap: int,
+    alpha: float,
+    compress: str,
+    inner_momentum: str,
+    error_feedback: bool = True,
 ) -> None:
     """Every setting of Streaming DiLoCo that can be checked without the model, as a
     one-line :class:`ConfigError` (``thinwire train`` checks them before it starts)."""
+    if not error_feedback and compress not in QUANT_KINDS:
+        raise ConfigError(
+            f"error feedback is the quantizers' (int8, fp8, int4): turning it off with "
+            f"compress {compress!r} changes nothing"
+        )
     if int(sync_every) != sync_every or sync_every < 1:
         raise ConfigError(
             f"Streaming DiLoCo sync_every (H) must be an integer >= 1, got {sync_every}"
@@ -157,7 +168,9 @@ class StreamingDiLoCo:
         outer_lr = DEFAULT_OUTER_LR if outer_lr is None else outer_lr
         check_outer_args(outer_lr, outer_momentum)
         count = fragments if isinstance(fragments, int) else len(fragments)
-        check_streaming_args(sync_every, count, overlap, alpha, compress, inner_momentum)
+        check_streaming_args(
+            sync_every, count, overlap, alpha, compress, inner_momentum, error_feedback
+        )
         self.model = model
         self.inner = inner_optimizer
         self.sync_every = int(sync_every)
@@ -252,20 +265,28 @@ class StreamingDiLoCo:
         """End training on the global model: wait for the fragments in flight, then
         sync every fragment once more and replace the local weights with the result, so
         the replicas end equal and hold every worker's last steps (as DiLoCo's do after
-        its last round). This last sync carries the whole model at once, less a fragment
-        that synced at this very step without mixing (``alpha = 0``): every replica
-        already holds it, and a sync of nothing would still move it by the outer
-        momentum, a step DiLoCo does not take."""
+        its last round). This last sync carries the whole model at once, less the
+        fragments :meth:`finishing` leaves out."""
         self.flush()
+        due = self.finishing()
         alpha, self.alpha = self.alpha, 0.0
         try:
-            for f in range(len(self.fragments)):
-                if alpha == 0.0 and self._applied_at[f] == self.local_step:
-                    continue
+            for f in due:
                 self._pending[f] = (self.local_step, self._average(f, self._pseudo(f)))
                 self._apply(f)
         finally:
             self.alpha = alpha
+
+    def finishing(self) -> list[int]:
+        """The fragments :meth:`finish` syncs once the ones in flight have landed: all
+        but those whose average replaced the local weights at this very step (a sync at
+        the last step, or one the flush landed, without mixing: ``alpha = 0``). Those
+        are the same on every replica already, and one more sync would only move them by
+        the outer momentum, a step DiLoCo does not take."""
+        if self.alpha != 0.0:
+            return list(range(len(self.fragments)))
+        now = self.local_step
+        return [f for f in range(len(self.fragments)) if self._applied_at[f] != now]
 
     def close(self) -> None:
         """Stop the background thread (after :meth:`flush`, nothing is lost)."""

@@ -2,8 +2,9 @@
 speeds, the model's fragments synced in turn.
 
 The simulator's ``sync`` method runs Streaming DiLoCo when its settings ask for it
-(``fragments > 1``, a ``fragment_overlap``, or a quantizer ``compress`` of ``int8``,
-``fp8`` or ``int4``; :meth:`~thinwire.localsgd.LocalSGDSettings.streaming`)::
+(``fragments > 1``, a ``fragment_overlap``, a ``fragment_alpha``, or a quantizer
+``compress`` of ``int8``, ``fp8`` or ``int4``;
+:meth:`~thinwire.localsgd.LocalSGDSettings.streaming`)::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --local-steps 50 ...
     thinwire simulate --methods sync --fragments 2 --compress int4 --no-error-feedback ...
@@ -16,7 +17,8 @@ one process, so a fragment's average is computed here as the collective would co
 it: fp32 averages; the 16-bit casts divided and summed in the wire's dtype; the
 quantizers as :class:`~thinwire.comm.QuantizedAllreduce` does, each worker's rounding
 and the mean's kept as error feedback (unless ``error_feedback=False``), and the bytes
-each worker would send counted per sync.
+each worker would send counted per sync (an allreduce's: the server methods count
+pushes and pulls through the server instead).
 
 Time: the workers train in lockstep on their own shards (worker ``w`` on shard
 ``w - 1``), each at its own seconds per step (jitter drawn per round of H steps). A
@@ -39,7 +41,6 @@ from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.quantized_allreduce import quantized_wire_bytes
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, QUANT_KINDS, QuantCompressor
-from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.shards import ShardBook
 from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
@@ -148,12 +149,7 @@ class _Streaming:
         clock: SimClock,
         pretrained: dict[str, torch.Tensor] | None,
     ) -> None:
-        w_count = len(clock.seconds_per_step)
-        if cfg.resolved_shards(w_count) != w_count:
-            raise ConfigError(
-                f"Streaming DiLoCo's workers each train their own shard: shards must equal "
-                f"the {w_count} workers, got {cfg.shards}"
-            )
+        w_count = len(clock.seconds_per_step)  # the config is checked for them already
         self.cfg, self.clock, self.metric = cfg, clock, task.evaluate
         task = cfg.start().apply(task, w_count, state=pretrained)
         self.model = task.model()
@@ -305,7 +301,7 @@ class _Streaming:
             self._wait_for(f)
         for replica in self.replicas:
             replica.flush()
-        self._answer(list(range(len(self.replicas[0].fragments))))
+        self._answer(self.replicas[0].finishing())  # alike on every worker
         for replica in self.replicas:
             replica.finish()
         self.times = [max(self.times)] * len(self.times)

@@ -40,6 +40,7 @@ from thinwire.localsgd.algorithm.methods import METHODS, TUNED_TRAINED, for_meth
 from thinwire.localsgd.algorithm.pretrain import ProgressFn, Start, load_start_state
 from thinwire.localsgd.algorithm.virtual_clock import SimClock, simulate, time_to_reach
 from thinwire.localsgd.config import AsyncConfig
+from thinwire.localsgd.settings import STREAMING
 from thinwire.localsgd.task import Task
 
 __all__ = [
@@ -144,6 +145,10 @@ def fingerprint(
     config = asdict(replace(cfg, seed=seed, inner_momentum=rule, **outer))
     for name in RUNTIME_ONLY:  # no simulated result depends on them: cached runs stay valid
         config.pop(name, None)
+    defaults = AsyncConfig()
+    for name in STREAMING:  # added later: at their defaults, runs cached before stay valid
+        if config[name] == getattr(defaults, name):
+            del config[name]
     blob = {
         "config": config,
         "clock": asdict(replace(clock, seed=seed)),
