@@ -251,13 +251,15 @@ class _Streaming:
         offsets = self.replicas[0].offsets
         sends = {t for t in range(1, cfg.steps + 1) if t % h in offsets}
         applies = {t + cfg.fragment_overlap for t in sends if t + cfg.fragment_overlap <= cfg.steps}
-        points = self.clock.eval_points
-        evals = {math.ceil(k * cfg.steps / points) for k in range(1, points + 1)}
-        return sorted(sends | applies | evals | {cfg.steps})
+        return sorted(sends | applies | self._evals() | {cfg.steps})
+
+    def _evals(self) -> set[int]:
+        """The steps after which the global model is evaluated: the budget's points."""
+        points, steps = self.clock.eval_points, self.cfg.steps
+        return {math.ceil(k * steps / points) for k in range(1, points + 1)}
 
     def run(self) -> tuple[dict[str, Any], list[dict[str, float]], float]:
-        points = self.clock.eval_points
-        evals = {math.ceil(k * self.cfg.steps / points) for k in range(1, points + 1)}
+        evals = self._evals()
         self._record(0)
         done = 0
         try:
@@ -296,7 +298,8 @@ class _Streaming:
 
     def _finish(self) -> None:
         """As :meth:`StreamingDiLoCo.finish` on every worker: the fragments in flight
-        land, then every fragment syncs once more and the replicas end equal."""
+        land, then the others sync once more (:meth:`StreamingDiLoCo.finishing`) and the
+        replicas end equal."""
         for f in list(self.done_at):
             self._wait_for(f)
         for replica in self.replicas:
