@@ -11,14 +11,15 @@ and the best setting per method is reported with the whole grid::
         --sweep outer-lr=0.1,0.2,0.3,0.5 --sweep naive:outer-lr=0.01,0.02,0.05,0.1
 
 Every method uses the same inner-state rule (``--inner-state``; unset, Streaming DiLoCo
-takes ``keep``), shards and H. ``sync`` runs as Streaming DiLoCo with ``--fragments``, ``--fragment-overlap``,
-``--fragment-alpha`` or a quantizer (``--compress int8|fp8|int4``, ``--no-error-feedback``)::
+takes ``keep``), shards and H. ``sync`` runs as Streaming DiLoCo with ``--fragments``,
+``--fragment-overlap``, ``--fragment-alpha`` or a quantizer (``--compress int8|fp8|int4``,
+``--no-error-feedback``)::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --compress int4
 
 (the asynchronous methods have no fragments: give them with ``--sweep sync:...`` when
-they run beside sync). Writes
-``results.json`` (the grid, the best per method, every run's curve), ``table.md`` and two
+they run beside sync). Writes ``results.json`` (the grid, the best per method, every
+run's curve), ``table.md`` and two
 plots of the best settings to ``--out``; each run is also kept in ``--out/runs/``, and a
 rerun reads those back instead of computing them again (an interrupted sweep resumes).
 
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from thinwire.cli.parser import add_moved
+from thinwire.cli.train import add_streaming_arguments
 from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_write_text
@@ -151,7 +153,13 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=None, help="data shards (default: W)")
     p.add_argument("--shard-sampling", default=d.shard_sampling, choices=SAMPLING_CHOICES)
     p.add_argument("--shard-layout", default=t.shard_layout, choices=SHARD_LAYOUTS)
-    _add_streaming_arguments(p, d)
+    p.add_argument(
+        "--compress",
+        default="none",
+        choices=(*CODECS, *QUANT_KINDS),
+        help="push codec; the quantizers (sync as Streaming DiLoCo) are sync's alone",
+    )
+    add_streaming_arguments(p, d, "sync")
     p.add_argument("--compress-pull", default="none", choices=tuple(CODECS), help="pull codec")
     p.add_argument("--model", default=t.model, help="model preset (default tiny)")
     p.add_argument("--batch-size", type=int, default=t.batch_size)
@@ -173,41 +181,6 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--out", default="runs/simulate", help="output directory")
     p.set_defaults(func=run_async)
-
-
-def _add_streaming_arguments(p: argparse.ArgumentParser, d: AsyncConfig) -> None:
-    """The push codec, and sync DiLoCo's Streaming DiLoCo knobs."""
-    p.add_argument(
-        "--compress",
-        default="none",
-        choices=(*CODECS, *QUANT_KINDS),
-        help="push codec; the quantizers (sync as Streaming DiLoCo) are sync's alone",
-    )
-    p.add_argument(
-        "--fragments",
-        type=int,
-        default=d.fragments,
-        help="sync as Streaming DiLoCo: the model's fragments, synced in turn (default 1)",
-    )
-    p.add_argument(
-        "--fragment-overlap",
-        type=int,
-        default=d.fragment_overlap,
-        metavar="STEPS",
-        help="Streaming DiLoCo: steps a fragment's average lands after its send (tau)",
-    )
-    p.add_argument(
-        "--fragment-alpha",
-        type=float,
-        default=d.fragment_alpha,
-        help="Streaming DiLoCo: weight of the local weights when an average lands",
-    )
-    p.add_argument(
-        "--no-error-feedback",
-        dest="error_feedback",
-        action="store_false",
-        help="Streaming DiLoCo's quantizers without error feedback (the paper's)",
-    )
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:

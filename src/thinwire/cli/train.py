@@ -28,6 +28,7 @@ from thinwire.compress.cast import WIRE_DTYPES
 from thinwire.compress.quantize import QUANT_KINDS
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import CODECS
+from thinwire.localsgd.settings import LocalSGDSettings
 from thinwire.train.algorithms import ALGORITHMS, RUNNERS, algorithm_names
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import BUILTIN_CORPORA, BUILTIN_CORPUS
@@ -254,31 +255,7 @@ def _add_local_sgd_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> Non
         help="default: the method's tuned value; 0 is plain SGD on the averaged update",
     )
     ls.add_argument("--outer", default=d.outer, choices=("dn", "nesterov", "buffer"))
-    ls.add_argument(
-        "--fragments",
-        type=int,
-        default=d.fragments,
-        help="diloco: Streaming DiLoCo, the model's fragments synced in turn (default 1)",
-    )
-    ls.add_argument(
-        "--fragment-overlap",
-        type=int,
-        default=d.fragment_overlap,
-        help="diloco: inner steps a fragment's exchange runs behind (tau, default 0)",
-    )
-    ls.add_argument(
-        "--no-error-feedback",
-        dest="error_feedback",
-        action="store_false",
-        default=d.error_feedback,
-        help="diloco with int8/fp8/int4: plain quantization, its rounding lost for good",
-    )
-    ls.add_argument(
-        "--fragment-alpha",
-        type=float,
-        default=d.fragment_alpha,
-        help="diloco: share of the local weights kept when a fragment arrives (default 0)",
-    )
+    add_streaming_arguments(ls, d, "diloco")
     ls.add_argument("--dylu", action="store_true", help="dynamic local updates")
     ls.add_argument(
         "--speeds",
@@ -526,3 +503,33 @@ def _main(args: argparse.Namespace) -> int:
         print(f"thinwire: error: {summary['incomplete']}", file=sys.stderr)
         return 1
     return 0
+
+
+def add_streaming_arguments(p: Any, d: LocalSGDSettings, who: str) -> None:
+    """Streaming DiLoCo's flags, with ``d``'s defaults; ``who`` (the algorithm or method
+    that runs it) starts each help line. ``thinwire simulate`` takes them too."""
+    p.add_argument(
+        "--fragments",
+        type=int,
+        default=d.fragments,
+        help=f"{who}: Streaming DiLoCo, the model's fragments synced in turn (default 1)",
+    )
+    p.add_argument(
+        "--fragment-overlap",
+        type=int,
+        default=d.fragment_overlap,
+        help=f"{who}: inner steps a fragment's exchange runs behind (tau, default 0)",
+    )
+    p.add_argument(
+        "--no-error-feedback",
+        dest="error_feedback",
+        action="store_false",
+        default=d.error_feedback,
+        help=f"{who} with int8/fp8/int4: plain quantization, its rounding lost for good",
+    )
+    p.add_argument(
+        "--fragment-alpha",
+        type=float,
+        default=d.fragment_alpha,
+        help=f"{who}: share of the local weights kept when a fragment arrives (default 0)",
+    )
