@@ -43,13 +43,13 @@ from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, QUANT_KINDS, QuantCompressor
 from thinwire.localsgd.algorithm.shards import ShardBook
 from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
+from thinwire.localsgd.algorithm.virtual_clock import sim_worker, started
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.messages import Work
 from thinwire.localsgd.task import (
     Task,
     flat_parameters,
     load_flat_,
-    make_sources,
     metrics_at,
     shard_sizes,
 )
@@ -151,24 +151,13 @@ class _Streaming:
     ) -> None:
         w_count = len(clock.seconds_per_step)  # the config is checked for them already
         self.cfg, self.clock, self.metric = cfg, clock, task.evaluate
-        task = cfg.start().apply(task, w_count, state=pretrained)
-        self.model = task.model()
+        task, self.model, sources = started(task, cfg, w_count, pretrained)
         theta = flat_parameters(self.model)
-        sources = make_sources(task, w_count)
         self.planned = ShardBook(shard_sizes(sources), cfg.steps * w_count).planned
         self.workers: list[LocalWorker] = []
         self.replicas: list[_Replica] = []
         for _ in range(w_count):
-            worker = LocalWorker(
-                task.model(),
-                task.optimizer,
-                sources,
-                task.loss,
-                warmup_steps=cfg.warmup_steps,
-                min_lr_ratio=cfg.min_lr_ratio,
-                grad_clip=cfg.grad_clip,
-                inner_momentum="keep",  # the fragments' rule is Streaming DiLoCo's
-            )
+            worker = sim_worker(task, cfg, sources, "keep")  # the fragments' rule: below
             load_flat_(worker.params, theta)
             replica = _Replica(
                 worker.model,

@@ -140,6 +140,31 @@ def simulate(
     return sim.summary(sim.run())
 
 
+def started(
+    task: Task, cfg: AsyncConfig, workers: int, pretrained: dict[str, torch.Tensor] | None
+) -> tuple[Task, torch.nn.Module, list[Any]]:
+    """``task`` from where ``cfg`` starts (``pretrained``: that start's weights, if
+    computed), the model that holds theta, and the shards' batch sources."""
+    shards = cfg.resolved_shards(workers)
+    task = cfg.start().apply(task, shards, state=pretrained)
+    return task, task.model(), make_sources(task, shards)
+
+
+def sim_worker(task: Task, cfg: AsyncConfig, sources: list[Any], rule: str) -> LocalWorker:
+    """One simulated worker: the task's model and inner optimizer on the shared sources
+    (by contract a batch depends only on (shard, step)), under the inner-state ``rule``."""
+    return LocalWorker(
+        task.model(),
+        task.optimizer,
+        sources,
+        task.loss,
+        warmup_steps=cfg.warmup_steps,
+        min_lr_ratio=cfg.min_lr_ratio,
+        grad_clip=cfg.grad_clip,
+        inner_momentum=rule,
+    )
+
+
 class _Simulation:
     """One simulated run: the server, the workers with their codecs, the rounds in flight
     (a heap by virtual finish time) and the curve of evaluations."""
@@ -153,11 +178,7 @@ class _Simulation:
     ) -> None:
         w_count = len(clock.seconds_per_step)
         self.cfg, self.clock, self.metric = cfg, clock, task.evaluate
-        self.start = cfg.start()
-        task = self.start.apply(task, cfg.resolved_shards(w_count), state=pretrained)
-        self.model = task.model()
-        sources = make_sources(task, cfg.resolved_shards(w_count))
-        self.inner_momentum = cfg.resolved_inner_momentum()
+        task, self.model, sources = started(task, cfg, w_count, pretrained)
         self.total = cfg.steps * w_count
         declared = None
         if clock.declare_speeds and cfg.speeds is None:
@@ -166,19 +187,8 @@ class _Simulation:
             flat_parameters(self.model), cfg, w_count, shard_sizes(sources), speeds=declared
         )
         # The batch sources are shared: by contract a batch depends only on (shard, step).
-        self.workers = {
-            w: LocalWorker(
-                task.model(),
-                task.optimizer,
-                sources,
-                task.loss,
-                warmup_steps=cfg.warmup_steps,
-                min_lr_ratio=cfg.min_lr_ratio,
-                grad_clip=cfg.grad_clip,
-                inner_momentum=self.inner_momentum,
-            )
-            for w in range(1, w_count + 1)
-        }
+        rule = cfg.resolved_inner_momentum()
+        self.workers = {w: sim_worker(task, cfg, sources, rule) for w in range(1, w_count + 1)}
         self.push = {w: PushEncoder(cfg.compress) for w in self.workers}
         self.pull = PullEncoder(cfg.compress_pull)
         self.views = {w: PullDecoder() for w in self.workers}
