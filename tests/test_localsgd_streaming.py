@@ -186,7 +186,7 @@ def _fragment_sizes() -> list[int]:
 
 def _ranks(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for compress in ("none", "int4"):
+    for compress in ("none", "int4", "onebit"):
         model = _model(seed=rank)  # different inits: rank 0's is broadcast
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         kwargs: dict[str, Any] = {"fragments": 2, "overlap": 1, "alpha": 0.5, "compress": compress}
@@ -233,7 +233,7 @@ def two_ranks() -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("compress", ["none", "int4"])
+@pytest.mark.parametrize("compress", ["none", "int4", "onebit"])
 def test_two_ranks_agree_send_a_fragment_per_sync_and_resume(
     compress: str, two_ranks: list
 ) -> None:
@@ -251,8 +251,8 @@ def test_two_ranks_agree_send_a_fragment_per_sync_and_resume(
         assert ops["streaming.allreduce"]["calls"] == 2
         assert ops["streaming.allreduce"]["wire_bytes"] == 4 * (f0 + f1)
     else:
-        expected = sum(quantized_wire_bytes(n, 2, "int4") for n in (f0, f1))
-        sent = sum(ops[f"streaming.int4.phase{k}"]["wire_bytes"] for k in (1, 2))
+        expected = sum(quantized_wire_bytes(n, 2, compress) for n in (f0, f1))
+        sent = sum(ops[f"streaming.{compress}.phase{k}"]["wire_bytes"] for k in (1, 2))
         assert sent == expected
 
 

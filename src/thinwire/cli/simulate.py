@@ -13,7 +13,7 @@ and the best setting per method is reported with the whole grid::
 Every method uses the same inner-state rule (``--inner-state``; unset, Streaming DiLoCo
 takes ``keep``), shards and H. ``sync`` runs as Streaming DiLoCo with ``--fragments``,
 ``--fragment-overlap``, ``--fragment-alpha`` or a quantizer (``--compress int8|fp8|int4``,
-``--no-error-feedback``)::
+``--no-error-feedback``; ``--compress onebit`` with fragments or without error feedback)::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --compress int4
 

@@ -25,7 +25,7 @@ from thinwire.cli.train_config import config_from_args, lr_given, note_trained_l
 from thinwire.comm.launch import launched_by_torchrun
 from thinwire.comm.momentum_exchange import EXCHANGES
 from thinwire.compress.cast import WIRE_DTYPES
-from thinwire.compress.quantize import QUANT_KINDS
+from thinwire.compress.quantize import BLOCK_CODES, QUANT_KINDS
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.localsgd.settings import LocalSGDSettings
@@ -340,7 +340,8 @@ def _add_round_state_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> N
         default=d.compress,
         choices=(*CODECS, *QUANT_KINDS),
         help="pseudo-gradients (diloco: the allreduce, where int8, fp8 and int4 run "
-        "Streaming DiLoCo's quantized exchange; async-diloco: every push)",
+        "Streaming DiLoCo's quantized exchange, and onebit does with --fragments or "
+        "--no-error-feedback; async-diloco: every push)",
     )
     ls.add_argument(
         "--compress-pull",
@@ -411,7 +412,7 @@ def _streaming_words(cfg: TrainConfig) -> str:
         words.append(f"overlap {cfg.fragment_overlap}, alpha {cfg.fragment_alpha:g}")
     if cfg.compress != "none":
         feedback = " with error feedback" if cfg.error_feedback else ", no error feedback"
-        words.append(cfg.compress + (feedback if cfg.compress in QUANT_KINDS else ""))
+        words.append(cfg.compress + (feedback if cfg.compress in BLOCK_CODES else ""))
     return "Streaming DiLoCo: " + ", ".join(words)
 
 
@@ -525,7 +526,7 @@ def add_streaming_arguments(p: Any, d: LocalSGDSettings, who: str) -> None:
         dest="error_feedback",
         action="store_false",
         default=d.error_feedback,
-        help=f"{who} with int8/fp8/int4: plain quantization, its rounding lost for good",
+        help=f"{who} with int8/fp8/int4/onebit: plain quantization, its rounding lost",
     )
     p.add_argument(
         "--fragment-alpha",

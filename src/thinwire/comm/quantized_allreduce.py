@@ -1,10 +1,10 @@
-"""Error-compensated quantized allreduce (int8, fp8, int4 or bf16), summed in fp32.
+"""Error-compensated quantized allreduce (int8, fp8, int4, bf16 or 1-bit), summed in fp32.
 
 The exchange behind Streaming DiLoCo's quantized fragments
-(:class:`thinwire.localsgd.StreamingDiLoCo`, ``compress="int8"|"fp8"|"int4"``), with a
-block-scaled quantizer from :mod:`thinwire.compress.quantize`. The same two phases as
-the 1-bit allreduce (:class:`~thinwire.comm.OneBitAllreduce`), with the quantizer as
-the only thing that differs:
+(:class:`thinwire.localsgd.StreamingDiLoCo`, ``compress="int8"|"fp8"|"int4"|"onebit"``),
+with a block-scaled code from :func:`thinwire.compress.quantize.block_codec`. The same
+two phases as the 1-bit optimizers' allreduce (:class:`~thinwire.comm.OneBitAllreduce`),
+with the code as the only thing that differs:
 
 0. one small ``all_gather`` of every rank's length, a non-finite flag and the caller's
    ``side`` number (summed in rank order into :attr:`QuantizedAllreduce.side_sum`, so a
@@ -20,9 +20,20 @@ the only thing that differs:
 
 Every rank gets the same output. Each sends ``2 (W-1)/W`` times the quantized message:
 with the default blocks of 256, 3.9x fewer bytes than an fp32 ring allreduce for int8
-and fp8, 7.8x for int4, 2.0x for bf16. Without error feedback (``error_feedback=False``) both residuals
-stay zero and each call's rounding is lost for good: the Streaming DiLoCo paper's
-4-bit fragments, which thinwire measures against their error-compensated form.
+and fp8, 7.8x for int4, 2.0x for bf16, 28x for onebit. Without error feedback
+(``error_feedback=False``) both residuals stay zero and each call's rounding is lost for
+good: the Streaming DiLoCo paper's 4-bit fragments, which thinwire measures against their
+error-compensated form.
+
+The padding that makes whole blocks and equal segments is inert: its positions are
+zero on the way in, zero in the sums and carry no error, whatever the code (the sign
+code has no zero: it would send them as +scale). A block the tensor ends in is scaled
+as if it were zero-filled, the same as :class:`~thinwire.localsgd.algorithm.streaming_sim.SimulatedExchange`
+computes it.
+
+This is a generic two-phase exchange: for the 1-bit optimizers' momentum, whose
+exchange runs every step, :class:`~thinwire.comm.OneBitAllreduce` is the tuned one
+(pieces, overlap, in-place error updates); here a call comes once per fragment's sync.
 
 State (per rank): ``worker_error`` (the whole input) and ``server_error`` (this rank's
 segment), in :meth:`QuantizedAllreduce.state_dict`, so a resumed run continues exactly.
@@ -39,7 +50,7 @@ import torch.distributed as dist
 from thinwire.comm.accounting import gather_bytes, record
 from thinwire.comm.onebit_exchange import LengthMismatchError, NonFiniteError
 from thinwire.compress.base import Compressed
-from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, QuantCompressor
+from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, block_codec
 
 __all__ = ["QuantizedAllreduce", "quantized_wire_bytes"]
 
@@ -53,7 +64,7 @@ def quantized_wire_bytes(
     16-byte check)."""
     if world_size <= 1:
         return 0
-    codec = QuantCompressor(kind, block)
+    codec = block_codec(kind, block)
     seg = _segment(numel, world_size, block)
     return 2 * gather_bytes(world_size * codec.wire_bytes(seg), world_size)
 
@@ -68,8 +79,8 @@ class QuantizedAllreduce:
     """Average a flat fp32 tensor across ``group``, quantized on the wire.
 
     Args:
-        kind: the code, ``int8``, ``fp8``, ``int4`` or ``bf16`` (tuning guide:
-            :mod:`thinwire.compress.quantize`).
+        kind: the code, ``int8``, ``fp8``, ``int4``, ``bf16`` or ``onebit`` (tuning
+            guide: :mod:`thinwire.compress.quantize`).
         group: the ranks that average (default: the default group).
         block: elements per fp32 scale.
         error_feedback: keep what each quantization lost and add it to the next call
@@ -86,11 +97,12 @@ class QuantizedAllreduce:
         error_feedback: bool = True,
         op_name: str = "quantized",
     ) -> None:
-        self.codec = QuantCompressor(kind, block)
+        self.codec = block_codec(kind, block)
         self.group = group
         self.error_feedback = error_feedback
         self.op_name = op_name
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.worker_error: torch.Tensor | None = None
         self.server_error: torch.Tensor | None = None
         self.side_sum = 0.0
@@ -117,7 +129,7 @@ class QuantizedAllreduce:
                 f"quantized allreduce: this instance's error feedback is for "
                 f"{self.worker_error.numel()} elements (padded), got {n}; use one per stream"
             )
-        sent = self._quantize(padded, self.worker_error, w)
+        sent = self._quantize(padded, self.worker_error, w, n)
 
         # Phase 1: rank r receives every rank's segment r.
         recv = torch.empty_like(sent)
@@ -126,7 +138,9 @@ class QuantizedAllreduce:
         total = torch.zeros(seg, dtype=torch.float32, device=flat.device)
         for message in recv.view(w, -1):  # rank order: the same sum on every run
             total += self._decode(message, seg)
-        mean = self._quantize(total.div_(w), self.server_error, 1)
+        real = min(seg, max(0, n - self.rank * seg))  # this segment's elements before the padding
+        total[real:] = 0.0
+        mean = self._quantize(total.div_(w), self.server_error, 1, real)
 
         # Phase 2: every rank's quantized mean segment, to every rank.
         gathered = torch.empty(w * mean.numel(), dtype=torch.uint8, device=flat.device)
@@ -162,14 +176,17 @@ class QuantizedAllreduce:
             total += value
         self.side_sum = total
 
-    def _quantize(self, x: torch.Tensor, error: torch.Tensor, segments: int) -> torch.Tensor:
+    def _quantize(
+        self, x: torch.Tensor, error: torch.Tensor, segments: int, real: int
+    ) -> torch.Tensor:
         """``x + error`` quantized, as ``segments`` uint8 messages back to back (each its
-        payload, then its fp32 scales); ``error`` becomes what the quantizer lost (it
-        stays 0 without error feedback)."""
+        payload, then its fp32 scales); ``error`` becomes what the quantizer lost on the
+        first ``real`` elements (it stays 0 without error feedback, and on the padding)."""
         target = x + error if self.error_feedback else x
         message = self.codec.compress(target)
         if self.error_feedback:
             error.copy_(target - self.codec.decompress(message))
+            error[real:] = 0.0
         payload, scales = message.tensors
         return torch.cat(
             (payload.view(segments, -1), scales.view(torch.uint8).view(segments, -1)), dim=1

@@ -39,6 +39,9 @@ Tuning guide:
   so nothing is lost for good.
 * **bf16** keeps ~0.4% of every element, whatever its block's scale: the finest code
   here, at twice int8's bytes.
+* **onebit** (:func:`block_codec`; thinwire's 1-bit code, sign bits and an RMS scale
+  per block, 28x fewer bytes than fp32) keeps only each element's sign: biased on its
+  own, it needs error feedback, and with it is the cheapest code here.
 * **block**: smaller blocks follow the tensor's scale more closely and cost more scale
   bytes (32 / block bits per element); 256 is the 1-bit codec's default too.
 
@@ -51,9 +54,18 @@ from __future__ import annotations
 import torch
 
 from thinwire.compress.base import Compressed, Compressor
+from thinwire.compress.onebit import OneBitCompressor, check_block
 from thinwire.errors import ConfigError
 
-__all__ = ["CODE_BITS", "DEFAULT_QUANT_BLOCK", "QUANT_BITS", "QUANT_KINDS", "QuantCompressor"]
+__all__ = [
+    "BLOCK_CODES",
+    "CODE_BITS",
+    "DEFAULT_QUANT_BLOCK",
+    "QUANT_BITS",
+    "QUANT_KINDS",
+    "QuantCompressor",
+    "block_codec",
+]
 
 QUANT_BITS: dict[str, int] = {"int8": 8, "fp8": 8, "int4": 4}
 """Bits per element of each quantizer's payload (before its scales)."""
@@ -63,6 +75,11 @@ CODE_BITS: dict[str, int] = {**QUANT_BITS, "bf16": 16}
 """Every code :class:`QuantCompressor` takes: the quantizers and block-scaled bf16."""
 DEFAULT_QUANT_BLOCK = 256
 """Elements per scale unless told otherwise."""
+BLOCK_CODES = (*QUANT_KINDS, "onebit")
+"""The codes of the error-compensated quantized allreduce behind Streaming DiLoCo's
+fragments: the quantizers and ``onebit``, thinwire's sign code with an RMS scale per
+block (:class:`~thinwire.compress.onebit.OneBitCompressor`), 1 + 32/block bits per
+element."""
 
 # The largest value of each format: a block's largest magnitude is scaled onto it.
 # (bf16 keeps its relative precision at any scale: 1 only keeps blocks far from overflow.)
@@ -145,3 +162,16 @@ class QuantCompressor(Compressor):
         if out is None:
             return result
         return out.copy_(result)
+
+
+def block_codec(kind: str, block: int = DEFAULT_QUANT_BLOCK) -> QuantCompressor | OneBitCompressor:
+    """The compressor of one of :data:`BLOCK_CODES` (or ``bf16``), ``block`` elements per
+    scale: a :class:`QuantCompressor`, or for ``onebit`` a blocked
+    :class:`~thinwire.compress.onebit.OneBitCompressor` (``block`` a multiple of 8)."""
+    if kind == "onebit":
+        try:
+            check_block(block)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return OneBitCompressor(block)
+    return QuantCompressor(kind, block)

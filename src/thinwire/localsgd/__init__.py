@@ -12,7 +12,7 @@ run's budget and checkpoints), ``task.py`` (:class:`Task`, what the user hands a
   Nesterov step; a context manager around the user's model and inner optimizer.
 * :class:`StreamingDiLoCo` (``algorithm/streaming.py``, its schedule in
   ``streaming_fragments.py``): DiLoCo with the model's fragments synced in turn,
-  overlapped with training, and quantized (int8, fp8, int4) with error feedback.
+  overlapped with training, and quantized (int8, fp8, int4, 1-bit) with error feedback.
 * Asynchronous Local-SGD on the user's pieces: a :class:`Task` (model factory,
   inner-optimizer factory, batch sources per shard, loss, optional evaluation) and one
   :class:`AsyncConfig` (every knob, each field's docstring its tuning guide).

@@ -62,7 +62,9 @@ class LocalSGDSettings:
     """Push codec: ``none`` (fp32), ``fp16`` or ``bf16`` (half the bytes), or ``onebit``
     (signs and one scale, 32x fewer bytes, with per-worker error feedback). See
     :mod:`thinwire.localsgd.algorithm.compression`. Streaming DiLoCo (below) also takes
-    the block-scaled quantizers ``int8``, ``fp8`` and ``int4``."""
+    the block-scaled quantizers ``int8``, ``fp8`` and ``int4``; its ``onebit`` is the same
+    sign code with an RMS scale per 256 elements (28x fewer bytes), through its quantized
+    allreduce."""
 
     # --- Streaming DiLoCo: synchronous only (the trainer's ``--algo diloco`` and the
     # simulator's ``sync``); the asynchronous runtime refuses them ----------------------
@@ -84,19 +86,23 @@ class LocalSGDSettings:
     ``fragment_overlap`` steps taken meanwhile; 0.5, the paper's choice with an overlap,
     keeps half of them."""
     error_feedback: bool = True
-    """Streaming DiLoCo with a quantizer (``compress`` ``int8``, ``fp8`` or ``int4``): keep
-    what rounding lost and send it with the fragment's next sync. Off
-    (``--no-error-feedback``) is the Streaming DiLoCo paper's plain quantization, whose
-    rounding is lost for good."""
+    """Streaming DiLoCo with a quantizer (``compress`` ``int8``, ``fp8``, ``int4`` or
+    ``onebit``): keep what rounding lost and send it with the fragment's next sync. Off
+    (``--no-error-feedback``, which runs Streaming DiLoCo even with one fragment) is the
+    Streaming DiLoCo paper's plain quantization, whose rounding is lost for good: level
+    with error feedback at int4 in thinwire's long runs, far worse at ``onebit``
+    (docs/results/localsgd.md)."""
 
     def streaming(self) -> bool:
         """Whether these settings run Streaming DiLoCo: fragments, an overlap, a mixing
-        alpha or a quantizer (the codecs that only it has)."""
+        alpha, a quantizer (the codecs that only it has) or error feedback turned off
+        (only its quantized allreduce can)."""
         return (
             self.fragments > 1
             or self.fragment_overlap > 0
             or self.fragment_alpha > 0
             or self.compress in QUANT_KINDS
+            or not self.error_feedback
         )
 
     def check_local_sgd(self, more_codecs: tuple[str, ...] = ()) -> None:

@@ -410,7 +410,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             raise ConfigError(
                 f"unknown shard sampling {cfg.shard_sampling!r}; choose one of {SAMPLING_CHOICES}"
             )
-        if cfg.streaming() or not cfg.error_feedback:  # --no-error-feedback needs int*/fp8
+        if cfg.streaming():  # --no-error-feedback too: only a quantizer may turn it off
             from thinwire.localsgd.algorithm.streaming import check_streaming_args
 
             check_streaming_args(

@@ -16,7 +16,8 @@ model and the peak bandwidth drops ``P``-fold at the same total bytes. Three mor
   discards the ``overlap`` steps taken meanwhile; ``alpha = 0.5`` (the paper's choice
   with ``overlap > 0``) keeps half of them.
 * ``compress``: ``bf16``/``fp16`` casts, or ``int8``, ``fp8`` and ``int4`` block-scaled
-  quantization (:class:`thinwire.comm.QuantizedAllreduce`), summed in fp32, with error
+  quantization, or ``onebit`` (sign bits and an RMS scale per block, 28x fewer bytes than
+  fp32) (:class:`thinwire.comm.QuantizedAllreduce`), summed in fp32, with error
   feedback per fragment unless ``error_feedback=False`` (the paper's plain 4-bit).
 
 With ``fragments=1, overlap=0, alpha=0`` and the same inner-state rule it is exactly
@@ -54,7 +55,7 @@ from torch import nn
 from thinwire.comm.accounting import captured, replay
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
-from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, QUANT_KINDS
+from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.diloco import (
     DEFAULT_OUTER_LR,
@@ -72,8 +73,8 @@ from thinwire.optim.sharded import check_layout, is_sharded, local
 
 __all__ = ["STREAMING_COMPRESS", "StreamingDiLoCo", "check_streaming_args"]
 
-STREAMING_COMPRESS = ("none", *CAST_DTYPES, *QUANT_KINDS)
-"""``none`` (fp32), the 16-bit casts and the block-scaled quantizers."""
+STREAMING_COMPRESS = ("none", *CAST_DTYPES, *BLOCK_CODES)
+"""``none`` (fp32), the 16-bit casts, the block-scaled quantizers and the 1-bit code."""
 
 
 def check_streaming_args(
@@ -87,10 +88,10 @@ def check_streaming_args(
 ) -> None:
     """Every setting of Streaming DiLoCo that can be checked without the model, as a
     one-line :class:`ConfigError` (``thinwire train`` checks them before it starts)."""
-    if not error_feedback and compress not in QUANT_KINDS:
+    if not error_feedback and compress not in BLOCK_CODES:
         raise ConfigError(
-            f"error feedback is the quantizers' (int8, fp8, int4): turning it off with "
-            f"compress {compress!r} changes nothing"
+            f"error feedback is the quantizers' ({', '.join(BLOCK_CODES)}): turning it off "
+            f"with compress {compress!r} changes nothing"
         )
     if int(sync_every) != sync_every or sync_every < 1:
         raise ConfigError(
@@ -135,8 +136,9 @@ class StreamingDiLoCo:
             (0 replaces them, as DiLoCo does).
         outer_lr, outer_momentum: the outer Nesterov SGD, one for all fragments (each
             fragment's momentum moves only when it syncs); defaults as DiLoCo's.
-        compress: ``none``, ``fp16``, ``bf16``, ``int8``, ``fp8`` or ``int4``.
-        error_feedback: keep what quantization lost, per fragment (quantizers only).
+        compress: ``none``, ``fp16``, ``bf16``, ``int8``, ``fp8``, ``int4`` or ``onebit``.
+        error_feedback: keep what quantization lost, per fragment (quantizers and
+            ``onebit`` only; ``onebit`` without it sends only signs and is not worth it).
         quant_block: elements per scale of the quantizers.
         process_group: the workers' group (default: every rank).
         sync_initial: broadcast rank 0's parameters first, so all replicas start equal.
@@ -213,7 +215,7 @@ class StreamingDiLoCo:
         return dist.new_group(list(range(dist.get_world_size())))
 
     def _codec(self, compress: str, error_feedback: bool, block: int) -> Any:
-        if compress in QUANT_KINDS and self.world > 1:
+        if compress in BLOCK_CODES and self.world > 1:
             from thinwire.comm.quantized_allreduce import QuantizedAllreduce
 
             return QuantizedAllreduce(

@@ -2,8 +2,8 @@
 speeds, the model's fragments synced in turn.
 
 The simulator's ``sync`` method runs Streaming DiLoCo when its settings ask for it
-(``fragments > 1``, a ``fragment_overlap``, a ``fragment_alpha``, or a quantizer
-``compress`` of ``int8``, ``fp8`` or ``int4``;
+(``fragments > 1``, a ``fragment_overlap``, a ``fragment_alpha``, a quantizer
+``compress`` of ``int8``, ``fp8`` or ``int4``, or ``error_feedback=False``;
 :meth:`~thinwire.localsgd.LocalSGDSettings.streaming`)::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --local-steps 50 ...
@@ -40,7 +40,7 @@ import torch
 from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.quantized_allreduce import quantized_wire_bytes
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
-from thinwire.compress.quantize import DEFAULT_QUANT_BLOCK, QUANT_KINDS, QuantCompressor
+from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK, block_codec
 from thinwire.localsgd.algorithm.shards import ShardBook
 from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
 from thinwire.localsgd.algorithm.virtual_clock import sim_worker, started
@@ -67,8 +67,8 @@ class SimulatedExchange:
     would send.
 
     Args:
-        compress: ``none``, ``fp16``, ``bf16``, ``int8``, ``fp8`` or ``int4``.
-        error_feedback: the quantizers keep each worker's rounding and the mean's, per
+        compress: ``none``, ``fp16``, ``bf16``, ``int8``, ``fp8``, ``int4`` or ``onebit``.
+        error_feedback: the quantizers (and ``onebit``) keep each worker's rounding and the mean's, per
             fragment, and add them to the next sync of that fragment.
         block: the quantizers' elements per scale.
     """
@@ -77,7 +77,7 @@ class SimulatedExchange:
         self, compress: str, error_feedback: bool = True, block: int = DEFAULT_QUANT_BLOCK
     ) -> None:
         self.compress = compress
-        self.codec = QuantCompressor(compress, block) if compress in QUANT_KINDS else None
+        self.codec = block_codec(compress, block) if compress in BLOCK_CODES else None
         self.error_feedback = error_feedback and self.codec is not None
         self.errors: dict[tuple[int, int], torch.Tensor] = {}  # (fragment, worker; 0: mean)
         self.bytes_per_worker = 0
@@ -109,11 +109,14 @@ class SimulatedExchange:
         return out
 
     def _rounded(self, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
-        """``x`` (plus its stream's error feedback) through the quantizer and back."""
+        """``x`` (plus its stream's error feedback) through the quantizer and back,
+        zero-filled to whole blocks as the collective pads it."""
         assert self.codec is not None
         error = self.errors.get(key) if self.error_feedback else None
         target = x if error is None else x + error
-        out = self.codec.decompress(self.codec.compress(target))
+        n, block = target.numel(), self.codec.block
+        padded = torch.nn.functional.pad(target, (0, -(-n // block) * block - n))
+        out = self.codec.decompress(self.codec.compress(padded))[:n]
         if self.error_feedback:
             self.errors[key] = target - out
         return out
