@@ -47,6 +47,17 @@ def test_compare_writes_result_table_and_plot(
         (["testbed", "sweep", "--mib", "a,b"], "expected MiB"),
         (["compare", "--algos", "sgd"], "sgd"),
         (["compare", "--algos", "lamb@nope=1"], "nope=1"),
+        # a setting given for one run that its algorithm never reads
+        (["compare", "--algos", "lamb@freeze_step=3"], "lamb does not use freeze_step"),
+        (
+            ["compare", "--algos", "sync@compress=onebit,error_feedback=false"],
+            "async-diloco does not use error_feedback",
+        ),
+        # checked before any process starts: onebit's error feedback needs fragments
+        (
+            ["compare", "--algos", "diloco@compress=onebit,error_feedback=false"],
+            "add --fragments 2 or more",
+        ),
     ],
 )
 def test_bad_input_is_one_line(

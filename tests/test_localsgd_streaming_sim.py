@@ -99,21 +99,24 @@ def test_fragments_and_quantizers_cut_the_bytes_and_error_feedback_carries_over(
 @pytest.mark.timeout(180)
 def test_one_bit_fragments_need_their_error_feedback(data: TextData) -> None:
     """``onebit`` sends each fragment's signs and an RMS per 256 elements: 28x fewer bytes
-    than fp32. Turning its error feedback off runs Streaming DiLoCo even with one
-    fragment (only its quantized allreduce can), and that run is the worse one: the signs
-    alone drop every magnitude inside a block."""
-    steps = {"steps": 16, "local_steps": 4}
-    fp32 = simulate(_task(data), _cfg(fragments=2, **steps), _clock())
-    ef = simulate(_task(data), _cfg(fragments=2, compress="onebit", **steps), _clock())
+    than fp32. Without its error feedback (the same fragments, the same exchange) the run
+    is the worse one: the signs alone drop every magnitude inside a block."""
+    steps = {"steps": 16, "local_steps": 4, "fragments": 2}
+    fp32 = simulate(_task(data), _cfg(**steps), _clock())
+    ef = simulate(_task(data), _cfg(compress="onebit", **steps), _clock())
     plain = simulate(_task(data), _cfg(compress="onebit", error_feedback=False, **steps), _clock())
-    assert plain["streaming"]["fragments"] == 1 and not plain["streaming"]["error_feedback"]
+    assert ef["streaming"]["error_feedback"] and not plain["streaming"]["error_feedback"]
+    assert ef["push_bytes"] == plain["push_bytes"]
     n, w = fp32["parameters"], len(SPEEDS)
     assert ef["peak_sync_bytes"] <= quantized_wire_bytes(n, w, "onebit") < fp32["peak_sync_bytes"]
     assert quantized_wire_bytes(1 << 20, w, "onebit") * 28 < 2 * (w - 1) * 4 * (1 << 20) // w
     assert ef["final_val_loss"] < plain["final_val_loss"]
     assert ef["final_val_loss"] == pytest.approx(fp32["final_val_loss"], rel=0.03)
-    # With error feedback on and one fragment, onebit is the sync method's own push codec.
+    # With one fragment onebit is the sync method's own push codec, whose error feedback
+    # cannot be turned off: refused, not run as another exchange.
     assert "streaming" not in simulate(_task(data), _cfg(compress="onebit"), _clock())
+    with pytest.raises(ConfigError, match="error feedback off with onebit is Streaming"):
+        _cfg(compress="onebit", error_feedback=False).validate(3, simulated=True)
 
 
 @pytest.mark.timeout(180)
@@ -176,17 +179,18 @@ def test_refusals_are_one_line(data: TextData) -> None:
         AsyncConfig(error_feedback=False).validate(3)
 
 
-def test_the_trainer_runs_one_bit_without_error_feedback_as_streaming_diloco() -> None:
-    """``--algo diloco --compress onebit``: DiLoCo's own 1-bit allreduce; with
-    ``--no-error-feedback`` the Streaming DiLoCo exchange, the only one that can turn it
-    off; without a code to turn it off for, a one-line refusal."""
+def test_the_trainer_turns_one_bit_error_feedback_off_only_with_fragments() -> None:
+    """``--algo diloco --compress onebit``: DiLoCo's own 1-bit allreduce, which always
+    keeps its error feedback; with fragments, Streaming DiLoCo's exchange, where it can be
+    turned off; a one-line refusal where it cannot, or where there is none to turn off."""
     from thinwire.train.algorithms import check_config
 
     assert not TrainConfig(algo="diloco", compress="onebit").streaming()
-    plain = TrainConfig(algo="diloco", compress="onebit", error_feedback=False)
+    with pytest.raises(ConfigError, match="add --fragments 2 or more"):
+        check_config(TrainConfig(algo="diloco", compress="onebit", error_feedback=False), 2)
+    plain = TrainConfig(algo="diloco", compress="onebit", fragments=2, error_feedback=False)
     assert plain.streaming()
     check_config(plain, 2)
-    check_config(TrainConfig(algo="diloco", compress="onebit", fragments=2), 2)
     with pytest.raises(ConfigError, match=r"error feedback is the quantizers'.*'bf16'"):
         check_config(TrainConfig(algo="diloco", compress="bf16", error_feedback=False), 2)
 

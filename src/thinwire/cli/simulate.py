@@ -13,7 +13,7 @@ and the best setting per method is reported with the whole grid::
 Every method uses the same inner-state rule (``--inner-state``; unset, Streaming DiLoCo
 takes ``keep``), shards and H. ``sync`` runs as Streaming DiLoCo with ``--fragments``,
 ``--fragment-overlap``, ``--fragment-alpha`` or a quantizer (``--compress int8|fp8|int4``,
-``--no-error-feedback``; ``--compress onebit`` with fragments or without error feedback)::
+``--no-error-feedback``; ``--compress onebit`` too, with fragments, an overlap or alpha)::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --compress int4
 
@@ -157,7 +157,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         "--compress",
         default="none",
         choices=(*CODECS, *QUANT_KINDS),
-        help="push codec; the quantizers (sync as Streaming DiLoCo) are sync's alone",
+        help="push codec; the quantizers (sync as Streaming DiLoCo) are sync's alone; "
+        "onebit with --fragments is Streaming DiLoCo's 1-bit exchange",
     )
     add_streaming_arguments(p, d, "sync")
     p.add_argument("--compress-pull", default="none", choices=tuple(CODECS), help="pull codec")

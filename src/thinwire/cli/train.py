@@ -340,8 +340,8 @@ def _add_round_state_arguments(ls: argparse._ArgumentGroup, d: TrainConfig) -> N
         default=d.compress,
         choices=(*CODECS, *QUANT_KINDS),
         help="pseudo-gradients (diloco: the allreduce, where int8, fp8 and int4 run "
-        "Streaming DiLoCo's quantized exchange, and onebit does with --fragments or "
-        "--no-error-feedback; async-diloco: every push)",
+        "Streaming DiLoCo's quantized exchange, and onebit does with Streaming DiLoCo's "
+        "fragments, overlap or alpha; async-diloco: every push)",
     )
     ls.add_argument(
         "--compress-pull",

@@ -41,7 +41,9 @@ Tuning guide:
   here, at twice int8's bytes.
 * **onebit** (:func:`block_codec`; thinwire's 1-bit code, sign bits and an RMS scale
   per block, 28x fewer bytes than fp32) keeps only each element's sign: biased on its
-  own, it needs error feedback, and with it is the cheapest code here.
+  own, it needs error feedback, and with it is the cheapest code here. Through the
+  quantized allreduce a tensor's last, partial block is zero-filled first, so its RMS
+  is over the whole block (the compressor alone takes its real elements).
 * **block**: smaller blocks follow the tensor's scale more closely and cost more scale
   bytes (32 / block bits per element); 256 is the 1-bit codec's default too.
 

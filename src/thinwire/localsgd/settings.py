@@ -86,24 +86,32 @@ class LocalSGDSettings:
     ``fragment_overlap`` steps taken meanwhile; 0.5, the paper's choice with an overlap,
     keeps half of them."""
     error_feedback: bool = True
-    """Streaming DiLoCo with a quantizer (``compress`` ``int8``, ``fp8``, ``int4`` or
-    ``onebit``): keep what rounding lost and send it with the fragment's next sync. Off
-    (``--no-error-feedback``, which runs Streaming DiLoCo even with one fragment) is the
-    Streaming DiLoCo paper's plain quantization, whose rounding is lost for good: level
-    with error feedback at int4 in thinwire's long runs, far worse at ``onebit``
-    (docs/results/localsgd.md)."""
+    """Streaming DiLoCo with a quantizer (``compress`` ``int8``, ``fp8`` or ``int4``, or
+    ``onebit`` with fragments): keep what rounding lost and send it with the fragment's
+    next sync. Off (``--no-error-feedback``) is the Streaming DiLoCo paper's plain
+    quantization, whose rounding is lost for good."""
 
     def streaming(self) -> bool:
         """Whether these settings run Streaming DiLoCo: fragments, an overlap, a mixing
-        alpha, a quantizer (the codecs that only it has) or error feedback turned off
-        (only its quantized allreduce can)."""
+        alpha or a quantizer (the codecs that only it has)."""
         return (
             self.fragments > 1
             or self.fragment_overlap > 0
             or self.fragment_alpha > 0
             or self.compress in QUANT_KINDS
-            or not self.error_feedback
         )
+
+    def check_feedback_switch(self) -> None:
+        """``error_feedback=False`` with ``onebit`` only where Streaming DiLoCo runs: with
+        one whole fragment ``onebit`` is DiLoCo's own 1-bit allreduce (the simulator's
+        push codec), which always keeps its error feedback; switching to the other
+        exchange there would change the code and the inner-state rule too, not only the
+        feedback."""
+        if not self.error_feedback and self.compress == "onebit" and not self.streaming():
+            raise ConfigError(
+                "error feedback off with onebit is Streaming DiLoCo's: add --fragments 2 "
+                "or more (DiLoCo's 1-bit allreduce always keeps it), or keep error feedback"
+            )
 
     def check_local_sgd(self, more_codecs: tuple[str, ...] = ()) -> None:
         """A one-line :class:`ConfigError` for the first impossible setting here.
@@ -325,6 +333,7 @@ class AsyncSettings(LocalSGDSettings):
             )
         from thinwire.localsgd.algorithm.streaming import check_streaming_args
 
+        self.check_feedback_switch()
         check_streaming_args(
             self.local_steps,
             self.fragments,

@@ -410,8 +410,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             raise ConfigError(
                 f"unknown shard sampling {cfg.shard_sampling!r}; choose one of {SAMPLING_CHOICES}"
             )
-        if cfg.streaming():  # --no-error-feedback too: only a quantizer may turn it off
+        if cfg.streaming() or not cfg.error_feedback:  # --no-error-feedback needs a quantizer
             from thinwire.localsgd.algorithm.streaming import check_streaming_args
+
+            cfg.check_feedback_switch()
 
             check_streaming_args(
                 cfg.local_steps,

@@ -58,8 +58,8 @@ from thinwire.io import atomic_write_text
 from thinwire.localsgd.algorithm.methods import METHODS, for_method
 from thinwire.localsgd.settings import AsyncSettings
 from thinwire.rundir import existing_run
-from thinwire.train.algorithms import check_algorithm, default_lr
-from thinwire.train.config import TrainConfig, drop_legacy_nulls
+from thinwire.train.algorithms import check_algorithm, check_config, default_lr
+from thinwire.train.config import USED_BY, TrainConfig, drop_legacy_nulls
 from thinwire.train.data import load_text
 from thinwire.train.metrics import read_metrics
 from thinwire.train.run import run_training
@@ -103,7 +103,7 @@ def _convert(key: str, text: str) -> Any:
 
 
 def parse_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"lamb@lr=0.01,freeze_step=20"`` -> ``("lamb", {"lr": 0.01, "freeze_step": 20})``.
+    """``"onebit-lamb@lr=0.01,freeze_step=20"`` -> ``("onebit-lamb", {"lr": 0.01, "freeze_step": 20})``.
 
     Keys are :class:`TrainConfig` field names (dashes allowed); ``betas`` is written
     ``0.9/0.999``. The name may also be one of the asynchronous methods
@@ -185,8 +185,9 @@ def local_runner(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> lis
             COUNTER.reset()
             out.append(run_training(cfg, workers, timeout_s))
         return out
-    for cfg in cfgs:
-        load_text(cfg.data)  # a bad data file fails here, before any process starts
+    for cfg in cfgs:  # a bad setting or data file fails here, before any process starts
+        check_config(cfg, workers)
+        load_text(cfg.data)
     backend = "nccl" if cfgs[0].device == "cuda" else "gloo"
     return spawn(_rank_main, workers, (cfgs,), backend=backend, timeout_s=timeout_s * len(cfgs))[0]
 
@@ -297,6 +298,9 @@ def _run_config(
     """The settings of run spec ``label``: ``base``, its tuned lr, the spec's own
     settings and ``overrides``, in ``out_dir``'s sub-directory for it (checked free)."""
     algo, spec = parse_run_spec(label)
+    ignored = [key for key in spec if algo not in USED_BY.get(key, (algo,))]
+    if ignored:  # set for this run alone, so never meant to be ignored
+        raise ConfigError(f"compare: run spec {label!r}: {algo} does not use {', '.join(ignored)}")
     cfg = dataclasses.replace(base, algo=algo, resume=False, stop_after=None, progress=False)
     if lrs is not None and algo in lrs:
         cfg.lr = lrs[algo]

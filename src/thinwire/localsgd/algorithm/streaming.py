@@ -20,8 +20,11 @@ model and the peak bandwidth drops ``P``-fold at the same total bytes. Three mor
   fp32) (:class:`thinwire.comm.QuantizedAllreduce`), summed in fp32, with error
   feedback per fragment unless ``error_feedback=False`` (the paper's plain 4-bit).
 
-With ``fragments=1, overlap=0, alpha=0`` and the same inner-state rule it is exactly
-:class:`~thinwire.localsgd.algorithm.diloco.DiLoCo` (a test holds them equal).
+With ``fragments=1, overlap=0, alpha=0``, the same inner-state rule and the same
+``compress`` (``none`` or a cast) it is exactly
+:class:`~thinwire.localsgd.algorithm.diloco.DiLoCo` (a test holds them equal); DiLoCo's
+``onebit`` is its own tuned 1-bit allreduce, which scales a tensor's last, partial block
+by its real elements where this exchange zero-fills it.
 
 Usage (as DiLoCo: hooks on the inner optimizer, nothing else changes)::
 
@@ -55,7 +58,7 @@ from torch import nn
 from thinwire.comm.accounting import captured, replay
 from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
-from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK
+from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK, block_codec
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.diloco import (
     DEFAULT_OUTER_LR,
@@ -194,6 +197,8 @@ class StreamingDiLoCo:
             self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
         )
         self._wire_group = self._exchange_group(process_group)
+        if compress in BLOCK_CODES:
+            block_codec(compress, quant_block)  # a bad block fails here, on one rank too
         self._codecs = [self._codec(compress, error_feedback, quant_block) for _ in self.fragments]
         self._executor: ThreadPoolExecutor | None = None
         # fragment -> (the local step at which its average is applied, the average or
