@@ -414,7 +414,6 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             from thinwire.localsgd.algorithm.streaming import check_streaming_args
 
             cfg.check_feedback_switch()
-
             check_streaming_args(
                 cfg.local_steps,
                 cfg.fragments,

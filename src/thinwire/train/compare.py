@@ -103,7 +103,8 @@ def _convert(key: str, text: str) -> Any:
 
 
 def parse_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"onebit-lamb@lr=0.01,freeze_step=20"`` -> ``("onebit-lamb", {"lr": 0.01, "freeze_step": 20})``.
+    """``"onebit-lamb@lr=0.01,freeze_step=20"`` ->
+    ``("onebit-lamb", {"lr": 0.01, "freeze_step": 20})``.
 
     Keys are :class:`TrainConfig` field names (dashes allowed); ``betas`` is written
     ``0.9/0.999``. The name may also be one of the asynchronous methods

@@ -2,8 +2,8 @@
 speeds, the model's fragments synced in turn.
 
 The simulator's ``sync`` method runs Streaming DiLoCo when its settings ask for it
-(``fragments > 1``, a ``fragment_overlap``, a ``fragment_alpha``, a quantizer
-``compress`` of ``int8``, ``fp8`` or ``int4``, or ``error_feedback=False``;
+(``fragments > 1``, a ``fragment_overlap``, a ``fragment_alpha``, or a quantizer
+``compress`` of ``int8``, ``fp8`` or ``int4``; ``onebit`` with any of the others;
 :meth:`~thinwire.localsgd.LocalSGDSettings.streaming`)::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --local-steps 50 ...
@@ -68,8 +68,8 @@ class SimulatedExchange:
 
     Args:
         compress: ``none``, ``fp16``, ``bf16``, ``int8``, ``fp8``, ``int4`` or ``onebit``.
-        error_feedback: the quantizers (and ``onebit``) keep each worker's rounding and the mean's, per
-            fragment, and add them to the next sync of that fragment.
+        error_feedback: the quantizers and ``onebit`` keep each worker's rounding and the
+            mean's, per fragment, and add them to the next sync of that fragment.
         block: the quantizers' elements per scale.
     """
 
