@@ -89,7 +89,9 @@ class LocalSGDSettings:
     """Streaming DiLoCo with a quantizer (``compress`` ``int8``, ``fp8`` or ``int4``, or
     ``onebit`` with fragments): keep what rounding lost and send it with the fragment's
     next sync. Off (``--no-error-feedback``) is the Streaming DiLoCo paper's plain
-    quantization, whose rounding is lost for good."""
+    quantization, whose rounding is lost for good. Measured (docs/results/localsgd.md):
+    level at int4 (mean +0.13% over 12 pairs of runs), better with it at ``onebit``
+    (4 of 5 pairs, mean 0.78%): leave it on."""
 
     def streaming(self) -> bool:
         """Whether these settings run Streaming DiLoCo: fragments, an overlap, a mixing
