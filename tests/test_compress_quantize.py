@@ -1,12 +1,13 @@
-"""Block-scaled codes (int8, fp8, int4, bf16): error bounds, padding, wire bytes, refusals."""
+"""Block-scaled codes (int8, fp8, int4, bf16, and the blocked 1-bit code): error bounds, padding,
+wire bytes, refusals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from thinwire.compress import ErrorFeedback, QuantCompressor
-from thinwire.compress.quantize import CODE_BITS
+from thinwire.compress import ErrorFeedback, OneBitCompressor, QuantCompressor
+from thinwire.compress.quantize import CODE_BITS, block_codec
 from thinwire.errors import ConfigError
 
 
@@ -86,3 +87,8 @@ def test_bad_kind_or_block_is_one_line() -> None:
         QuantCompressor("int2")
     with pytest.raises(ConfigError, match="even integer"):
         QuantCompressor("int4", block=7)
+    # The 1-bit code of the quantized allreduce: whole bytes of signs per block.
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        block_codec("onebit", 12)
+    assert isinstance(block_codec("onebit"), OneBitCompressor)
+    assert block_codec("onebit").wire_bytes(512) == 512 // 8 + 2 * 4
