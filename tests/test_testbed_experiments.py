@@ -18,6 +18,7 @@ from conftest import TINY_FLAGS, own_clusters
 from thinwire.errors import ConfigError
 from thinwire.testbed import unavailable_reason
 from thinwire.testbed.experiments import (
+    compare_on_testbed,
     expected_tx_total,
     stage_times,
     train_command,
@@ -104,6 +105,14 @@ def test_non_empty_out_dir_is_refused(tmp_path: Path) -> None:
     (tmp_path / "old.txt").write_text("x")
     with pytest.raises(ConfigError, match="not empty"):
         train_on_testbed(TrainConfig(), 2, "1gbit", tmp_path)
+
+
+def test_a_spec_setting_the_algorithm_ignores_is_refused_before_any_cluster(
+    tmp_path: Path,
+) -> None:
+    """No host is started (none could be here): the spec is refused first."""
+    with pytest.raises(ConfigError, match="lamb does not use freeze_step"):
+        compare_on_testbed(["lamb@freeze_step=3"], TrainConfig(), 2, ["1gbit"], tmp_path)
 
 
 def test_each_algorithm_gets_its_tuned_lr_unless_one_is_given(

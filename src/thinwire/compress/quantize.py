@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 
 from thinwire.compress.base import Compressed, Compressor
-from thinwire.compress.onebit import OneBitCompressor, check_block
+from thinwire.compress.onebit import OneBitCompressor
 from thinwire.errors import ConfigError
 
 __all__ = [
@@ -172,8 +172,7 @@ def block_codec(kind: str, block: int = DEFAULT_QUANT_BLOCK) -> QuantCompressor 
     :class:`~thinwire.compress.onebit.OneBitCompressor` (``block`` a multiple of 8)."""
     if kind == "onebit":
         try:
-            check_block(block)
-        except ValueError as err:
+            return OneBitCompressor(block)
+        except ValueError as err:  # its block rule, as the quantizers' one-line error
             raise ConfigError(str(err)) from None
-        return OneBitCompressor(block)
     return QuantCompressor(kind, block)

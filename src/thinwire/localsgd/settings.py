@@ -103,17 +103,30 @@ class LocalSGDSettings:
             or self.compress in QUANT_KINDS
         )
 
-    def check_feedback_switch(self) -> None:
-        """``error_feedback=False`` with ``onebit`` only where Streaming DiLoCo runs: with
-        one whole fragment ``onebit`` is DiLoCo's own 1-bit allreduce (the simulator's
-        push codec), which always keeps its error feedback; switching to the other
-        exchange there would change the code and the inner-state rule too, not only the
-        feedback."""
+    def check_streaming_settings(self) -> None:
+        """Streaming DiLoCo's settings here (``thinwire train --algo diloco`` and the
+        simulator's ``sync`` check them before they start), as a one-line
+        :class:`ConfigError`. ``error_feedback=False`` with ``onebit`` only where Streaming
+        DiLoCo runs: with one whole fragment ``onebit`` is DiLoCo's own 1-bit allreduce
+        (the simulator's push codec), which always keeps its error feedback; running the
+        other exchange there would change the code and the inner-state rule too, not
+        only the feedback."""
+        from thinwire.localsgd.algorithm.streaming import check_streaming_args
+
         if not self.error_feedback and self.compress == "onebit" and not self.streaming():
             raise ConfigError(
                 "error feedback off with onebit is Streaming DiLoCo's: add --fragments 2 "
                 "or more (DiLoCo's 1-bit allreduce always keeps it), or keep error feedback"
             )
+        check_streaming_args(
+            self.local_steps,
+            self.fragments,
+            self.fragment_overlap,
+            self.fragment_alpha,
+            self.compress,
+            self.resolved_inner_momentum(),
+            self.error_feedback,
+        )
 
     def check_local_sgd(self, more_codecs: tuple[str, ...] = ()) -> None:
         """A one-line :class:`ConfigError` for the first impossible setting here.
@@ -333,18 +346,7 @@ class AsyncSettings(LocalSGDSettings):
                 f"Streaming DiLoCo is synchronous: the simulator runs it as the sync method, "
                 f"not {self.method} (set it for sync alone: --sweep sync:KEY=VALUE)"
             )
-        from thinwire.localsgd.algorithm.streaming import check_streaming_args
-
-        self.check_feedback_switch()
-        check_streaming_args(
-            self.local_steps,
-            self.fragments,
-            self.fragment_overlap,
-            self.fragment_alpha,
-            self.compress,
-            self.resolved_inner_momentum(),
-            self.error_feedback,
-        )
+        self.check_streaming_settings()
         # What the server's sync has and Streaming DiLoCo has not: refused, not ignored.
         if self.compress_pull != "none":
             raise ConfigError(

@@ -64,8 +64,7 @@ from thinwire.io import atomic_write_text
 from thinwire.testbed.cluster import Cluster
 from thinwire.testbed.rates import format_rate, parse_rate
 from thinwire.testbed.results import RunResult
-from thinwire.train.algorithms import check_algorithm
-from thinwire.train.compare import Runner, compare
+from thinwire.train.compare import Runner, compare, parse_run_spec
 from thinwire.train.compare_report import plot_comparison
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import write_config_file
@@ -325,7 +324,7 @@ def _check_comparison(algos: Sequence[str], rates: Sequence[str], repeats: int) 
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     for spec in algos:
-        check_algorithm(spec.partition("@")[0])
+        parse_run_spec(spec)  # the algorithm, its keys and that it reads them
     for rate in rates:
         parse_rate(rate)  # a typo fails before the first cluster comes up
 

@@ -411,18 +411,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
                 f"unknown shard sampling {cfg.shard_sampling!r}; choose one of {SAMPLING_CHOICES}"
             )
         if cfg.streaming() or not cfg.error_feedback:  # --no-error-feedback needs a quantizer
-            from thinwire.localsgd.algorithm.streaming import check_streaming_args
-
-            cfg.check_feedback_switch()
-            check_streaming_args(
-                cfg.local_steps,
-                cfg.fragments,
-                cfg.fragment_overlap,
-                cfg.fragment_alpha,
-                cfg.compress,
-                cfg.resolved_inner_momentum(),
-                cfg.error_feedback,
-            )
+            cfg.check_streaming_settings()
         elif cfg.compress not in COMPRESS_CHOICES:
             raise ConfigError(
                 f"unknown compression {cfg.compress!r}; choose one of {COMPRESS_CHOICES}"

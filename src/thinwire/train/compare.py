@@ -111,7 +111,7 @@ def parse_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
     (:data:`~thinwire.localsgd.METHODS`: ``sync``, ``naive``, ``dn``, ``dn-dylu``, ...),
     which is ``async-diloco`` with that method's settings: ``dn-dylu@outer_lr=0.3`` ->
     ``("async-diloco", {"outer": "dn", ..., "dylu": True, "outer_lr": 0.3})``. Unknown
-    algorithms and keys raise :class:`ConfigError`.
+    algorithms and keys, and keys the algorithm never reads, raise :class:`ConfigError`.
     """
     algo, _, rest = spec.partition("@")
     overrides: dict[str, Any] = {}
@@ -128,6 +128,10 @@ def parse_run_spec(spec: str) -> tuple[str, dict[str, Any]]:
                 "(e.g. lr=0.01, freeze_step=20, warmup_steps=10)"
             )
         overrides[key] = _convert(key, value.strip())
+    # Set for this run alone, so never meant to be ignored (a base flag may be shared).
+    ignored = [key for key in overrides if key in USED_BY and algo not in USED_BY[key]]
+    if ignored:
+        raise ConfigError(f"run spec {spec!r}: {algo} does not use {', '.join(ignored)}")
     return algo, overrides
 
 
@@ -177,6 +181,7 @@ def local_runner(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> lis
 
     Spawning once for the whole comparison (instead of once per run) saves the start-up
     of W Python processes per run, which on a busy machine costs more than a short run.
+    :func:`compare` has checked every config (and read its data) before it calls this.
     """
     if launched_by_torchrun() or workers == 1 or any(c.algo == "async-diloco" for c in cfgs):
         # An asynchronous run is launched on its own: its workers may die without taking
@@ -186,9 +191,6 @@ def local_runner(cfgs: list[TrainConfig], workers: int, timeout_s: float) -> lis
             COUNTER.reset()
             out.append(run_training(cfg, workers, timeout_s))
         return out
-    for cfg in cfgs:  # a bad setting or data file fails here, before any process starts
-        check_config(cfg, workers)
-        load_text(cfg.data)
     backend = "nccl" if cfgs[0].device == "cuda" else "gloo"
     return spawn(_rank_main, workers, (cfgs,), backend=backend, timeout_s=timeout_s * len(cfgs))[0]
 
@@ -231,10 +233,11 @@ def compare(
         where: a description of where the runs trained, stored with the result.
     """
     reference = _check_specs(algos, workers, reference, overrides or {})
+    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else workers
     out_dir = Path(out_dir)
     keep = overwrite or base.resume
     configs = {
-        label: _run_config(label, base, lrs, (overrides or {}).get(label, {}), out_dir, keep)
+        label: _run_config(label, base, lrs, (overrides or {}).get(label, {}), out_dir, keep, world)
         for label in algos
     }
     done = _finished_runs(configs) if base.resume and not overwrite else {}
@@ -295,13 +298,12 @@ def _run_config(
     overrides: dict[str, Any],
     out_dir: Path,
     overwrite: bool,
+    world: int,
 ) -> TrainConfig:
     """The settings of run spec ``label``: ``base``, its tuned lr, the spec's own
-    settings and ``overrides``, in ``out_dir``'s sub-directory for it (checked free)."""
+    settings and ``overrides``, in ``out_dir``'s sub-directory for it (checked free),
+    checked for ``world`` processes."""
     algo, spec = parse_run_spec(label)
-    ignored = [key for key in spec if algo not in USED_BY.get(key, (algo,))]
-    if ignored:  # set for this run alone, so never meant to be ignored
-        raise ConfigError(f"compare: run spec {label!r}: {algo} does not use {', '.join(ignored)}")
     cfg = dataclasses.replace(base, algo=algo, resume=False, stop_after=None, progress=False)
     if lrs is not None and algo in lrs:
         cfg.lr = lrs[algo]
@@ -310,7 +312,9 @@ def _run_config(
             raise ConfigError(f"compare: {key!r} cannot be overridden per run")
         setattr(cfg, key, value)
     cfg.out_dir = str(_run_dir(out_dir, label))
-    cfg.validate()
+    # A bad setting or data file fails here, before a run is cleared or a process starts.
+    check_config(cfg, world)
+    load_text(cfg.data)
     if not overwrite and existing_run(cfg.out_dir):
         raise ConfigError(
             f"compare: {cfg.out_dir} already holds a run; pass --resume to keep it (and "

@@ -13,6 +13,7 @@ starts; then it picks the launch:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +44,8 @@ def run_training(cfg: TrainConfig, workers: int, timeout_s: float = 1800.0) -> d
     check_algorithm(cfg.algo)
     if launched_by_torchrun():
         from thinwire.train.trainer import train
+
+        check_config(cfg, int(os.environ["WORLD_SIZE"]))  # every rank: all raise together
 
         created = not dist.is_initialized()  # a group the caller made is left as it is
         init_from_env(timeout_s=timeout_s)
