@@ -240,6 +240,8 @@ def compare(
         label: _run_config(label, base, lrs, (overrides or {}).get(label, {}), out_dir, keep, world)
         for label in algos
     }
+    for data in {cfg.data for cfg in configs.values()}:
+        load_text(data)  # so does a bad data file (each corpus read once)
     done = _finished_runs(configs) if base.resume and not overwrite else {}
     for label, cfg in configs.items():
         if overwrite:
@@ -312,9 +314,7 @@ def _run_config(
             raise ConfigError(f"compare: {key!r} cannot be overridden per run")
         setattr(cfg, key, value)
     cfg.out_dir = str(_run_dir(out_dir, label))
-    # A bad setting or data file fails here, before a run is cleared or a process starts.
-    check_config(cfg, world)
-    load_text(cfg.data)
+    check_config(cfg, world)  # a bad setting fails before a run is cleared or started
     if not overwrite and existing_run(cfg.out_dir):
         raise ConfigError(
             f"compare: {cfg.out_dir} already holds a run; pass --resume to keep it (and "
