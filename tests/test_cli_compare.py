@@ -53,10 +53,10 @@ def test_compare_writes_result_table_and_plot(
             ["compare", "--algos", "sync@compress=onebit,error_feedback=false"],
             "async-diloco does not use error_feedback",
         ),
-        # checked before any process starts: onebit's error feedback needs fragments
+        # checked before any process starts: a 16-bit cast has no rounding to carry
         (
-            ["compare", "--algos", "diloco@compress=onebit,error_feedback=false"],
-            "add --fragments 2 or more",
+            ["compare", "--algos", "diloco@compress=bf16,error_feedback=false"],
+            "turning it off with compress 'bf16' changes nothing",
         ),
     ],
 )

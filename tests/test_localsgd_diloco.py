@@ -134,19 +134,33 @@ def test_outer_momentum_zero_is_plain_averaging() -> None:
 
 
 def _two_ranks(rank: int, world: int) -> dict[str, Any]:
-    return {c: _two_ranks_one(rank, c) for c in ("none", "bf16", "onebit")}
+    runs = {c: _two_ranks_one(rank, c) for c in ("none", "bf16", "onebit")}
+    runs["onebit-plain"] = _two_ranks_one(rank, "onebit", error_feedback=False)
+    return runs
 
 
-def _two_ranks_one(rank: int, compress: str) -> dict[str, Any]:
+def _two_ranks_one(rank: int, compress: str, error_feedback: bool = True) -> dict[str, Any]:
     COUNTER.reset()
     model = _model(seed=rank)  # different inits: DiLoCo broadcasts rank 0's
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with DiLoCo(model, opt, sync_every=3, outer_lr=0.7, compress=compress) as d:
+    diloco = DiLoCo(
+        model, opt, sync_every=3, outer_lr=0.7, compress=compress, error_feedback=error_feedback
+    )
+    with diloco as d:
         start = [p.detach().clone() for p in model.parameters()]
         for i in range(3):
             _inner_step(model, opt, i, rank)  # the third step's hook syncs
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"start": start, "flat": flat, "outer": d.outer_steps, "bytes": COUNTER.snapshot()}
+    errors = d.state_dict().get("onebit", {})
+    return {
+        "start": start,
+        "flat": flat,
+        "outer": d.outer_steps,
+        "bytes": COUNTER.snapshot(),
+        "residual": [errors[k].abs().sum().item() for k in ("worker_error", "server_error")]
+        if errors
+        else None,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +195,24 @@ def test_two_ranks_average_and_stay_equal(compress: str, two_rank_results: list)
     op = {"none": "diloco.allreduce", "bf16": "diloco.allreduce.bf16"}.get(compress)
     if op is not None:
         assert a["bytes"][op]["calls"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_one_bit_without_error_feedback_carries_nothing(two_rank_results: list) -> None:
+    """``error_feedback=False``: the first sync is the same code (it starts from zero
+    error either way), and nothing is left to carry into the next one; with the feedback
+    on the worker and server residuals hold what the signs lost. Other codecs have no
+    rounding to carry: refused."""
+    for rank in two_rank_results:
+        fed, plain = rank["onebit"], rank["onebit-plain"]
+        assert torch.equal(fed["flat"], plain["flat"])
+        # (the server's: rank 0's segment; the small model leaves rank 1's all padding)
+        assert plain["residual"] == [0.0, 0.0] and fed["residual"][0] > 0
+    assert two_rank_results[0]["onebit"]["residual"][1] > 0
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(ConfigError, match="error feedback is onebit's here: 'bf16'"):
+        DiLoCo(model, opt, 2, compress="bf16", error_feedback=False)
 
 
 def _train_rank(rank: int, world: int, out: str) -> dict[str, Any]:

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from thinwire.cli.main import main
 from thinwire.comm import quantized_wire_bytes
 from thinwire.errors import ConfigError
 from thinwire.localsgd import AsyncConfig, SimClock, for_method, simulate
+from thinwire.localsgd.algorithm.compression import PushEncoder
 from thinwire.localsgd.algorithm.streaming_sim import simulate_streaming
 from thinwire.train.async_task import gpt_task
 from thinwire.train.config import TrainConfig
@@ -112,11 +114,34 @@ def test_one_bit_fragments_need_their_error_feedback(data: TextData) -> None:
     assert quantized_wire_bytes(1 << 20, w, "onebit") * 28 < 2 * (w - 1) * 4 * (1 << 20) // w
     assert ef["final_val_loss"] < plain["final_val_loss"]
     assert ef["final_val_loss"] == pytest.approx(fp32["final_val_loss"], rel=0.03)
-    # With one fragment onebit is the sync method's own push codec, whose error feedback
-    # cannot be turned off: refused, not run as another exchange.
-    assert "streaming" not in simulate(_task(data), _cfg(compress="onebit"), _clock())
-    with pytest.raises(ConfigError, match="error feedback off with onebit is Streaming"):
-        _cfg(compress="onebit", error_feedback=False).validate(3, simulated=True)
+
+
+@pytest.mark.timeout(180)
+def test_whole_one_bit_pushes_turn_their_feedback_off(data: TextData) -> None:
+    """With one fragment onebit stays the sync method's own 1-bit pushes, and turning the
+    feedback off turns off theirs: the same bytes, another run."""
+    whole = simulate(_task(data), _cfg(compress="onebit"), _clock())
+    whole_plain = simulate(_task(data), _cfg(compress="onebit", error_feedback=False), _clock())
+    assert "streaming" not in whole and "streaming" not in whole_plain
+    assert whole_plain["push_bytes"] == whole["push_bytes"]
+    assert whole_plain["final_val_loss"] != whole["final_val_loss"]
+    # the asynchronous methods' pushes keep theirs: refused there
+    with pytest.raises(ConfigError, match="not naive"):
+        for_method(AsyncConfig(compress="onebit", error_feedback=False), "naive").validate(
+            3, simulated=True
+        )
+
+
+def test_a_push_without_error_feedback_keeps_no_residual() -> None:
+    """The 1-bit push codec with the feedback off sends the same payload for the same
+    input every time (nothing carried); with it on, the second push carries the first's
+    residual."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    plain, fed = PushEncoder("onebit", error_feedback=False), PushEncoder("onebit")
+    assert plain.feedback is None
+    first = plain.encode(x)
+    assert torch.equal(first, fed.encode(x)) and torch.equal(plain.encode(x), first)
+    assert not torch.equal(fed.encode(x), first)
 
 
 @pytest.mark.timeout(180)
@@ -179,18 +204,27 @@ def test_refusals_are_one_line(data: TextData) -> None:
         AsyncConfig(error_feedback=False).validate(3)
 
 
-def test_the_trainer_turns_one_bit_error_feedback_off_only_with_fragments() -> None:
-    """``--algo diloco --compress onebit``: DiLoCo's own 1-bit allreduce, which always
-    keeps its error feedback; with fragments, Streaming DiLoCo's exchange, where it can be
-    turned off; a one-line refusal where it cannot, or where there is none to turn off."""
-    from thinwire.train.algorithms import check_config
+def test_the_trainer_turns_one_bit_error_feedback_off_whole_or_in_fragments() -> None:
+    """``--algo diloco --compress onebit --no-error-feedback``: DiLoCo's own 1-bit
+    allreduce with its feedback off (still DiLoCo, with DiLoCo's inner-state rule); with
+    fragments, Streaming DiLoCo's exchange with its own off; a one-line refusal where
+    there is no rounding to carry."""
+    from thinwire.cli.train import diloco_words
+    from thinwire.train.algorithms import check_config, make_strategy
 
-    assert not TrainConfig(algo="diloco", compress="onebit").streaming()
-    with pytest.raises(ConfigError, match="add --fragments 2 or more"):
-        check_config(TrainConfig(algo="diloco", compress="onebit", error_feedback=False), 2)
+    whole = TrainConfig(algo="diloco", compress="onebit", error_feedback=False)
+    assert not whole.streaming()
+    check_config(whole, 2)
+    assert whole.resolved_inner_momentum() == "restart"  # DiLoCo's from scratch, not keep
+    strategy = make_strategy(torch.nn.Linear(4, 2), whole)
+    assert "onebit" in strategy.state_dict()  # DiLoCo's exchange, not the fragments'
     plain = TrainConfig(algo="diloco", compress="onebit", fragments=2, error_feedback=False)
     assert plain.streaming()
     check_config(plain, 2)
+    # the run's summary says which DiLoCo ran
+    assert diloco_words(whole) == "onebit, no error feedback"
+    assert diloco_words(plain) == "Streaming DiLoCo: 2 fragments, onebit, no error feedback"
+    assert diloco_words(TrainConfig(algo="diloco", compress="onebit")) is None
     with pytest.raises(ConfigError, match=r"error feedback is the quantizers'.*'bf16'"):
         check_config(TrainConfig(algo="diloco", compress="bf16", error_feedback=False), 2)
 

@@ -194,6 +194,41 @@ def test_collective_is_the_compressor_reference_step_after_step(
                 assert torch.equal(server_error, server), (step, rank)
 
 
+def _plain_body(rank: int, world: int, n: int, steps: int, block: int | None) -> list[tuple]:
+    plain = OneBitAllreduce(pieces=2, block=block, error_feedback=False)
+    fed = OneBitAllreduce(pieces=2, block=block)
+    results = []
+    for step in range(steps):
+        x = _inputs(n, world, seed=100 * n + step)[rank]
+        out, carried = plain(x), fed(x)
+        state = plain.state_dict()
+        results.append((out, carried, state["worker_error"], state["server_error"]))
+    # A residual saved with the feedback on is not carried by an instance with it off.
+    plain.load_state_dict(fed.state_dict())
+    x = _inputs(n, world, seed=1)[rank]
+    results.append((plain(x), None, None, None))
+    return results
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("world", "n", "block"), [(2, 1000, None), (3, 5003, 256)])
+def test_without_error_feedback_every_call_is_the_plain_code(
+    world: int, n: int, block: int | None
+) -> None:
+    """``error_feedback=False``: each call is the two-phase code of its input alone
+    (:func:`reference`, zero error buffers), call after call, with both errors left at
+    zero; the same calls with the feedback on carry something and differ."""
+    steps = 3
+    per_rank = spawn(_plain_body, world, (n, steps, block), timeout_s=170)
+    for rank, results in enumerate(per_rank):
+        for step in range(steps):
+            out, carried, worker_error, server_error = results[step]
+            assert torch.equal(out, reference(_inputs(n, world, seed=100 * n + step), block))
+            assert not worker_error.any() and not server_error.any(), (step, rank)
+            assert step == 0 or not torch.equal(out, carried), (step, rank)
+        assert torch.equal(results[steps][0], reference(_inputs(n, world, seed=1), block))
+
+
 def _converge_body(rank: int, world: int) -> tuple[float, float, bool]:
     xs = _inputs(512, world, seed=7)
     truth = torch.stack(xs).mean(0)

@@ -12,8 +12,9 @@ and the best setting per method is reported with the whole grid::
 
 Every method uses the same inner-state rule (``--inner-state``; unset, Streaming DiLoCo
 takes ``keep``), shards and H. ``sync`` runs as Streaming DiLoCo with ``--fragments``,
-``--fragment-overlap``, ``--fragment-alpha`` or a quantizer (``--compress int8|fp8|int4``,
-``--no-error-feedback``; ``--compress onebit`` too, with fragments, an overlap or alpha)::
+``--fragment-overlap``, ``--fragment-alpha`` or a quantizer (``--compress int8|fp8|int4``;
+``--compress onebit`` too, with fragments, an overlap or alpha); ``--no-error-feedback``
+drops what those codes round away, and what sync's whole 1-bit pushes do::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --compress int4
 

@@ -405,8 +405,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def _streaming_words(cfg: TrainConfig) -> str:
-    """``Streaming DiLoCo: 2 fragments, overlap 1, alpha 0.5, int4 with error feedback``."""
+def diloco_words(cfg: TrainConfig) -> str | None:
+    """Which DiLoCo ran, for the summary: ``Streaming DiLoCo: 2 fragments, overlap 1,
+    alpha 0.5, int4 with error feedback``, or ``onebit, no error feedback`` for DiLoCo's
+    own exchange with its feedback off; None for any other run."""
+    if cfg.algo != "diloco":
+        return None
+    if not cfg.streaming():
+        return None if cfg.error_feedback else f"{cfg.compress}, no error feedback"
     words = [f"{cfg.fragments} fragment{'s' * (cfg.fragments > 1)}"]
     if cfg.fragment_overlap:
         words.append(f"overlap {cfg.fragment_overlap}, alpha {cfg.fragment_alpha:g}")
@@ -497,8 +503,9 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     if "note" in summary:
         print(f"thinwire: {summary['note']}", file=sys.stderr)
-    if cfg.algo == "diloco" and cfg.streaming():  # say which DiLoCo ran
-        summary = {**summary, "algo": f"diloco ({_streaming_words(cfg)})"}
+    which = diloco_words(cfg)
+    if which is not None:  # say which DiLoCo ran
+        summary = {**summary, "algo": f"diloco ({which})"}
     print(format_summary(summary))
     if summary.get("incomplete"):
         print(f"thinwire: error: {summary['incomplete']}", file=sys.stderr)
@@ -526,7 +533,8 @@ def add_streaming_arguments(p: Any, d: LocalSGDSettings, who: str) -> None:
         dest="error_feedback",
         action="store_false",
         default=d.error_feedback,
-        help=f"{who} with int8/fp8/int4/onebit: plain quantization, its rounding lost",
+        help=f"{who} with int8/fp8/int4/onebit: plain quantization, its rounding lost "
+        "(default: error feedback on)",
     )
     p.add_argument(
         "--fragment-alpha",

@@ -86,12 +86,12 @@ class LocalSGDSettings:
     ``fragment_overlap`` steps taken meanwhile; 0.5, the paper's choice with an overlap,
     keeps half of them."""
     error_feedback: bool = True
-    """Streaming DiLoCo with a quantizer (``compress`` ``int8``, ``fp8`` or ``int4``, or
-    ``onebit`` with fragments): keep what rounding lost and send it with the fragment's
-    next sync. Off (``--no-error-feedback``) is the Streaming DiLoCo paper's plain
-    quantization, whose rounding is lost for good. Measured (docs/results/localsgd.md):
-    level at int4 (mean +0.13% over 12 pairs of runs), better with it at ``onebit``
-    (4 of 5 pairs, mean 0.78%): leave it on."""
+    """Synchronous DiLoCo with a code that rounds (``compress`` ``int8``, ``fp8``,
+    ``int4`` or ``onebit``, whole or in fragments): keep what rounding lost and send it
+    with the (fragment's) next sync. Off (``--no-error-feedback``) is the Streaming DiLoCo
+    paper's plain quantization, whose rounding is lost for good. Measured
+    (docs/results/localsgd.md): level at int4 (mean +0.13% over 12 pairs of runs), better
+    with it at ``onebit`` (4 of 5 pairs, mean 0.78%): leave it on."""
 
     def streaming(self) -> bool:
         """Whether these settings run Streaming DiLoCo: fragments, an overlap, a mixing
@@ -106,18 +106,18 @@ class LocalSGDSettings:
     def check_streaming_settings(self) -> None:
         """Streaming DiLoCo's settings here (``thinwire train --algo diloco`` and the
         simulator's ``sync`` check them before they start), as a one-line
-        :class:`ConfigError`. ``error_feedback=False`` with ``onebit`` only where Streaming
-        DiLoCo runs: with one whole fragment ``onebit`` is DiLoCo's own 1-bit allreduce
-        (the simulator's push codec), which always keeps its error feedback; running the
-        other exchange there would change the code and the inner-state rule too, not
-        only the feedback."""
-        from thinwire.localsgd.algorithm.streaming import check_streaming_args
+        :class:`ConfigError`. Without fragments, an overlap, alpha or a quantizer the run
+        is DiLoCo's own, and only the error-feedback switch concerns it (``onebit``'s
+        1-bit allreduce turns it off as well)."""
+        from thinwire.localsgd.algorithm.streaming import (
+            check_error_feedback,
+            check_streaming_args,
+        )
 
-        if not self.error_feedback and self.compress == "onebit" and not self.streaming():
-            raise ConfigError(
-                "error feedback off with onebit is Streaming DiLoCo's: add --fragments 2 "
-                "or more (DiLoCo's 1-bit allreduce always keeps it), or keep error feedback"
-            )
+        whole = (self.fragments, self.fragment_overlap, self.fragment_alpha) == (1, 0, 0.0)
+        if whole and not self.streaming():
+            check_error_feedback(self.compress, self.error_feedback)
+            return
         check_streaming_args(
             self.local_steps,
             self.fragments,
@@ -347,6 +347,8 @@ class AsyncSettings(LocalSGDSettings):
                 f"not {self.method} (set it for sync alone: --sweep sync:KEY=VALUE)"
             )
         self.check_streaming_settings()
+        if not self.streaming():  # sync DiLoCo's 1-bit pushes with their feedback off
+            return
         # What the server's sync has and Streaming DiLoCo has not: refused, not ignored.
         if self.compress_pull != "none":
             raise ConfigError(

@@ -50,6 +50,7 @@ def diloco_strategy(model: nn.Module, cfg: TrainConfig, replicas: Any = None) ->
         inner,
         cfg.local_steps,
         inner_momentum=cfg.resolved_inner_momentum(),
+        error_feedback=cfg.error_feedback,
         **outer,
     )
     batch, lr = _sync_data(cfg)

@@ -97,11 +97,15 @@ class PushEncoder:
 
     Args:
         codec: ``none``, ``fp16``, ``bf16`` or ``onebit``.
+        error_feedback: under ``onebit``, keep the residual and add it to the next push
+            (default); False sends each push's signs alone (the simulator's sync
+            DiLoCo with ``--no-error-feedback``; the asynchronous methods refuse it).
     """
 
-    def __init__(self, codec: str = "none") -> None:
+    def __init__(self, codec: str = "none", error_feedback: bool = True) -> None:
         self.dtype = codec_dtype(codec)
-        self.feedback = ErrorFeedback(OneBitCompressor()) if codec == "onebit" else None
+        onebit = codec == "onebit" and error_feedback
+        self.feedback = ErrorFeedback(OneBitCompressor()) if onebit else None
 
     def encode(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
         """The payload of one push (flat, ``self.dtype``)."""

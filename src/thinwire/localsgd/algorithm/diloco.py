@@ -30,7 +30,8 @@ Pseudo-gradient compression (``compress``): ``fp16``/``bf16`` halve the bytes (t
 cast codec, :mod:`thinwire.compress.cast`; the average is computed in that dtype,
 divided by W before the sum so it cannot overflow); ``onebit`` uses thinwire's
 error-compensated 1-bit allreduce (28x fewer bytes, its error buffers are part of
-:meth:`DiLoCo.state_dict`).
+:meth:`DiLoCo.state_dict`; ``error_feedback=False`` drops what the signs lost instead of
+sending it with the next sync, to measure what the feedback buys).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class DiLoCo:
         outer_optimizer: factory ``params -> Optimizer`` replacing the default
             ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)``.
         compress: ``none``, ``fp16``, ``bf16`` or ``onebit`` (see the module docstring).
+        error_feedback: with ``onebit``, carry what the signs lost into the next sync
+            (default True; leave it on: Streaming DiLoCo's 1-bit fragments without it
+            ended 0.3-1.4% higher on 4 of 5 runs, docs/results/localsgd.md). The other
+            codecs here have no rounding to carry, so False is refused with them.
         process_group: the workers' group (default: the default group, if initialised).
         sync_initial: broadcast rank 0's parameters at construction so all replicas start
             equal (skip it when the caller already did).
@@ -103,6 +108,7 @@ class DiLoCo:
         process_group: dist.ProcessGroup | None = None,
         sync_initial: bool = True,
         inner_momentum: str = DEFAULT_INNER_STATE,
+        error_feedback: bool = True,
     ) -> None:
         self.rule = InnerStateRule(inner_momentum)
         outer_lr = DEFAULT_OUTER_LR if outer_lr is None else outer_lr
@@ -111,10 +117,16 @@ class DiLoCo:
             raise ConfigError(f"DiLoCo sync_every (H) must be an integer >= 1, got {sync_every}")
         if compress not in COMPRESS_CHOICES:
             raise ConfigError(f"unknown compression {compress!r}; choose one of {COMPRESS_CHOICES}")
+        if not error_feedback and compress != "onebit":
+            raise ConfigError(
+                f"error feedback is onebit's here: {compress!r} keeps no rounding to carry "
+                "(set compress='onebit', or leave error_feedback on)"
+            )
         self.model = model
         self.inner = inner_optimizer
         self.sync_every = int(sync_every)
         self.compress = compress
+        self.error_feedback = error_feedback
         self.inner_momentum = inner_momentum
         self.group = process_group
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -147,7 +159,7 @@ class DiLoCo:
         if compress == "onebit":
             from thinwire.comm.onebit_allreduce import OneBitAllreduce
 
-            self._onebit = OneBitAllreduce(process_group)
+            self._onebit = OneBitAllreduce(process_group, error_feedback=error_feedback)
         self._handle: Any = None
         # The first round needs no rule: the optimizer starts it fresh (or resumed, in
         # which case load_state_dict puts the rule's round clock back).

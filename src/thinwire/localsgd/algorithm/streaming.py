@@ -80,6 +80,16 @@ STREAMING_COMPRESS = ("none", *CAST_DTYPES, *BLOCK_CODES)
 """``none`` (fp32), the 16-bit casts, the block-scaled quantizers and the 1-bit code."""
 
 
+def check_error_feedback(compress: str, error_feedback: bool) -> None:
+    """Turning error feedback off needs a code that rounds (the quantizers or
+    ``onebit``, whole or in fragments): a one-line :class:`ConfigError` otherwise."""
+    if not error_feedback and compress not in BLOCK_CODES:
+        raise ConfigError(
+            f"error feedback is the quantizers' ({', '.join(BLOCK_CODES)}): turning it off "
+            f"with compress {compress!r} changes nothing"
+        )
+
+
 def check_streaming_args(
     sync_every: int,
     fragments: int,
@@ -91,11 +101,7 @@ def check_streaming_args(
 ) -> None:
     """Every setting of Streaming DiLoCo that can be checked without the model, as a
     one-line :class:`ConfigError` (``thinwire train`` checks them before it starts)."""
-    if not error_feedback and compress not in BLOCK_CODES:
-        raise ConfigError(
-            f"error feedback is the quantizers' ({', '.join(BLOCK_CODES)}): turning it off "
-            f"with compress {compress!r} changes nothing"
-        )
+    check_error_feedback(compress, error_feedback)
     if int(sync_every) != sync_every or sync_every < 1:
         raise ConfigError(
             f"Streaming DiLoCo sync_every (H) must be an integer >= 1, got {sync_every}"

@@ -189,7 +189,7 @@ class _Simulation:
         # The batch sources are shared: by contract a batch depends only on (shard, step).
         rule = cfg.resolved_inner_momentum()
         self.workers = {w: sim_worker(task, cfg, sources, rule) for w in range(1, w_count + 1)}
-        self.push = {w: PushEncoder(cfg.compress) for w in self.workers}
+        self.push = {w: PushEncoder(cfg.compress, cfg.error_feedback) for w in self.workers}
         self.pull = PullEncoder(cfg.compress_pull)
         self.views = {w: PullDecoder() for w in self.workers}
         self.wire = {"push_bytes": 0, "pull_bytes": 0}
