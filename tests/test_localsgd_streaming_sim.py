@@ -126,7 +126,7 @@ def test_whole_one_bit_pushes_turn_their_feedback_off(data: TextData) -> None:
     assert whole_plain["push_bytes"] == whole["push_bytes"]
     assert whole_plain["final_val_loss"] != whole["final_val_loss"]
     # the asynchronous methods' pushes keep theirs: refused there
-    with pytest.raises(ConfigError, match="not naive"):
+    with pytest.raises(ConfigError, match=r"sync method's .*, not naive's"):
         for_method(AsyncConfig(compress="onebit", error_feedback=False), "naive").validate(
             3, simulated=True
         )
@@ -211,13 +211,18 @@ def test_the_trainer_turns_one_bit_error_feedback_off_whole_or_in_fragments() ->
     there is no rounding to carry."""
     from thinwire.cli.train import diloco_words
     from thinwire.train.algorithms import check_config, make_strategy
+    from thinwire.train.compare import parse_run_spec
 
     whole = TrainConfig(algo="diloco", compress="onebit", error_feedback=False)
     assert not whole.streaming()
     check_config(whole, 2)
     assert whole.resolved_inner_momentum() == "restart"  # DiLoCo's from scratch, not keep
     strategy = make_strategy(torch.nn.Linear(4, 2), whole)
-    assert "onebit" in strategy.state_dict()  # DiLoCo's exchange, not the fragments'
+    diloco = strategy.state_dict.__self__  # DiLoCo's exchange, not the fragments'
+    assert diloco._onebit is not None and diloco._onebit.error_feedback is False
+    # thinwire compare checks a run spec the same way before any run starts
+    algo, spec = parse_run_spec("diloco@compress=onebit,error_feedback=false")
+    check_config(TrainConfig(algo=algo, **spec), 2)
     plain = TrainConfig(algo="diloco", compress="onebit", fragments=2, error_feedback=False)
     assert plain.streaming()
     check_config(plain, 2)

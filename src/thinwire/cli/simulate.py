@@ -14,7 +14,8 @@ Every method uses the same inner-state rule (``--inner-state``; unset, Streaming
 takes ``keep``), shards and H. ``sync`` runs as Streaming DiLoCo with ``--fragments``,
 ``--fragment-overlap``, ``--fragment-alpha`` or a quantizer (``--compress int8|fp8|int4``;
 ``--compress onebit`` too, with fragments, an overlap or alpha); ``--no-error-feedback``
-drops what those codes round away, and what sync's whole 1-bit pushes do::
+drops what those codes round away, and what sync's whole 1-bit pushes do (not the
+pulls': ``--compress-pull onebit`` always carries its rounding)::
 
     thinwire simulate --methods sync --sweep sync:fragments=1,2,4 --compress int4
 

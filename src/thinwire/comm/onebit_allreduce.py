@@ -186,7 +186,7 @@ class OneBitAllreduce:
     ) -> None:
         check_block(block)
         self.block = block
-        self.error_feedback = error_feedback
+        self._error_feedback = error_feedback
         self.overlap_meta = overlap_meta
         # With the overlap the count is tuned a call ahead, so the trials are timed as
         # the tuned calls will run (bits behind the metadata).
@@ -222,6 +222,12 @@ class OneBitAllreduce:
         obj = cls(None, chunk, pieces, block=block)
         obj._exchange = LoopbackExchange(world_size)
         return obj
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether calls carry what the signs lost into the next one (fixed at
+        construction: switching it between calls would leave the old error behind)."""
+        return self._error_feedback
 
     @property
     def world_size(self) -> int:
@@ -686,7 +692,9 @@ class OneBitAllreduce:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's error buffers; fails clearly if they belong elsewhere."""
+        """Restore this rank's error buffers; fails clearly if they belong elsewhere.
+        With ``error_feedback=False`` the saved errors are not carried (the buffers stay
+        zero): a run saved with the feedback on continues bit for bit only with it on."""
         if state.get("kind", "onebit") != "onebit":
             raise ValueError(
                 f"the saved momentum exchange is {state['kind']}, this optimizer exchanges "

@@ -88,8 +88,8 @@ class LocalSGDSettings:
     error_feedback: bool = True
     """Synchronous DiLoCo with a code that rounds (``compress`` ``int8``, ``fp8``,
     ``int4`` or ``onebit``, whole or in fragments): keep what rounding lost and send it
-    with the (fragment's) next sync. Off (``--no-error-feedback``) is the Streaming DiLoCo
-    paper's plain quantization, whose rounding is lost for good. Measured
+    with the (fragment's) next sync. Off (``--no-error-feedback``) is plain quantization,
+    whose rounding is lost for good (the Streaming DiLoCo paper's, with fragments). Measured
     (docs/results/localsgd.md): level at int4 (mean +0.13% over 12 pairs of runs), better
     with it at ``onebit`` (4 of 5 pairs, mean 0.78%): leave it on."""
 
@@ -340,6 +340,11 @@ class AsyncSettings(LocalSGDSettings):
                 "Streaming DiLoCo (fragments, a fragment overlap or alpha, error feedback, "
                 "the int8/fp8/int4 quantizers) is synchronous: train it with --algo diloco, "
                 "or simulate it with the sync method (thinwire simulate --methods sync)"
+            )
+        if self.method != "sync" and not self.streaming():  # --no-error-feedback alone
+            raise ConfigError(
+                f"error feedback off is the sync method's (its 1-bit pushes), not "
+                f"{self.method}'s: set it for sync alone (--sweep sync:error-feedback=false)"
             )
         if self.method != "sync":
             raise ConfigError(
