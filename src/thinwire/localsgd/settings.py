@@ -103,6 +103,12 @@ class LocalSGDSettings:
             or self.compress in QUANT_KINDS
         )
 
+    def whole_diloco(self) -> bool:
+        """No fragments, overlap, alpha or quantizer: synchronous DiLoCo's own exchange
+        (whatever its error-feedback switch)."""
+        whole = (self.fragments, self.fragment_overlap, self.fragment_alpha) == (1, 0, 0.0)
+        return whole and not self.streaming()
+
     def check_streaming_settings(self) -> None:
         """Streaming DiLoCo's settings here (``thinwire train --algo diloco`` and the
         simulator's ``sync`` check them before they start), as a one-line
@@ -114,8 +120,7 @@ class LocalSGDSettings:
             check_streaming_args,
         )
 
-        whole = (self.fragments, self.fragment_overlap, self.fragment_alpha) == (1, 0, 0.0)
-        if whole and not self.streaming():
+        if self.whole_diloco():
             check_error_feedback(self.compress, self.error_feedback)
             return
         check_streaming_args(
@@ -341,7 +346,7 @@ class AsyncSettings(LocalSGDSettings):
                 "the int8/fp8/int4 quantizers) is synchronous: train it with --algo diloco, "
                 "or simulate it with the sync method (thinwire simulate --methods sync)"
             )
-        if self.method != "sync" and not self.streaming():  # --no-error-feedback alone
+        if self.method != "sync" and self.whole_diloco():  # --no-error-feedback alone
             raise ConfigError(
                 f"error feedback off is the sync method's (its 1-bit pushes), not "
                 f"{self.method}'s: set it for sync alone (--sweep sync:error-feedback=false)"
@@ -352,7 +357,7 @@ class AsyncSettings(LocalSGDSettings):
                 f"not {self.method} (set it for sync alone: --sweep sync:KEY=VALUE)"
             )
         self.check_streaming_settings()
-        if not self.streaming():  # sync DiLoCo's 1-bit pushes with their feedback off
+        if self.whole_diloco():  # sync DiLoCo's 1-bit pushes with their feedback off
             return
         # What the server's sync has and Streaming DiLoCo has not: refused, not ignored.
         if self.compress_pull != "none":
