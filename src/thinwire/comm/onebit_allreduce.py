@@ -163,8 +163,8 @@ class OneBitAllreduce:
             segment, and add it to the next call (default True: what makes 1 bit
             converge). False sends each call's signs alone and drops the rest: plain
             1-bit quantization, for measuring what the feedback buys (the error buffers
-            stay zero). On Streaming DiLoCo's 1-bit fragments the feedback was worth
-            0.27-1.37% of the final loss on 4 of 5 runs (docs/results/localsgd.md).
+            stay zero). DiLoCo's 1-bit syncs without it ended 0.9% and 1.9% higher on 2
+            of 3 runs, level on the third (docs/results/localsgd.md).
 
     Raises (on every rank alike, nothing changed):
         NonFiniteError: some rank's input (plus its error) holds NaN/Inf or overflows

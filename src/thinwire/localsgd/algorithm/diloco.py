@@ -80,9 +80,10 @@ class DiLoCo:
             ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)``.
         compress: ``none``, ``fp16``, ``bf16`` or ``onebit`` (see the module docstring).
         error_feedback: with ``onebit``, carry what the signs lost into the next sync
-            (default True; leave it on: Streaming DiLoCo's 1-bit fragments without it
-            ended 0.3-1.4% higher on 4 of 5 runs, docs/results/localsgd.md). The other
-            codecs here have no rounding to carry, so False is refused with them.
+            (default True; leave it on: without it 1-bit DiLoCo ended 0.9% and 1.9%
+            higher on 2 of 3 short runs and level on the third, docs/results/localsgd.md).
+            The other codecs here have no rounding to carry, so False is refused with
+            them.
         process_group: the workers' group (default: the default group, if initialised).
         sync_initial: broadcast rank 0's parameters at construction so all replicas start
             equal (skip it when the caller already did).
