@@ -127,7 +127,6 @@ class DiLoCo:
         self.inner = inner_optimizer
         self.sync_every = int(sync_every)
         self.compress = compress
-        self.error_feedback = error_feedback
         self.inner_momentum = inner_momentum
         self.group = process_group
         self.params = [p for p in model.parameters() if p.requires_grad]
