@@ -23,7 +23,9 @@ pulls': ``--compress-pull onebit`` always carries its rounding)::
 they run beside sync). Writes ``results.json`` (the grid, the best per method, every
 run's curve), ``table.md`` and two
 plots of the best settings to ``--out``; each run is also kept in ``--out/runs/``, and a
-rerun reads those back instead of computing them again (an interrupted sweep resumes).
+rerun reads those back instead of computing them again (an interrupted sweep resumes),
+and a run stopped half way goes on from its last save (``--checkpoint-every``, every 10
+minutes by default; the result is the same as unstopped).
 
 The simulator takes the same pieces as a real run: thinwire's GPT and text shards as a
 :class:`thinwire.localsgd.Task` (built by :func:`thinwire.train.async_task.gpt_task`),
@@ -56,6 +58,7 @@ from thinwire.localsgd import METHODS, AsyncConfig, SimClock, for_method
 from thinwire.localsgd.algorithm.compression import CODECS
 from thinwire.localsgd.algorithm.inner_state import INNER_MOMENTUM
 from thinwire.localsgd.algorithm.shards import SAMPLING_CHOICES
+from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint
 from thinwire.localsgd.algorithm.sweep import parse_grid, run_sweep, settings_of, summarize_sweep
 from thinwire.localsgd.algorithm.virtual_clock import HETEROGENEITY
 from thinwire.rundir import writable_dir
@@ -183,6 +186,14 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-points", type=int, default=20, help="validation passes per run")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--out", default="runs/simulate", help="output directory")
+    p.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="save a run in progress this often (wall seconds) to --out/runs, so a "
+        "stopped run goes on from there when started again (default 600; 0: never)",
+    )
     p.set_defaults(func=run_async)
 
 
@@ -289,6 +300,8 @@ def run_async(args: argparse.Namespace) -> int:
     seeds = _ints(args.seeds, "--seeds") if args.seeds else (args.seed,)
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if not (args.checkpoint_every >= 0 and math.isfinite(args.checkpoint_every)):
+        raise ConfigError(f"--checkpoint-every must be >= 0 seconds, got {args.checkpoint_every}")
     _check_numbers(args)
     writable_dir(args.out)  # before minutes of simulation, not after
     if not 0.0 <= args.c <= 1.0 / len(speeds):
@@ -302,10 +315,27 @@ def run_async(args: argparse.Namespace) -> int:
         return gpt_task(cfg, TextData(args.data, cfg.gpt_config().seq_len, cfg.val_fraction, seed))
 
     out = Path(args.out)
+    kept = f"finished runs are kept in {out}/runs; "
+    kept += (
+        "the run in progress goes on from its last checkpoint"
+        if args.checkpoint_every
+        else "the run in progress starts again (--checkpoint-every 0)"
+    )
+    args.on_interrupt = lambda: kept + ": run the same command again"
     context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
     pretraining = functools.partial(_pretraining, out)
     runs = run_sweep(
-        task_for_seed, base, clock, grid, seeds, out, _report, context, on_pretrain=pretraining
+        task_for_seed,
+        base,
+        clock,
+        grid,
+        seeds,
+        out,
+        _report,
+        context,
+        on_pretrain=pretraining,
+        checkpoint_every=args.checkpoint_every or None,
+        on_start=_starting,
     )
     _write_results(args, runs, speeds, seeds, model, base)
     return 0
@@ -402,6 +432,31 @@ def _report(run: dict[str, Any], cached: bool) -> None:
         f"{run['sim_time_s']:8.1f} s" + ("  (read back)" if cached else ""),
         flush=True,
     )
+
+
+def _starting(
+    method: str, setting: dict[str, Any], seed: int, checkpoint: SimCheckpoint | None
+) -> Callable[[int, int], None]:
+    """Say where a run resumes (from its checkpoint), and show its inner steps."""
+    bar: list[Progress] = []
+    shown = [0]  # inner steps the bar shows
+    name = f"{method} {_setting(setting)} seed {seed}"
+
+    def step(done: int, total: int) -> None:
+        if not bar:
+            if checkpoint is not None and checkpoint.resumed_at is not None:
+                print(
+                    f"{name}: resumed from {checkpoint.path} at {done:,} of {total:,} inner steps",
+                    flush=True,
+                )
+            bar.append(Progress(total, done, True, name))
+        else:
+            bar[0].update(done - shown[0])
+        shown[0] = done
+        if done >= total:
+            bar[0].close()
+
+    return step
 
 
 def _pretraining(out: Path, seed: int, start: Any) -> Callable[[int, float], None]:

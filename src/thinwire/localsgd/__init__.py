@@ -24,7 +24,8 @@ run's budget and checkpoints), ``task.py`` (:class:`Task`, what the user hands a
   - :func:`rejoin_async` (``runtime/rejoin.py``): a killed worker process comes back.
   - :func:`simulate` (``algorithm/virtual_clock.py``): the same server on a virtual
     clock, with a :class:`SimClock` (:data:`HETEROGENEITY` holds the paper's four speed
-    levels).
+    levels) and, for runs of hours, a :class:`SimCheckpoint` (stopped, a run goes on
+    from its last save).
   - :func:`for_method` (``algorithm/methods.py``) sets a config up as one of the paper's
     :data:`METHODS` (sync, naive, poly, polythres, buffer, dn, dn-dylu), each with its
     tuned outer lr and momentum (:data:`TUNED`).
@@ -62,7 +63,12 @@ from thinwire.localsgd.algorithm.push_guard import PushGuard
 from thinwire.localsgd.algorithm.server_core import ServerCore, Work
 from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
 from thinwire.localsgd.algorithm.sweep import run_sweep, summarize_sweep
-from thinwire.localsgd.algorithm.virtual_clock import HETEROGENEITY, SimClock, simulate
+from thinwire.localsgd.algorithm.virtual_clock import (
+    HETEROGENEITY,
+    SimCheckpoint,
+    SimClock,
+    simulate,
+)
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.runtime.launch import run_async
@@ -90,6 +96,7 @@ __all__ = [
     "Nesterov",
     "PushGuard",
     "ServerCore",
+    "SimCheckpoint",
     "SimClock",
     "SpeedTracker",
     "Start",

@@ -177,3 +177,17 @@ class GlobalModel:
         self.steps_applied = int(state["steps_applied"])
         self.updates_applied = int(state["updates_applied"])
         self.updates_dropped = int(state.get("updates_dropped", 0))
+
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`state_dict` plus what only the same run goes on with: the staleness
+        histogram and a sync round's arrivals held so far (:meth:`restore`)."""
+        return self.state_dict() | {
+            "staleness_seen": dict(self.staleness_seen),
+            "held": [(w, g.clone(), steps, tau) for w, (g, steps, tau) in self._held.items()],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`snapshot`."""
+        self.load_state_dict(state)
+        self.staleness_seen = {int(t): int(n) for t, n in state["staleness_seen"].items()}
+        self._held = {int(w): (g.clone(), int(n), int(t)) for w, g, n, t in state["held"]}

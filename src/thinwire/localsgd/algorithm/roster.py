@@ -12,7 +12,8 @@ outer optimizer, the shards and the steps handed out.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 __all__ = ["Roster", "Round"]
 
@@ -107,6 +108,34 @@ class Roster:
     def forgive(self, worker: int) -> None:
         """An accepted push ends ``worker``'s run of refusals."""
         self.strikes.pop(worker, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every worker's state, in the order the roster keeps them (it decides who is
+        answered first); plain values."""
+        return {
+            "live": [(w, asdict(info)) for w, info in self.live.items()],
+            "dead": sorted(self.dead),
+            "retired": sorted(self.retired),
+            "evicted": sorted(self.evicted),
+            "strikes": dict(self.strikes),
+            "faults": dict(self.faults),
+            "waiting": list(self.waiting),
+            "deadline": self.deadline,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`; the containers are refilled in place (the
+        server reads them by reference)."""
+        self.live.clear()
+        self.live.update((int(w), Round(**info)) for w, info in state["live"])
+        for name in ("dead", "retired", "evicted"):
+            kept = getattr(self, name)
+            kept.clear()
+            kept.update(int(w) for w in state[name])
+        self.strikes = {int(w): int(n) for w, n in state["strikes"].items()}
+        self.faults = {int(w): int(n) for w, n in state["faults"].items()}
+        self.waiting = [int(w) for w in state["waiting"]]
+        self.deadline = None if state["deadline"] is None else float(state["deadline"])
 
     @property
     def busy(self) -> int:

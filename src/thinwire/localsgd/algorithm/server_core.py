@@ -471,3 +471,36 @@ class ServerCore:
         self.shards.load_state_dict(state["shards"])
         self.speeds.load_state_dict(state["speeds"])
         self.guard.load_state_dict(state.get("guard", {}))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole server as it stands, rounds in flight included: for the same run to
+        go on from here in another process (:meth:`restore`; the simulator's
+        checkpoints). :meth:`state_dict` is a relaunch's instead: a new epoch, whose
+        workers join again and whose rounds in flight are handed out again."""
+        return {
+            "model": self.model.snapshot(),
+            "roster": self.roster.state_dict(),
+            "shards": self.shards.snapshot(),
+            "speeds": self.speeds.state_dict(),
+            "guard": self.guard.state_dict()
+            | {"last_ratio": self.guard.last_ratio, "last_refusal": self.guard.last_refusal},
+            "epoch": self.epoch,
+            "steps_assigned": self.steps_assigned,
+            "updates_rejected": self.updates_rejected,
+            "total_steps": self.total_steps,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`snapshot` as if never stopped (same epoch, same rounds in
+        flight), on a server built with the same settings."""
+        self.model.restore(state["model"])
+        self.roster.load_state_dict(state["roster"])
+        self.shards.restore(state["shards"])
+        self.speeds.load_state_dict(state["speeds"])
+        self.guard.load_state_dict(state["guard"])
+        self.guard.last_ratio = float(state["guard"]["last_ratio"])
+        self.guard.last_refusal = state["guard"]["last_refusal"]
+        self.epoch = int(state["epoch"])
+        self.steps_assigned = int(state["steps_assigned"])
+        self.updates_rejected = int(state["updates_rejected"])
+        self.total_steps = int(state["total_steps"])

@@ -156,6 +156,24 @@ class ShardBook:
         if "rng" in state:
             self._rng.set_state(state["rng"])
 
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, rounds in flight included (their clocks advanced, their shards
+        held): for the same run to go on from here (:meth:`restore`), where
+        :meth:`state_dict` is for a relaunch that hands those rounds out again."""
+        return {
+            "planned": list(self.planned),
+            "clock": list(self.clock),
+            "holder": list(self.holder),
+            "reserved": [(w, shard, steps) for w, (shard, steps) in self._reserved.items()],
+            "rng": self._rng.get_state(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`snapshot`."""
+        self.load_state_dict(state)
+        self.holder = [None if h is None else int(h) for h in state["holder"]]
+        self._reserved = {int(w): (int(f), int(n)) for w, f, n in state["reserved"]}
+
 
 class SyncSchedule:
     """The shards and lr clocks of synchronous rounds, as a sync-mode server hands them out.

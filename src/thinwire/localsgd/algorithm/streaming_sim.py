@@ -33,6 +33,7 @@ fragment's last outer step), at the budget's evaluation points.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,7 @@ from thinwire.comm.quantized_allreduce import quantized_wire_bytes
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK, block_codec
 from thinwire.localsgd.algorithm.shards import ShardBook
+from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint, check_same_run
 from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
 from thinwire.localsgd.algorithm.virtual_clock import sim_worker, started
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
@@ -137,11 +139,14 @@ def simulate_streaming(
     cfg: AsyncConfig,
     clock: SimClock,
     pretrained: dict[str, torch.Tensor] | None,
+    checkpoint: SimCheckpoint | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, float]], float]:
     """Run the sync method as Streaming DiLoCo; returns (the run's own summary fields,
     the curve, the virtual time it ended). Called by
-    :func:`~thinwire.localsgd.algorithm.virtual_clock.simulate`, which checks ``cfg``."""
-    return _Streaming(task, cfg, clock, pretrained).run()
+    :func:`~thinwire.localsgd.algorithm.virtual_clock.simulate`, which checks ``cfg``
+    and documents ``checkpoint`` and ``progress``."""
+    return _Streaming(task, cfg, clock, pretrained).run(checkpoint, progress)
 
 
 class _Streaming:
@@ -156,6 +161,7 @@ class _Streaming:
         self.cfg, self.clock, self.metric = cfg, clock, task.evaluate
         task, self.model, sources = started(task, cfg, w_count, pretrained)
         theta = flat_parameters(self.model)
+        self.model_numel = theta.numel()
         self.planned = ShardBook(shard_sizes(sources), cfg.steps * w_count).planned
         self.workers: list[LocalWorker] = []
         self.replicas: list[_Replica] = []
@@ -250,17 +256,35 @@ class _Streaming:
         points, steps = self.clock.eval_points, self.cfg.steps
         return {math.ceil(k * steps / points) for k in range(1, points + 1)}
 
-    def run(self) -> tuple[dict[str, Any], list[dict[str, float]], float]:
-        evals = self._evals()
-        self._record(0)
-        done = 0
+    def run(
+        self,
+        checkpoint: SimCheckpoint | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[dict[str, Any], list[dict[str, float]], float]:
+        evals, w_count = self._evals(), len(self.workers)
+        state = checkpoint.load() if checkpoint is not None else None
+        if checkpoint is not None and state is not None:
+            self.load_state_dict(state)
+            done = int(state["done"])
+            checkpoint.resumed_at = done * w_count
+        else:
+            self._record(0)
+            done = 0
+        if progress is not None:
+            progress(done * w_count, self.cfg.steps * w_count)
         try:
             for stop in self._stops():
+                if stop <= done:
+                    continue  # before the checkpoint this run resumed from
                 self._train(done, stop)
                 done = stop
                 self._sync(stop)
                 if stop in evals and stop < self.cfg.steps:
                     self._record(stop)
+                if progress is not None:
+                    progress(done * w_count, self.cfg.steps * w_count)
+                if checkpoint is not None and checkpoint.due():
+                    checkpoint.save(self.state_dict(done))
             self._finish()
         finally:
             for replica in self.replicas:
@@ -287,6 +311,42 @@ class _Streaming:
             },
         }
         return own, self.curve, max(self.times)
+
+    # --- checkpoints (between two stretches: no average waits in a replica) ------------
+    def state_dict(self, done: int) -> dict[str, Any]:
+        """Everything the rest of the run reads, after inner step ``done`` of each worker."""
+        return {
+            "done": done,
+            "inner": [worker.opt.state_dict() for worker in self.workers],
+            "replicas": [replica.state_dict() for replica in self.replicas],
+            "errors": [(f, w, e.clone()) for (f, w), e in self.exchange.errors.items()],
+            "sent": (self.exchange.bytes_per_worker, self.exchange.peak_bytes),
+            "times": list(self.times),
+            "factors": list(self.factors),
+            "done_at": dict(self.done_at),
+            "curve": self.curve,
+            "jitter_rng": self.jitter_rng.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict` of this very run."""
+        numel = sum(g.numel() for g in state["replicas"][0]["global"])
+        check_same_run((numel, len(state["inner"])), (self.model_numel, len(self.workers)))
+        with torch.no_grad():
+            for worker, replica, inner, saved in zip(
+                self.workers, self.replicas, state["inner"], state["replicas"], strict=True
+            ):
+                worker.opt.load_state_dict(inner)
+                replica.load_state_dict(saved)
+        self.exchange.errors = {(int(f), int(w)): e.clone() for f, w, e in state["errors"]}
+        self.exchange.bytes_per_worker, self.exchange.peak_bytes = map(int, state["sent"])
+        self.times = [float(t) for t in state["times"]]
+        self.factors = [float(x) for x in state["factors"]]
+        self.done_at = {int(f): float(t) for f, t in state["done_at"].items()}
+        self.curve = [dict(point) for point in state["curve"]]
+        self.jitter_rng.set_state(state["jitter_rng"])
+        torch.set_rng_state(state["torch_rng"])
 
     def _finish(self) -> None:
         """As :meth:`StreamingDiLoCo.finish` on every worker: the fragments in flight

@@ -18,7 +18,9 @@ fingerprint of everything that decides its result (the whole config, the clock, 
 and what the caller says about the task: model, data, ...). A run whose file exists with
 the same fingerprint is read back instead of computed, so an interrupted sweep resumes
 where it stopped; a file from other settings (other data, speeds, H, defaults) is
-recomputed and replaced, never passed off as this sweep's.
+recomputed and replaced, never passed off as this sweep's. A run stopped half way goes
+on from its last checkpoint (``<key>.partial.pt``, saved every 10 minutes by default),
+so even a sweep of hours-long runs loses at most minutes to a stop.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from thinwire.errors import ConfigError
 from thinwire.io import atomic_save, atomic_write_text
 from thinwire.localsgd.algorithm.methods import METHODS, TUNED_TRAINED, for_method
 from thinwire.localsgd.algorithm.pretrain import ProgressFn, Start, load_start_state
+from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint
 from thinwire.localsgd.algorithm.virtual_clock import SimClock, simulate, time_to_reach
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.settings import STREAMING
@@ -51,6 +54,9 @@ __all__ = [
     "settings_of",
     "summarize_sweep",
 ]
+
+RunProgress = Callable[[int, int], None]
+"""Called with ``(done, total)`` inner steps of one simulated run."""
 
 _ALIASES = {"inner_state": "inner_momentum", "grace": "grace_s"}
 
@@ -172,6 +178,9 @@ def run_sweep(
     on_run: Callable[[dict[str, Any], bool], None] | None = None,
     context: Mapping[str, Any] | None = None,
     on_pretrain: Callable[[int, Start], ProgressFn | None] | None = None,
+    checkpoint_every: float | None = 600.0,
+    on_start: Callable[[str, dict[str, Any], int, SimCheckpoint | None], RunProgress | None]
+    | None = None,
 ) -> list[dict[str, Any]]:
     """Every method x setting x seed, simulated; returns the runs (curves included).
 
@@ -180,8 +189,18 @@ def run_sweep(
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
     ``out_dir``; ``on_pretrain(seed, start)`` before a seed's pretraining (when the
     runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``) may return
-    a callback that is called after every pretraining step with ``(step, loss)``. ``context``: what ``task_for_seed`` builds, as plain values (model,
-    data, batch size, ...), so that a run cached from another task is not read back.
+    a callback that is called after every pretraining step with ``(step, loss)``.
+    ``context``: what ``task_for_seed`` builds, as plain values (model, data, batch size,
+    ...), so that a run cached from another task is not read back.
+
+    Within a run, with ``out_dir``, the simulation is saved every ``checkpoint_every``
+    wall seconds to ``runs/<key>.partial.pt`` (None: never), so a sweep stopped in the
+    middle of an hours-long run goes on from there, with the same result
+    (:mod:`~thinwire.localsgd.algorithm.sim_checkpoint`); the file goes once the run's
+    JSON is written. ``on_start(method, setting, seed, checkpoint)`` is called before
+    each run that is computed and may return a callback called with ``(done, total)``
+    inner steps, first when the run starts (``checkpoint.resumed_at`` then says whether
+    it resumed) and then after every arrival.
     Every configuration is validated before the first run.
     """
     for method in grid:
@@ -216,13 +235,24 @@ def run_sweep(
                     where = (runs_dir, seed, context)
                     starts[seed, start] = _pretrained(tasks[seed], start, shards, where, progress)
                 state = starts[seed, start]
+            ckpt = None
+            if runs_dir is not None and checkpoint_every is not None:
+                ckpt = SimCheckpoint(runs_dir / f"{key}.partial.pt", checkpoint_every, digest)
+            progress = on_start(method, setting, seed, ckpt) if on_start is not None else None
             run = simulate(
-                tasks[seed], replace(cfg, seed=seed), replace(clock, seed=seed), pretrained=state
+                tasks[seed],
+                replace(cfg, seed=seed),
+                replace(clock, seed=seed),
+                pretrained=state,
+                checkpoint=ckpt,
+                progress=progress,
             )
             run |= {"method": method, "setting": setting, "seed": seed, "key": key}
             run["fingerprint"] = digest
             if path is not None:
                 _write_json(path, run)
+        if runs_dir is not None:  # the result is kept: its run's checkpoint is done with
+            (runs_dir / f"{key}.partial.pt").unlink(missing_ok=True)
         runs.append(run)
         if on_run is not None:
             on_run(run, cached)

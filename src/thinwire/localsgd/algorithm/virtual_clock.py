@@ -30,8 +30,10 @@ The simulator takes the very pieces a real run takes: the user's
 :class:`~thinwire.localsgd.task.Task` (its ``evaluate`` is required: it draws the curve)
 and one :class:`~thinwire.localsgd.config.AsyncConfig`, plus a :class:`SimClock` with the
 virtual-clock knobs; :func:`for_method` sets a config up as one of the methods above.
-The config's wall-clock settings (timeouts, heartbeats, checkpoints, ``eval_interval``)
-do not apply to a virtual clock; ``slowdown`` is refused (speeds come from the clock).
+The config's wall-clock settings (timeouts, heartbeats, the runtime's checkpoints,
+``eval_interval``) do not apply to a virtual clock; ``slowdown`` is refused (speeds come
+from the clock). A simulated run keeps checkpoints of its own, so that a run of hours can
+be stopped and go on (:mod:`thinwire.localsgd.algorithm.sim_checkpoint`).
 ``compress`` and ``compress_pull`` go through the runtime's very codecs
 (:mod:`thinwire.localsgd.algorithm.compression`), error feedback included, and the payload bytes
 of every push and pull are counted.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,8 +53,10 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import PullDecoder, PullEncoder, PushEncoder, decode
 from thinwire.localsgd.algorithm.methods import METHODS, for_method
 from thinwire.localsgd.algorithm.server_core import ServerCore
-from thinwire.localsgd.algorithm.worker_core import LocalWorker
+from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint, check_same_run
+from thinwire.localsgd.algorithm.worker_core import LocalWorker, RoundResult
 from thinwire.localsgd.config import AsyncConfig
+from thinwire.localsgd.messages import Work
 from thinwire.localsgd.task import (
     Task,
     flat_parameters,
@@ -63,6 +68,7 @@ from thinwire.localsgd.task import (
 __all__ = [
     "HETEROGENEITY",
     "METHODS",
+    "SimCheckpoint",
     "SimClock",
     "for_method",
     "simulate",
@@ -112,11 +118,18 @@ def simulate(
     cfg: AsyncConfig,
     clock: SimClock | None = None,
     pretrained: dict[str, torch.Tensor] | None = None,
+    *,
+    checkpoint: SimCheckpoint | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run one simulated training of ``task``; returns its curve and summary (JSON-ready).
 
     The run starts where ``cfg.start()`` says (:mod:`thinwire.localsgd.algorithm.pretrain`);
     ``pretrained`` is that start's weights if already computed (a sweep's other runs).
+    ``checkpoint``: save the run as it goes and go on from an earlier save of it
+    (:mod:`thinwire.localsgd.algorithm.sim_checkpoint`; the result is the same either
+    way). ``progress(done, total)`` is called with the inner steps applied: once at the
+    start (more than 0 when resumed) and after every arrival.
 
     Each curve point holds ``steps``, ``updates``, ``time_s`` and ``task.evaluate``'s
     metrics (``val_loss`` and, from a dict, the others by name); ``final_val_loss`` and
@@ -134,10 +147,10 @@ def simulate(
     if cfg.streaming():  # sync DiLoCo with fragments or a quantizer (checked above)
         from thinwire.localsgd.algorithm.streaming_sim import simulate_streaming
 
-        own, curve, now = simulate_streaming(task, cfg, clock, pretrained)
+        own, curve, now = simulate_streaming(task, cfg, clock, pretrained, checkpoint, progress)
         return _summary(cfg, clock, own, curve, now)
     sim = _Simulation(task, cfg, clock, pretrained)
-    return sim.summary(sim.run())
+    return sim.summary(sim.run(checkpoint, progress))
 
 
 def started(
@@ -196,8 +209,10 @@ class _Simulation:
         self.spw = dict(zip(self.workers, clock.seconds_per_step, strict=True))
         self.jitter_rng = torch.Generator().manual_seed(clock.seed + 7919)
         self.curve: list[dict[str, float]] = []
-        self.events: list[tuple[float, int, int, Any, Any, float]] = []
+        self.events: list[tuple[float, int, int, Work, RoundResult, float]] = []
         self.seq = 0
+        self.now = 0.0
+        self.next_eval = self.total / clock.eval_points
 
     def record(self, now: float) -> None:
         core = self.core
@@ -229,33 +244,95 @@ class _Simulation:
             heapq.heappush(self.events, (finish, self.seq, w, work, result, seconds))
             self.seq += 1
 
-    def run(self) -> float:
-        """Play the run out in virtual time; returns the time it ended."""
+    def run(
+        self,
+        checkpoint: SimCheckpoint | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> float:
+        """Play the run out in virtual time (from ``checkpoint``'s save, if it holds one
+        of this run); returns the time it ended."""
         core, events = self.core, self.events
-        self.record(0.0)
+        state = checkpoint.load() if checkpoint is not None else None
+        if checkpoint is not None and state is not None:
+            self.load_state_dict(state)
+            checkpoint.resumed_at = core.steps_applied
+        else:
+            self.record(0.0)
+            for w in self.workers:
+                core.join(w, 0.0)
+            self.dispatch(0.0)
+        if progress is not None:
+            progress(core.steps_applied, self.total)
         every = self.total / self.clock.eval_points
-        next_eval = every
-        for w in self.workers:
-            core.join(w, 0.0)
-        now = 0.0
-        self.dispatch(now)
         while events or core.wake_at() is not None:
             deadline = core.wake_at()
             if deadline is not None and (not events or deadline < events[0][0]):
-                now = deadline
+                self.now = deadline
             else:
-                now, _, w, work, result, seconds = heapq.heappop(events)
+                self.now, _, w, work, result, seconds = heapq.heappop(events)
                 core.submit(
-                    w, work.epoch, result.pseudo_grad, work.steps, seconds, now, work.version
+                    w, work.epoch, result.pseudo_grad, work.steps, seconds, self.now, work.version
                 )
-                if core.steps_applied >= next_eval - 1e-9:
-                    while next_eval <= core.steps_applied + 1e-9:
-                        next_eval += every
-                    self.record(now)
-            self.dispatch(now)
+                if core.steps_applied >= self.next_eval - 1e-9:
+                    while self.next_eval <= core.steps_applied + 1e-9:
+                        self.next_eval += every
+                    self.record(self.now)
+                if progress is not None:
+                    progress(core.steps_applied, self.total)
+            self.dispatch(self.now)
+            if checkpoint is not None and checkpoint.due():
+                checkpoint.save(self.state_dict())
         if self.curve[-1]["steps"] != core.steps_applied:
-            self.record(now)
-        return now
+            self.record(self.now)
+        return self.now
+
+    # --- checkpoints (between two events: nothing half done) ---------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the rest of the run reads, as plain values and tensors."""
+        return {
+            "core": self.core.snapshot(),
+            "inner": {w: worker.opt.state_dict() for w, worker in self.workers.items()},
+            "push": {w: enc.feedback.state_dict() for w, enc in self.push.items() if enc.feedback},
+            "pull": {w: view.clone() for w, view in self.pull.views.items()},
+            # A worker's view of theta is read only by compressed pulls' deltas.
+            "views": {w: d.view for w, d in self.views.items()} if self.pull.compressed else {},
+            "events": [
+                (finish, seq, w, asdict(work), asdict(result), seconds)
+                for finish, seq, w, work, result, seconds in self.events
+            ],
+            "seq": self.seq,
+            "now": self.now,
+            "next_eval": self.next_eval,
+            "curve": self.curve,
+            "wire": dict(self.wire),
+            "jitter_rng": self.jitter_rng.get_state(),
+            "torch_rng": torch.get_rng_state(),  # a task's dropout draws from it
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict` of this very run (same task, config and clock)."""
+        saved = (state["core"]["model"]["theta"].numel(), len(state["inner"]))
+        check_same_run(saved, (self.core.theta.numel(), len(self.workers)))
+        self.core.restore(state["core"])
+        for w, worker in self.workers.items():
+            worker.opt.load_state_dict(state["inner"][w])
+        for w, saved in state["push"].items():
+            feedback = self.push[w].feedback
+            assert feedback is not None  # the same codec saved it
+            feedback.load_state_dict(saved)
+        self.pull.views = {int(w): view.clone() for w, view in state["pull"].items()}
+        for w, view in state["views"].items():
+            self.views[w].view = None if view is None else view.clone()
+        self.events[:] = [  # in place: run() holds the list
+            (finish, seq, w, Work(**work), RoundResult(**result), seconds)
+            for finish, seq, w, work, result, seconds in state["events"]
+        ]
+        self.seq, self.now = int(state["seq"]), float(state["now"])
+        self.next_eval = float(state["next_eval"])
+        self.curve = [dict(point) for point in state["curve"]]
+        self.wire = dict(state["wire"])
+        self.jitter_rng.set_state(state["jitter_rng"])
+        torch.set_rng_state(state["torch_rng"])
 
     def summary(self, now: float) -> dict[str, Any]:
         core = self.core
