@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import re
 from dataclasses import replace
@@ -67,6 +68,7 @@ def _run(
     checkpoint: SimCheckpoint | None = None,
     kill_at: int | None = None,
     n_embd: int = 32,
+    declare_speeds: bool = True,
     **kw: Any,
 ) -> dict[str, Any]:
     """One small run; ``kill_at``: raise at that arrival (after it landed, before its
@@ -79,7 +81,9 @@ def _run(
             raise _Killed
 
     cfg = replace(for_method(AsyncConfig(**_KW), method), **kw)
-    clock = SimClock((0.5, 1.0, 2.3), jitter=0.3, seed=3, eval_points=3)
+    clock = SimClock(
+        (0.5, 1.0, 2.3), jitter=0.3, seed=3, eval_points=3, declare_speeds=declare_speeds
+    )
     return simulate(_task(data, n_embd), cfg, clock, checkpoint=checkpoint, progress=progress)
 
 
@@ -94,12 +98,15 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["updates"] == b["updates"] and a["updates_dropped"] == b["updates_dropped"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("method", "kw", "kills"),
     [
-        ("dn-dylu", {}, (2, 5)),
-        ("sync", {}, (4,)),  # mid-round: two of three arrivals held
+        ("dn-dylu", {}, (2, 4)),  # stopped twice: the second time, a resumed run
+        ("dn-dylu", {"declare_speeds": False, "calibration_steps": 2}, (3,)),
+        ("sync", {}, (3, 3)),  # a round's arrivals held at both stops
+        ("naive", {"grace_s": 0.7, "shard_sampling": "paper"}, (5,)),
+        ("poly", {}, (4,)),
         ("polythres", {"max_staleness": 1}, (6,)),
         ("buffer", {}, (3,)),
     ],
@@ -108,46 +115,77 @@ def test_a_run_stopped_and_started_again_ends_as_if_never_stopped(
     data: TextData, tmp_path: Path, method: str, kw: dict[str, Any], kills: tuple[int, ...]
 ) -> None:
     reference = _run(data, method, **kw)
-    assert reference["updates"] + reference["updates_dropped"] > max(kills)
+    assert reference["updates"] + reference["updates_dropped"] > sum(kills)
     if method == "polythres":
         assert reference["updates_dropped"] > 0  # the drops are part of what resumes
-    for kill in kills:
-        path = tmp_path / f"{method}-{kill}.pt"
+    path = tmp_path / "run.partial.pt"
+    held = []
+    for i, kill in enumerate(kills):
+        ckpt = SimCheckpoint(path, every_s=0, tag="t")
         with pytest.raises(_Killed):
-            _run(data, method, SimCheckpoint(path, every_s=0, tag="t"), kill_at=kill, **kw)
-        assert path.exists()
-        again = SimCheckpoint(path, every_s=0, tag="t")
-        resumed = _run(data, method, again, **kw)
-        assert again.resumed_at is not None and 0 < again.resumed_at < reference["inner_steps"]
-        _same(resumed, reference)
+            _run(data, method, ckpt, kill_at=kill, **kw)
+        assert (ckpt.resumed_at is not None) == (i > 0)
+        held.append(len(safe_load(path)["state"]["core"]["model"]["held"]))
+    if method == "sync":
+        assert all(n > 0 for n in held)  # saved mid-round: the arrivals held resume too
+    again = SimCheckpoint(path, every_s=0, tag="t")
+    resumed = _run(data, method, again, **kw)
+    assert again.resumed_at is not None and again.resumed_at < reference["inner_steps"]
+    _same(resumed, reference)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_file_of_another_run_or_unreadable_is_not_resumed(
     data: TextData, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    reference = _run(data, "dn")
+    reference = _run(data, "dn-dylu")
     path = tmp_path / "run.partial.pt"
-    with pytest.raises(_Killed):
-        _run(data, "dn", SimCheckpoint(path, every_s=0, tag="other"), kill_at=3)
-    ckpt = SimCheckpoint(path, every_s=0, tag="mine")  # another tag: starts from its start
-    _same(_run(data, "dn", ckpt), reference)
-    assert ckpt.resumed_at is None
+    for other in ({"tag": "other"}, {"method": "dn"}, {"outer_lr": 0.9}):
+        with pytest.raises(_Killed):
+            ckpt = SimCheckpoint(path, every_s=0, tag=other.get("tag", "mine"))
+            cfg = {k: v for k, v in other.items() if k != "tag"}
+            _run(data, cfg.pop("method", "dn-dylu"), ckpt, kill_at=3, **cfg)
+        ckpt = SimCheckpoint(path, every_s=0, tag="mine")  # starts from its start
+        _same(_run(data, "dn-dylu", ckpt), reference)
+        assert ckpt.resumed_at is None, other
     path.write_bytes(b"not a checkpoint")
     ckpt = SimCheckpoint(path, every_s=0, tag="mine")
     with caplog.at_level(logging.WARNING):
-        _same(_run(data, "dn", ckpt), reference)
+        _same(_run(data, "dn-dylu", ckpt), reference)
     assert ckpt.resumed_at is None
     assert "corrupt or unreadable" in caplog.text and "starts from its start" in caplog.text
     # The run left its last save (the sweep discards it once the result is kept); the
-    # same tag on another model: refused in one line, the file left as it was.
+    # same settings on another model: refused in one line, the file left as it was.
     before = path.read_bytes()
     with pytest.raises(ConfigError, match="another run's") as err:
-        _run(data, "dn", SimCheckpoint(path, every_s=0, tag="mine"), n_embd=16)
+        _run(data, "dn-dylu", SimCheckpoint(path, every_s=0, tag="mine"), n_embd=16)
     assert "\n" not in str(err.value)
     assert path.read_bytes() == before
     with pytest.raises(ConfigError, match="checkpoint interval"):
         SimCheckpoint(path, every_s=-1)
+
+
+@pytest.mark.timeout(180)
+def test_never_saving_still_resumes_and_a_failed_save_is_one_line(
+    data: TextData, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference = _run(data, "naive")
+    path = tmp_path / "run.partial.pt"
+    with pytest.raises(_Killed):
+        _run(data, "naive", SimCheckpoint(path, every_s=0), kill_at=4)
+    saved = path.read_bytes()
+    never = SimCheckpoint(path, every_s=math.inf)
+    _same(_run(data, "naive", never), reference)
+    assert never.resumed_at is not None and path.read_bytes() == saved  # read, not written
+    fresh = tmp_path / "fresh.partial.pt"
+    _run(data, "naive", SimCheckpoint(fresh, every_s=math.inf))
+    assert not fresh.exists()
+    # A save that cannot be written (its folder is a file) is said, and the run goes on.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING):
+        _same(_run(data, "naive", SimCheckpoint(blocked / "run.pt", every_s=0)), reference)
+    assert "could not save the simulation" in caplog.text and "the run goes on" in caplog.text
 
 
 @pytest.mark.timeout(240)
@@ -220,6 +258,10 @@ def test_a_sweep_stopped_mid_run_goes_on_from_its_checkpoint(
     assert not partial[0].exists()  # done with once the result is kept
     kept = json.loads(next((out / "runs").glob("*.json")).read_text())
     assert kept["curve"] == reference[0]["curve"]
+    # A save left beside a kept result (a stop between the two writes) goes at the rerun.
+    partial[0].write_bytes(b"left over")
+    sweep(out, None)
+    assert not partial[0].exists()
 
 
 @pytest.mark.timeout(240)
@@ -244,9 +286,13 @@ def test_the_cli_goes_on_from_a_run_stopped_by_ctrl_c(
         return progress
 
     monkeypatch.setattr(cli_simulate, "_starting", stopped_at_the_third_arrival)
+    never = [*args, "--checkpoint-every", "0", "--out", str(tmp_path / "never")]
+    assert main(never) == 130
+    assert "the run in progress had no save yet and starts again" in capsys.readouterr().err
+    assert not list((tmp_path / "never" / "runs").glob("*.partial.pt"))
     assert main([*args, "--out", str(tmp_path / "stopped")]) == 130
     err = capsys.readouterr().err
-    assert "interrupted" in err and "goes on from its last checkpoint" in err
+    assert "interrupted" in err and "the run in progress goes on from its save in" in err
     monkeypatch.undo()
     assert main([*args, "--out", str(tmp_path / "stopped")]) == 0
     out = capsys.readouterr().out

@@ -37,17 +37,22 @@ from thinwire.train.data import TextData
 
 
 class _Timed(SimCheckpoint):
-    """A checkpoint that notes how long each save took and how large it was."""
+    """A checkpoint that notes how long each save took (gathering the state included:
+    the clock starts when the simulator asks whether a save is due) and its size."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.seconds: list[float] = []
         self.sizes: list[int] = []
+        self._asked = 0.0
+
+    def due(self) -> bool:
+        self._asked = time.perf_counter()
+        return super().due()
 
     def save(self, state: dict[str, Any]) -> None:
-        start = time.perf_counter()
         super().save(state)
-        self.seconds.append(time.perf_counter() - start)
+        self.seconds.append(time.perf_counter() - self._asked)
         self.sizes.append(os.path.getsize(self.path))
 
 
@@ -69,7 +74,8 @@ def main() -> None:
         ckpt = _Timed(Path(tmp) / "run.partial.pt", every_s=0)
         run = simulate(gpt_task(model, data), for_method(cfg, args.method), clock, checkpoint=ckpt)
     print(
-        f"{args.model} ({run['parameters']:,} parameters), {args.method}, 4 workers: "
+        f"{args.model} ({run['parameters']:,} parameters), {args.method}, "
+        f"{len(clock.seconds_per_step)} workers: "
         f"{len(ckpt.seconds)} saves, median {statistics.median(ckpt.seconds):.3f} s, "
         f"largest {max(ckpt.seconds):.3f} s; file {statistics.median(ckpt.sizes) / 1e6:.1f} MB "
         f"(largest {max(ckpt.sizes) / 1e6:.1f} MB); every 600 s: "

@@ -192,7 +192,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         default=600.0,
         metavar="SECONDS",
         help="save a run in progress this often (wall seconds) to --out/runs, so a "
-        "stopped run goes on from there when started again (default 600; 0: never)",
+        "stopped run goes on from there when started again (default 600; 0: write no "
+        "saves, though one left earlier is still resumed from)",
     )
     p.set_defaults(func=run_async)
 
@@ -315,13 +316,8 @@ def run_async(args: argparse.Namespace) -> int:
         return gpt_task(cfg, TextData(args.data, cfg.gpt_config().seq_len, cfg.val_fraction, seed))
 
     out = Path(args.out)
-    kept = f"finished runs are kept in {out}/runs; "
-    kept += (
-        "the run in progress goes on from its last checkpoint"
-        if args.checkpoint_every
-        else "the run in progress starts again (--checkpoint-every 0)"
-    )
-    args.on_interrupt = lambda: kept + ": run the same command again"
+    current: list[SimCheckpoint | None] = [None]  # the run in progress's
+    args.on_interrupt = functools.partial(_what_is_kept, out, current)
     context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
     pretraining = functools.partial(_pretraining, out)
     runs = run_sweep(
@@ -334,8 +330,8 @@ def run_async(args: argparse.Namespace) -> int:
         _report,
         context,
         on_pretrain=pretraining,
-        checkpoint_every=args.checkpoint_every or None,
-        on_start=_starting,
+        checkpoint_every=args.checkpoint_every or math.inf,
+        on_start=functools.partial(_starting, current),
     )
     _write_results(args, runs, speeds, seeds, model, base)
     return 0
@@ -434,10 +430,26 @@ def _report(run: dict[str, Any], cached: bool) -> None:
     )
 
 
+def _what_is_kept(out: Path, current: list[SimCheckpoint | None]) -> str:
+    """What a Ctrl-C leaves: finished runs, and the run in progress's last save."""
+    ckpt = current[0]
+    if ckpt is not None and ckpt.path.exists():
+        now = f"the run in progress goes on from its save in {ckpt.path}"
+    else:
+        now = "the run in progress had no save yet and starts again"
+    return f"finished runs are kept in {out / 'runs'}; {now}: run the same command again"
+
+
 def _starting(
-    method: str, setting: dict[str, Any], seed: int, checkpoint: SimCheckpoint | None
+    current: list[SimCheckpoint | None],
+    method: str,
+    setting: dict[str, Any],
+    seed: int,
+    checkpoint: SimCheckpoint | None,
 ) -> Callable[[int, int], None]:
-    """Say where a run resumes (from its checkpoint), and show its inner steps."""
+    """Say where a run resumes (from its checkpoint), and show its inner steps;
+    ``current[0]`` is this run's checkpoint from now on."""
+    current[0] = checkpoint
     bar: list[Progress] = []
     shown = [0]  # inner steps the bar shows
     name = f"{method} {_setting(setting)} seed {seed}"

@@ -124,8 +124,8 @@ class Roster:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on from :meth:`state_dict`; the containers are refilled in place (the
-        server reads them by reference)."""
+        """Go on from :meth:`state_dict`. ``live``, ``dead``, ``retired`` and ``evicted``
+        are refilled in place: the server holds them by reference."""
         self.live.clear()
         self.live.update((int(w), Round(**info)) for w, info in state["live"])
         for name in ("dead", "retired", "evicted"):

@@ -4,39 +4,52 @@ A long-tier run (a larger model, thousands of inner steps per worker, from a tra
 start) takes one to two hours of a CPU core; a sweep of them takes days. Hand
 :func:`~thinwire.localsgd.algorithm.virtual_clock.simulate` a :class:`SimCheckpoint` and
 it saves the whole run every ``every_s`` seconds of wall time; started again with the
-same checkpoint, the run goes on from the last save and ends with the very numbers an
-uninterrupted run gives (bit for bit: what is saved is everything the run reads: theta
-and the outer optimizer, the server's roster, shards, speeds and push guard, every
-worker's inner optimizer, the codecs' residuals and views, the rounds in flight, the
-random generators and the curve so far)::
+same checkpoint and the same config and clock, the run goes on from the last save and
+ends with the very numbers an uninterrupted run gives::
 
-    ckpt = SimCheckpoint(Path("runs/dn-dylu.partial.pt"), every_s=600, tag=my_fingerprint)
+    ckpt = SimCheckpoint(Path("runs/dn-dylu.partial.pt"), every_s=600, tag="dn-dylu seed 1")
     run = simulate(task, cfg, clock, checkpoint=ckpt)   # again after a kill: resumes
     ckpt.discard()                                       # once the result is kept
 
-``tag`` names the run the file belongs to (the sweep uses the run's fingerprint: config,
-clock, seed and task): a file with another tag is not resumed from, and the run starts
-over and replaces it, as a cached result of other settings is replaced. A file that
-cannot be read is said so in one line and the run starts over.
+What is saved is everything the run reads: theta and the outer optimizer, the server's
+roster, shards, speeds and push guard, every worker's inner optimizer, the codecs'
+residuals and views, the rounds in flight, the curve so far, and three random
+generators: torch's CPU generator (a task's dropout), the clock's jitter and the shard
+sampler's. Bit for bit holds for thinwire's tasks; a task of your own that draws from
+Python's ``random``, NumPy or CUDA generators, or whose model has buffers the training
+changes, resumes close but not identical. The same torch build and thread count
+(``--threads``) are assumed: another may round differently.
 
-Costs: a save writes the model about ``6 + 3 W`` times over (theta, the outer state,
-each worker's Adam moments and pulled view, the rounds in flight; about 150 MB for the
-1.8M-parameter ``mini`` GPT and 4 workers) and takes well under a second; every 10
-minutes (the CLI's default) is noise against the run. Files are written then renamed,
-so a kill mid-save leaves the previous save whole. ``every_s=0`` saves after every
-arrival (tests; a run whose every round is precious).
+Which run a file belongs to: the simulator stores a digest of the config and the clock,
+and ``tag`` is yours (the sweep passes its run fingerprint, which adds the task: model,
+data, ...). A file of other settings or another tag is not resumed from; the run starts
+over and replaces it at its first save, as a cached result of other settings is
+replaced. A file that cannot be read is said so in one line and the run starts over; one
+that fits the settings but not the model is refused in one line and left alone.
+
+Costs: a save holds the model ``3 + 3 W`` times over with uncompressed pulls (theta,
+Delayed Nesterov's two buffers, each worker's two AdamW moments and its round in
+flight), ``W`` more with 1-bit pushes (the residuals) and ``2 W`` more with compressed
+pulls (both sides' views): 110.7 MB for the 1.84M-parameter ``mini`` GPT and 4 workers,
+about 0.2 s to write (``tools/sim_checkpoint_cost.py``); every 10 minutes (the CLI's
+default) that is noise. Files are written then renamed, so a kill mid-save leaves the
+previous save whole; a save that fails (a full disk) is said in one line and the run
+goes on. ``every_s=0`` saves after every arrival (tests; a run whose every round is
+precious), ``every_s=math.inf`` never saves but still resumes from a file left earlier.
 
 Both kinds of simulated run keep one: the server methods' (every asynchronous method and
-plain sync DiLoCo) and Streaming DiLoCo's (the ``sync`` method with fragments or a
-quantizer), which saves between two of its stretches of inner steps.
+plain sync DiLoCo; saved between two arrivals) and Streaming DiLoCo's (the ``sync``
+method with fragments or a quantizer; saved between two stretches of inner steps).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +61,8 @@ __all__ = ["SimCheckpoint", "check_same_run"]
 
 log = logging.getLogger(__name__)
 
+_FORMAT = 1  # the layout of a saved file; another is not resumed from
+
 
 @dataclass
 class SimCheckpoint:
@@ -55,8 +70,9 @@ class SimCheckpoint:
 
     Args:
         path: the file (written then renamed; its folder is made if missing).
-        every_s: wall seconds between saves; 0 saves after every arrival.
-        tag: what the run is; a file with another tag is not resumed from.
+        every_s: wall seconds between saves; 0 saves after every arrival, ``math.inf``
+            never (a file left earlier is still resumed from).
+        tag: what the run is, in your words; a file with another tag is not resumed from.
     """
 
     path: Path
@@ -65,40 +81,71 @@ class SimCheckpoint:
     resumed_at: int | None = field(default=None, init=False)
     """Inner steps the run had applied when it was resumed from the file (None: it
     started from its start); set by the simulator."""
+    _run: str = field(default="", init=False, repr=False)
     _last: float = field(default_factory=time.monotonic, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
-        if not (self.every_s >= 0 and math.isfinite(self.every_s)):
+        if not self.every_s >= 0:  # nan too
             raise ConfigError(f"checkpoint interval must be >= 0 seconds, got {self.every_s}")
 
-    def load(self) -> dict[str, Any] | None:
-        """The saved state of this run, or None (no file, another run's, unreadable)."""
+    def resume(self, settings: tuple[Any, ...], restore: Callable[[dict[str, Any]], None]) -> bool:
+        """Start the run of ``settings`` (dataclasses: its config and clock):
+        ``restore(state)`` from the file if it holds this run, and True; else False (no
+        file, another run's, unreadable: the run starts from its start)."""
+        text = json.dumps([asdict(x) for x in settings], sort_keys=True, default=repr)
+        self._run = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self.resumed_at, self._last = None, time.monotonic()
         if not self.path.exists():
-            return None
+            return False
         try:
             blob = safe_load(self.path, "simulation checkpoint")
         except ConfigError as exc:
             log.warning("%s; the run starts from its start", exc)
-            return None
-        if not isinstance(blob, dict) or blob.get("tag") != self.tag or "state" not in blob:
-            return None  # another run's (other settings): replaced at the first save
-        self._last = time.monotonic()
-        return blob["state"]
+            return False
+        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+            return False  # another version's: replaced at the first save
+        if (blob.get("tag"), blob.get("run")) != (self.tag, self._run):
+            return False  # another run's (other settings): replaced at the first save
+        try:
+            restore(blob["state"])
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError, AssertionError) as exc:
+            raise ConfigError(
+                f"simulation checkpoint {self.path} does not fit this run ({_first(exc)}): "
+                "delete it, or give another path"
+            ) from None
+        return True
 
     def due(self) -> bool:
         """Whether ``every_s`` has passed since the last save (or the start)."""
         return time.monotonic() - self._last >= self.every_s
 
     def save(self, state: dict[str, Any]) -> None:
-        """Keep ``state`` (plain values and tensors), replacing the last save whole."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_save({"tag": self.tag, "state": state}, self.path)
+        """Keep ``state`` (plain values and tensors), replacing the last save whole; a
+        failed write is said in one line and the run goes on."""
+        blob = {"format": _FORMAT, "tag": self.tag, "run": self._run, "state": state}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_save(blob, self.path)
+        except OSError as exc:
+            log.warning(
+                "could not save the simulation to %s (%s); the run goes on, and a stop now "
+                "resumes from the save before",
+                self.path,
+                exc.strerror or exc,
+            )
         self._last = time.monotonic()
 
     def discard(self) -> None:
         """Remove the file (the run's result is kept elsewhere)."""
         self.path.unlink(missing_ok=True)
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def check_same_run(saved: tuple[int, int], run: tuple[int, int]) -> None:

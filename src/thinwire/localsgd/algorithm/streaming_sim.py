@@ -189,6 +189,7 @@ class _Streaming:
         self.jitter_rng = torch.Generator().manual_seed(clock.seed + 7919)
         self.done_at: dict[int, float] = {}  # fragment -> when its exchange completed
         self.curve: list[dict[str, float]] = []
+        self.done = 0  # inner steps of each worker so far (where a resumed run goes on)
 
     # --- one stretch of steps, one sync ----------------------------------------------
     def _train(self, start: int, stop: int) -> None:
@@ -262,10 +263,9 @@ class _Streaming:
         progress: Callable[[int, int], None] | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, float]], float]:
         evals, w_count = self._evals(), len(self.workers)
-        state = checkpoint.load() if checkpoint is not None else None
-        if checkpoint is not None and state is not None:
-            self.load_state_dict(state)
-            done = int(state["done"])
+        settings = (self.cfg, self.clock)
+        if checkpoint is not None and checkpoint.resume(settings, self.load_state_dict):
+            done = self.done
             checkpoint.resumed_at = done * w_count
         else:
             self._record(0)
@@ -339,6 +339,7 @@ class _Streaming:
             ):
                 worker.opt.load_state_dict(inner)
                 replica.load_state_dict(saved)
+        self.done = int(state["done"])
         self.exchange.errors = {(int(f), int(w)): e.clone() for f, w, e in state["errors"]}
         self.exchange.bytes_per_worker, self.exchange.peak_bytes = map(int, state["sent"])
         self.times = [float(t) for t in state["times"]]

@@ -194,13 +194,15 @@ def run_sweep(
     ...), so that a run cached from another task is not read back.
 
     Within a run, with ``out_dir``, the simulation is saved every ``checkpoint_every``
-    wall seconds to ``runs/<key>.partial.pt`` (None: never), so a sweep stopped in the
-    middle of an hours-long run goes on from there, with the same result
-    (:mod:`~thinwire.localsgd.algorithm.sim_checkpoint`); the file goes once the run's
-    JSON is written. ``on_start(method, setting, seed, checkpoint)`` is called before
-    each run that is computed and may return a callback called with ``(done, total)``
-    inner steps, first when the run starts (``checkpoint.resumed_at`` then says whether
-    it resumed) and then after every arrival.
+    wall seconds to ``runs/<key>.partial.pt``, so a sweep stopped in the middle of an
+    hours-long run goes on from there, with the same result
+    (:mod:`~thinwire.localsgd.algorithm.sim_checkpoint`; ``math.inf``: no saves, but a
+    file left earlier is resumed from; None: no file read or written). The file goes
+    once the run's JSON is written; one of a setting no longer in the grid stays (delete
+    ``runs/*.partial.pt`` by hand). ``on_start(method, setting, seed, checkpoint)`` is
+    called before each run that is computed and may return a callback called with
+    ``(done, total)`` inner steps, first when the run starts (``checkpoint.resumed_at``
+    then says whether it resumed) and then as it goes.
     Every configuration is validated before the first run.
     """
     for method in grid:

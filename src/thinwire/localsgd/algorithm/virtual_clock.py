@@ -44,7 +44,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -128,8 +128,9 @@ def simulate(
     ``pretrained`` is that start's weights if already computed (a sweep's other runs).
     ``checkpoint``: save the run as it goes and go on from an earlier save of it
     (:mod:`thinwire.localsgd.algorithm.sim_checkpoint`; the result is the same either
-    way). ``progress(done, total)`` is called with the inner steps applied: once at the
-    start (more than 0 when resumed) and after every arrival.
+    way; ``checkpoint.resumed_at`` says whether it resumed). ``progress(done, total)``
+    is called with the inner steps applied, of ``total``: once at the start and then
+    after every arrival (Streaming DiLoCo: every stretch of inner steps).
 
     Each curve point holds ``steps``, ``updates``, ``time_s`` and ``task.evaluate``'s
     metrics (``val_loss`` and, from a dict, the others by name); ``final_val_loss`` and
@@ -251,10 +252,9 @@ class _Simulation:
     ) -> float:
         """Play the run out in virtual time (from ``checkpoint``'s save, if it holds one
         of this run); returns the time it ended."""
-        core, events = self.core, self.events
-        state = checkpoint.load() if checkpoint is not None else None
-        if checkpoint is not None and state is not None:
-            self.load_state_dict(state)
+        core = self.core
+        settings = (self.cfg, self.clock)
+        if checkpoint is not None and checkpoint.resume(settings, self.load_state_dict):
             checkpoint.resumed_at = core.steps_applied
         else:
             self.record(0.0)
@@ -264,12 +264,12 @@ class _Simulation:
         if progress is not None:
             progress(core.steps_applied, self.total)
         every = self.total / self.clock.eval_points
-        while events or core.wake_at() is not None:
+        while self.events or core.wake_at() is not None:
             deadline = core.wake_at()
-            if deadline is not None and (not events or deadline < events[0][0]):
+            if deadline is not None and (not self.events or deadline < self.events[0][0]):
                 self.now = deadline
             else:
-                self.now, _, w, work, result, seconds = heapq.heappop(events)
+                self.now, _, w, work, result, seconds = heapq.heappop(self.events)
                 core.submit(
                     w, work.epoch, result.pseudo_grad, work.steps, seconds, self.now, work.version
                 )
@@ -297,7 +297,7 @@ class _Simulation:
             # A worker's view of theta is read only by compressed pulls' deltas.
             "views": {w: d.view for w, d in self.views.items()} if self.pull.compressed else {},
             "events": [
-                (finish, seq, w, asdict(work), asdict(result), seconds)
+                (finish, seq, w, _fields(work), _fields(result), seconds)
                 for finish, seq, w, work, result, seconds in self.events
             ],
             "seq": self.seq,
@@ -323,7 +323,7 @@ class _Simulation:
         self.pull.views = {int(w): view.clone() for w, view in state["pull"].items()}
         for w, view in state["views"].items():
             self.views[w].view = None if view is None else view.clone()
-        self.events[:] = [  # in place: run() holds the list
+        self.events = [
             (finish, seq, w, Work(**work), RoundResult(**result), seconds)
             for finish, seq, w, work, result, seconds in state["events"]
         ]
@@ -347,6 +347,11 @@ class _Simulation:
             **self.wire,
         }
         return _summary(self.cfg, self.clock, own, self.curve, now)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields by name, not copied (``asdict`` would copy the tensors)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 def _summary(
