@@ -298,6 +298,8 @@ def test_the_cli_goes_on_from_a_run_stopped_by_ctrl_c(
     out = capsys.readouterr().out
     at = re.search(r"seed 0: resumed from \S+partial\.pt at (\d+) of 12 inner steps", out)
     assert at is not None and 0 < int(at.group(1)) < 12
+    # Not on a terminal: a line at every tenth of the run instead of a bar.
+    assert re.search(r"seed 0: 12 of 12 inner steps \(100%\) in \d+ min", out)
     whole, stopped = (
         json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "stopped")
     )

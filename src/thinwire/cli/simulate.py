@@ -42,6 +42,7 @@ import json
 import math
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -447,28 +448,43 @@ def _starting(
     seed: int,
     checkpoint: SimCheckpoint | None,
 ) -> Callable[[int, int], None]:
-    """Say where a run resumes (from its checkpoint), and show its inner steps;
-    ``current[0]`` is this run's checkpoint from now on."""
+    """The progress of one run (``current[0]`` is its checkpoint from now on)."""
     current[0] = checkpoint
-    bar: list[Progress] = []
-    shown = [0]  # inner steps the bar shows
-    name = f"{method} {_setting(setting)} seed {seed}"
+    return _RunProgress(f"{method} {_setting(setting)} seed {seed}", checkpoint)
 
-    def step(done: int, total: int) -> None:
-        if not bar:
-            if checkpoint is not None and checkpoint.resumed_at is not None:
+
+class _RunProgress:
+    """Says where a run resumes, then shows its inner steps: a bar on a terminal, and
+    a line at every tenth of the run in a log (a run of hours would say nothing else)."""
+
+    def __init__(self, name: str, checkpoint: SimCheckpoint | None) -> None:
+        self.name, self.checkpoint = name, checkpoint
+        self.bar: Progress | None = None
+        self.shown = 0  # inner steps shown so far
+        self.logged = sys.stdout.isatty() or sys.stderr.isatty()  # a bar instead
+        self.started = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:  # the start
+            ckpt = self.checkpoint
+            if ckpt is not None and ckpt.resumed_at is not None:
                 print(
-                    f"{name}: resumed from {checkpoint.path} at {done:,} of {total:,} inner steps",
+                    f"{self.name}: resumed from {ckpt.path} at {done:,} of {total:,} inner steps",
                     flush=True,
                 )
-            bar.append(Progress(total, done, True, name))
+            self.bar = Progress(total, done, True, self.name)
         else:
-            bar[0].update(done - shown[0])
-        shown[0] = done
+            self.bar.update(done - self.shown)
+            if not self.logged and done * 10 // total > self.shown * 10 // total:
+                minutes = (time.monotonic() - self.started) / 60
+                print(
+                    f"{self.name}: {done:,} of {total:,} inner steps ({100 * done // total}%) "
+                    f"in {minutes:.0f} min",
+                    flush=True,
+                )
+        self.shown = done
         if done >= total:
-            bar[0].close()
-
-    return step
+            self.bar.close()
 
 
 def _pretraining(out: Path, seed: int, start: Any) -> Callable[[int, float], None]:
