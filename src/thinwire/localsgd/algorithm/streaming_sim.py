@@ -265,26 +265,24 @@ class _Streaming:
         evals, w_count = self._evals(), len(self.workers)
         settings = (self.cfg, self.clock)
         if checkpoint is not None and checkpoint.resume(settings, self.load_state_dict):
-            done = self.done
-            checkpoint.resumed_at = done * w_count
+            checkpoint.resumed_at = self.done * w_count
         else:
             self._record(0)
-            done = 0
         if progress is not None:
-            progress(done * w_count, self.cfg.steps * w_count)
+            progress(self.done * w_count, self.cfg.steps * w_count)
         try:
             for stop in self._stops():
-                if stop <= done:
+                if stop <= self.done:
                     continue  # before the checkpoint this run resumed from
-                self._train(done, stop)
-                done = stop
+                self._train(self.done, stop)
+                self.done = stop
                 self._sync(stop)
                 if stop in evals and stop < self.cfg.steps:
                     self._record(stop)
                 if progress is not None:
-                    progress(done * w_count, self.cfg.steps * w_count)
+                    progress(self.done * w_count, self.cfg.steps * w_count)
                 if checkpoint is not None and checkpoint.due():
-                    checkpoint.save(self.state_dict(done))
+                    checkpoint.save(self.state_dict())
             self._finish()
         finally:
             for replica in self.replicas:
@@ -313,10 +311,10 @@ class _Streaming:
         return own, self.curve, max(self.times)
 
     # --- checkpoints (between two stretches: no average waits in a replica) ------------
-    def state_dict(self, done: int) -> dict[str, Any]:
-        """Everything the rest of the run reads, after inner step ``done`` of each worker."""
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the rest of the run reads (after inner step ``done`` of each worker)."""
         return {
-            "done": done,
+            "done": self.done,
             "inner": [worker.opt.state_dict() for worker in self.workers],
             "replicas": [replica.state_dict() for replica in self.replicas],
             "errors": [(f, w, e.clone()) for (f, w), e in self.exchange.errors.items()],
