@@ -316,10 +316,10 @@ class _Simulation:
         self.core.restore(state["core"])
         for w, worker in self.workers.items():
             worker.opt.load_state_dict(state["inner"][w])
-        for w, saved in state["push"].items():
+        for w, residual in state["push"].items():
             feedback = self.push[w].feedback
             assert feedback is not None  # the same codec saved it
-            feedback.load_state_dict(saved)
+            feedback.load_state_dict(residual)
         self.pull.views = {int(w): view.clone() for w, view in state["pull"].items()}
         for w, view in state["views"].items():
             self.views[w].view = None if view is None else view.clone()
