@@ -154,6 +154,11 @@ def test_a_file_of_another_run_or_unreadable_is_not_resumed(
         _same(_run(data, "dn-dylu", ckpt), reference)
     assert ckpt.resumed_at is None
     assert "corrupt or unreadable" in caplog.text and "starts from its start" in caplog.text
+    blob = safe_load(path)
+    atomic_save(blob | {"format": 0}, path)  # a layout of another version
+    with caplog.at_level(logging.WARNING):
+        _run(data, "dn-dylu", SimCheckpoint(path, every_s=0, tag="mine"))
+    assert "is of another thinwire version" in caplog.text
     # The run left its last save (the sweep discards it once the result is kept); the
     # same settings on another model: refused in one line, the file left as it was.
     before = path.read_bytes()

@@ -24,7 +24,8 @@ Which run a file belongs to: the simulator stores a digest of the config and the
 and ``tag`` is yours (the sweep passes its run fingerprint, which adds the task: model,
 data, ...). A file of other settings or another tag is not resumed from; the run starts
 over and replaces it at its first save, as a cached result of other settings is
-replaced. A file that cannot be read is said so in one line and the run starts over; one
+replaced. A file that cannot be read, or one of another thinwire version, is said so
+in one line and the run starts over; one
 that fits the settings but not the model is refused in one line and left alone.
 
 Costs: a save holds the model ``3 + 3 W`` times over with uncompressed pulls (theta,
@@ -104,7 +105,12 @@ class SimCheckpoint:
             log.warning("%s; the run starts from its start", exc)
             return False
         if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
-            return False  # another version's: replaced at the first save
+            log.warning(
+                "simulation checkpoint %s is of another thinwire version; the run starts "
+                "from its start",
+                self.path,
+            )
+            return False
         if (blob.get("tag"), blob.get("run")) != (self.tag, self._run):
             return False  # another run's (other settings): replaced at the first save
         try:
