@@ -25,8 +25,8 @@ and ``tag`` is yours (the sweep passes its run fingerprint, which adds the task:
 data, ...). A file of other settings or another tag is not resumed from; the run starts
 over and replaces it at its first save, as a cached result of other settings is
 replaced. A file that cannot be read, or one of another thinwire version, is said so
-in one line and the run starts over; one
-that fits the settings but not the model is refused in one line and left alone.
+in one line and the run starts over; one that fits the settings but not the model is
+refused in one line and left alone.
 
 Costs: a save holds the model ``3 + 3 W`` times over with uncompressed pulls (theta,
 Delayed Nesterov's two buffers, each worker's two AdamW moments and its round in
