@@ -19,8 +19,11 @@ and what the caller says about the task: model, data, ...). A run whose file exi
 the same fingerprint is read back instead of computed, so an interrupted sweep resumes
 where it stopped; a file from other settings (other data, speeds, H, defaults) is
 recomputed and replaced, never passed off as this sweep's. A run stopped half way goes
-on from its last checkpoint (``<key>.partial.pt``, saved every 10 minutes by default),
-so even a sweep of hours-long runs loses at most minutes to a stop.
+on from its last checkpoint (``<key>.partial.pt``, saved every 10 minutes by default;
+:mod:`~thinwire.localsgd.algorithm.sim_checkpoint`) with the same result, so even a
+sweep of hours-long runs loses at most minutes to a stop. The file goes once the run's
+JSON is written; one of a setting taken out of the grid stays (delete
+``runs/*.partial.pt`` by hand).
 """
 
 from __future__ import annotations
@@ -193,27 +196,14 @@ def run_sweep(
     ``context``: what ``task_for_seed`` builds, as plain values (model, data, batch size,
     ...), so that a run cached from another task is not read back.
 
-    Within a run, with ``out_dir``, the simulation is saved every ``checkpoint_every``
-    wall seconds to ``runs/<key>.partial.pt``, so a sweep stopped in the middle of an
-    hours-long run goes on from there, with the same result
-    (:mod:`~thinwire.localsgd.algorithm.sim_checkpoint`; ``math.inf``: no saves, but a
-    file left earlier is resumed from; None: no file read or written). The file goes
-    once the run's JSON is written; one of a setting no longer in the grid stays (delete
-    ``runs/*.partial.pt`` by hand). ``on_start(method, setting, seed, checkpoint)`` is
-    called before each run that is computed and may return a callback called with
-    ``(done, total)`` inner steps, first when the run starts (``checkpoint.resumed_at``
-    then says whether it resumed) and then as it goes.
+    With ``out_dir`` a run in progress is saved every ``checkpoint_every`` wall seconds
+    (``math.inf``: a save left earlier is read, none written; None: no file; see the
+    module docstring). ``on_start(method, setting, seed, checkpoint)`` is called before
+    each run that is computed and may return a callback called with ``(done, total)``
+    inner steps, first at the start (``checkpoint.resumed_at`` says whether it resumed).
     Every configuration is validated before the first run.
     """
-    for method in grid:
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    plan = []
-    for method, mgrid in grid.items():
-        for setting in settings_of(mgrid):
-            cfg = replace(for_method(base, method), **setting)
-            cfg.validate(len(clock.seconds_per_step), simulated=True)
-            plan += [(method, setting, cfg, seed) for seed in seeds]
+    plan = _plan(base, clock, grid, seeds)
     runs_dir = None
     if out_dir is not None:
         runs_dir = Path(out_dir) / "runs"
@@ -259,6 +249,22 @@ def run_sweep(
         if on_run is not None:
             on_run(run, cached)
     return runs
+
+
+def _plan(
+    base: AsyncConfig, clock: SimClock, grid: dict[str, dict[str, tuple]], seeds: Sequence[int]
+) -> list[tuple[str, dict[str, Any], AsyncConfig, int]]:
+    """Every (method, setting, config, seed) of the sweep, each config validated."""
+    for method in grid:
+        if method not in METHODS:
+            raise ConfigError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    plan = []
+    for method, mgrid in grid.items():
+        for setting in settings_of(mgrid):
+            cfg = replace(for_method(base, method), **setting)
+            cfg.validate(len(clock.seconds_per_step), simulated=True)
+            plan += [(method, setting, cfg, seed) for seed in seeds]
+    return plan
 
 
 def _pretrained(
