@@ -9,7 +9,7 @@ ends a run that stopped learning (exit status 3), keeping its last good checkpoi
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DivergedError"]
+__all__ = ["ConfigError", "DivergedError", "first_line"]
 
 
 class ConfigError(ValueError):
@@ -20,3 +20,10 @@ class DivergedError(RuntimeError):
     """Training diverged (non-finite or exploding loss, most steps skipped) and was
     stopped before saving a checkpoint of the diverged state. One line; the command line
     prints it as ``thinwire: error: ...`` and exits with status 3."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name if it has none): what a
+    one-line error quotes of a lower-level failure."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, first_line
 
 __all__ = ["SAFE_TYPES", "UnsafeContentError", "safe_load", "safe_loads"]
 
@@ -41,11 +41,6 @@ SAFE_TYPES: tuple[type, ...] = ()
 class UnsafeContentError(ConfigError):
     """The file names a function or class that is not on the allow-list; nothing of it
     was executed."""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _load(source: Any, where: str) -> Any:
@@ -67,7 +62,7 @@ def _load(source: Any, where: str) -> Any:
             "you trust"
         ) from None
     except Exception as exc:  # torch raises several types for damaged files
-        raise ConfigError(f"{where} is corrupt or unreadable ({_first_line(exc)})") from None
+        raise ConfigError(f"{where} is corrupt or unreadable ({first_line(exc)})") from None
 
 
 def safe_load(path: Path | str, what: str = "checkpoint file") -> Any:

@@ -33,7 +33,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, first_line
 from thinwire.io import atomic_write_text, read_input
 from thinwire.train.config import TrainConfig, check_types, drop_legacy_nulls, refuse_extra
 
@@ -71,11 +71,7 @@ def _parse(path: Path, text: str, kind: str, loads: Callable[[str], Any]) -> Any
     except RecursionError:
         raise ConfigError(f"--config {path}: not valid {kind}: nested too deeply") from None
     except ValueError as exc:
-        raise ConfigError(f"--config {path}: not valid {kind}: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"--config {path}: not valid {kind}: {first_line(exc)}") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thinwire.errors import ConfigError
+from thinwire.errors import ConfigError, first_line
 from thinwire.io import atomic_save
 from thinwire.safeload import safe_load
 
@@ -119,7 +119,8 @@ class SimCheckpoint:
             raise
         except (KeyError, TypeError, ValueError, RuntimeError, AssertionError) as exc:
             raise ConfigError(
-                f"simulation checkpoint {self.path} does not fit this run ({_first(exc)}): "
+                f"simulation checkpoint {self.path} does not fit this run "
+                f"({type(exc).__name__}: {first_line(exc)}): "
                 "delete it, or give another path"
             ) from None
         return True
@@ -147,11 +148,6 @@ class SimCheckpoint:
     def discard(self) -> None:
         """Remove the file (the run's result is kept elsewhere)."""
         self.path.unlink(missing_ok=True)
-
-
-def _first(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def check_same_run(saved: tuple[int, int], run: tuple[int, int]) -> None:
