@@ -210,9 +210,16 @@ class PushGuard:
         return sum(self.refused.values())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"norms": list(self.norms), "refused": dict(self.refused)}
+        return {
+            "norms": list(self.norms),
+            "refused": dict(self.refused),
+            "last_ratio": self.last_ratio,
+            "last_refusal": self.last_refusal,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.norms.clear()
         self.norms.extend(float(n) for n in state.get("norms", []))
         self.refused = {str(k): int(v) for k, v in state.get("refused", {}).items()}
+        self.last_ratio = float(state.get("last_ratio", 0.0))  # saved before it was kept
+        self.last_refusal = state.get("last_refusal")

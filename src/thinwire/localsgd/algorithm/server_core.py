@@ -482,8 +482,7 @@ class ServerCore:
             "roster": self.roster.state_dict(),
             "shards": self.shards.snapshot(),
             "speeds": self.speeds.state_dict(),
-            "guard": self.guard.state_dict()
-            | {"last_ratio": self.guard.last_ratio, "last_refusal": self.guard.last_refusal},
+            "guard": self.guard.state_dict(),
             "epoch": self.epoch,
             "steps_assigned": self.steps_assigned,
             "updates_rejected": self.updates_rejected,
@@ -498,8 +497,6 @@ class ServerCore:
         self.shards.restore(state["shards"])
         self.speeds.load_state_dict(state["speeds"])
         self.guard.load_state_dict(state["guard"])
-        self.guard.last_ratio = float(state["guard"]["last_ratio"])
-        self.guard.last_refusal = state["guard"]["last_refusal"]
         self.epoch = int(state["epoch"])
         self.steps_assigned = int(state["steps_assigned"])
         self.updates_rejected = int(state["updates_rejected"])
