@@ -44,7 +44,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -317,10 +317,10 @@ def run_async(args: argparse.Namespace) -> int:
         return gpt_task(cfg, TextData(args.data, cfg.gpt_config().seq_len, cfg.val_fraction, seed))
 
     out = Path(args.out)
-    current: list[SimCheckpoint | None] = [None]  # the run in progress's
+    current: list[_InProgress] = [_InProgress("run")]
     args.on_interrupt = functools.partial(_what_is_kept, out, current)
     context = model.to_dict()  # the task: model, data, batch size, inner lr, ...
-    pretraining = functools.partial(_pretraining, out)
+    pretraining = functools.partial(_pretraining, out, current)
     runs = run_sweep(
         task_for_seed,
         base,
@@ -431,54 +431,63 @@ def _report(run: dict[str, Any], cached: bool) -> None:
     )
 
 
-def _what_is_kept(out: Path, current: list[SimCheckpoint | None]) -> str:
-    """What a Ctrl-C leaves: finished runs, and the run in progress's last save."""
-    ckpt = current[0]
-    if ckpt is not None and ckpt.path.exists():
-        now = f"the run in progress goes on from its save in {ckpt.path}"
+@dataclass
+class _InProgress:
+    """What the sweep is computing now, and where its last save is (None: none yet)."""
+
+    what: str
+    saved: Callable[[], Path | None] = lambda: None  # nothing saved yet
+
+
+def _what_is_kept(out: Path, current: list[_InProgress]) -> str:
+    """What a Ctrl-C leaves: finished runs, and the last save of what was in progress."""
+    now, saved = current[0], current[0].saved()
+    if saved is not None:
+        then = f"the {now.what} in progress goes on from its save in {saved}"
     else:
-        now = "the run in progress had no save yet and starts again"
-    return f"finished runs are kept in {out / 'runs'}; {now}: run the same command again"
+        then = f"the {now.what} in progress had no save yet and starts again"
+    return f"finished runs are kept in {out / 'runs'}; {then}: run the same command again"
 
 
 def _starting(
-    current: list[SimCheckpoint | None],
+    current: list[_InProgress],
     method: str,
     setting: dict[str, Any],
     seed: int,
     checkpoint: SimCheckpoint | None,
 ) -> Callable[[int, int], None]:
-    """The progress of one run (``current[0]`` is its checkpoint from now on)."""
-    current[0] = checkpoint
-    return _RunProgress(f"{method} {_setting(setting)} seed {seed}", checkpoint)
+    """The progress of one run (``current[0]`` is it from now on)."""
+    path = checkpoint.path if checkpoint is not None else None
+    current[0] = _InProgress("run", lambda: path if path is not None and path.exists() else None)
+    return _RunProgress(f"{method} {_setting(setting)} seed {seed}", str(path))
 
 
 class _RunProgress:
-    """Says where a run resumes, then shows its inner steps: a bar on a terminal, and
-    a line at every tenth of the run in a log (a run of hours would say nothing else)."""
+    """Says where a run resumes, then shows its steps: a bar on a terminal, and a line
+    at every tenth of the run in a log (a run of hours would say nothing else)."""
 
-    def __init__(self, name: str, checkpoint: SimCheckpoint | None) -> None:
-        self.name, self.checkpoint = name, checkpoint
+    def __init__(self, name: str, where: str, unit: str = "inner steps") -> None:
+        self.name, self.where, self.unit = name, where, unit
         self.bar: Progress | None = None
-        self.shown = 0  # inner steps shown so far
+        self.shown = 0  # steps shown so far
         self.logged = sys.stdout.isatty() or sys.stderr.isatty()  # a bar instead
         self.started = time.monotonic()
 
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:  # the start
-            ckpt = self.checkpoint
-            if ckpt is not None and ckpt.resumed_at is not None:
+    def __call__(self, done: int, total: int, loss: float | None = None) -> None:
+        if self.bar is None:  # the start: steps done before it come from a save
+            if done > 0:
                 print(
-                    f"{self.name}: resumed from {ckpt.path} at {done:,} of {total:,} inner steps",
+                    f"{self.name}: resumed from {self.where} at {done:,} of {total:,} {self.unit}",
                     flush=True,
                 )
             self.bar = Progress(total, done, True, self.name)
         else:
-            self.bar.update(done - self.shown)
+            shown = {"loss": f"{loss:.3f}"} if loss is not None else {}
+            self.bar.update(done - self.shown, **shown)
             if not self.logged and done * 10 // total > self.shown * 10 // total:
                 minutes = (time.monotonic() - self.started) / 60
                 print(
-                    f"{self.name}: {done:,} of {total:,} inner steps ({100 * done // total}%) "
+                    f"{self.name}: {done:,} of {total:,} {self.unit} ({100 * done // total}%) "
                     f"in {minutes:.0f} min",
                     flush=True,
                 )
@@ -487,22 +496,32 @@ class _RunProgress:
             self.bar.close()
 
 
-def _pretraining(out: Path, seed: int, start: Any) -> Callable[[int, float], None]:
+def _pretraining(
+    out: Path, current: list[_InProgress], seed: int, start: Any
+) -> Callable[[int, float], None]:
     """Say where seed ``seed`` starts; the returned callback shows its pretraining."""
-    print(
-        f"seed {seed}: starts {start.describe()} (computed once, kept in {out}/runs)",
-        flush=True,
-    )
-    bar: list[Progress] = []  # made at the first step: a kept pretraining has none
+    runs = out / "runs"
+    print(f"seed {seed}: starts {start.describe()} (computed once, kept in {runs})", flush=True)
+
+    def saved() -> Path | None:  # the sweep names the file by a digest of the task
+        return max(runs.glob(f"pretrained-seed{seed}-*.partial.pt"), default=None, key=_mtime)
+
+    current[0] = _InProgress(f"pretraining of seed {seed}", saved)
+    shown = _RunProgress(f"pretraining seed {seed}", f"its save in {runs}", "steps")
 
     def step(done: int, loss: float) -> None:
-        if not bar:
-            bar.append(Progress(start.pretrain_steps, 0, True, f"pretraining seed {seed}"))
-        bar[0].update(1, loss=f"{loss:.3f}")
-        if done == start.pretrain_steps:
-            bar[0].close()
+        if shown.bar is None:  # called after the first step: the one before is the start
+            shown(done - 1, start.pretrain_steps)
+        shown(done, start.pretrain_steps, loss)
 
     return step
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
 
 
 def _write_results(

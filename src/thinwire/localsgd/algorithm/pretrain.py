@@ -24,6 +24,12 @@ The pretrained Task's shards continue where the pretraining left off: ``source(s
 of the Local-SGD phase reads the pretraining's ``source(N + step)``, so no batch of the
 pretraining is seen again as if it were new. A file gives no such offset (its data is
 not the Task's).
+
+A pretraining of hours survives a stop: hand :func:`pretrain` a
+:class:`~thinwire.localsgd.SimCheckpoint` and it keeps the model, the optimizer, the step
+and torch's generator every ``every_s`` seconds; run again with the same checkpoint and
+settings, it goes on from there and returns the very weights an unstopped pretraining
+returns (a sweep does this on its own, beside its runs).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 from torch import nn
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint
 from thinwire.localsgd.task import BatchSource, Task, make_sources, to_device
 
 __all__ = ["ProgressFn", "Start", "load_start_state", "pretrain"]
@@ -109,9 +116,14 @@ class Start:
         return _started(task, state, offset)
 
     def pretrained(
-        self, task: Task, shards: int, progress: ProgressFn | None = None
+        self,
+        task: Task,
+        shards: int,
+        progress: ProgressFn | None = None,
+        checkpoint: SimCheckpoint | None = None,
     ) -> dict[str, torch.Tensor]:
-        """This start's pretraining of ``task`` over ``shards`` shards: the weights."""
+        """This start's pretraining of ``task`` over ``shards`` shards: the weights
+        (``checkpoint``: see :func:`pretrain`)."""
         return pretrain(
             task,
             self.pretrain_steps,
@@ -119,6 +131,7 @@ class Start:
             warmup_steps=self.warmup_steps,
             grad_clip=self.grad_clip,
             progress=progress,
+            checkpoint=checkpoint,
         )
 
     def continued(self, task: Task) -> Task:
@@ -137,10 +150,17 @@ def pretrain(
     warmup_steps: int = 0,
     grad_clip: float = 0.0,
     progress: ProgressFn | None = None,
+    checkpoint: SimCheckpoint | None = None,
 ) -> dict[str, torch.Tensor]:
     """``steps`` steps of synchronous data-parallel training of a fresh ``task.model()``
     over ``task.shards(shards)`` in this process (each step one batch per shard, the
-    gradients averaged); returns the model's ``state_dict`` (CPU tensors)."""
+    gradients averaged); returns the model's ``state_dict`` (CPU tensors).
+
+    ``checkpoint``: keep the pretraining in progress there every ``checkpoint.every_s``
+    seconds and go on from a save of the same settings (``checkpoint.resumed_at`` is
+    then the step it resumed at; ``progress`` is first called with the step after it).
+    The file stays once the pretraining is done: the caller keeps the weights, then
+    calls ``checkpoint.discard()``."""
     if shards < 1:
         raise ConfigError(f"pretraining needs at least one shard, got {shards}")
     model = task.model()
@@ -149,8 +169,14 @@ def pretrain(
     peaks = [float(g["lr"]) for g in opt.param_groups]
     sources: Sequence[BatchSource] = make_sources(task, shards)
     device = params[0].device
+    first = 0
+    if checkpoint is not None:
+        plan = _Pretraining(steps, shards, warmup_steps, grad_clip)
+        saved: list[int] = []
+        if checkpoint.resume((plan,), lambda state: saved.append(_restore(state, model, opt))):
+            first = checkpoint.resumed_at = saved[0]
     model.train()
-    for step in range(steps):
+    for step in range(first, steps):
         ramp = (step + 1) / warmup_steps if step < warmup_steps else 1.0
         for group, peak in zip(opt.param_groups, peaks, strict=True):
             group["lr"] = peak * ramp
@@ -169,9 +195,39 @@ def pretrain(
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
+        if checkpoint is not None and step + 1 < steps and checkpoint.due():
+            checkpoint.save(
+                {
+                    "step": step + 1,
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "rng": torch.get_rng_state(),
+                }
+            )
         if progress is not None:
             progress(step + 1, total)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class _Pretraining:
+    """What a pretraining's save must match to be resumed from (with the caller's tag)."""
+
+    steps: int
+    shards: int
+    warmup_steps: int
+    grad_clip: float
+
+
+def _restore(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Put a pretraining's save back into ``model`` and ``opt``; returns its step."""
+    step = state["step"]
+    if type(step) is not int or step < 1:
+        raise ValueError(f"the save's step is {step!r}, not a positive whole number")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return step
 
 
 def load_start_state(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:

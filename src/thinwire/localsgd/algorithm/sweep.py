@@ -23,7 +23,8 @@ on from its last checkpoint (``<key>.partial.pt``, saved every 10 minutes by def
 :mod:`~thinwire.localsgd.algorithm.sim_checkpoint`) with the same result, so even a
 sweep of hours-long runs loses at most minutes to a stop. The file goes once the run's
 JSON is written; one of a setting taken out of the grid stays (delete
-``runs/*.partial.pt`` by hand).
+``runs/*.partial.pt`` by hand). A seed's pretraining is kept the same way while it runs
+(``pretrained-seed<S>-<digest>.partial.pt``), and whole once done.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def run_sweep(
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
     ``out_dir``; ``on_pretrain(seed, start)`` before a seed's pretraining (when the
     runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``) may return
-    a callback that is called after every pretraining step with ``(step, loss)``.
+    a callback that is called after every pretraining step with ``(step, loss)`` (a
+    pretraining resumed from its save: first with the step after the save).
     ``context``: what ``task_for_seed`` builds, as plain values (model, data, batch size,
     ...), so that a run cached from another task is not read back.
 
@@ -224,7 +226,7 @@ def run_sweep(
                 if (seed, start) not in starts:
                     progress = on_pretrain(seed, start) if on_pretrain is not None else None
                     shards = cfg.resolved_shards(len(clock.seconds_per_step))
-                    where = (runs_dir, seed, context)
+                    where = (runs_dir, seed, context, checkpoint_every)
                     starts[seed, start] = _pretrained(tasks[seed], start, shards, where, progress)
                 state = starts[seed, start]
             ckpt = None
@@ -271,22 +273,29 @@ def _pretrained(
     task: Task,
     start: Start,
     shards: int,
-    where: tuple[Path | None, int, Mapping[str, Any] | None],
+    where: tuple[Path | None, int, Mapping[str, Any] | None, float | None],
     progress: ProgressFn | None,
 ) -> dict[str, torch.Tensor]:
     """The pretrained weights of one seed's ``task``, computed once and kept beside the
     runs (``runs/pretrained-seed<S>-<digest>.pt``), so a sweep resumed or widened later
-    does not pretrain again."""
-    runs_dir, seed, context = where
+    does not pretrain again; while it is computed, its progress is kept every
+    ``checkpoint_every`` seconds in ``...-<digest>.partial.pt``, as a run's is."""
+    runs_dir, seed, context, checkpoint_every = where
     if runs_dir is None:
         return start.pretrained(task, shards, progress)
     blob = {"start": asdict(start), "shards": shards, "seed": seed, "context": context}
     text = json.dumps(blob, sort_keys=True, default=repr)
-    path = runs_dir / f"pretrained-seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.pt"
+    name = f"pretrained-seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    path = runs_dir / f"{name}.pt"
     if path.exists():
         return load_start_state(path, task.model())
-    state = start.pretrained(task, shards, progress)
+    ckpt = None
+    if checkpoint_every is not None:
+        ckpt = SimCheckpoint(runs_dir / f"{name}.partial.pt", checkpoint_every, name)
+    state = start.pretrained(task, shards, progress, ckpt)
     atomic_save(state, path)
+    if ckpt is not None:
+        ckpt.discard()
     return state
 
 
