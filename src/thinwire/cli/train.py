@@ -147,7 +147,8 @@ def _add_run_arguments(g: argparse._ArgumentGroup, d: TrainConfig) -> None:
         "--pretrain-steps",
         type=int,
         default=None,
-        help="start after this many steps of ordinary data-parallel AdamW (default 0)",
+        help="start after this many steps of ordinary data-parallel AdamW (default 0); "
+        "saved every --checkpoint-interval steps, so --resume goes on from a stop in it",
     )
     g.add_argument(
         "--init-from", default=None, metavar="FILE", help="start from this model state file"
@@ -356,7 +357,13 @@ def _add_reporting_arguments(r: argparse._ArgumentGroup, d: TrainConfig) -> None
     r.add_argument("--eval-interval", type=int, default=d.eval_interval)
     r.add_argument("--eval-sequences", type=int, default=d.eval_sequences)
     r.add_argument("--log-interval", type=int, default=d.log_interval)
-    r.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval)
+    r.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=d.checkpoint_interval,
+        help="steps between checkpoints, the pretraining's too (0: only at the end); "
+        f"default {d.checkpoint_interval}",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events")
     r.add_argument(
@@ -456,9 +463,15 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def _interrupt_note(out_dir: Path) -> str:
     """What survives a Ctrl-C, for the one line ``thinwire`` prints on its way out."""
+    from thinwire.train import pretrain_checkpoint
     from thinwire.train.checkpoint import latest_step
 
     step = latest_step(out_dir)
+    pretrained = pretrain_checkpoint.latest(out_dir)
+    if step is None and pretrained is not None:
+        return (
+            f"the pretraining's save at step {pretrained[0]:,} is intact: --resume goes on from it"
+        )
     if step is None:
         return f"no checkpoint was written yet, so {out_dir} cannot be resumed"
     return f"the last checkpoint, step {step}, is intact: --resume continues from it"

@@ -25,6 +25,7 @@ from thinwire.errors import ConfigError
 from thinwire.io import read_input
 from thinwire.runlock import RunLock
 from thinwire.train import checkpoint as ckpt
+from thinwire.train import pretrain_checkpoint
 from thinwire.train.config import TrainConfig
 from thinwire.train.config_file import CONFIG_NAME, write_config_file
 
@@ -72,10 +73,14 @@ def decide_start(
         write_config_file(replace(cfg, resume=False), out_dir / CONFIG_NAME)
         return 0, run_id, None
     step = ckpt.latest_step(out_dir)
+    if step is None and pretrain_checkpoint.latest(out_dir) is not None:
+        ckpt.check_run_identity(out_dir, identity)  # stopped in its pretraining: on from there
+        return 0, ckpt.read_run_id(out_dir), None
     if step is None:
         raise ConfigError(
             f"--resume: no checkpoint in {out_dir} to resume from (a run that stopped "
-            "before its first checkpoint cannot be resumed: choose another --out)"
+            "before its first checkpoint, and not in a pretraining, cannot be resumed: "
+            "choose another --out)"
         )
     ckpt.check_run_identity(out_dir, identity)
     if step > cfg.steps:

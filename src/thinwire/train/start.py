@@ -26,7 +26,9 @@ and DiLoCo's outer momentum was tuned on a pretrained model. ``--pretrain-steps 
   the model's names and shapes in one line before the run writes anything.
 
 Only a fresh run starts: a resumed run's weights come from its checkpoint, so the start
-is part of the run's identity (``run.json``). The summary's ``"start"`` says which start
+is part of the run's identity (``run.json``). A run stopped in its pretraining, or
+before its first checkpoint, goes on from the pretraining's last save
+(:mod:`thinwire.train.pretrain_checkpoint`). The summary's ``"start"`` says which start
 a run used.
 """
 
@@ -44,6 +46,7 @@ from thinwire.comm.launch import rank as get_rank
 from thinwire.comm.launch import world_size as get_world_size
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.pretrain import Start, load_start_state
+from thinwire.train import pretrain_checkpoint as saves
 from thinwire.train.algorithms import default_lr
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
@@ -95,12 +98,14 @@ def run_start(
     cfg: TrainConfig,
     device: torch.device,
     state: dict[str, torch.Tensor] | None = None,
+    run_id: str | None = None,
 ) -> str:
     """Bring ``model`` (fresh, the same on every rank) to the run's start; returns
     :meth:`Start.describe`. Call on every rank of the group, before the algorithm wraps
     the model; the trainer then broadcasts rank 0's weights. ``state``: what
     :func:`read_start_file` read before the run's identity was written (a fresh run);
-    a resumed run that had not saved a checkpoint yet reads the file here."""
+    a resumed run that had not saved a checkpoint yet reads the file here, or goes on
+    from its pretraining's last save (``run_id``: the run's, which the saves carry)."""
     start = start_of(cfg)
     if start.init_from is not None:
         if cfg.resume:  # the same on every rank: all of them take part in the read
@@ -108,21 +113,29 @@ def run_start(
         if state is not None:  # rank 0; the others receive its weights
             model.load_state_dict(state)
     elif start.pretrain_steps:
-        _pretrain(model, data, cfg, start, device)
+        _pretrain(model, data, cfg, start, device, run_id)
     return start.describe()
 
 
 def _pretrain(
-    model: nn.Module, data: TextData, cfg: TrainConfig, start: Start, device: torch.device
+    model: nn.Module,
+    data: TextData,
+    cfg: TrainConfig,
+    start: Start,
+    device: torch.device,
+    run_id: str | None,
 ) -> None:
     rank, world = get_rank(), get_world_size()
     params = [p for p in model.parameters() if p.requires_grad]
     peak = default_lr("adamw")
     opt = torch.optim.AdamW(params, lr=peak, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    bar = Progress(start.pretrain_steps, 0, cfg.progress and rank == 0, desc="pretraining")
-    loss = torch.zeros(())
+    out_dir, steps = Path(cfg.out_dir), start.pretrain_steps
+    # A resumed run that stopped in its pretraining goes on from the last save.
+    first, last = saves.resume(out_dir, run_id, steps, model, opt) if cfg.resume else (0, 0.0)
+    bar = Progress(steps, first, cfg.progress and rank == 0, desc="pretraining")
+    loss = torch.tensor(last)  # the loss of the last step taken, here or before the stop
     try:
-        for step in range(start.pretrain_steps):
+        for step in range(first, steps):
             ramp = (step + 1) / start.warmup_steps if step < start.warmup_steps else 1.0
             for group in opt.param_groups:
                 group["lr"] = peak * ramp
@@ -134,6 +147,8 @@ def _pretrain(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), start.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if rank == 0 and _due(step + 1, steps, cfg.checkpoint_interval):
+                saves.save(out_dir, step + 1, run_id, model, opt, float(loss.detach()))
             bar.update(1, loss=f"{float(loss.detach()):.3f}")
     finally:
         bar.close()
@@ -152,6 +167,12 @@ def _pretrain(
             file=sys.stderr,
             flush=True,
         )
+
+
+def _due(done: int, steps: int, interval: int) -> bool:
+    """A save after ``done`` pretraining steps: every ``interval`` steps and at the end
+    (``interval`` 0: the end alone, as the run's own checkpoints)."""
+    return done == steps or (interval > 0 and done % interval == 0)
 
 
 def _average_gradients(params: list[nn.Parameter], world: int) -> None:

@@ -34,7 +34,7 @@ from thinwire.io import atomic_write_text
 from thinwire.optim.sharded import local_state
 from thinwire.runlock import RunLock
 from thinwire.train import checkpoint as ckpt
-from thinwire.train import outdir
+from thinwire.train import outdir, pretrain_checkpoint
 from thinwire.train.algorithms import get_runner, make_strategy
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
@@ -286,7 +286,10 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run | dict[str, Any]:
         return finished
     if start > 0 and rank == 0:
         ckpt.restore_model(model, out_dir, start, run_id)
-    begins = run_start(model, data, cfg, device, state) if start == 0 else start_of(cfg).describe()
+    if start == 0:
+        begins = run_start(model, data, cfg, device, state, run_id)
+    else:
+        begins = start_of(cfg).describe()
     _broadcast_parameters(model)
     offset = data_offset(cfg)
     check_sharding(cfg, world)  # also under torchrun, which the launcher's checks skip
@@ -296,9 +299,10 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run | dict[str, Any]:
     if start > 0:  # checked against the live objects first: a damaged file is one line
         elapsed = ckpt.restore_rank_state(strategy, model, out_dir, start, rank, run_id)
 
-    metrics = MetricsWriter(
-        out_dir, rank == 0, resume_step=start if start > 0 else None, tensorboard=cfg.tensorboard
-    )
+    # A run resumed before its first checkpoint (from its pretraining's save) starts its
+    # record over: whatever it wrote after step 0 is dropped, step 0 itself is rewritten.
+    kept = start if start > 0 else (-1 if cfg.resume else None)
+    metrics = MetricsWriter(out_dir, rank == 0, resume_step=kept, tensorboard=cfg.tensorboard)
     progress = Progress(cfg.steps, start, cfg.progress and rank == 0, desc=cfg.algo)
     run = _Run(
         cfg=cfg,
@@ -526,3 +530,5 @@ def _save(
     whole = full_state_dict(model) if rank == 0 or cfg.shard_within > 1 else None
     model_state = whole if rank == 0 else None
     ckpt.save_checkpoint(out_dir, step, rank, model_state, rank_state, run_id)
+    if rank == 0:  # the run's own checkpoint supersedes its pretraining's save
+        pretrain_checkpoint.discard(out_dir)

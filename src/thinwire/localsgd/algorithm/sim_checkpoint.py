@@ -40,7 +40,9 @@ precious), ``every_s=math.inf`` never saves but still resumes from a file left e
 
 Both kinds of simulated run keep one: the server methods' (every asynchronous method and
 plain sync DiLoCo; saved between two arrivals) and Streaming DiLoCo's (the ``sync``
-method with fragments or a quantizer; saved between two stretches of inner steps).
+method with fragments or a quantizer; saved between two stretches of inner steps). So
+does a pretraining (:func:`~thinwire.localsgd.algorithm.pretrain.pretrain`; saved
+between two steps).
 """
 
 from __future__ import annotations

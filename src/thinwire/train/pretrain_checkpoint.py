@@ -1,0 +1,143 @@
+"""The pretraining of a run, kept as it goes, so that ``--resume`` goes on from it.
+
+A run that starts from N steps of ordinary training (``--pretrain-steps``) spends them
+before its algorithm's first checkpoint; the paper's setting is 24k of them. Without a
+save a stop there loses the whole pretraining, and the run cannot even be resumed. So
+the pretraining saves itself every ``--checkpoint-interval`` steps and at its end::
+
+    checkpoints/pretrain-00000300.pt   step, run id, model, AdamW state, torch generator
+
+written by rank 0 alone (every rank holds the same weights and moments: the gradients
+are averaged), then renamed into place, the one before removed. ``--resume`` on a run
+that has no checkpoint of its own yet goes on from the newest such file: rank 0 reads
+it and sends it to the others (so on several machines only the first needs the
+directory), and the pretraining ends with the very weights an unstopped one reaches.
+The file goes once the run's first checkpoint lands.
+
+A file that cannot be used (unreadable, another run's, altered) is said in one line and
+the pretraining starts over: nothing the run has is lost with it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thinwire.comm.launch import rank as get_rank
+from thinwire.comm.launch import world_size as get_world_size
+from thinwire.errors import ConfigError, first_line
+from thinwire.io import atomic_save
+from thinwire.safeload import safe_load
+
+__all__ = ["discard", "latest", "resume", "save"]
+
+_NAME = re.compile(r"pretrain-([0-9]{8,16})\.pt")
+
+
+def _root(out_dir: Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def latest(out_dir: Path) -> tuple[int, Path] | None:
+    """The newest pretraining save in ``out_dir``: ``(step, path)``, or None."""
+    found = []
+    for path in _root(out_dir).glob("pretrain-*.pt"):
+        match = _NAME.fullmatch(path.name)
+        if match is not None and path.is_file():
+            found.append((int(match.group(1)), path))
+    return max(found, default=None)
+
+
+def save(
+    out_dir: Path,
+    step: int,
+    run_id: str | None,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loss: float,
+) -> None:
+    """Rank 0: keep the pretraining after ``step`` steps (``loss``: that step's); the
+    save before goes once this one is in place. A failed write is one line, and the
+    pretraining goes on."""
+    path = _root(out_dir) / f"pretrain-{step:08d}.pt"
+    blob = {
+        "step": step,
+        "run_id": run_id,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+        "loss": loss,
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save(blob, path)
+    except OSError as exc:
+        print(
+            f"thinwire: warning: could not save the pretraining to {path} "
+            f"({exc.strerror or exc}); it goes on, and a stop now resumes from the save before",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    discard(out_dir, keep=path)
+
+
+def discard(out_dir: Path, keep: Path | None = None) -> None:
+    """Remove the pretraining's saves (all but ``keep``)."""
+    for path in _root(out_dir).glob("pretrain-*.pt"):
+        if path != keep and _NAME.fullmatch(path.name):
+            path.unlink(missing_ok=True)
+
+
+def resume(
+    out_dir: Path, run_id: str | None, steps: int, model: nn.Module, opt: torch.optim.Optimizer
+) -> tuple[int, float]:
+    """Collective: put the newest pretraining save of this run into ``model`` and
+    ``opt`` on every rank; returns its step and that step's loss (``(0, 0.0)``: none, or
+    one that cannot be used)."""
+    box: list[Any] = [None]
+    if get_rank() == 0:
+        box = [_read(out_dir, run_id, steps)]
+    if get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return 0, 0.0
+    step, state = box[0]
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return step, state["loss"]
+
+
+def _read(out_dir: Path, run_id: str | None, steps: int) -> tuple[int, dict[str, Any]] | None:
+    """Rank 0: the newest save, checked; None (and one line) when it cannot be used."""
+    found = latest(out_dir)
+    if found is None:
+        return None
+    step, path = found
+    try:
+        blob = safe_load(path, "pretraining save")
+        if not isinstance(blob, dict) or blob.get("run_id") != run_id:
+            raise ConfigError(f"pretraining save {path} belongs to another run")
+        if blob.get("step") != step or not 0 < step <= steps:
+            raise ConfigError(f"pretraining save {path} holds step {blob.get('step')!r}")
+        state = {k: blob[k] for k in ("model", "optimizer", "rng", "loss")}
+    except (ConfigError, KeyError) as exc:
+        print(
+            f"thinwire: warning: {first_line(exc)}; the pretraining starts over",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    print(
+        f"thinwire: the pretraining goes on from {path} at step {step:,} of {steps:,}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return step, state

@@ -1,0 +1,121 @@
+"""The trainer's pretraining (``--pretrain-steps``) kept as it goes: a run stopped in its
+pretraining, or between its pretraining and its first checkpoint, goes on with
+``--resume`` and ends bit for bit where an unstopped run ends; on one rank and on two."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from thinwire.cli.train import _interrupt_note
+from thinwire.comm.launch import spawn
+from thinwire.train.config import TrainConfig
+from thinwire.train.data import TextData
+from thinwire.train.trainer import train
+
+PRETRAIN = 8
+
+
+class _Killed(Exception):
+    """The process 'died' here."""
+
+
+def _config(out: Path, **kw: Any) -> TrainConfig:
+    # Saves every 3 pretraining steps (3, 6, then 8: the end) and at the run's step 3.
+    kw = {"algo": "adamw", "steps": 4, "pretrain_steps": PRETRAIN, "checkpoint_interval": 3} | kw
+    return tiny_config(out, **kw)
+
+
+def _stopped(cfg: TrainConfig, at: int) -> None:
+    """Run ``cfg`` until it reads training-stream step ``at`` (pretraining steps come
+    first), as a process killed there would stop."""
+    real = TextData.batch
+
+    def batch(self: TextData, step: int, *args: Any) -> Any:
+        if step == at:
+            raise _Killed
+        return real(self, step, *args)
+
+    TextData.batch = batch  # type: ignore[method-assign]
+    try:
+        train(cfg)
+    except _Killed:
+        return
+    finally:
+        TextData.batch = real  # type: ignore[method-assign]
+    raise AssertionError(f"the run never read step {at}")
+
+
+def _saves(cfg: TrainConfig) -> list[str]:
+    return sorted(p.name for p in (Path(cfg.out_dir) / "checkpoints").glob("pretrain-*.pt"))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("stop_at", "saved"),
+    [(5, "pretrain-00000003.pt"), (PRETRAIN + 1, "pretrain-00000008.pt")],
+    ids=["in-the-pretraining", "before-the-first-checkpoint"],
+)
+def test_a_run_stopped_in_its_pretraining_goes_on_with_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stop_at: int, saved: str
+) -> None:
+    whole = train(_config(tmp_path / "whole"))
+    cfg = _config(tmp_path / "stopped")
+    _stopped(cfg, stop_at)
+    assert _saves(cfg) == [saved]  # the one before is gone once the newer is in place
+    note = _interrupt_note(Path(cfg.out_dir))
+    assert f"the pretraining's save at step {int(saved[9:17])} is intact" in note
+    capsys.readouterr()
+    again = train(_config(tmp_path / "stopped", resume=True))
+    err = capsys.readouterr().err
+    step = int(saved[9:17])
+    assert f"the pretraining goes on from {Path(cfg.out_dir) / 'checkpoints' / saved}" in err
+    assert f"at step {step} of {PRETRAIN}" in err
+    assert again["param_sha256"] == whole["param_sha256"]
+    assert again["final_val_loss"] == whole["final_val_loss"]
+    assert _saves(cfg) == []  # the run's own checkpoint superseded it
+
+
+@pytest.mark.timeout(180)
+def test_a_save_that_cannot_be_used_is_one_line_and_the_pretraining_starts_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = train(_config(tmp_path / "whole"))
+    cfg = _config(tmp_path / "stopped")
+    _stopped(cfg, 7)
+    path = Path(cfg.out_dir) / "checkpoints" / "pretrain-00000006.pt"
+    blob = torch.load(path, weights_only=True)
+    torch.save({**blob, "run_id": "another run"}, path)
+    capsys.readouterr()
+    again = train(_config(tmp_path / "stopped", resume=True))
+    err = capsys.readouterr().err
+    assert f"pretraining save {path} belongs to another run; the pretraining starts over" in err
+    assert again["param_sha256"] == whole["param_sha256"]
+    _stopped(_config(tmp_path / "torn"), 7)
+    torn = Path(tmp_path / "torn" / "run" / "checkpoints" / "pretrain-00000006.pt")
+    torn.write_bytes(torn.read_bytes()[:100])
+    capsys.readouterr()
+    assert train(_config(tmp_path / "torn", resume=True))["param_sha256"] == whole["param_sha256"]
+    assert "the pretraining starts over" in capsys.readouterr().err
+
+
+def _rank(rank: int, world: int, cfg: TrainConfig, stop_at: int | None) -> Any:
+    if stop_at is None:
+        return train(cfg)
+    _stopped(cfg, stop_at)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_go_on_from_rank_0s_save(tmp_path: Path) -> None:
+    whole = spawn(_rank, 2, (_config(tmp_path / "whole"), None), timeout_s=240)
+    cfg = _config(tmp_path / "stopped")
+    spawn(_rank, 2, (cfg, 5), timeout_s=240)
+    assert _saves(cfg) == ["pretrain-00000003.pt"]  # rank 0's: every rank holds the same
+    again = spawn(_rank, 2, (_config(tmp_path / "stopped", resume=True), None), timeout_s=240)
+    assert again[0]["param_sha256"] == again[1]["param_sha256"] == whole[0]["param_sha256"]
+    assert again[0]["final_val_loss"] == whole[0]["final_val_loss"]
