@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,10 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    # Draws from torch's generator, as dropout would: the save must carry it.
-    return F.mse_loss(model(batch[0]), batch[1]) * (1.0 + 0.1 * torch.rand(()))
+    # Draws from torch's generator, as dropout would, and from Python's and NumPy's, as
+    # a user's data pipeline might: the save must carry all three.
+    noise = 0.1 * float(torch.rand(())) + 0.05 * random.random() + 0.05 * np.random.rand()
+    return F.mse_loss(model(batch[0]), batch[1]) * (1.0 + noise)
 
 
 def _task(width: int = 8) -> Task:
@@ -54,6 +58,8 @@ def _pretrain(
     """A pretraining from the same generator state; ``kill_at``: stop after that step
     (after its save), as a process killed there would."""
     torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
     seen: list[int] = []
 
     def progress(step: int, loss: float) -> None:
@@ -140,6 +146,8 @@ def test_a_sweep_stopped_mid_pretraining_goes_on_from_its_save(tmp_path: Path) -
 
         def task(seed: int) -> Task:
             torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed)
             return _task()
 
         return run_sweep(

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,15 +50,19 @@ class _Killed(Exception):
 
 
 def _task(data: TextData, n_embd: int = 32) -> Task:
-    """A small GPT whose loss draws from torch's generator, as dropout would."""
+    """A small GPT whose loss draws from torch's generator, as dropout would, and from
+    Python's and NumPy's, as a user's data pipeline might."""
     model = TrainConfig(
         n_layer=1, n_embd=n_embd, n_head=2, seq_len=16, batch_size=4, eval_sequences=8
     )
     task = gpt_task(model, data)
     plain = task.loss
+    random.seed(0)  # gpt_task seeds torch as it builds the model; these are the user's
+    np.random.seed(0)
 
     def noisy(net: torch.nn.Module, batch: Any) -> torch.Tensor:
-        return plain(net, batch) * (1.0 + 0.1 * torch.rand(()))
+        noise = 0.1 * float(torch.rand(())) + 0.05 * random.random() + 0.05 * np.random.rand()
+        return plain(net, batch) * (1.0 + noise)
 
     return replace(task, loss=noisy)
 

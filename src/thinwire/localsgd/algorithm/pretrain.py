@@ -27,7 +27,7 @@ not the Task's).
 
 A pretraining of hours survives a stop: hand :func:`pretrain` a
 :class:`~thinwire.localsgd.SimCheckpoint` and it keeps the model, the optimizer, the step
-and torch's generator every ``every_s`` seconds; run again with the same checkpoint and
+and the random generators every ``every_s`` seconds; run again with the same checkpoint and
 settings, it goes on from there and returns the very weights an unstopped pretraining
 returns (a sweep does this on its own, beside its runs).
 """
@@ -43,7 +43,11 @@ import torch
 from torch import nn
 
 from thinwire.errors import ConfigError
-from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint
+from thinwire.localsgd.algorithm.sim_checkpoint import (
+    SimCheckpoint,
+    generator_states,
+    restore_generators,
+)
 from thinwire.localsgd.task import BatchSource, Task, make_sources, to_device
 
 __all__ = ["ProgressFn", "Start", "load_start_state", "pretrain"]
@@ -201,7 +205,7 @@ def pretrain(
                     "step": step + 1,
                     "model": model.state_dict(),
                     "optimizer": opt.state_dict(),
-                    "rng": torch.get_rng_state(),
+                    "generators": generator_states(),
                 }
             )
         if progress is not None:
@@ -226,7 +230,7 @@ def _restore(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer
         raise ValueError(f"the save's step is {step!r}, not a positive whole number")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    restore_generators(state["generators"])
     return step
 
 

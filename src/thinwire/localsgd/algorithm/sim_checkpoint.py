@@ -13,12 +13,14 @@ ends with the very numbers an uninterrupted run gives::
 
 What is saved is everything the run reads: theta and the outer optimizer, the server's
 roster, shards, speeds and push guard, every worker's inner optimizer, the codecs'
-residuals and views, the rounds in flight, the curve so far, and three random
-generators: torch's CPU generator (a task's dropout), the clock's jitter and the shard
-sampler's. Bit for bit holds for thinwire's tasks; a task of your own that draws from
-Python's ``random``, NumPy or CUDA generators, or whose model has buffers the training
-changes, resumes close but not identical. The same torch build and thread count
-(``--threads``) are assumed: another may round differently.
+residuals and views, the rounds in flight, the curve so far, the clock's jitter and the
+shard sampler's generators, and the process-wide generators a task of yours may draw
+from (:func:`generator_states`): torch's CPU one (dropout), CUDA's, Python's ``random``
+and NumPy's global one (``np.random.rand``, a data order shuffled with it). So bit for
+bit holds for thinwire's tasks and for such a task; one that draws from generator
+objects of its own (``np.random.default_rng()``, a ``torch.Generator``), or whose model
+has buffers the training changes, resumes close but not identical. The same torch
+build and thread count (``--threads``) are assumed: another may round differently.
 
 Which run a file belongs to: the simulator stores a digest of the config and the clock,
 and ``tag`` is yours (the sweep passes its run fingerprint, which adds the task: model,
@@ -50,17 +52,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from thinwire.errors import ConfigError, first_line
 from thinwire.io import atomic_save
 from thinwire.safeload import safe_load
 
-__all__ = ["SimCheckpoint", "check_same_run"]
+__all__ = ["SimCheckpoint", "check_same_run", "generator_states", "restore_generators"]
 
 log = logging.getLogger(__name__)
 
@@ -160,3 +166,30 @@ def check_same_run(saved: tuple[int, int], run: tuple[int, int]) -> None:
             f"this run has {run[0]} and {run[1]}: it is another run's (delete it, or give "
             "another path)"
         )
+
+
+def generator_states() -> dict[str, Any]:
+    """The process-wide random generators a task may draw from, as plain data: torch's
+    CPU generator, CUDA's (when CUDA is in use), Python's ``random`` and NumPy's global
+    generator. :func:`restore_generators` puts them back."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        "python": (version, list(internal), gauss_next),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
+
+
+def restore_generators(states: dict[str, Any]) -> None:
+    """Put back :func:`generator_states` (CUDA's only where CUDA is in use with as many
+    devices: a run resumed on a machine without them goes on without)."""
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))

@@ -43,7 +43,12 @@ from thinwire.comm.quantized_allreduce import quantized_wire_bytes
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK, block_codec
 from thinwire.localsgd.algorithm.shards import ShardBook
-from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint, check_same_run
+from thinwire.localsgd.algorithm.sim_checkpoint import (
+    SimCheckpoint,
+    check_same_run,
+    generator_states,
+    restore_generators,
+)
 from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
 from thinwire.localsgd.algorithm.virtual_clock import sim_worker, started
 from thinwire.localsgd.algorithm.worker_core import LocalWorker
@@ -324,7 +329,7 @@ class _Streaming:
             "done_at": dict(self.done_at),
             "curve": self.curve,
             "jitter_rng": self.jitter_rng.get_state(),
-            "torch_rng": torch.get_rng_state(),
+            "generators": generator_states(),  # a task's dropout, data order, ...
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -345,7 +350,10 @@ class _Streaming:
         self.done_at = {int(f): float(t) for f, t in state["done_at"].items()}
         self.curve = [dict(point) for point in state["curve"]]
         self.jitter_rng.set_state(state["jitter_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        if "generators" in state:
+            restore_generators(state["generators"])
+        else:  # saved by a version that kept torch's generator alone
+            torch.set_rng_state(state["torch_rng"])
 
     def _finish(self) -> None:
         """As :meth:`StreamingDiLoCo.finish` on every worker: the fragments in flight

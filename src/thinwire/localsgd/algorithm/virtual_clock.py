@@ -53,7 +53,12 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import PullDecoder, PullEncoder, PushEncoder, decode
 from thinwire.localsgd.algorithm.methods import METHODS, for_method
 from thinwire.localsgd.algorithm.server_core import ServerCore
-from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint, check_same_run
+from thinwire.localsgd.algorithm.sim_checkpoint import (
+    SimCheckpoint,
+    check_same_run,
+    generator_states,
+    restore_generators,
+)
 from thinwire.localsgd.algorithm.worker_core import LocalWorker, RoundResult
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.messages import Work
@@ -306,7 +311,7 @@ class _Simulation:
             "curve": self.curve,
             "wire": dict(self.wire),
             "jitter_rng": self.jitter_rng.get_state(),
-            "torch_rng": torch.get_rng_state(),  # a task's dropout draws from it
+            "generators": generator_states(),  # a task's dropout, data order, ...
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -332,7 +337,10 @@ class _Simulation:
         self.curve = [dict(point) for point in state["curve"]]
         self.wire = dict(state["wire"])
         self.jitter_rng.set_state(state["jitter_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        if "generators" in state:
+            restore_generators(state["generators"])
+        else:  # saved by a version that kept torch's generator alone
+            torch.set_rng_state(state["torch_rng"])
 
     def summary(self, now: float) -> dict[str, Any]:
         core = self.core
