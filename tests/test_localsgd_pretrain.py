@@ -224,8 +224,8 @@ def test_a_sweep_pretrains_once_per_seed_and_keeps_the_weights(
     grid = {"naive": {}, "dn": {"outer_lr": (0.2, 0.4)}}
     steps: list[tuple[int, int]] = []
 
-    def on_pretrain(seed: int, start: Start) -> object:
-        assert start.pretrain_steps == 8
+    def on_pretrain(seed: int, start: Start, ckpt: object) -> object:
+        assert start.pretrain_steps == 8 and ckpt is not None  # where it is kept as it goes
         return lambda step, loss: steps.append((seed, step))
 
     runs = run_sweep(

@@ -136,7 +136,9 @@ def test_a_sweep_stopped_mid_pretraining_goes_on_from_its_save(tmp_path: Path) -
     def sweep(out: Path, kill_at: int | None) -> list[dict[str, Any]]:
         seen.append([])
 
-        def on_pretrain(seed: int, start: Start) -> Any:
+        def on_pretrain(seed: int, start: Start, ckpt: SimCheckpoint | None) -> Any:
+            assert ckpt is not None and ckpt.path.name.startswith("pretrained-seed0-")
+
             def step(done: int, loss: float) -> None:
                 seen[-1].append(done)
                 if done == kill_at:
@@ -144,14 +146,16 @@ def test_a_sweep_stopped_mid_pretraining_goes_on_from_its_save(tmp_path: Path) -
 
             return step
 
-        def task(seed: int) -> Task:
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed)
-            return _task()
-
+        # No seeding here: the sweep seeds each run and pretraining from its seed.
         return run_sweep(
-            task, base, clock, grid, (0,), out, on_pretrain=on_pretrain, checkpoint_every=0
+            lambda seed: _task(),
+            base,
+            clock,
+            grid,
+            (0,),
+            out,
+            on_pretrain=on_pretrain,
+            checkpoint_every=0,
         )
 
     reference = sweep(tmp_path / "whole", None)
@@ -164,6 +168,12 @@ def test_a_sweep_stopped_mid_pretraining_goes_on_from_its_save(tmp_path: Path) -
     assert runs[0]["curve"] == reference[0]["curve"]
     assert not partial.exists()  # the weights are kept whole: the save is done with
     assert (out / "runs" / partial.name.replace(".partial.pt", ".pt")).exists()
+    # Stopped between keeping the weights and removing the save: the rerun removes it.
+    partial.write_bytes(b"left over")
+    for kept in (out / "runs").glob("dn__*.json"):
+        kept.unlink()
+    assert sweep(out, None)[0]["curve"] == reference[0]["curve"]
+    assert not partial.exists() and seen[-1] == []  # read back, not pretrained again
 
 
 @pytest.mark.timeout(240)
@@ -188,17 +198,21 @@ def test_the_cli_says_where_a_stopped_pretraining_goes_on(
 
     monkeypatch.setattr(cli_simulate, "_pretraining", stopped_at_step_6)
     stopped = [*args, "--out", str(tmp_path / "stopped")]
+    # A newer save of other settings (another digest) beside it is not the one named.
+    other = tmp_path / "stopped" / "runs" / "pretrained-seed0-0123456789abcdef.partial.pt"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"another pretraining's")
     assert main(stopped) == 130
     err = capsys.readouterr().err
-    assert re.search(r"the pretraining of seed 0 in progress goes on from its save in \S+", err)
+    named = re.search(r"the pretraining of seed 0 in progress goes on from its save in (\S+):", err)
+    assert named is not None and named.group(1) != str(other) and Path(named.group(1)).exists()
     monkeypatch.undo()
     assert main(stopped) == 0
     out = capsys.readouterr().out
-    assert "pretraining seed 0: resumed from its save in" in out
-    assert "at 6 of 10 steps" in out
+    assert f"pretraining seed 0: resumed from {named.group(1)} at 6 of 10 steps" in out
     assert re.search(r"pretraining seed 0: 10 of 10 steps \(100%\) in \d+ min", out)
     whole, again = (
         json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "stopped")
     )
     assert again["runs"][0]["curve"] == whole["runs"][0]["curve"]
-    assert not list((tmp_path / "stopped" / "runs").glob("*.partial.pt"))
+    assert list((tmp_path / "stopped" / "runs").glob("*.partial.pt")) == [other]

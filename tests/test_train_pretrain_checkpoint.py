@@ -15,6 +15,7 @@ from thinwire.cli.train import _interrupt_note
 from thinwire.comm.launch import spawn
 from thinwire.train.config import TrainConfig
 from thinwire.train.data import TextData
+from thinwire.train.metrics import read_metrics
 from thinwire.train.trainer import train
 
 PRETRAIN = 8
@@ -78,6 +79,42 @@ def test_a_run_stopped_in_its_pretraining_goes_on_with_resume(
     assert again["param_sha256"] == whole["param_sha256"]
     assert again["final_val_loss"] == whole["final_val_loss"]
     assert _saves(cfg) == []  # the run's own checkpoint superseded it
+    # Its record reads as one unstopped run's: what it wrote before the stop is dropped.
+    assert _losses(cfg) == _losses(_config(tmp_path / "whole"))
+
+
+def _losses(cfg: TrainConfig) -> list[tuple[int, float]]:
+    records = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
+    return [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+
+
+@pytest.mark.timeout(120)
+def test_a_pretraining_saved_at_its_end_only_and_a_failed_save(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = train(_config(tmp_path / "whole", checkpoint_interval=0))
+    cfg = _config(tmp_path / "end", checkpoint_interval=0)  # the end alone, as the run's own
+    _stopped(cfg, 7)
+    assert _saves(cfg) == []
+    _stopped(cfg := _config(tmp_path / "end2", checkpoint_interval=0), PRETRAIN + 1)
+    assert _saves(cfg) == ["pretrain-00000008.pt"]
+    again = train(_config(tmp_path / "end2", checkpoint_interval=0, resume=True))
+    assert again["param_sha256"] == whole["param_sha256"]
+    # A save that cannot be written (a full disk) is one line, and the run goes on.
+    from thinwire.train import pretrain_checkpoint
+
+    def full(obj: object, path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pretrain_checkpoint, "atomic_save", full)
+    capsys.readouterr()
+    assert (
+        train(_config(tmp_path / "full"))["param_sha256"]
+        == train(_config(tmp_path / "whole3"))["param_sha256"]
+    )
+    err = capsys.readouterr().err
+    assert "could not save the pretraining to" in err and "No space left on device" in err
+    assert "there is no save yet" in err
 
 
 @pytest.mark.timeout(180)
@@ -101,6 +138,11 @@ def test_a_save_that_cannot_be_used_is_one_line_and_the_pretraining_starts_over(
     capsys.readouterr()
     assert train(_config(tmp_path / "torn", resume=True))["param_sha256"] == whole["param_sha256"]
     assert "the pretraining starts over" in capsys.readouterr().err
+    # Resumed with another warmup: the save's steps were taken with the other one.
+    _stopped(_config(tmp_path / "warm"), 7)
+    train(_config(tmp_path / "warm", resume=True, warmup_steps=3))
+    err = capsys.readouterr().err
+    assert "was made with {'warmup_steps': 2" in err and "the pretraining starts over" in err
 
 
 def _rank(rank: int, world: int, cfg: TrainConfig, stop_at: int | None) -> Any:

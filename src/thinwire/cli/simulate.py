@@ -433,10 +433,14 @@ def _report(run: dict[str, Any], cached: bool) -> None:
 
 @dataclass
 class _InProgress:
-    """What the sweep is computing now, and where its last save is (None: none yet)."""
+    """What the sweep is computing now, and the file it saves to (None: it saves none)."""
 
     what: str
-    saved: Callable[[], Path | None] = lambda: None  # nothing saved yet
+    path: Path | None = None
+
+    def saved(self) -> Path | None:
+        """The save a rerun goes on from, if one was written yet."""
+        return self.path if self.path is not None and self.path.exists() else None
 
 
 def _what_is_kept(out: Path, current: list[_InProgress]) -> str:
@@ -458,7 +462,7 @@ def _starting(
 ) -> Callable[[int, int], None]:
     """The progress of one run (``current[0]`` is it from now on)."""
     path = checkpoint.path if checkpoint is not None else None
-    current[0] = _InProgress("run", lambda: path if path is not None and path.exists() else None)
+    current[0] = _InProgress("run", path)
     return _RunProgress(f"{method} {_setting(setting)} seed {seed}", str(path))
 
 
@@ -497,17 +501,14 @@ class _RunProgress:
 
 
 def _pretraining(
-    out: Path, current: list[_InProgress], seed: int, start: Any
+    out: Path, current: list[_InProgress], seed: int, start: Any, ckpt: SimCheckpoint | None
 ) -> Callable[[int, float], None]:
     """Say where seed ``seed`` starts; the returned callback shows its pretraining."""
     runs = out / "runs"
     print(f"seed {seed}: starts {start.describe()} (computed once, kept in {runs})", flush=True)
-
-    def saved() -> Path | None:  # the sweep names the file by a digest of the task
-        return max(runs.glob(f"pretrained-seed{seed}-*.partial.pt"), default=None, key=_mtime)
-
-    current[0] = _InProgress(f"pretraining of seed {seed}", saved)
-    shown = _RunProgress(f"pretraining seed {seed}", f"its save in {runs}", "steps")
+    path = ckpt.path if ckpt is not None else None
+    current[0] = _InProgress(f"pretraining of seed {seed}", path)
+    shown = _RunProgress(f"pretraining seed {seed}", str(path), "steps")
 
     def step(done: int, loss: float) -> None:
         if shown.bar is None:  # called after the first step: the one before is the start
@@ -515,13 +516,6 @@ def _pretraining(
         shown(done, start.pretrain_steps, loss)
 
     return step
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:  # removed meanwhile
-        return 0.0
 
 
 def _write_results(

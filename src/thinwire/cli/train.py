@@ -148,7 +148,8 @@ def _add_run_arguments(g: argparse._ArgumentGroup, d: TrainConfig) -> None:
         type=int,
         default=None,
         help="start after this many steps of ordinary data-parallel AdamW (default 0); "
-        "saved every --checkpoint-interval steps, so --resume goes on from a stop in it",
+        "a synchronous algorithm's is saved every --checkpoint-interval steps, so --resume "
+        "goes on from a stop in it",
     )
     g.add_argument(
         "--init-from", default=None, metavar="FILE", help="start from this model state file"
@@ -361,7 +362,8 @@ def _add_reporting_arguments(r: argparse._ArgumentGroup, d: TrainConfig) -> None
         "--checkpoint-interval",
         type=int,
         default=d.checkpoint_interval,
-        help="steps between checkpoints, the pretraining's too (0: only at the end); "
+        help="steps between checkpoints, a synchronous algorithm's pretraining's too "
+        "(0: only at the end); "
         f"default {d.checkpoint_interval}",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -394,11 +394,13 @@ _MEASURED_AROUND = (
 
 
 def _continue_or_clear(cfg: TrainConfig) -> None:
-    """A run that stopped continues from its last checkpoint; one that left none starts
-    over (its partial files cleared)."""
+    """A run that stopped continues from its last checkpoint, or from its pretraining's
+    last save; one that left neither starts over (its partial files cleared)."""
+    from thinwire.train import pretrain_checkpoint
     from thinwire.train.checkpoint import latest_step
 
-    if latest_step(Path(cfg.out_dir)) is not None:
+    out = Path(cfg.out_dir)
+    if latest_step(out) is not None or pretrain_checkpoint.latest(out) is not None:
         cfg.resume = True
     else:
         _clear_run(Path(cfg.out_dir))

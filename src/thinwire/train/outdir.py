@@ -7,7 +7,8 @@ Rank 0 calls these; the trainer broadcasts the outcome, so every rank agrees.
 * :func:`decide_start` picks the step to start from: 0 with a fresh run id written to
   ``run.json`` (and the resolved settings to ``config.json``, which ``thinwire train
   --config`` reads back), or the latest checkpoint of the run being resumed, after checking that
-  the settings match. A resumed run that has nothing left to do returns its saved
+  the settings match (0 again for a run stopped before its first checkpoint whose
+  pretraining left a save: :mod:`thinwire.train.pretrain_checkpoint`). A resumed run that has nothing left to do returns its saved
   summary instead, so resuming a finished run changes nothing.
 """
 

@@ -58,17 +58,20 @@ def save(
     out_dir: Path,
     step: int,
     run_id: str | None,
+    settings: dict[str, Any],
     model: nn.Module,
     opt: torch.optim.Optimizer,
     loss: float,
 ) -> None:
-    """Rank 0: keep the pretraining after ``step`` steps (``loss``: that step's); the
-    save before goes once this one is in place. A failed write is one line, and the
+    """Rank 0: keep the pretraining after ``step`` steps (``loss``: that step's, the mean
+    over ranks; ``settings``: what it trains with, which a resume must match); the save
+    before goes once this one is in place. A failed write is one line, and the
     pretraining goes on."""
     path = _root(out_dir) / f"pretrain-{step:08d}.pt"
     blob = {
         "step": step,
         "run_id": run_id,
+        "settings": settings,
         "model": model.state_dict(),
         "optimizer": opt.state_dict(),
         "rng": torch.get_rng_state(),
@@ -78,32 +81,41 @@ def save(
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_save(blob, path)
     except OSError as exc:
-        print(
-            f"thinwire: warning: could not save the pretraining to {path} "
-            f"({exc.strerror or exc}); it goes on, and a stop now resumes from the save before",
-            file=sys.stderr,
-            flush=True,
+        before = latest(out_dir)
+        kept = f"the save at step {before[0]:,} is kept" if before else "there is no save yet"
+        _say(
+            f"warning: could not save the pretraining to {path} ({exc.strerror or exc}); it "
+            f"goes on ({kept})"
         )
         return
     discard(out_dir, keep=path)
 
 
 def discard(out_dir: Path, keep: Path | None = None) -> None:
-    """Remove the pretraining's saves (all but ``keep``)."""
+    """Remove the pretraining's saves (all but ``keep``); one that cannot be removed is
+    one line (it only takes space: a resume finds the run's own checkpoint first)."""
     for path in _root(out_dir).glob("pretrain-*.pt"):
         if path != keep and _NAME.fullmatch(path.name):
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                _say(f"warning: could not remove {path} ({exc.strerror or exc})")
 
 
 def resume(
-    out_dir: Path, run_id: str | None, steps: int, model: nn.Module, opt: torch.optim.Optimizer
+    out_dir: Path,
+    run_id: str | None,
+    steps: int,
+    settings: dict[str, Any],
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
 ) -> tuple[int, float]:
     """Collective: put the newest pretraining save of this run into ``model`` and
     ``opt`` on every rank; returns its step and that step's loss (``(0, 0.0)``: none, or
-    one that cannot be used)."""
+    one that cannot be used: other ``settings``, another run's, damaged)."""
     box: list[Any] = [None]
     if get_rank() == 0:
-        box = [_read(out_dir, run_id, steps)]
+        box = [_read(out_dir, run_id, steps, settings, model)]
     if get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     if box[0] is None:
@@ -115,7 +127,9 @@ def resume(
     return step, state["loss"]
 
 
-def _read(out_dir: Path, run_id: str | None, steps: int) -> tuple[int, dict[str, Any]] | None:
+def _read(
+    out_dir: Path, run_id: str | None, steps: int, settings: dict[str, Any], model: nn.Module
+) -> tuple[int, dict[str, Any]] | None:
     """Rank 0: the newest save, checked; None (and one line) when it cannot be used."""
     found = latest(out_dir)
     if found is None:
@@ -123,21 +137,52 @@ def _read(out_dir: Path, run_id: str | None, steps: int) -> tuple[int, dict[str,
     step, path = found
     try:
         blob = safe_load(path, "pretraining save")
-        if not isinstance(blob, dict) or blob.get("run_id") != run_id:
-            raise ConfigError(f"pretraining save {path} belongs to another run")
-        if blob.get("step") != step or not 0 < step <= steps:
-            raise ConfigError(f"pretraining save {path} holds step {blob.get('step')!r}")
-        state = {k: blob[k] for k in ("model", "optimizer", "rng", "loss")}
-    except (ConfigError, KeyError) as exc:
-        print(
-            f"thinwire: warning: {first_line(exc)}; the pretraining starts over",
-            file=sys.stderr,
-            flush=True,
-        )
+        _check(path, blob, step, steps, run_id, settings, model)
+    except ConfigError as exc:
+        _say(f"warning: {first_line(exc)}; the pretraining starts over")
         return None
-    print(
-        f"thinwire: the pretraining goes on from {path} at step {step:,} of {steps:,}",
-        file=sys.stderr,
-        flush=True,
-    )
-    return step, state
+    _say(f"the pretraining goes on from {path} at step {step:,} of {steps:,}")
+    return step, {k: blob[k] for k in ("model", "optimizer", "rng", "loss")}
+
+
+def _check(
+    path: Path,
+    blob: Any,
+    step: int,
+    steps: int,
+    run_id: str | None,
+    settings: dict[str, Any],
+    model: nn.Module,
+) -> None:
+    """That ``blob`` is this run's pretraining at ``step``, with every part of the right
+    kind (a ConfigError naming the first that is not)."""
+    if not isinstance(blob, dict) or blob.get("run_id") != run_id:
+        raise ConfigError(f"pretraining save {path} belongs to another run")
+    if blob.get("step") != step or not 0 < step <= steps:
+        raise ConfigError(f"pretraining save {path} holds step {blob.get('step')!r}, not {step}")
+    if blob.get("settings") != settings:
+        raise ConfigError(
+            f"pretraining save {path} was made with {blob.get('settings')}, this run "
+            f"pretrains with {settings}"
+        )
+    weights, opt, rng = blob.get("model"), blob.get("optimizer"), blob.get("rng")
+    want = model.state_dict()
+    if not isinstance(weights, dict) or weights.keys() != want.keys():
+        raise ConfigError(f"pretraining save {path} does not hold this model's weights")
+    for name, value in want.items():
+        if not torch.is_tensor(weights[name]) or weights[name].shape != value.shape:
+            raise ConfigError(f"pretraining save {path}: {name!r} is not of the model's shape")
+    if not (
+        isinstance(opt, dict)
+        and isinstance(opt.get("state"), dict)
+        and isinstance(opt.get("param_groups"), list)
+    ):
+        raise ConfigError(f"pretraining save {path} does not hold an optimizer state")
+    if not (torch.is_tensor(rng) and rng.dtype == torch.uint8):
+        raise ConfigError(f"pretraining save {path} does not hold a random generator state")
+    if not isinstance(blob.get("loss"), float):
+        raise ConfigError(f"pretraining save {path} does not hold its loss")
+
+
+def _say(line: str) -> None:
+    print(f"thinwire: {line}", file=sys.stderr, flush=True)

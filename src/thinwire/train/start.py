@@ -34,6 +34,7 @@ a run used.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -130,8 +131,19 @@ def _pretrain(
     peak = default_lr("adamw")
     opt = torch.optim.AdamW(params, lr=peak, betas=cfg.betas, weight_decay=cfg.weight_decay)
     out_dir, steps = Path(cfg.out_dir), start.pretrain_steps
+    # What the pretraining trains with beyond the run's identity: a save must match it.
+    settings = {
+        "warmup_steps": start.warmup_steps,
+        "grad_clip": start.grad_clip,
+        "lr": peak,
+        "betas": list(cfg.betas),
+        "weight_decay": cfg.weight_decay,
+        "world": world,
+    }
     # A resumed run that stopped in its pretraining goes on from the last save.
-    first, last = saves.resume(out_dir, run_id, steps, model, opt) if cfg.resume else (0, 0.0)
+    first, last = (0, 0.0)
+    if cfg.resume:
+        first, last = saves.resume(out_dir, run_id, steps, settings, model, opt)
     bar = Progress(steps, first, cfg.progress and rank == 0, desc="pretraining")
     loss = torch.tensor(last)  # the loss of the last step taken, here or before the stop
     try:
@@ -147,26 +159,35 @@ def _pretrain(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), start.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if rank == 0 and _due(step + 1, steps, cfg.checkpoint_interval):
-                saves.save(out_dir, step + 1, run_id, model, opt, float(loss.detach()))
+            if _due(step + 1, steps, cfg.checkpoint_interval):
+                mean = _mean(loss, world)  # every rank: the save's loss is the ranks' mean
+                if rank == 0:
+                    saves.save(out_dir, step + 1, run_id, settings, model, opt, mean)
             bar.update(1, loss=f"{float(loss.detach()):.3f}")
     finally:
         bar.close()
-    final = loss.detach().float().cpu().view(1)
-    if world > 1:  # every rank learns a divergence, so none is left waiting
-        sum_small_(final, op_name="trainer.pretrain_loss")  # a trainer op: not the job's bytes
-    if not torch.isfinite(final).all():
+    # Every rank learns a divergence, so none is left waiting; resumed at the end, each
+    # holds the saved mean already.
+    final = _mean(loss, world) if first < steps else last
+    if not math.isfinite(final):
         raise ConfigError(
             f"pretraining diverged within its {start.pretrain_steps} steps (loss "
-            f"{float(final[0]) / world}): raise --warmup-steps or set --grad-clip"
+            f"{final}): raise --warmup-steps or set --grad-clip"
         )
     if rank == 0:
         print(
-            f"thinwire: {cfg.algo} starts {start.describe()} (AdamW, final loss "
-            f"{float(final[0]) / world:.3f})",
+            f"thinwire: {cfg.algo} starts {start.describe()} (AdamW, final loss {final:.3f})",
             file=sys.stderr,
             flush=True,
         )
+
+
+def _mean(loss: torch.Tensor, world: int) -> float:
+    """The ranks' mean of this step's ``loss``; call on every rank."""
+    total = loss.detach().float().cpu().view(1)
+    if world > 1:
+        sum_small_(total, op_name="trainer.pretrain_loss")  # a trainer op: not the job's bytes
+    return float(total[0]) / world
 
 
 def _due(done: int, steps: int, interval: int) -> bool:

@@ -66,7 +66,13 @@ from thinwire.errors import ConfigError, first_line
 from thinwire.io import atomic_save
 from thinwire.safeload import safe_load
 
-__all__ = ["SimCheckpoint", "check_same_run", "generator_states", "restore_generators"]
+__all__ = [
+    "SimCheckpoint",
+    "check_same_run",
+    "generator_states",
+    "restore_generators",
+    "seed_generators",
+]
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +199,12 @@ def restore_generators(states: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss_next))
     kind, keys, pos, has_gauss, gauss = states["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the generators of :func:`generator_states` (CUDA's through torch's) from
+    ``seed``: a sweep does this before each run and pretraining, so that what a run
+    draws does not depend on what ran before it in the process."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)

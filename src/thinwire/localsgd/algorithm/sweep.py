@@ -24,7 +24,10 @@ on from its last checkpoint (``<key>.partial.pt``, saved every 10 minutes by def
 sweep of hours-long runs loses at most minutes to a stop. The file goes once the run's
 JSON is written; one of a setting taken out of the grid stays (delete
 ``runs/*.partial.pt`` by hand). A seed's pretraining is kept the same way while it runs
-(``pretrained-seed<S>-<digest>.partial.pt``), and whole once done.
+(``pretrained-seed<S>-<digest>.partial.pt``), and whole once done. Each run and each
+pretraining starts with torch's, Python's and NumPy's generators seeded from its seed,
+so a run read back, resumed or computed in one go holds the same numbers, whatever ran
+before it in the process.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from thinwire.errors import ConfigError
 from thinwire.io import atomic_save, atomic_write_text
 from thinwire.localsgd.algorithm.methods import METHODS, TUNED_TRAINED, for_method
 from thinwire.localsgd.algorithm.pretrain import ProgressFn, Start, load_start_state
-from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint
+from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint, seed_generators
 from thinwire.localsgd.algorithm.virtual_clock import SimClock, simulate, time_to_reach
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.settings import STREAMING
@@ -181,7 +184,7 @@ def run_sweep(
     out_dir: Path | None = None,
     on_run: Callable[[dict[str, Any], bool], None] | None = None,
     context: Mapping[str, Any] | None = None,
-    on_pretrain: Callable[[int, Start], ProgressFn | None] | None = None,
+    on_pretrain: Callable[[int, Start, SimCheckpoint | None], ProgressFn | None] | None = None,
     checkpoint_every: float | None = 600.0,
     on_start: Callable[[str, dict[str, Any], int, SimCheckpoint | None], RunProgress | None]
     | None = None,
@@ -191,10 +194,12 @@ def run_sweep(
     ``task_for_seed(seed)`` builds the task of one seed (its data order and initial
     parameters); the seed also seeds the clock's jitter and the server's shard sampler.
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
-    ``out_dir``; ``on_pretrain(seed, start)`` before a seed's pretraining (when the
-    runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``) may return
-    a callback that is called after every pretraining step with ``(step, loss)`` (a
-    pretraining resumed from its save: first with the step after the save).
+    ``out_dir``; ``on_pretrain(seed, start, checkpoint)`` before a seed's pretraining
+    (when the runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``;
+    ``checkpoint``: where it is kept as it goes, None without ``out_dir``) may return a
+    callback that is called after every pretraining step with ``(step, loss)`` (a
+    pretraining resumed from its save: first with the step after the save; none at all
+    when the weights are read back).
     ``context``: what ``task_for_seed`` builds, as plain values (model, data, batch size,
     ...), so that a run cached from another task is not read back.
 
@@ -224,15 +229,17 @@ def run_sweep(
             start, state = cfg.start(), None
             if start.pretrain_steps:
                 if (seed, start) not in starts:
-                    progress = on_pretrain(seed, start) if on_pretrain is not None else None
                     shards = cfg.resolved_shards(len(clock.seconds_per_step))
                     where = (runs_dir, seed, context, checkpoint_every)
-                    starts[seed, start] = _pretrained(tasks[seed], start, shards, where, progress)
+                    starts[seed, start] = _pretrained(
+                        tasks[seed], start, shards, where, on_pretrain
+                    )
                 state = starts[seed, start]
             ckpt = None
             if runs_dir is not None and checkpoint_every is not None:
                 ckpt = SimCheckpoint(runs_dir / f"{key}.partial.pt", checkpoint_every, digest)
             progress = on_start(method, setting, seed, ckpt) if on_start is not None else None
+            seed_generators(seed)
             run = simulate(
                 tasks[seed],
                 replace(cfg, seed=seed),
@@ -274,26 +281,30 @@ def _pretrained(
     start: Start,
     shards: int,
     where: tuple[Path | None, int, Mapping[str, Any] | None, float | None],
-    progress: ProgressFn | None,
+    on_pretrain: Callable[[int, Start, SimCheckpoint | None], ProgressFn | None] | None,
 ) -> dict[str, torch.Tensor]:
     """The pretrained weights of one seed's ``task``, computed once and kept beside the
     runs (``runs/pretrained-seed<S>-<digest>.pt``), so a sweep resumed or widened later
     does not pretrain again; while it is computed, its progress is kept every
     ``checkpoint_every`` seconds in ``...-<digest>.partial.pt``, as a run's is."""
     runs_dir, seed, context, checkpoint_every = where
-    if runs_dir is None:
-        return start.pretrained(task, shards, progress)
-    blob = {"start": asdict(start), "shards": shards, "seed": seed, "context": context}
-    text = json.dumps(blob, sort_keys=True, default=repr)
-    name = f"pretrained-seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    path = runs_dir / f"{name}.pt"
-    if path.exists():
+    path = ckpt = None
+    if runs_dir is not None:
+        blob = {"start": asdict(start), "shards": shards, "seed": seed, "context": context}
+        text = json.dumps(blob, sort_keys=True, default=repr)
+        name = f"pretrained-seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        path = runs_dir / f"{name}.pt"
+        if checkpoint_every is not None:
+            ckpt = SimCheckpoint(runs_dir / f"{name}.partial.pt", checkpoint_every, name)
+    progress = on_pretrain(seed, start, ckpt) if on_pretrain is not None else None
+    if path is not None and path.exists():
+        if ckpt is not None:  # a stop between keeping the weights and removing the save
+            ckpt.discard()
         return load_start_state(path, task.model())
-    ckpt = None
-    if checkpoint_every is not None:
-        ckpt = SimCheckpoint(runs_dir / f"{name}.partial.pt", checkpoint_every, name)
+    seed_generators(seed)
     state = start.pretrained(task, shards, progress, ckpt)
-    atomic_save(state, path)
+    if path is not None:
+        atomic_save(state, path)
     if ckpt is not None:
         ckpt.discard()
     return state
