@@ -161,3 +161,17 @@ def test_two_ranks_go_on_from_rank_0s_save(tmp_path: Path) -> None:
     again = spawn(_rank, 2, (_config(tmp_path / "stopped", resume=True), None), timeout_s=240)
     assert again[0]["param_sha256"] == again[1]["param_sha256"] == whole[0]["param_sha256"]
     assert again[0]["final_val_loss"] == whole[0]["final_val_loss"]
+
+
+def test_compare_goes_on_from_a_run_stopped_in_its_pretraining(tmp_path: Path) -> None:
+    from thinwire.train.compare import _continue_or_clear
+
+    cfg = _config(tmp_path / "a")
+    _stopped(cfg, 5)
+    _continue_or_clear(cfg)
+    assert cfg.resume and _saves(cfg) == ["pretrain-00000003.pt"]  # kept, to go on from
+    fresh = _config(tmp_path / "b")
+    (Path(fresh.out_dir) / "checkpoints").mkdir(parents=True)
+    (Path(fresh.out_dir) / "run.json").write_text("{}")
+    _continue_or_clear(fresh)  # nothing to go on from: cleared, started over
+    assert not fresh.resume and not (Path(fresh.out_dir) / "run.json").exists()
