@@ -94,3 +94,21 @@ def test_a_plain_model_records_in_memory_and_a_bad_cadence_is_refused() -> None:
         StepRecorder(net, opt, every=0)
     with pytest.raises(ValueError, match="needs a DistributedDataParallel"):
         record_run(net, opt, hook=(None, lambda s, b: b))
+
+
+def test_a_resumed_run_drops_the_steps_recorded_after_its_checkpoint(tmp_path: Path) -> None:
+    """Stopped at step 6 with its last checkpoint at 4: the resumed run records 5 and 6
+    again, and the file holds each step once (a line cut by the stop is dropped)."""
+    path = tmp_path / "record.jsonl"
+    net = _model()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    rec = StepRecorder(net, opt, path, write=True)
+    _loop(net, opt, 0, 6)
+    rec.close()
+    path.write_text(path.read_text() + '{"step": 7, "step_s')  # the stop, mid-line
+    again = StepRecorder(net, opt, path, write=True, start_step=4)
+    _loop(net, opt, 0, 2)
+    again.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["format"] == RECORD_FORMAT  # the header, once
+    assert [r["step"] for r in lines[1:]] == [1, 2, 3, 4, 5, 6]

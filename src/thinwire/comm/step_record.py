@@ -62,6 +62,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from thinwire.comm.accounting import COUNTER
+from thinwire.io import atomic_write_text
 
 __all__ = ["RECORD_FORMAT", "RECORD_NAME", "StepRecorder", "record_run"]
 
@@ -152,7 +153,7 @@ class StepRecorder:
         self.meta = dict(meta or {})
         self.steps: list[dict[str, Any]] = []
         """The recorded steps, when there is no file (``path=None``)."""
-        self.step = start_step
+        self.step = self._start = start_step
         """Optimizer steps done so far (from ``start_step``)."""
         self._params = list(_inner(model).parameters())
         self._index = {id(p): i for i, p in enumerate(self._params)}
@@ -307,10 +308,27 @@ class StepRecorder:
             self._header_written = True
             if not (self.path.exists() and self.path.stat().st_size > 0):
                 lines.append(json.dumps(self.header()))
+            else:
+                self._drop_after_start()
         lines.append(json.dumps(record))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write("\n".join(lines) + "\n")
+
+    def _drop_after_start(self) -> None:
+        """A resumed run continues its file: the steps recorded after its checkpoint by
+        the run that stopped are dropped first, so no step is in the file twice."""
+        assert self.path is not None
+        kept = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # cut short by the stop: unreadable, and not a step of the run
+            step = record.get("step") if isinstance(record, dict) else None
+            if not (isinstance(step, int) and step > self._start):
+                kept.append(line)  # the header, and the steps up to the checkpoint
+        atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
 
     def close(self) -> None:
         """Remove every hook (the comm hook stays registered, and stops recording)."""

@@ -129,7 +129,10 @@ class MetricsWriter:
                 raise ConfigError(
                     "--tensorboard needs the tensorboard package: pip install 'thinwire[tensorboard]'"
                 ) from None
-            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+            # A resumed run logs its steps after the checkpoint again: TensorBoard drops
+            # the stopped run's events from there on when it reads the directory.
+            purge = resume_step + 1 if resume_step is not None else None
+            self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=purge)
 
     def _set_aside(self, bad: list[tuple[int, bytes]]) -> None:
         """Append the lines that are not records to ``metrics.jsonl.unreadable`` (so that
