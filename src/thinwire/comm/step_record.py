@@ -119,7 +119,8 @@ class StepRecorder:
     Args:
         model: the module the loop calls (a DDP model, or a plain one).
         optimizer: the optimizer whose ``step()`` ends a training step.
-        path: the record file (appended to: a resumed run continues it); None records
+        path: the record file (appended to: a resumed run continues it, after dropping
+            the steps past ``start_step`` that the stopped run recorded); None records
             in memory only (:attr:`steps`).
         dense_steps: record every one of the first this many steps.
         every: after them, record one step in this many.
