@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +17,12 @@ from thinwire.train.config import TrainConfig
 REPO = Path(__file__).resolve().parents[1]
 
 # Measured machine prices (thinwire.analysis.costs.machine_costs) are cached per test
-# session, never in the home directory of the machine that runs the tests.
-os.environ.setdefault("THINWIRE_CACHE_DIR", tempfile.mkdtemp(prefix="thinwire-test-cache-"))
+# session, never in the home directory of the machine that runs the tests. Ranks that a
+# test spawns import this file too: they share the session's folder (inherited with the
+# environment), and only the process that made it removes it.
+if "THINWIRE_CACHE_DIR" not in os.environ:
+    os.environ["THINWIRE_CACHE_DIR"] = tempfile.mkdtemp(prefix="thinwire-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["THINWIRE_CACHE_DIR"], ignore_errors=True)
 
 TINY_FLAGS = ["--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32"]
 """``thinwire train`` flags of the tiny model every CLI test trains (about 21K parameters)."""
