@@ -175,3 +175,19 @@ def test_compare_goes_on_from_a_run_stopped_in_its_pretraining(tmp_path: Path) -
     (Path(fresh.out_dir) / "run.json").write_text("{}")
     _continue_or_clear(fresh)  # nothing to go on from: cleared, started over
     assert not fresh.resume and not (Path(fresh.out_dir) / "run.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_an_asynchronous_run_says_its_pretraining_is_not_saved(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from conftest import TINY_FLAGS
+    from thinwire.cli.main import main
+
+    args = ["train", "--algo", "async-diloco", "--workers", "3", *TINY_FLAGS, "--steps", "2"]
+    args += ["--local-steps", "2", "--batch-size", "4", "--no-progress"]
+    args += ["--pretrain-steps", "4", "--checkpoint-interval", "2", "--out", str(tmp_path / "a")]
+    assert main(args) == 0
+    err = capfd.readouterr().err
+    assert "an asynchronous run's pretraining (4 steps) is not saved as it goes" in err
+    assert "--init-from" in err
