@@ -179,7 +179,7 @@ def test_compare_goes_on_from_a_run_stopped_in_its_pretraining(tmp_path: Path) -
 
 @pytest.mark.timeout(240)
 def test_an_asynchronous_run_says_its_pretraining_is_not_saved(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from conftest import TINY_FLAGS
     from thinwire.cli.main import main
@@ -188,6 +188,6 @@ def test_an_asynchronous_run_says_its_pretraining_is_not_saved(
     args += ["--local-steps", "2", "--batch-size", "4", "--no-progress"]
     args += ["--pretrain-steps", "4", "--checkpoint-interval", "2", "--out", str(tmp_path / "a")]
     assert main(args) == 0
-    err = capfd.readouterr().err
+    err = capsys.readouterr().err
     assert "an asynchronous run's pretraining (4 steps) is not saved as it goes" in err
     assert "--init-from" in err

@@ -185,14 +185,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     acfg = async_config(cfg)
     if rank != 0:
         return run_async(gpt_task(cfg, device=_worker_device(cfg)), acfg)
-    if not cfg.resume and acfg.pretrain_steps > cfg.checkpoint_interval > 0:
-        # The synchronous algorithms save theirs as it goes; this one does not: say so.
-        print(
-            f"thinwire: note: an asynchronous run's pretraining ({acfg.pretrain_steps:,} steps) "
-            "is not saved as it goes, and a stop in it starts over; for a long one, pretrain "
-            "with --algo adamw and start from its model.pt with --init-from",
-            file=sys.stderr,
-        )
     out_dir = Path(cfg.out_dir)
     identity = {k: cfg.to_dict()[k] for k in cfg.IDENTITY} | {
         "workers": workers,

@@ -11,7 +11,9 @@ written by rank 0 alone (every rank holds the same weights and moments: the grad
 are averaged), then renamed into place, the one before removed. ``--resume`` on a run
 that has no checkpoint of its own yet goes on from the newest such file: rank 0 reads
 it and sends it to the others (so on several machines only the first needs the
-directory), and the pretraining ends with the very weights an unstopped one reaches.
+directory; the weights and the optimizer's tensors go one tensor at a time, so no
+rank holds a second copy of the whole state), and the pretraining ends with the very
+weights an unstopped one reaches.
 The file goes once the run's first checkpoint lands.
 
 A file that cannot be used (unreadable, another run's, altered) is said in one line and
@@ -23,7 +25,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -113,23 +115,74 @@ def resume(
     """Collective: put the newest pretraining save of this run into ``model`` and
     ``opt`` on every rank; returns its step and that step's loss (``(0, 0.0)``: none, or
     one that cannot be used: other ``settings``, another run's, damaged)."""
-    box: list[Any] = [None]
-    if get_rank() == 0:
-        box = [_read(out_dir, run_id, steps, settings, model)]
+    state = _read(out_dir, run_id, steps, settings, model) if get_rank() == 0 else None
     if get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
+        state = _share(state, model)
+    if state is None:
         return 0, 0.0
-    step, state = box[0]
-    model.load_state_dict(state["model"])
+    if get_rank() == 0:
+        model.load_state_dict(state["model"])
+    if get_world_size() > 1:  # rank 0's weights, tensor by tensor (no pickled copy)
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
-    return step, state["loss"]
+    return state["step"], state["loss"]
+
+
+def _share(state: dict[str, Any] | None, model: nn.Module) -> dict[str, Any] | None:
+    """Rank 0's save on every rank but its weights (sent afterwards, in place): the small
+    parts in one message, the optimizer's tensors one by one, so that no rank holds a
+    pickled copy of the whole state (a model's size three times over)."""
+    outline: list[Any] = [None]
+    if state is not None:  # rank 0: every part with each tensor's shape and type only
+        outline = [{**state, "model": None, "optimizer": _outline(state["optimizer"])}]
+    dist.broadcast_object_list(outline, src=0)
+    if outline[0] is None:
+        return None
+    shared = outline[0]
+    tensors = state["optimizer"]["state"] if state is not None else {}
+    device = next(model.parameters()).device if dist.get_backend() == "nccl" else None
+    for index, entries in shared["optimizer"]["state"].items():
+        for name, value in entries.items():
+            if not isinstance(value, _Shape):
+                continue
+            t = (
+                tensors[index][name]
+                if state is not None
+                else torch.empty(value.shape, dtype=value.dtype)
+            )
+            on = t.to(device) if device is not None else t
+            dist.broadcast(on, src=0)
+            entries[name] = on.cpu()
+    shared["model"] = state["model"] if state is not None else None
+    return shared
+
+
+class _Shape(NamedTuple):
+    """A tensor of the optimizer's state, as its outline says it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _outline(opt_state: dict[str, Any]) -> dict[str, Any]:
+    """``opt_state`` with each tensor of its ``state`` replaced by its :class:`_Shape`."""
+    return {
+        "param_groups": opt_state["param_groups"],
+        "state": {
+            index: {
+                name: _Shape(tuple(v.shape), v.dtype) if torch.is_tensor(v) else v
+                for name, v in entries.items()
+            }
+            for index, entries in opt_state["state"].items()
+        },
+    }
 
 
 def _read(
     out_dir: Path, run_id: str | None, steps: int, settings: dict[str, Any], model: nn.Module
-) -> tuple[int, dict[str, Any]] | None:
+) -> dict[str, Any] | None:
     """Rank 0: the newest save, checked; None (and one line) when it cannot be used."""
     found = latest(out_dir)
     if found is None:
@@ -142,7 +195,7 @@ def _read(
         _say(f"warning: {first_line(exc)}; the pretraining starts over")
         return None
     _say(f"the pretraining goes on from {path} at step {step:,} of {steps:,}")
-    return step, {k: blob[k] for k in ("model", "optimizer", "rng", "loss")}
+    return {k: blob[k] for k in ("step", "model", "optimizer", "rng", "loss")}
 
 
 def _check(

@@ -195,11 +195,9 @@ def run_sweep(
     parameters); the seed also seeds the clock's jitter and the server's shard sampler.
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
     ``out_dir``; ``on_pretrain(seed, start, checkpoint)`` before a seed's pretraining
-    (when the runs' config has ``pretrain_steps``; once per seed, kept in ``out_dir``;
-    ``checkpoint``: where it is kept as it goes, None without ``out_dir``) may return a
-    callback that is called after every pretraining step with ``(step, loss)`` (a
-    pretraining resumed from its save: first with the step after the save; none at all
-    when the weights are read back).
+    (once per seed, kept in ``out_dir``; ``checkpoint``: where it is kept as it goes)
+    may return a callback called after every pretraining step with ``(step, loss)`` (a
+    resumed one: first with the step after its save; none when the weights are read).
     ``context``: what ``task_for_seed`` builds, as plain values (model, data, batch size,
     ...), so that a run cached from another task is not read back.
 
@@ -227,13 +225,11 @@ def run_sweep(
             if seed not in tasks:
                 tasks[seed] = task_for_seed(seed)
             start, state = cfg.start(), None
+            if start.pretrain_steps and (seed, start) not in starts:
+                shards = cfg.resolved_shards(len(clock.seconds_per_step))
+                where = (runs_dir, seed, context, checkpoint_every)
+                starts[seed, start] = _pretrained(tasks[seed], start, shards, where, on_pretrain)
             if start.pretrain_steps:
-                if (seed, start) not in starts:
-                    shards = cfg.resolved_shards(len(clock.seconds_per_step))
-                    where = (runs_dir, seed, context, checkpoint_every)
-                    starts[seed, start] = _pretrained(
-                        tasks[seed], start, shards, where, on_pretrain
-                    )
                 state = starts[seed, start]
             ckpt = None
             if runs_dir is not None and checkpoint_every is not None:
