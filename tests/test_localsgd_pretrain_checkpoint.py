@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +204,7 @@ def test_the_cli_says_where_a_stopped_pretraining_goes_on(
     other = tmp_path / "stopped" / "runs" / "pretrained-seed0-0123456789abcdef.partial.pt"
     other.parent.mkdir(parents=True)
     other.write_bytes(b"another pretraining's")
+    os.utime(other, (time.time() + 3600, time.time() + 3600))  # and the newest file there
     assert main(stopped) == 130
     err = capsys.readouterr().err
     named = re.search(r"the pretraining of seed 0 in progress goes on from its save in (\S+):", err)

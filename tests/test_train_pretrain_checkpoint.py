@@ -4,6 +4,7 @@ pretraining, or between its pretraining and its first checkpoint, goes on with
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,14 @@ def test_a_run_stopped_in_its_pretraining_goes_on_with_resume(
     assert again["param_sha256"] == whole["param_sha256"]
     assert again["final_val_loss"] == whole["final_val_loss"]
     assert _saves(cfg) == []  # the run's own checkpoint superseded it
-    # Its record reads as one unstopped run's: what it wrote before the stop is dropped.
+    # Its records read as one unstopped run's: what it wrote before the stop is dropped.
     assert _losses(cfg) == _losses(_config(tmp_path / "whole"))
+    assert _recorded(cfg) == _recorded(_config(tmp_path / "whole")) == [1, 2, 3, 4]
+
+
+def _recorded(cfg: TrainConfig) -> list[int]:
+    lines = (Path(cfg.out_dir) / "record.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines[1:]]
 
 
 def _losses(cfg: TrainConfig) -> list[tuple[int, float]]:
@@ -106,12 +113,10 @@ def test_a_pretraining_saved_at_its_end_only_and_a_failed_save(
     def full(obj: object, path: Path) -> None:
         raise OSError(28, "No space left on device")
 
+    reference = train(_config(tmp_path / "whole3"))  # saving its pretraining as it goes
     monkeypatch.setattr(pretrain_checkpoint, "atomic_save", full)
     capsys.readouterr()
-    assert (
-        train(_config(tmp_path / "full"))["param_sha256"]
-        == train(_config(tmp_path / "whole3"))["param_sha256"]
-    )
+    assert train(_config(tmp_path / "full"))["param_sha256"] == reference["param_sha256"]
     err = capsys.readouterr().err
     assert "could not save the pretraining to" in err and "No space left on device" in err
     assert "there is no save yet" in err

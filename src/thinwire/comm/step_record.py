@@ -119,9 +119,9 @@ class StepRecorder:
     Args:
         model: the module the loop calls (a DDP model, or a plain one).
         optimizer: the optimizer whose ``step()`` ends a training step.
-        path: the record file (appended to: a resumed run continues it, after dropping
-            the steps past ``start_step`` that the stopped run recorded); None records
-            in memory only (:attr:`steps`).
+        path: the record file (appended to: a resumed run, ``start_step`` > 0,
+            continues it, the steps past ``start_step`` that the stopped run recorded
+            dropped first); None records in memory only (:attr:`steps`).
         dense_steps: record every one of the first this many steps.
         every: after them, record one step in this many.
         write: whether this process writes ``path`` (default: rank 0 of the group).
@@ -162,6 +162,8 @@ class StepRecorder:
         self._forward_started = 0.0
         self._lock = threading.Lock()
         self._header_written = False
+        if self.path is not None and start_step > 0 and self.path.exists():
+            self._drop_after_start()
         self._bytes0 = COUNTER.wire_bytes
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start),
@@ -309,8 +311,6 @@ class StepRecorder:
             self._header_written = True
             if not (self.path.exists() and self.path.stat().st_size > 0):
                 lines.append(json.dumps(self.header()))
-            else:
-                self._drop_after_start()
         lines.append(json.dumps(record))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:

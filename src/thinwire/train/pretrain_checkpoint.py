@@ -5,7 +5,8 @@ before its algorithm's first checkpoint; the paper's setting is 24k of them. Wit
 save a stop there loses the whole pretraining, and the run cannot even be resumed. So
 the pretraining saves itself every ``--checkpoint-interval`` steps and at its end::
 
-    checkpoints/pretrain-00000300.pt   step, run id, model, AdamW state, torch generator
+    checkpoints/pretrain-00000300.pt   step, run id, settings, model, AdamW state,
+                                       torch's generator, the step's loss
 
 written by rank 0 alone (every rank holds the same weights and moments: the gradients
 are averaged), then renamed into place, the one before removed. ``--resume`` on a run
@@ -16,8 +17,11 @@ rank holds a second copy of the whole state), and the pretraining ends with the 
 weights an unstopped one reaches.
 The file goes once the run's first checkpoint lands.
 
-A file that cannot be used (unreadable, another run's, altered) is said in one line and
-the pretraining starts over: nothing the run has is lost with it.
+A file that cannot be used (unreadable, another run's, altered, or made with other
+pretraining settings: warmup, clip, betas, weight decay, ranks) is said in one line and
+the pretraining starts over: nothing the run has is lost with it. Torch's CPU generator
+is kept, as the run's own checkpoints keep it: a pretraining with dropout on a GPU
+resumes close to, not exactly on, an unstopped one.
 """
 
 from __future__ import annotations

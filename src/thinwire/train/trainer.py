@@ -263,6 +263,8 @@ def _recorder(run: _Run) -> StepRecorder | None:
         "shard_within": cfg.shard_within,
     }
     path = run.out_dir / RECORD_NAME
+    if cfg.resume and run.start == 0 and run.rank == 0:  # resumed from its pretraining
+        path.unlink(missing_ok=True)  # what the stopped run recorded is all redone
     return record_run(
         run.strategy.model, run.strategy.optimizer, path, meta=meta, start_step=run.start
     )

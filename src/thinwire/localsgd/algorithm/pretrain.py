@@ -230,7 +230,10 @@ def _restore(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer
         raise ValueError(f"the save's step is {step!r}, not a positive whole number")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    restore_generators(state["generators"])
+    if "generators" in state:
+        restore_generators(state["generators"])
+    else:  # saved by a version that kept torch's generator alone
+        torch.set_rng_state(state["rng"])
     return step
 
 

@@ -177,26 +177,40 @@ def check_same_run(saved: tuple[int, int], run: tuple[int, int]) -> None:
 def generator_states() -> dict[str, Any]:
     """The process-wide random generators a task may draw from, as plain data: torch's
     CPU generator, CUDA's (when CUDA is in use), Python's ``random`` and NumPy's global
-    generator. :func:`restore_generators` puts them back."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    generator (when it is NumPy's default kind). :func:`restore_generators` puts them
+    back."""
+    numpy_state = np.random.get_state(legacy=True)
+    if isinstance(numpy_state, tuple):
+        kind, keys, pos, has_gauss, gauss = numpy_state
+        numpy_saved = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    else:  # np.random.set_bit_generator(...) swapped the kind: said at the restore
+        numpy_saved = None
     version, internal, gauss_next = random.getstate()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         "python": (version, list(internal), gauss_next),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "numpy": numpy_saved,
     }
 
 
 def restore_generators(states: dict[str, Any]) -> None:
-    """Put back :func:`generator_states` (CUDA's only where CUDA is in use with as many
-    devices: a run resumed on a machine without them goes on without)."""
+    """Put back :func:`generator_states`; a generator that could not be saved or put
+    back (CUDA's on a machine with another number of devices, NumPy's of another kind)
+    is said in one line, and the run goes on drawing from it as it is."""
     torch.set_rng_state(states["torch"])
     cuda = states.get("cuda")
-    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+    if cuda is not None:
+        if torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.init()  # else a seed queued for CUDA's start would overwrite it
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning("the save's CUDA generators (%d devices) are not put back here", len(cuda))
     version, internal, gauss_next = states["python"]
     random.setstate((version, tuple(internal), gauss_next))
+    if states.get("numpy") is None:
+        log.warning("NumPy's global generator was not saved (not NumPy's default kind)")
+        return
     kind, keys, pos, has_gauss, gauss = states["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 

@@ -192,7 +192,9 @@ def run_sweep(
     """Every method x setting x seed, simulated; returns the runs (curves included).
 
     ``task_for_seed(seed)`` builds the task of one seed (its data order and initial
-    parameters); the seed also seeds the clock's jitter and the server's shard sampler.
+    parameters); the seed also seeds the clock's jitter, the shard sampler, and torch's,
+    Python's and NumPy's generators before each task, pretraining and run (the caller's
+    are left so).
     ``on_run(run, cached)`` is called after each run, ``cached`` when read from
     ``out_dir``; ``on_pretrain(seed, start, checkpoint)`` before a seed's pretraining
     (once per seed, kept in ``out_dir``; ``checkpoint``: where it is kept as it goes)
@@ -222,15 +224,11 @@ def run_sweep(
         run = json.loads(path.read_text()) if path is not None and path.exists() else {}
         cached = run.get("fingerprint") == digest
         if not cached:
-            if seed not in tasks:
+            if seed not in tasks:  # built from seeded generators: the same every time
+                seed_generators(seed)
                 tasks[seed] = task_for_seed(seed)
-            start, state = cfg.start(), None
-            if start.pretrain_steps and (seed, start) not in starts:
-                shards = cfg.resolved_shards(len(clock.seconds_per_step))
-                where = (runs_dir, seed, context, checkpoint_every)
-                starts[seed, start] = _pretrained(tasks[seed], start, shards, where, on_pretrain)
-            if start.pretrain_steps:
-                state = starts[seed, start]
+            where = (runs_dir, seed, context, checkpoint_every)
+            state = _start_state(starts, tasks[seed], cfg, clock, where, on_pretrain)
             ckpt = None
             if runs_dir is not None and checkpoint_every is not None:
                 ckpt = SimCheckpoint(runs_dir / f"{key}.partial.pt", checkpoint_every, digest)
@@ -270,6 +268,25 @@ def _plan(
             cfg.validate(len(clock.seconds_per_step), simulated=True)
             plan += [(method, setting, cfg, seed) for seed in seeds]
     return plan
+
+
+def _start_state(
+    starts: dict[tuple[int, Start], dict[str, torch.Tensor]],
+    task: Task,
+    cfg: AsyncConfig,
+    clock: SimClock,
+    where: tuple[Path | None, int, Mapping[str, Any] | None, float | None],
+    on_pretrain: Callable[[int, Start, SimCheckpoint | None], ProgressFn | None] | None,
+) -> dict[str, torch.Tensor] | None:
+    """The weights a run of ``cfg`` starts from (None: its task's own), its seed's
+    pretraining computed once into ``starts``."""
+    start, seed = cfg.start(), where[1]
+    if not start.pretrain_steps:
+        return None
+    if (seed, start) not in starts:
+        shards = cfg.resolved_shards(len(clock.seconds_per_step))
+        starts[seed, start] = _pretrained(task, start, shards, where, on_pretrain)
+    return starts[seed, start]
 
 
 def _pretrained(
