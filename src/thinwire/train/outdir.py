@@ -8,8 +8,9 @@ Rank 0 calls these; the trainer broadcasts the outcome, so every rank agrees.
   ``run.json`` (and the resolved settings to ``config.json``, which ``thinwire train
   --config`` reads back), or the latest checkpoint of the run being resumed, after checking that
   the settings match (0 again for a run stopped before its first checkpoint whose
-  pretraining left a save: :mod:`thinwire.train.pretrain_checkpoint`). A resumed run that has nothing left to do returns its saved
-  summary instead, so resuming a finished run changes nothing.
+  pretraining left a save: :mod:`thinwire.train.pretrain_checkpoint`). A resumed run
+  that has nothing left to do returns its saved summary instead, so resuming a finished
+  run changes nothing.
 """
 
 from __future__ import annotations
