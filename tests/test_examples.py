@@ -63,6 +63,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "fsdp_islands_lamb": ("fsdp_islands", ["--algo", "lamb"]),
 }
 """A recipe run with other arguments: name -> (the recipe's file, its extra arguments)."""
+WRITES_OUT = {"hf_trainer_onebit_lamb", "hf_trainer_onebit_hook", "record_own_loop"}
+"""Recipes that write their results to ``--out`` (by default a new temp folder)."""
 HF_RECIPES = {
     "hf_trainer_onebit_lamb",
     "hf_trainer_onebit_hook",
@@ -102,6 +104,8 @@ class _Runner:
             name = self.queue.pop(0)
             log = (self.folder / f"{name}.log").open("w+b")
             script, extra = VARIANTS.get(name, (name, []))
+            if name in WRITES_OUT:  # into the test's folder, not a temp folder left behind
+                extra = [*extra, "--out", str(self.folder / f"{name}-out")]
             cmd = [*RECIPES[name], str(EXAMPLES / f"{script}.py"), "--tiny", *extra]
             # Its own session, so a recipe past its limit is killed with all its ranks.
             proc = subprocess.Popen(
