@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +194,16 @@ def test_cli_inner_momentum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "unknown inner-state rule 'reset'" in err
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_says_when_a_run_ends_above_its_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["simulate", "--methods", "sync", "--seconds-per-step", "1,3", "--model", "tiny"]
+    args += ["--local-steps", "2", "--steps", "6", "--batch-size", "2", "--eval-points", "2"]
+    assert main([*args, "--sweep", "sync:outer-lr=8", "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"warning: sync outer-lr=8\.0 seed 0 ended above its start \(\d", err)
+    assert main([*args, "--out", str(tmp_path / "b")]) == 0  # the default trains: nothing
+    assert "ended above its start" not in capsys.readouterr().err

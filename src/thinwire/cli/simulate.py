@@ -422,13 +422,23 @@ def _configs(
 
 
 def _report(run: dict[str, Any], cached: bool) -> None:
-    """One line per finished (or read back) run."""
+    """One line per finished (or read back) run, and one more for a run that ended above
+    where it started (it trained nothing: a table of final losses alone would not say)."""
+    name = f"{run['method']} {_setting(run['setting'])} seed {run['seed']}"
     print(
         f"{run['method']:9s} {_setting(run['setting']):32s} seed {run['seed']}  final val "
         f"loss {run['final_val_loss']:.4f}  updates {run['updates']:5d}  simulated "
         f"{run['sim_time_s']:8.1f} s" + ("  (read back)" if cached else ""),
         flush=True,
     )
+    start, final = run["curve"][0]["val_loss"], run["final_val_loss"]
+    if final > start:
+        print(
+            f"thinwire: warning: {name} ended above its start ({final:.4f} > {start:.4f}): "
+            "its outer steps are too large for this run; lower its outer lr or momentum",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @dataclass
