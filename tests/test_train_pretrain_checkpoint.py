@@ -5,6 +5,8 @@ pretraining, or between its pretraining and its first checkpoint, goes on with
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -183,16 +185,58 @@ def test_compare_goes_on_from_a_run_stopped_in_its_pretraining(tmp_path: Path) -
 
 
 @pytest.mark.timeout(240)
-def test_an_asynchronous_run_says_its_pretraining_is_not_saved(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_an_asynchronous_run_goes_on_from_its_pretraining(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], cli_env: dict[str, str]
 ) -> None:
+    """``thinwire train --algo async-diloco --resume`` on a run whose server stopped in
+    its pretraining: on from the server's save (the library's part is
+    tests/test_localsgd_async_pretrain.py); a fresh run there is refused."""
     from conftest import TINY_FLAGS
-    from thinwire.cli.main import main
+    from thinwire.cli.main import build_parser, main
+    from thinwire.cli.train_config import config_from_args
+    from thinwire.localsgd.runtime.pretraining import pretraining_checkpoint
+    from thinwire.train.async_task import async_config, gpt_task
 
     args = ["train", "--algo", "async-diloco", "--workers", "3", *TINY_FLAGS, "--steps", "2"]
-    args += ["--local-steps", "2", "--batch-size", "4", "--no-progress"]
-    args += ["--pretrain-steps", "4", "--checkpoint-interval", "2", "--out", str(tmp_path / "a")]
-    assert main(args) == 0
-    err = capsys.readouterr().err
-    assert "an asynchronous run's pretraining (4 steps) is not saved as it goes" in err
-    assert "--init-from" in err
+    args += ["--local-steps", "2", "--batch-size", "4", "--no-progress", "--sync"]
+    args += ["--pretrain-steps", "4", "--checkpoint-interval", "2"]  # --sync: deterministic
+
+    def cli(*more: str) -> subprocess.CompletedProcess:  # its ranks' lines read in full
+        done = subprocess.run(
+            [sys.executable, "-m", "thinwire", *args, *more],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        assert done.returncode == 0, done.stderr
+        return done
+
+    cli("--out", str(tmp_path / "whole"))
+    out = tmp_path / "a"
+    args += ["--out", str(out)]
+    cfg = config_from_args(build_parser().parse_args(args))
+    acfg = async_config(cfg)
+    ckpt = pretraining_checkpoint(acfg)
+    assert ckpt is not None
+
+    def stop(step: int, loss: float) -> None:
+        if step == 3:
+            raise _Killed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the runs' ranks (OMP_NUM_THREADS=1): the same rounding
+    try:
+        with pytest.raises(_Killed):  # what a server stopped in step 4 of 4 leaves
+            acfg.start().pretrained(gpt_task(cfg), acfg.resolved_shards(2), stop, ckpt, 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert main(args) == 2  # a fresh run does not overwrite it
+    assert "already holds a run (localsgd_pretrain.pt)" in capfd.readouterr().err
+    err = cli("--resume").stderr
+    assert f"the pretraining goes on from {ckpt.path} at step 2 of 4" in err
+    assert (out / "localsgd_server.pt").is_file() and not ckpt.path.exists()
+    summary = json.loads((out / "summary.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert summary["start"] == "after 4 steps of ordinary training"
+    assert summary["param_sha256"] == whole["param_sha256"]

@@ -29,6 +29,7 @@ RUN_FILES: tuple[str, ...] = (
     "summary.json",
     "checkpoints",
     "localsgd_server.pt",
+    "localsgd_pretrain.pt",
 )
 """Entries whose presence means a directory holds a run (of the trainer, of DiLoCo, or of
 the asynchronous server)."""

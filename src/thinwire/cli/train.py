@@ -479,19 +479,6 @@ def _interrupt_note(out_dir: Path) -> str:
     return f"the last checkpoint, step {step}, is intact: --resume continues from it"
 
 
-def _note_unsaved_pretraining(cfg: TrainConfig) -> None:
-    """The synchronous algorithms save their pretraining as it goes; an asynchronous run
-    does not, which a run that expects saves (one before the pretraining ends) is told."""
-    steps = cfg.pretrain_steps or 0
-    if cfg.algo == "async-diloco" and not cfg.resume and steps > cfg.checkpoint_interval > 0:
-        print(
-            f"thinwire: note: an asynchronous run's pretraining ({steps:,} steps) is not saved "
-            "as it goes, and a stop in it starts over; for a long one, pretrain with --algo "
-            "adamw and start from its model.pt with --init-from",
-            file=sys.stderr,
-        )
-
-
 def _main(args: argparse.Namespace) -> int:
     check_timeout(args.timeout)
     cfg = config_from_args(args)
@@ -524,8 +511,6 @@ def _main(args: argparse.Namespace) -> int:
             f"thinwire: warning: --algo {cfg.algo} does not use {', '.join(unused)}; ignored",
             file=sys.stderr,
         )
-    if first:
-        _note_unsaved_pretraining(cfg)
     if cfg.algo != "async-diloco":  # the server keeps its own state, not checkpoints/
         args.on_interrupt = lambda: _interrupt_note(Path(cfg.out_dir))
     summary = run_training(cfg, args.workers, args.timeout)

@@ -394,13 +394,17 @@ _MEASURED_AROUND = (
 
 
 def _continue_or_clear(cfg: TrainConfig) -> None:
-    """A run that stopped continues from its last checkpoint, or from its pretraining's
-    last save; one that left neither starts over (its partial files cleared)."""
+    """A run that stopped continues from its last checkpoint (the asynchronous server's
+    included), or from its pretraining's last save; one that left neither starts over
+    (its partial files cleared)."""
     from thinwire.train import pretrain_checkpoint
     from thinwire.train.checkpoint import latest_step
 
     out = Path(cfg.out_dir)
-    if latest_step(out) is not None or pretrain_checkpoint.latest(out) is not None:
+    saved = [latest_step(out), pretrain_checkpoint.latest(out)]
+    if cfg.algo == "async-diloco":
+        saved += [(out / name).is_file() or None for name in _ASYNC_SAVES]
+    if any(s is not None for s in saved):
         cfg.resume = True
     else:
         _clear_run(Path(cfg.out_dir))
@@ -511,12 +515,15 @@ def _clear_run(run_dir: Path) -> None:
         shutil.rmtree(run_dir / name, ignore_errors=True)
 
 
+_ASYNC_SAVES = ("localsgd_server.pt", "localsgd_pretrain.pt")
+"""The asynchronous server's checkpoint and its pretraining's save."""
+
 _RUN_OUTPUTS = (
     "metrics.jsonl",
     "summary.json",
     "run.json",
     "config.json",
-    "localsgd_server.pt",
+    *_ASYNC_SAVES,
     "testbed_run.json",
     "record.jsonl",
 )

@@ -125,9 +125,10 @@ class Start:
         shards: int,
         progress: ProgressFn | None = None,
         checkpoint: SimCheckpoint | None = None,
+        save_every: int = 0,
     ) -> dict[str, torch.Tensor]:
         """This start's pretraining of ``task`` over ``shards`` shards: the weights
-        (``checkpoint``: see :func:`pretrain`)."""
+        (``checkpoint``, ``save_every``: see :func:`pretrain`)."""
         return pretrain(
             task,
             self.pretrain_steps,
@@ -136,7 +137,17 @@ class Start:
             grad_clip=self.grad_clip,
             progress=progress,
             checkpoint=checkpoint,
+            save_every=save_every,
         )
+
+    def saved_step(self, checkpoint: SimCheckpoint, shards: int) -> int:
+        """The step this start's pretraining over ``shards`` shards would go on from in
+        ``checkpoint`` (0: no save of these settings there). Reads the file, trains
+        nothing: what a caller tells processes that wait on the pretraining."""
+        plan = _Pretraining(self.pretrain_steps, shards, self.warmup_steps, self.grad_clip)
+        state = checkpoint.peek((plan,))
+        step = state.get("step") if state is not None else 0
+        return step if type(step) is int and 0 <= step <= self.pretrain_steps else 0
 
     def continued(self, task: Task) -> Task:
         """``task`` with its shards read on after the pretraining (its weights as they
@@ -155,6 +166,7 @@ def pretrain(
     grad_clip: float = 0.0,
     progress: ProgressFn | None = None,
     checkpoint: SimCheckpoint | None = None,
+    save_every: int = 0,
 ) -> dict[str, torch.Tensor]:
     """``steps`` steps of synchronous data-parallel training of a fresh ``task.model()``
     over ``task.shards(shards)`` in this process (each step one batch per shard, the
@@ -164,7 +176,10 @@ def pretrain(
     seconds and go on from a save of the same settings (``checkpoint.resumed_at`` is
     then the step it resumed at; ``progress`` is first called with the step after it).
     The file stays once the pretraining is done: the caller keeps the weights, then
-    calls ``checkpoint.discard()``."""
+    calls ``checkpoint.discard()``. ``save_every``: also save every that many steps and
+    after the last one (0: by time alone, and not after the last), for a caller that
+    counts in steps and keeps no weights of its own (:func:`~thinwire.localsgd.run_async`:
+    a resume after the pretraining goes on from its last save without training)."""
     if shards < 1:
         raise ConfigError(f"pretraining needs at least one shard, got {shards}")
     model = task.model()
@@ -199,7 +214,7 @@ def pretrain(
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
-        if checkpoint is not None and step + 1 < steps and checkpoint.due():
+        if checkpoint is not None and _save_now(checkpoint, step + 1, steps, save_every):
             checkpoint.save(
                 {
                     "step": step + 1,
@@ -211,6 +226,13 @@ def pretrain(
         if progress is not None:
             progress(step + 1, total)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _save_now(checkpoint: SimCheckpoint, done: int, steps: int, save_every: int) -> bool:
+    """Whether to save after ``done`` of ``steps`` steps."""
+    if save_every > 0:
+        return done == steps or done % save_every == 0
+    return done < steps and checkpoint.due()
 
 
 @dataclass(frozen=True)

@@ -108,27 +108,13 @@ class SimCheckpoint:
         """Start the run of ``settings`` (dataclasses: its config and clock):
         ``restore(state)`` from the file if it holds this run, and True; else False (no
         file, another run's, unreadable: the run starts from its start)."""
-        text = json.dumps([asdict(x) for x in settings], sort_keys=True, default=repr)
-        self._run = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self._run = _digest(settings)
         self.resumed_at, self._last = None, time.monotonic()
-        if not self.path.exists():
+        state = self.peek(settings)
+        if state is None:
             return False
         try:
-            blob = safe_load(self.path, "simulation checkpoint")
-        except ConfigError as exc:
-            log.warning("%s; the run starts from its start", exc)
-            return False
-        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
-            log.warning(
-                "simulation checkpoint %s is of another thinwire version; the run starts "
-                "from its start",
-                self.path,
-            )
-            return False
-        if (blob.get("tag"), blob.get("run")) != (self.tag, self._run):
-            return False  # another run's (other settings): replaced at the first save
-        try:
-            restore(blob["state"])
+            restore(state)
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, RuntimeError, AssertionError) as exc:
@@ -138,6 +124,34 @@ class SimCheckpoint:
                 "delete it, or give another path"
             ) from None
         return True
+
+    def peek(self, settings: tuple[Any, ...]) -> dict[str, Any] | None:
+        """The state the file holds for the run of ``settings``, without starting it
+        (None: no file, another run's, or one that cannot be read, said in one line;
+        a ConfigError: one of this run's that holds no state)."""
+        if not self.path.exists():
+            return None
+        try:
+            blob = safe_load(self.path, "simulation checkpoint")
+        except ConfigError as exc:
+            log.warning("%s; the run starts from its start", exc)
+            return None
+        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+            log.warning(
+                "simulation checkpoint %s is of another thinwire version; the run starts "
+                "from its start",
+                self.path,
+            )
+            return None
+        if (blob.get("tag"), blob.get("run")) != (self.tag, _digest(settings)):
+            return None  # another run's (other settings): replaced at the first save
+        state = blob.get("state")
+        if not isinstance(state, dict):
+            raise ConfigError(
+                f"simulation checkpoint {self.path} holds no run state: delete it, or give "
+                "another path"
+            )
+        return state
 
     def due(self) -> bool:
         """Whether ``every_s`` has passed since the last save (or the start)."""
@@ -162,6 +176,12 @@ class SimCheckpoint:
     def discard(self) -> None:
         """Remove the file (the run's result is kept elsewhere)."""
         self.path.unlink(missing_ok=True)
+
+
+def _digest(settings: tuple[Any, ...]) -> str:
+    """Which run ``settings`` describe, as the file stores it."""
+    text = json.dumps([asdict(x) for x in settings], sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def check_same_run(saved: tuple[int, int], run: tuple[int, int]) -> None:

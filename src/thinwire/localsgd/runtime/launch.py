@@ -77,6 +77,7 @@ from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.runtime.auth import RunKey, new_token, read_token
 from thinwire.localsgd.runtime.island import Island, join_island, shard_worker_model, workers_of
 from thinwire.localsgd.runtime.keyshare import share_run_key
+from thinwire.localsgd.runtime.pretraining import start_run
 from thinwire.localsgd.runtime.run_store import quiet_store_warnings, server_address
 from thinwire.localsgd.runtime.server_process import run_server
 from thinwire.localsgd.runtime.transport import Transport
@@ -124,19 +125,6 @@ def make_worker(
         inner_momentum=cfg.resolved_inner_momentum(),
         part=part,
     )
-
-
-def _started(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> Task:
-    """``task`` from where ``cfg`` starts (:mod:`thinwire.localsgd.algorithm.pretrain`). Every rank
-    runs a pretraining, at once: only the server's weights become theta (workers pull
-    theirs), but ranks that waited for it would wait at the transport's rendezvous, whose
-    timeout is not the pretraining's length. A start file is read by the server alone
-    (workers on other hosts need not hold it); a resumed run takes theta from its
-    checkpoint and only reads the data on after the pretraining."""
-    start = cfg.start()
-    if cfg.resume or (rank != 0 and not start.pretrain_steps):
-        return start.continued(task)
-    return start.apply(task, cfg.resolved_shards(workers))
 
 
 def open_transport(
@@ -252,7 +240,7 @@ def run_async(
         cfg.validate(workers)
         if rank == 0:  # it hosts the stores: garbage sent to them must not flood its stderr
             restore_log_level = quiet_store_warnings()
-        task = _started(task, cfg, rank, workers)
+        task, cfg = start_run(task, cfg, rank, workers)
         island = join_island(workers, cfg.shard_within, cfg.link_timeout_s)
         transport, generated = open_transport(cfg, follower=bool(island and not island.leader))
         if rank != 0:

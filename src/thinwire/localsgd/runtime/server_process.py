@@ -64,6 +64,7 @@ from thinwire.localsgd.task import (
 from thinwire.safeload import safe_load
 
 __all__ = [
+    "PRETRAIN_CHECKPOINT",
     "SERVER_CHECKPOINT",
     "IncompleteRunError",
     "ServerRun",
@@ -74,6 +75,10 @@ __all__ = [
 
 SERVER_CHECKPOINT = "localsgd_server.pt"
 """The server's checkpoint file in :attr:`AsyncConfig.checkpoint_dir`."""
+
+PRETRAIN_CHECKPOINT = "localsgd_pretrain.pt"
+"""The run's pretraining as it goes, beside it (:mod:`thinwire.localsgd.runtime.pretraining`);
+removed once the server's checkpoint lands."""
 
 Evaluate = Callable[[torch.Tensor], dict[str, float]]
 """The server's evaluation of a theta: ``val_loss`` first, then any other metrics."""
@@ -254,6 +259,8 @@ class ServerRun:
         """The checkpoint hook: ``core``'s state and the run's totals, to :attr:`ckpt`."""
         assert self.ckpt is not None
         save_server_state(core.state_dict() | {"run": self.totals()}, self.ckpt)
+        # The pretraining is in theta now: its save only takes space (3x the model).
+        (self.ckpt.parent / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
 
     def settings(self, on_eval: Callable[[dict[str, Any]], None] | None) -> ServeSettings:
         """How :func:`serve` runs this launch, from :attr:`cfg`."""
