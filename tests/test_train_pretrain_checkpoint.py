@@ -184,6 +184,23 @@ def test_compare_goes_on_from_a_run_stopped_in_its_pretraining(tmp_path: Path) -
     assert not fresh.resume and not (Path(fresh.out_dir) / "run.json").exists()
 
 
+@pytest.mark.parametrize("saved", ["localsgd_server.pt", "localsgd_pretrain.pt", None])
+def test_compare_goes_on_from_an_asynchronous_run(tmp_path: Path, saved: str | None) -> None:
+    """An asynchronous run that stopped with the server's checkpoint or its pretraining's
+    save goes on from it; one that left neither starts over."""
+    from thinwire.train.compare import _continue_or_clear
+
+    cfg = tiny_config(tmp_path, algo="async-diloco", pretrain_steps=4)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True)
+    (out / "run.json").write_text("{}")
+    if saved is not None:
+        (out / saved).write_bytes(b"x")
+    _continue_or_clear(cfg)
+    assert cfg.resume == (saved is not None)
+    assert (out / "run.json").exists() == (saved is not None)
+
+
 @pytest.mark.timeout(240)
 def test_an_asynchronous_run_goes_on_from_its_pretraining(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], cli_env: dict[str, str]
