@@ -125,10 +125,17 @@ def test_the_server_decides_where_a_run_starts(
     assert decide(resume, ckpt, start, _SHARDS) == (False, 3)
     err = capsys.readouterr().err
     assert f"the pretraining goes on from {ckpt.path} at step 3 of 8" in err
-    other = replace(resume, warmup_steps=1)  # other settings: started over, in one line
+    assert decide(resume, ckpt, start, 4) == (False, 0)  # other shards: started over,
+    assert "is not this run's pretraining" in capsys.readouterr().err  # in one line,
+    assert not ckpt.path.exists()  # and not read again
+    _leave_pretraining(cfg, 4)
+    other = replace(resume, warmup_steps=1)  # other settings
     assert decide(other, ckpt, other.start(), _SHARDS) == (False, 0)
-    assert "is a pretraining of other settings" in capsys.readouterr().err
-    assert decide(resume, ckpt, start, 4) == (False, 0)  # other shards
+    ckpt.path.write_bytes(b"torn")  # a torn file: one line each, started over
+    assert decide(resume, ckpt, start, _SHARDS) == (False, 0)
+    assert not ckpt.path.exists()
+    with pytest.raises(ConfigError, match="save_every must be an integer >= 0"):
+        start.pretrained(_task(), _SHARDS, save_every=-1)
     (tmp_path / "localsgd_server.pt").write_bytes(b"")
     assert decide(resume, ckpt, start, _SHARDS) == (True, 0)  # the server's checkpoint first
     assert pretraining_checkpoint(replace(cfg, checkpoint_dir=None)) is None

@@ -182,6 +182,8 @@ def pretrain(
     a resume after the pretraining goes on from its last save without training)."""
     if shards < 1:
         raise ConfigError(f"pretraining needs at least one shard, got {shards}")
+    if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 0:
+        raise ConfigError(f"save_every must be an integer >= 0, got {save_every!r}")
     model = task.model()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = task.optimizer(params)

@@ -43,6 +43,9 @@ Fault tolerance:
   stop in ``checkpoint_dir/localsgd_worker<rank>.pt`` on its own host
   (:mod:`thinwire.localsgd.runtime.worker_loop`): with it a ``sync`` run stopped
   (``stop_after``) and resumed ends bit-identical to one that never stopped.
+* A run's pretraining (``pretrain_steps``) is kept as it goes beside the server's
+  checkpoint, and ``resume`` goes on from it
+  (:mod:`~thinwire.localsgd.runtime.pretraining`).
 
 The trained model: rank 0's summary carries the final theta;
 :func:`~thinwire.localsgd.runtime.trained.load_trained` copies it (or a checkpoint's) into a

@@ -13,8 +13,8 @@ Every rank runs a pretraining at once (see :func:`start_run`), so rank 0 tells t
 others where its own resumes: a worker then trains only the steps that are left, and
 every rank reaches the rendezvous at about the same time, as in an unstopped run.
 
-A save of other settings (steps, shards, warmup, clip or seed) is said in one line on a
-resume and the pretraining starts over; a fresh run (no ``resume``) into a directory
+A save of other settings (steps, shards, warmup, clip or seed), or a damaged one, is
+said in one line on a resume, removed, and the pretraining starts over; a fresh run (no ``resume``) into a directory
 that holds one is refused in one line, as one into a directory holding a server
 checkpoint is: nothing is overwritten.
 """
@@ -124,11 +124,13 @@ def _decide(cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int) ->
         _say(f"the pretraining was done: its weights come from {ckpt.path}")
     elif first:
         _say(f"the pretraining goes on from {ckpt.path} at step {first:,} of {total:,}")
-    else:
+    else:  # removed, so that the pretraining does not read it again
         _say(
-            f"warning: {ckpt.path} is a pretraining of other settings (steps, shards, "
-            f"warmup, clip or seed); this run's pretraining ({total:,} steps) starts over"
+            f"warning: {ckpt.path} is not this run's pretraining (other steps, shards, "
+            f"warmup, clip or seed, or damaged); it is removed and the pretraining "
+            f"({total:,} steps) starts over"
         )
+        ckpt.discard()
     return False, first
 
 
