@@ -138,6 +138,8 @@ def test_the_server_decides_where_a_run_starts(
         start.pretrained(_task(), _SHARDS, save_every=-1)
     (tmp_path / "localsgd_server.pt").write_bytes(b"")
     assert decide(resume, ckpt, start, _SHARDS) == (True, 0)  # the server's checkpoint first
+    with pytest.raises(ConfigError, match=r"already holds an asynchronous run \(localsgd_se"):
+        decide(cfg, ckpt, start, _SHARDS)  # a fresh run: before its pretraining, not after
     assert pretraining_checkpoint(replace(cfg, checkpoint_dir=None)) is None
     assert pretraining_checkpoint(replace(cfg, pretrain_steps=0)) is None
 

@@ -111,6 +111,11 @@ def _decide(cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int) ->
     server = Path(str(cfg.checkpoint_dir)) / SERVER_CHECKPOINT
     if cfg.resume and server.exists():
         return True, 0
+    if server.exists():  # said before the pretraining, not after it
+        raise ConfigError(
+            f"{server.parent} already holds an asynchronous run ({server.name}); resume "
+            "it or choose another checkpoint directory"
+        )
     if not ckpt.path.exists():
         return cfg.resume, 0  # a resume with nothing to resume fails at the server, as ever
     if not cfg.resume:
