@@ -250,6 +250,7 @@ def test_an_asynchronous_run_goes_on_from_its_pretraining(
         torch.set_num_threads(threads)
     assert main(args) == 2  # a fresh run does not overwrite it
     assert "already holds a run (localsgd_pretrain.pt)" in capfd.readouterr().err
+    assert _interrupt_note(out) == "the pretraining's last save is intact: --resume goes on from it"
     err = cli("--resume").stderr
     assert f"the pretraining goes on from {ckpt.path} at step 2 of 4" in err
     assert (out / "localsgd_server.pt").is_file() and not ckpt.path.exists()
@@ -257,3 +258,4 @@ def test_an_asynchronous_run_goes_on_from_its_pretraining(
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
     assert summary["start"] == "after 4 steps of ordinary training"
     assert summary["param_sha256"] == whole["param_sha256"]
+    assert _interrupt_note(out).startswith("the server's last checkpoint is intact")

@@ -465,9 +465,14 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def _interrupt_note(out_dir: Path) -> str:
     """What survives a Ctrl-C, for the one line ``thinwire`` prints on its way out."""
+    from thinwire.localsgd.runtime.server_process import PRETRAIN_CHECKPOINT, SERVER_CHECKPOINT
     from thinwire.train import pretrain_checkpoint
     from thinwire.train.checkpoint import latest_step
 
+    if (out_dir / SERVER_CHECKPOINT).is_file():  # an asynchronous run's
+        return "the server's last checkpoint is intact: --resume continues from it"
+    if (out_dir / PRETRAIN_CHECKPOINT).is_file():
+        return "the pretraining's last save is intact: --resume goes on from it"
     step = latest_step(out_dir)
     pretrained = pretrain_checkpoint.latest(out_dir)
     if step is None and pretrained is not None:
@@ -511,8 +516,7 @@ def _main(args: argparse.Namespace) -> int:
             f"thinwire: warning: --algo {cfg.algo} does not use {', '.join(unused)}; ignored",
             file=sys.stderr,
         )
-    if cfg.algo != "async-diloco":  # the server keeps its own state, not checkpoints/
-        args.on_interrupt = lambda: _interrupt_note(Path(cfg.out_dir))
+    args.on_interrupt = lambda: _interrupt_note(Path(cfg.out_dir))
     summary = run_training(cfg, args.workers, args.timeout)
     if not first:
         return 0
