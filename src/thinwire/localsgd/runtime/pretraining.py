@@ -74,11 +74,11 @@ def start_run(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> tuple[Ta
     cfg = replace(cfg, resume=resume)
     if resume:
         return start.continued(task), cfg
-    if rank != 0:  # the steps rank 0 has left, on weights no one reads
-        left = start.pretrain_steps - first
-        if left:
-            replace(start, pretrain_steps=left).pretrained(task, shards)
+    if rank != 0 and first:  # the steps rank 0 has left, on weights no one reads
+        replace(start, pretrain_steps=start.pretrain_steps - first).pretrained(task, shards)
         return start.continued(task), cfg
+    if rank != 0:  # the whole pretraining, as rank 0's (its buffers: the model's own)
+        return start.apply(task, shards), cfg
     save_every = cfg.checkpoint_interval or start.pretrain_steps
     state = start.pretrained(task, shards, checkpoint=ckpt, save_every=save_every)
     return start.apply(task, shards, state=state), cfg
