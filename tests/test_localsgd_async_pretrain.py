@@ -16,7 +16,8 @@ from torch import nn
 
 from thinwire.comm.launch import DistributedError, spawn
 from thinwire.errors import ConfigError
-from thinwire.localsgd import AsyncConfig, Task, run_async
+from thinwire.localsgd import AsyncConfig, SimCheckpoint, Task, run_async
+from thinwire.localsgd.algorithm.pretrain import Start
 from thinwire.localsgd.runtime import pretraining
 from thinwire.localsgd.runtime.pretraining import pretraining_checkpoint
 
@@ -78,7 +79,7 @@ def _rank(rank: int, world: int, cfg: AsyncConfig, kill_after: int | None) -> An
 def _saved_step(cfg: AsyncConfig) -> int:
     ckpt = pretraining_checkpoint(cfg)
     assert ckpt is not None
-    return cfg.start().saved_step(ckpt, _SHARDS)
+    return cfg.start().saved_step(ckpt, _SHARDS, _task().model())
 
 
 @pytest.mark.timeout(240)
@@ -90,7 +91,8 @@ def test_a_run_stopped_in_its_pretraining_goes_on_from_its_save(tmp_path: Path) 
         spawn(_rank, 3, (cfg, 6 * _SHARDS + 1), timeout_s=100)
     assert _saved_step(cfg) == 6
     assert not (tmp_path / "stopped" / "localsgd_server.pt").exists()
-    again = spawn(_rank, 3, (replace(cfg, resume=True), None), timeout_s=100)[0]
+    # Rank 0's loss may be called for the 2 steps left only: one started over dies.
+    again = spawn(_rank, 3, (replace(cfg, resume=True), 2 * _SHARDS), timeout_s=100)[0]
     assert again["start"] == whole["start"] == "after 8 steps of ordinary training"
     assert torch.equal(again["theta"], whole["theta"])
     assert (tmp_path / "stopped" / "localsgd_server.pt").exists()
@@ -116,7 +118,10 @@ def test_the_server_decides_where_a_run_starts(
     ckpt = pretraining_checkpoint(cfg)
     assert ckpt is not None and ckpt.path == tmp_path / "localsgd_pretrain.pt"
     start = cfg.start()
-    decide = pretraining._decide
+
+    def decide(cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int) -> Any:
+        return pretraining._decide(cfg, ckpt, start, shards, _task())
+
     assert decide(cfg, ckpt, start, _SHARDS) == (False, 0)  # fresh, nothing there
     _leave_pretraining(cfg, 4)  # saved at step 3
     with pytest.raises(ConfigError, match=r"already holds an asynchronous run's pretraining"):
@@ -131,6 +136,9 @@ def test_the_server_decides_where_a_run_starts(
     _leave_pretraining(cfg, 4)
     other = replace(resume, warmup_steps=1)  # other settings
     assert decide(other, ckpt, other.start(), _SHARDS) == (False, 0)
+    _leave_pretraining(cfg, 4)
+    wider = replace(_task(), model=lambda: nn.Sequential(nn.Linear(4, 9), nn.Tanh()))
+    assert pretraining._decide(resume, ckpt, start, _SHARDS, wider) == (False, 0)  # other model
     ckpt.path.write_bytes(b"torn")  # a torn file: one line each, started over
     assert decide(resume, ckpt, start, _SHARDS) == (False, 0)
     assert not ckpt.path.exists()
@@ -153,10 +161,32 @@ def test_a_finished_pretraining_is_read_not_trained_again(
     weights = cfg.start().pretrained(_task(), _SHARDS, None, ckpt, save_every=8)
     assert _saved_step(cfg) == 8
     resume = replace(cfg, resume=True)
-    assert pretraining._decide(resume, ckpt, cfg.start(), _SHARDS) == (False, 8)
+    assert pretraining._decide(resume, ckpt, cfg.start(), _SHARDS, _task()) == (False, 8)
     assert "the pretraining was done" in capsys.readouterr().err
     steps: list[int] = []
     again = cfg.start().pretrained(
         _task(kill_after=0), _SHARDS, lambda s, _: steps.append(s), ckpt, save_every=8
     )
     assert steps == [] and all(torch.equal(again[k], v) for k, v in weights.items())
+
+
+def _agree_rank(rank: int, world: int) -> tuple[str, str]:
+    del world
+
+    def decide() -> tuple[bool, int]:
+        raise OSError("disk gone")
+
+    try:
+        pretraining._agree(rank, decide)
+    except Exception as exc:  # what each rank raises
+        return type(exc).__name__, str(exc)
+    return "", ""
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_decision_is_raised_on_every_rank() -> None:
+    """Any failure of rank 0's decision, not only a bad setting, reaches every rank: no
+    worker is left waiting in the broadcast."""
+    out = spawn(_agree_rank, 2, (), timeout_s=40)
+    assert out[0] == ("OSError", "disk gone")
+    assert out[1] == ("ConfigError", "rank 0 could not start the run (see its error)")

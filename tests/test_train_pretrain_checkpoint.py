@@ -237,17 +237,20 @@ def test_an_asynchronous_run_goes_on_from_its_pretraining(
     ckpt = pretraining_checkpoint(acfg)
     assert ckpt is not None
 
-    def stop(step: int, loss: float) -> None:
-        if step == 3:
-            raise _Killed
+    def leave(steps: int) -> None:  # what a server stopped after ``steps`` steps leaves
+        def stop(step: int, loss: float) -> None:
+            if step == steps:
+                raise _Killed
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the runs' ranks (OMP_NUM_THREADS=1): the same rounding
-    try:
-        with pytest.raises(_Killed):  # what a server stopped in step 4 of 4 leaves
-            acfg.start().pretrained(gpt_task(cfg), acfg.resolved_shards(2), stop, ckpt, 2)
-    finally:
-        torch.set_num_threads(threads)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the runs' ranks (OMP_NUM_THREADS=1): the same rounding
+        try:
+            with pytest.raises(_Killed):
+                acfg.start().pretrained(gpt_task(cfg), acfg.resolved_shards(2), stop, ckpt, 2)
+        finally:
+            torch.set_num_threads(threads)
+
+    leave(3)  # in step 4 of 4: saved at step 2
     assert main(args) == 2  # a fresh run does not overwrite it
     assert "already holds a run (localsgd_pretrain.pt)" in capfd.readouterr().err
     assert _interrupt_note(out) == "the pretraining's last save is intact: --resume goes on from it"
@@ -259,3 +262,22 @@ def test_an_asynchronous_run_goes_on_from_its_pretraining(
     assert summary["start"] == "after 4 steps of ordinary training"
     assert summary["param_sha256"] == whole["param_sha256"]
     assert _interrupt_note(out).startswith("the server's last checkpoint is intact")
+    # Stopped after its pretraining, before the server's first checkpoint: run.json,
+    # config.json and the first records are there, and the pretraining's last save.
+    for name in ("localsgd_server.pt", "localsgd_worker1.pt", "localsgd_worker2.pt"):
+        (out / name).unlink(missing_ok=True)
+    (out / "summary.json").unlink()
+    leave(4)
+    err = cli("--resume").stderr
+    assert f"the pretraining was done: its weights come from {ckpt.path}" in err
+    again = json.loads((out / "summary.json").read_text())
+    assert again["param_sha256"] == whole["param_sha256"]
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == [r["step"] for r in read_metrics(tmp_path / "whole" / "metrics.jsonl")]
+    # Other settings are refused before a pretraining is spent on them.
+    (out / "localsgd_server.pt").unlink()
+    leave(3)
+    capfd.readouterr()
+    assert main([*args, "--batch-size", "8", "--resume"]) == 2
+    assert f"cannot resume the run in {out}: batch_size" in capfd.readouterr().err
+    assert ckpt.path.exists()  # nothing lost

@@ -191,16 +191,23 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         "outer": cfg.outer,
     }
     writers: list[MetricsWriter] = []
+    # Said before the pretraining, which may take hours: a fresh run's identity is kept
+    # from the start (a stop in its pretraining is resumed), a resumed run's is checked.
+    if cfg.resume and (out_dir / "run.json").is_file():
+        check_run_identity(out_dir, identity)
+    elif not cfg.resume:
+        _write_identity(cfg, out_dir, identity)
 
     def on_start(resumed: int | None) -> None:
-        if resumed is None:
-            write_run_identity(out_dir, identity)
-            write_config_file(replace(cfg, resume=False), out_dir / CONFIG_NAME)
-        else:
+        if resumed is not None:
             check_run_identity(out_dir, identity)
+        elif not (out_dir / "run.json").is_file():
+            _write_identity(cfg, out_dir, identity)
         addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if addr and port:  # what a restarted worker needs (--rejoin)
             print(f"thinwire: asynchronous run served at {addr}:{port}", file=sys.stderr)
+        if resumed is None and cfg.resume:  # on from the pretraining's save: from step 0
+            resumed = -1  # (what a stop after the pretraining had logged is dropped)
         if resumed is None or resumed < min(cfg.steps, cfg.stop_after or cfg.steps) * workers:
             writers.append(MetricsWriter(out_dir, True, resumed, cfg.tensorboard))
 
@@ -233,6 +240,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     summary["param_sha256"] = parameter_digest(load_trained(gpt_task(cfg).model(), s["theta"]))
     atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _write_identity(cfg: TrainConfig, out_dir: Path, identity: dict[str, Any]) -> None:
+    """Keep what the run is (``run.json``) and its settings (``config.json``)."""
+    write_run_identity(out_dir, identity)
+    write_config_file(replace(cfg, resume=False), out_dir / CONFIG_NAME)
 
 
 def _summary(cfg: TrainConfig, world: int, s: dict[str, Any]) -> dict[str, Any]:

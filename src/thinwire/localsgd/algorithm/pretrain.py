@@ -140,13 +140,16 @@ class Start:
             save_every=save_every,
         )
 
-    def saved_step(self, checkpoint: SimCheckpoint, shards: int) -> int:
-        """The step this start's pretraining over ``shards`` shards would go on from in
-        ``checkpoint`` (0: no save of these settings there). Reads the file, trains
-        nothing: what a caller tells processes that wait on the pretraining."""
+    def saved_step(self, checkpoint: SimCheckpoint, shards: int, model: nn.Module) -> int:
+        """The step this start's pretraining of ``model`` over ``shards`` shards would go
+        on from in ``checkpoint`` (0: no save of these settings there, or one whose
+        weights do not fit ``model``). Reads the file, trains nothing: what a caller
+        tells processes that wait on the pretraining."""
         plan = _Pretraining(self.pretrain_steps, shards, self.warmup_steps, self.grad_clip)
         state = checkpoint.peek((plan,))
-        step = state.get("step") if state is not None else 0
+        if state is None or not _fits(state.get("model"), model):
+            return 0
+        step = state.get("step")
         return step if type(step) is int and 0 <= step <= self.pretrain_steps else 0
 
     def continued(self, task: Task) -> Task:
@@ -176,10 +179,10 @@ def pretrain(
     seconds and go on from a save of the same settings (``checkpoint.resumed_at`` is
     then the step it resumed at; ``progress`` is first called with the step after it).
     The file stays once the pretraining is done: the caller keeps the weights, then
-    calls ``checkpoint.discard()``. ``save_every``: also save every that many steps and
-    after the last one (0: by time alone, and not after the last), for a caller that
-    counts in steps and keeps no weights of its own (:func:`~thinwire.localsgd.run_async`:
-    a resume after the pretraining goes on from its last save without training)."""
+    calls ``checkpoint.discard()``. ``save_every``: save every that many steps and after
+    the last one instead (0: by time, and not after the last), for a caller that counts
+    in steps and keeps no weights of its own (:func:`~thinwire.localsgd.run_async`: a
+    resume after the pretraining goes on from its last save without training)."""
     if shards < 1:
         raise ConfigError(f"pretraining needs at least one shard, got {shards}")
     if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 0:
@@ -228,6 +231,18 @@ def pretrain(
         if progress is not None:
             progress(step + 1, total)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def _fits(weights: Any, model: nn.Module) -> bool:
+    """Whether ``weights`` are a state_dict of ``model``'s names and shapes."""
+    want = model.state_dict()
+    return (
+        isinstance(weights, dict)
+        and weights.keys() == want.keys()
+        and all(
+            torch.is_tensor(weights[k]) and weights[k].shape == v.shape for k, v in want.items()
+        )
+    )
 
 
 def _save_now(checkpoint: SimCheckpoint, done: int, steps: int, save_every: int) -> bool:

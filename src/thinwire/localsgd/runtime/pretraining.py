@@ -13,8 +13,11 @@ Every rank runs a pretraining at once (see :func:`start_run`), so rank 0 tells t
 others where its own resumes: a worker then trains only the steps that are left, and
 every rank reaches the rendezvous at about the same time, as in an unstopped run.
 
-A save of other settings (steps, shards, warmup, clip or seed), or a damaged one, is
-said in one line on a resume, removed, and the pretraining starts over; a fresh run (no ``resume``) into a directory
+A save of other settings (steps, shards, warmup, clip, seed or model), or a damaged
+one, is said in one line on a resume, removed, and the pretraining starts over (the
+task's data and lr are not in the save: ``thinwire train`` checks the run's identity,
+its data included, against ``run.json`` before it goes on, and an lr may change on a
+resume, as on every resume); a fresh run (no ``resume``) into a directory
 that holds one is refused in one line, as one into a directory holding a server
 checkpoint is: nothing is overwritten.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,7 +74,7 @@ def start_run(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> tuple[Ta
             return start.continued(task), cfg
         return start.apply(task, cfg.resolved_shards(workers)), cfg
     shards = cfg.resolved_shards(workers)
-    resume, first = _agree(cfg, ckpt, start, shards, rank)
+    resume, first = _agree(rank, lambda: _decide(cfg, ckpt, start, shards, task))
     cfg = replace(cfg, resume=resume)
     if resume:
         return start.continued(task), cfg
@@ -84,21 +88,25 @@ def start_run(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> tuple[Ta
     return start.apply(task, shards, state=state), cfg
 
 
-def _agree(
-    cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int, rank: int
-) -> tuple[bool, int]:
-    """Rank 0 decides whether the run resumes from the server's checkpoint and at which
-    pretraining step it starts; every rank learns it (an error is raised on every rank,
-    so none is left waiting)."""
+def _agree(rank: int, decide: Callable[[], tuple[bool, int]]) -> tuple[bool, int]:
+    """Rank 0 decides (``decide()``: whether the run resumes from the server's checkpoint,
+    and the pretraining step it starts at); every rank learns it. A failure is raised on
+    every rank, so none is left waiting. Sent on a gloo group (the launch's when it is
+    gloo, else one of its own): the decision is a CPU tensor, and NCCL takes none."""
     decision = torch.zeros(3, dtype=torch.int64)  # ok, resume, first step
-    error = None
+    error: BaseException | None = None
     if rank == 0:
         try:
-            resume, first = _decide(cfg, ckpt, start, shards)
+            resume, first = decide()
             decision[:] = torch.tensor([1, int(resume), first])
-        except ConfigError as exc:
+        except Exception as exc:  # any: told to every rank, then raised here
             error = exc
-    dist.broadcast(decision, src=0)
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    try:
+        dist.broadcast(decision, src=0, group=group)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
     if error is not None:
         raise error
     if decision[0].item() != 1:
@@ -106,7 +114,9 @@ def _agree(
     return bool(decision[1].item()), int(decision[2].item())
 
 
-def _decide(cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int) -> tuple[bool, int]:
+def _decide(
+    cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int, task: Task
+) -> tuple[bool, int]:
     """Rank 0: ``(resume from the server's checkpoint, pretraining step to start at)``."""
     server = Path(str(cfg.checkpoint_dir)) / SERVER_CHECKPOINT
     if cfg.resume and server.exists():
@@ -123,7 +133,7 @@ def _decide(cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int) ->
             f"{ckpt.path.parent} already holds an asynchronous run's pretraining "
             f"({ckpt.path.name}); resume it or choose another checkpoint directory"
         )
-    first = start.saved_step(ckpt, shards)
+    first = start.saved_step(ckpt, shards, task.model())
     total = start.pretrain_steps
     if first == total:
         _say(f"the pretraining was done: its weights come from {ckpt.path}")
@@ -132,7 +142,7 @@ def _decide(cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int) ->
     else:  # removed, so that the pretraining does not read it again
         _say(
             f"warning: {ckpt.path} is not this run's pretraining (other steps, shards, "
-            f"warmup, clip or seed, or damaged); it is removed and the pretraining "
+            f"warmup, clip, seed or model, or damaged); it is removed and the pretraining "
             f"({total:,} steps) starts over"
         )
         ckpt.discard()
