@@ -368,3 +368,37 @@ def test_cli_arguments_match_the_test_config(tmp_path: Path) -> None:
     direct = _cfg(tmp_path).to_dict()
     for key in from_cli.keys() - {"dead_after_s"}:  # a server setting, with no flag
         assert from_cli[key] == direct[key], key
+
+
+class _Stop(Exception):
+    """The rejoin was seen as far as its worker."""
+
+
+def test_a_rejoined_worker_reads_on_after_the_pretraining(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker brought back into a run that started from a pretraining reads its shards
+    on after the pretraining's batches, as the launched workers do: none comes back as
+    new. (The run's store is stood in for: only the worker that is built is looked at.)"""
+    from thinwire.localsgd.runtime import rejoin as module
+    from thinwire.localsgd.task import make_sources
+
+    cfg = _cfg(tmp_path, pretrain_steps=5)
+    acfg = async_config(cfg)
+
+    class _Link:
+        def run_info(self) -> Any:
+            return type("Info", (), {"finished": False, "workers": 2})()
+
+    def built(task: Any, cfg: Any, rank: int, workers: int) -> Any:
+        first = make_sources(task, acfg.resolved_shards(workers))[0](0)
+        raise _Stop(first)
+
+    monkeypatch.setattr(module.Transport, "rejoin", staticmethod(lambda *a, **k: _Link()))
+    monkeypatch.setattr(module, "make_worker", built)
+    monkeypatch.setattr(module, "read_token", lambda *a, **k: None)
+    task = gpt_task(cfg)
+    with pytest.raises(_Stop) as stop:
+        module.rejoin_async(task, acfg, 1, host="127.0.0.1", port=1)
+    after = make_sources(task, acfg.resolved_shards(2))[0](5)  # the batch after step 5
+    assert all(torch.equal(a, b) for a, b in zip(stop.value.args[0], after, strict=True))

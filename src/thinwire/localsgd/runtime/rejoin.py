@@ -97,7 +97,9 @@ def rejoin_async(
             f"1..{info.workers} (rank 0 is the server)"
         )
     cfg.validate(info.workers)
-    worker = make_worker(task, cfg, rank, info.workers)
+    # Read on after the pretraining, as the run's launched workers do (the weights come
+    # from the server's theta).
+    worker = make_worker(cfg.start().continued(task), cfg, rank, info.workers)
     _check_like_the_run(worker, info)
     settings = LoopSettings(
         compress=cfg.compress,
