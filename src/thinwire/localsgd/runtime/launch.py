@@ -198,9 +198,8 @@ def run_async(
 
     Needs a process group: the caller's, one described by torchrun's environment
     (joined here, and left again on return), or the one
-    :func:`thinwire.comm.launch.spawn` makes. Only the start is agreed on it (where a
-    pretraining resumes, the run key): then workers talk to the server over links of
-    their own, so a rank that dies leaves nothing in it to wait for.
+    :func:`thinwire.comm.launch.spawn` makes. Only the start and run key go over it: then
+    workers use links of their own, so a rank that dies leaves nothing in it to wait for.
 
     Args:
         task: the model factory, inner-optimizer factory, batch sources, loss and
