@@ -37,7 +37,11 @@ from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.pretrain import Start
 from thinwire.localsgd.algorithm.sim_checkpoint import SimCheckpoint
 from thinwire.localsgd.config import AsyncConfig
-from thinwire.localsgd.runtime.server_process import PRETRAIN_CHECKPOINT, SERVER_CHECKPOINT
+from thinwire.localsgd.runtime.server_process import (
+    PRETRAIN_CHECKPOINT,
+    SERVER_CHECKPOINT,
+    refuse_existing,
+)
 from thinwire.localsgd.task import Task
 
 __all__ = ["pretraining_checkpoint", "start_run"]
@@ -79,7 +83,8 @@ def start_run(task: Task, cfg: AsyncConfig, rank: int, workers: int) -> tuple[Ta
     if resume:
         return start.continued(task), cfg
     if rank != 0 and first:  # the steps rank 0 has left, on weights no one reads
-        replace(start, pretrain_steps=start.pretrain_steps - first).pretrained(task, shards)
+        if first < start.pretrain_steps:
+            replace(start, pretrain_steps=start.pretrain_steps - first).pretrained(task, shards)
         return start.continued(task), cfg
     if rank != 0:  # the whole pretraining, as rank 0's (its buffers: the model's own)
         return start.apply(task, shards), cfg
@@ -118,21 +123,15 @@ def _decide(
     cfg: AsyncConfig, ckpt: SimCheckpoint, start: Start, shards: int, task: Task
 ) -> tuple[bool, int]:
     """Rank 0: ``(resume from the server's checkpoint, pretraining step to start at)``."""
-    server = Path(str(cfg.checkpoint_dir)) / SERVER_CHECKPOINT
+    server = ckpt.path.parent / SERVER_CHECKPOINT
     if cfg.resume and server.exists():
         return True, 0
-    if server.exists():  # said before the pretraining, not after it
-        raise ConfigError(
-            f"{server.parent} already holds an asynchronous run ({server.name}); resume "
-            "it or choose another checkpoint directory"
-        )
+    if not cfg.resume:  # said before the pretraining, not after it
+        refuse_existing(server)
+        refuse_existing(ckpt.path)
+        return False, 0
     if not ckpt.path.exists():
-        return cfg.resume, 0  # a resume with nothing to resume fails at the server, as ever
-    if not cfg.resume:
-        raise ConfigError(
-            f"{ckpt.path.parent} already holds an asynchronous run's pretraining "
-            f"({ckpt.path.name}); resume it or choose another checkpoint directory"
-        )
+        return True, 0  # nothing to resume: the server says so, as ever
     first = start.saved_step(ckpt, shards, task.model())
     total = start.pretrain_steps
     if first == total:

@@ -69,6 +69,7 @@ __all__ = [
     "IncompleteRunError",
     "ServerRun",
     "load_server_state",
+    "refuse_existing",
     "run_server",
     "save_server_state",
 ]
@@ -166,13 +167,24 @@ def _restore(
         resumed = core.steps_applied
         before |= state.get("run", {})
     elif ckpt is not None:
-        if ckpt.exists():
-            raise ConfigError(
-                f"{ckpt.parent} already holds an asynchronous run ({ckpt.name}); resume "
-                "it or choose another checkpoint directory"
-            )
+        refuse_existing(ckpt)
         ckpt.parent.mkdir(parents=True, exist_ok=True)
     return resumed, before
+
+
+def refuse_existing(ckpt: Path) -> None:
+    """A fresh run does not overwrite another: a one-line ConfigError when ``ckpt`` (the
+    server's checkpoint, or its pretraining's save) is there."""
+    if ckpt.exists():
+        what = (
+            "an asynchronous run's pretraining"
+            if ckpt.name == PRETRAIN_CHECKPOINT
+            else ("an asynchronous run")
+        )
+        raise ConfigError(
+            f"{ckpt.parent} already holds {what} ({ckpt.name}); resume it or choose another "
+            "checkpoint directory"
+        )
 
 
 def _stop_after(core: ServerCore, cfg: AsyncConfig, workers: int) -> None:
