@@ -176,10 +176,8 @@ def refuse_existing(ckpt: Path) -> None:
     """A fresh run does not overwrite another: a one-line ConfigError when ``ckpt`` (the
     server's checkpoint, or its pretraining's save) is there."""
     if ckpt.exists():
-        what = (
-            "an asynchronous run's pretraining"
-            if ckpt.name == PRETRAIN_CHECKPOINT
-            else ("an asynchronous run")
+        what = "an asynchronous run" + (
+            "'s pretraining" if ckpt.name == PRETRAIN_CHECKPOINT else ""
         )
         raise ConfigError(
             f"{ckpt.parent} already holds {what} ({ckpt.name}); resume it or choose another "
