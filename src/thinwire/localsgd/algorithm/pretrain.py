@@ -147,7 +147,7 @@ class Start:
         tells processes that wait on the pretraining."""
         plan = _Pretraining(self.pretrain_steps, shards, self.warmup_steps, self.grad_clip)
         state = checkpoint.peek((plan,))
-        if state is None or not _fits(state.get("model"), model):
+        if state is None or _misfit(state.get("model"), model) is not None:
             return 0
         step = state.get("step")
         return step if type(step) is int and 0 <= step <= self.pretrain_steps else 0
@@ -233,18 +233,6 @@ def pretrain(
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def _fits(weights: Any, model: nn.Module) -> bool:
-    """Whether ``weights`` are a state_dict of ``model``'s names and shapes."""
-    want = model.state_dict()
-    return (
-        isinstance(weights, dict)
-        and weights.keys() == want.keys()
-        and all(
-            torch.is_tensor(weights[k]) and weights[k].shape == v.shape for k, v in want.items()
-        )
-    )
-
-
 def _save_now(checkpoint: SimCheckpoint, done: int, steps: int, save_every: int) -> bool:
     """Whether to save after ``done`` of ``steps`` steps."""
     if save_every > 0:
@@ -288,24 +276,31 @@ def load_start_state(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
         raise ConfigError(
             f"init-from file {path} does not hold a model state_dict (name -> tensor)"
         )
+    misfit = _misfit(blob, model)
+    if misfit is not None:
+        raise ConfigError(f"init-from file {path} does not fit the model: {misfit}")
     want = model.state_dict()
-    missing = [k for k in want if k not in blob]
-    extra = [k for k in blob if k not in want]
-    if missing or extra:
-        what = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the model lacks"
-        raise ConfigError(
-            f"init-from file {path} does not fit the model: it {what} "
-            f"({len(missing)} missing, {len(extra)} extra)"
-        )
-    for name, value in want.items():
-        if blob[name].shape != value.shape:
-            raise ConfigError(
-                f"init-from file {path} does not fit the model: {name!r} has shape "
-                f"{list(blob[name].shape)}, the model's is {list(value.shape)}"
-            )
+    for name in want:
         if blob[name].is_floating_point() and not bool(torch.isfinite(blob[name]).all()):
             raise ConfigError(f"init-from file {path}: {name!r} holds NaN or Inf")
     return {k: blob[k] for k in want}
+
+
+def _misfit(weights: Any, model: nn.Module) -> str | None:
+    """How ``weights`` fail to be a state_dict of ``model``'s names and shapes (the first
+    mismatch, as a phrase), or None when they fit."""
+    if not isinstance(weights, dict) or not all(torch.is_tensor(v) for v in weights.values()):
+        return "it is not a state_dict (name -> tensor)"
+    want = model.state_dict()
+    missing = [k for k in want if k not in weights]
+    extra = [k for k in weights if k not in want]
+    if missing or extra:
+        what = f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the model lacks"
+        return f"it {what} ({len(missing)} missing, {len(extra)} extra)"
+    for name, value in want.items():
+        if weights[name].shape != value.shape:
+            return f"{name!r} has shape {list(weights[name].shape)}, the model's is {list(value.shape)}"
+    return None
 
 
 class _Offset:
