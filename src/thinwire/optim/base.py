@@ -354,21 +354,33 @@ class CommOptimizer(torch.optim.Optimizer):
             self._flat = torch.empty(numel, dtype=torch.float32, device=device)
         return self._flat
 
-    def _average_gradients(self, params: list[torch.Tensor]) -> bool:
-        """Allreduce every gradient in one fused fp32 buffer; False if any is non-finite.
+    def _averaged_grads(self) -> list[tuple[torch.Tensor, dict[str, Any]]] | None:
+        """(parameter, its group) for every parameter with a gradient on some rank, each
+        gradient now the average over the ranks; None, with nothing changed, if any
+        average holds NaN/Inf (every rank reaches the same verdict).
 
-        The finiteness check runs after the allreduce, on the average every rank holds,
-        so all ranks reach the same decision without another collective.
+        Without DDP or FSDP2 the optimizer averages them itself, in one fused allreduce
+        over every parameter that trains (``requires_grad``): a rank whose forward pass
+        did not reach a parameter (a data-dependent branch, an expert, an auxiliary head)
+        sends zeros for it, as DDP's ``find_unused_parameters`` does, so every rank packs
+        the same layout and the average counts that rank as a zero gradient. One number
+        per parameter travels beside the gradients to say which had one on any rank: a
+        parameter none of them reached keeps ``grad=None`` and is skipped, as
+        ``torch.optim`` skips it. (Packing only the gradients present would mix one
+        rank's branch into another's, or fail on a size mismatch.)
         """
-        if not params:
-            return True
+        items = self._grads()
         if self._fsdp_averages_grads or self.world_size == 1 or self._ddp_averages_grads:
             # One island (a replica group of 1) still agrees: a NaN may be in one shard.
-            return self._agree_finite(all_finite([local(p.grad) for p in params]))
-        grads = [local(p.grad) for p in params]
-        total = sum(g.numel() for g in grads)
-        flat = self._flat_buffer(total, grads[0].device)
-        torch.cat([g.reshape(-1).float() for g in grads], out=flat)
+            ok = self._agree_finite(all_finite([local(p.grad) for p, _ in items]))
+            return items if ok else None
+        trains = [
+            (p, group)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad or p.grad is not None
+        ]
+        flat = self._pack_grads(trains)
         flat.div_(self.world_size)  # before the cast: bf16/fp16 sums stay in range
         wire = flat if self._grad_wire_dtype == torch.float32 else flat.to(self._grad_wire_dtype)
         dist.all_reduce(wire, group=self.process_group)
@@ -377,13 +389,39 @@ class CommOptimizer(torch.optim.Optimizer):
         nbytes = wire.numel() * wire.element_size()
         record("optim.allreduce", nbytes, ring_allreduce_bytes(nbytes, self.world_size))
         if not self._agree_finite(bool(torch.isfinite(flat).all())):
-            return False
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
+            return None
+        reached = flat[flat.numel() - len(trains) :].tolist()
+        out, offset = [], 0
+        for (p, group), seen in zip(trains, reached, strict=True):
+            n = local(p).numel()
+            if seen > 0:
+                if p.grad is None:  # reached on another rank: this one's zero is counted
+                    p.grad = torch.zeros_like(p)
+                g = local(p.grad)
+                g.copy_(flat[offset : offset + n].view_as(g))
+                out.append((p, group))
             offset += n
-        return True
+        return out
+
+    def _pack_grads(self, trains: list[tuple[torch.Tensor, dict[str, Any]]]) -> torch.Tensor:
+        """Every gradient of ``trains`` (zeros where this rank has none), then one flag
+        per parameter (1: this rank has its gradient), in one flat fp32 buffer."""
+        for p, _ in trains:
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        shards = [local(p) for p, _ in trains]
+        device = shards[0].device if shards else local(self._params()[0]).device
+        numel = sum(t.numel() for t in shards)
+        flat = self._flat_buffer(numel + len(trains), device)
+        parts = [
+            local(p.grad).reshape(-1).float()
+            if p.grad is not None
+            else torch.zeros(t.numel(), device=device)
+            for (p, _), t in zip(trains, shards, strict=True)
+        ]
+        parts.append(torch.tensor([float(p.grad is not None) for p, _ in trains], device=device))
+        torch.cat(parts, out=flat)
+        return flat
 
     def _agree_finite(self, finite: bool) -> bool:
         """With sharded parameters a rank sees only its shard of a NaN: every rank takes

@@ -188,8 +188,8 @@ class Lamb(CommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = self._grads()
-        if not self._average_gradients([p for p, _ in items]):
+        items = self._averaged_grads()
+        if items is None:
             self._skip()
             return loss
         self._took_step()

@@ -140,8 +140,8 @@ class OneBitAdam(TwoStageOptimizer):
         super().__init__(params, defaults, freeze_step, process_group, block, total_steps, exchange)
 
     def _warmup_step(self) -> bool:
-        items = self._grads()
-        if not self._average_gradients([p for p, _ in items]):
+        items = self._averaged_grads()
+        if items is None:
             return False
         self.global_step += 1
         t = self.global_step
@@ -183,6 +183,8 @@ class OneBitAdam(TwoStageOptimizer):
         if views is None:
             return False
         self.global_step += 1
+        items, views = self._active(items, views)
+        params = [p for p, _ in items]
         masks = momentum_masks(self.param_groups)
         bounding = self._bounding()
         if not (bounding and any(group["step_bound"] is not None for _, group in items)):

@@ -168,8 +168,8 @@ class OneBitLamb(TwoStageOptimizer):
     # ------------------------------------------------------------------ warmup
 
     def _warmup_step(self) -> bool:
-        items = self._grads()
-        if not self._average_gradients([p for p, _ in items]):
+        items = self._averaged_grads()
+        if items is None:
             return False
         self.global_step += 1
 
@@ -222,6 +222,8 @@ class OneBitLamb(TwoStageOptimizer):
         if views is None:
             return False
         self.global_step += 1
+        items, views = self._active(items, views)
+        params = [p for p, _ in items]
         bounding = self._bounding()
         masks = momentum_masks(self.param_groups)
         # Two passes: every layer's new momentum, its update (into the exchange's view,
@@ -396,7 +398,8 @@ class OneBitLamb(TwoStageOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
-                if "exp_avg" not in state or i >= len(self.last_coeffs):
+                frozen = self.compressing and not p.requires_grad  # see _active
+                if "exp_avg" not in state or frozen or i >= len(self.last_coeffs):
                     continue
                 out.append((self.last_coeffs[i], state["lamb_coeff_freeze"], self.last_factors[i]))
                 i += 1

@@ -111,6 +111,8 @@ class TwoStageOptimizer(CommOptimizer):
             self.freeze_step = int(freeze_step)
             if total_steps is not None:
                 AutoFreeze.for_run(total_steps)  # the same check of total_steps
+        self._warmup_length = self.freeze_step  # again, for a layer that joins late
+        self._refreeze = False  # freeze_step was moved by such a return to the warmup
         super().__init__(params, defaults, process_group)
         if self.sharded and any(g.get("exp_avg_mask") is not None for g in self.param_groups):
             raise ValueError(
@@ -145,6 +147,8 @@ class TwoStageOptimizer(CommOptimizer):
         self.gauge = GradientGauge()
         """How much the gradients grew since the freeze (the step bound's onset)."""
         self._gauge: torch.Tensor | float = 0.0  # this step's sum of ||g / d||^2
+        self._idle: set[torch.Tensor] | None = None  # trained, no gradient in the warmup
+        self._late_warned = False
 
     @property
     def compressing(self) -> bool:
@@ -167,6 +171,8 @@ class TwoStageOptimizer(CommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.compressing:
+            self._joined()  # may go back to the warmup, before anything is exchanged
         if self.compressing:
             self._gauge = 0.0
             ok = self._compression_step()
@@ -269,6 +275,7 @@ class TwoStageOptimizer(CommOptimizer):
             for key in [k for k in self.state[p] if k.startswith("freeze_ref")]:
                 del self.state[p][key]
         self._on_freeze()
+        self._idle, self._refreeze = set(self._without_momentum()), False
         self._freeze_denominators()
         self.stale.arm(0.0)  # armed by the first compressed step's exchange
         self.gauge.arm()
@@ -314,6 +321,23 @@ class TwoStageOptimizer(CommOptimizer):
                 torch._foreach_div_(vs, denoms)
             if scaled:
                 torch._foreach_mul_(vs, [self.state[p]["scaling_coeff"] for p, _ in batch])
+            for (p, _), v in zip(batch, vs, strict=True):
+                if not p.requires_grad:  # frozen since the switch: sends nothing new
+                    v.zero_()
+
+    @staticmethod
+    def _active(
+        items: list[tuple[torch.Tensor, dict[str, Any]]], views: list[torch.Tensor]
+    ) -> tuple[list[tuple[torch.Tensor, dict[str, Any]]], list[torch.Tensor]]:
+        """The layers a compressed step updates, with their views: those that still train.
+        A layer frozen since the switch (``requires_grad_(False)``) keeps its place in
+        the exchange's buffer (the layout and the error feedback are per element), but
+        neither it nor its momentum moves, as ``torch.optim`` leaves a layer with no
+        gradient; its momentum is there again when it trains again."""
+        keep = [i for i, (p, _) in enumerate(items) if p.requires_grad]
+        if len(keep) == len(items):
+            return items, views
+        return [items[i] for i in keep], [views[i] for i in keep]
 
     def _watch_staleness(self, energy: float) -> None:
         """Feed one compressed step's exchanged energy; on a stale variance, go back to
@@ -342,28 +366,83 @@ class TwoStageOptimizer(CommOptimizer):
             self.stale.warned = True
             return
         self.stale.rewarmups += 1
-        rule.restart(t, t + max(self.freeze_step or 0, rule.window * (rule.patience + 1)))
-        self.freeze_step = None
+        self._back_to_warmup(why)
+        self._lift_variance = True
+
+    def _back_to_warmup(self, why: str) -> None:
+        """Undo the switch (``why``: the reason, said in one line): the full-precision
+        warmup goes on, to freeze again once the statistics settle (automatic freeze) or
+        after as many steps as the configured warmup had (a fixed ``freeze_step``)."""
+        t, rule = self.global_step, self.auto_freeze
+        if rule is not None:
+            rule.restart(t, t + max(self.freeze_step or 0, rule.window * (rule.patience + 1)))
+            self.freeze_step, until = None, rule.max_step
+            plan = f"to freeze again once the statistics settle (step {until:,} at the latest)"
+        else:
+            self.freeze_step = until = t + (self._warmup_length or 1)
+            self._refreeze = True
+            plan = f"to freeze again at step {until:,}"
+        if self.total_steps is not None and until >= self.total_steps:
+            plan += f", after this run's {self.total_steps:,} steps: it ends uncompressed"
         self._denoms = {}
+        self._idle = None
         if self._onebit is not None:
-            self._onebit.reset()  # its residuals belong to the stale stage
+            self._onebit.reset()  # its residuals belong to the undone stage
         for p, _ in self._momentum_params():
             # The momentum carries the 1-bit exchange's noise, also where the warmup's
             # exact gradients are 0 (dead units): divided by their v ~ 0 that is a step of
             # many times lr (measured: the CNN's loss went from 0.7 to 3190 in one step).
             self.state[p]["exp_avg"].zero_()
         self._on_rewarm()
-        self._lift_variance = True
         self.stale.arm(0.0)
         self.gauge.arm()
         if self._speaks:
             _log.warning(
-                "%s: %s; back to the full-precision warmup, to freeze again once the "
-                "statistics settle (step %d at the latest)",
-                name,
-                why,
-                rule.max_step,
+                "%s: %s; back to the full-precision warmup, %s", type(self).__name__, why, plan
             )
+
+    def _joined(self) -> None:
+        """Before a compressed step: go back to the warmup if layers began to train
+        since the switch (unfrozen with ``requires_grad_(True)``, or added with
+        ``add_param_group``). They have no variance to precondition them and no place in
+        the exchange's buffer, so the compressed stage alone would never move them; a
+        short warmup estimates their statistics and freezes again. Decided from
+        ``requires_grad`` and the optimizer's state, alike on every rank: no collective.
+
+        A layer that trains but had no gradient in the whole warmup (an unused head, an
+        expert no batch reached) stays out; should it get one later, this rank says so
+        once (it does not train in the compressed stage)."""
+        without = self._without_momentum()
+        if self._idle is None:  # a state saved before the set was kept: as it is now
+            self._idle = set(without)
+            return
+        joined = [p for p in without if p not in self._idle]
+        if joined:
+            self._back_to_warmup(
+                f"{len(joined)} parameter(s) began to train after the switch at step "
+                f"{self.freeze_step} (requires_grad turned on, or add_param_group)"
+            )
+            return
+        late = sum(p.grad is not None for p in self._idle)
+        if late and not self._late_warned:
+            self._late_warned = True
+            _log.warning(
+                "%s: rank %d: %d parameter(s) have gradients but had none in the warmup: "
+                "the compressed stage does not train them (no variance was estimated); "
+                "turn their requires_grad off and on again to re-estimate it",
+                type(self).__name__,
+                self.rank,
+                late,
+            )
+
+    def _without_momentum(self) -> list[torch.Tensor]:
+        """The parameters that train (``requires_grad``) but have no momentum yet."""
+        return [
+            p
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad and "exp_avg" not in self.state[p]
+        ]
 
     def _on_rewarm(self) -> None:
         """Called when a stale freeze is undone: drop what the compression stage built."""
@@ -502,6 +581,7 @@ class TwoStageOptimizer(CommOptimizer):
                 "opt.state_dict() itself, e.g. dcp.save({'optim': opt.state_dict()})"
             )
         self._denoms = {}  # the frozen variance may be another one now
+        self._idle = None
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             # State saved before the option existed compressed the raw momentum; the
@@ -527,6 +607,9 @@ class TwoStageOptimizer(CommOptimizer):
         extra["freeze_step"] = -1 if self.freeze_step is None else self.freeze_step
         extra["bounded_steps"] = self.bounded_steps
         extra["lift_variance"] = int(self._lift_variance)
+        extra["refreeze"] = int(self._refreeze)
+        if self._idle is not None:  # by position: what _joined does not count as new
+            extra["idle"] = [i for i, p in enumerate(self._params()) if p in self._idle]
         extra |= {f"stale_{k}": v for k, v in self.stale.state_dict().items()}
         extra |= {f"gauge_{k}": v for k, v in self.gauge.state_dict().items()}
         if self.auto_freeze is not None:
@@ -568,7 +651,15 @@ class TwoStageOptimizer(CommOptimizer):
                 k[len(signal) :]: float(v) for k, v in extra.items() if k.startswith(signal)
             }
         self._saved_in_warmup = not 0 <= saved <= self.global_step
-        if not self._saved_in_warmup:
+        self._refreeze = bool(extra.get("refreeze", 0)) and self.auto_freeze is None
+        params = self._params()
+        # Saved as float64 (see _as_tensor): positions come back as floats.
+        idle = [params[int(i)] for i in extra.get("idle", []) if 0 <= int(i) < len(params)]
+        self._idle = set(idle) if "idle" in extra else None
+        if self._refreeze and saved > self.global_step:
+            # Back in the warmup after a layer joined: it ends where that return said.
+            self.freeze_step, self._saved_in_warmup = saved, False
+        elif not self._saved_in_warmup:
             # Compression had started: its error buffers and frozen variance belong to
             # that switch point, whatever this optimizer was configured with.
             self.freeze_step = saved
