@@ -347,3 +347,26 @@ def test_a_token_that_is_not_utf8_is_one_line(monkeypatch: pytest.MonkeyPatch) -
         read_token()
     monkeypatch.setenv(TOKEN_ENV, "a" * 20 + "é")  # UTF-8 beyond ASCII is a fine token
     assert read_token() == ("a" * 20 + "é").encode()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["train", "--freeze-step", "abc"],
+            "thinwire train: error: argument --freeze-step: expected 'auto' or a step number, "
+            "got 'abc' (see thinwire train --help)",
+        ),
+        (["bogus"], "thinwire: error: argument COMMAND: invalid choice: 'bogus'"),
+        (["train", "--no-such-flag"], "unrecognized arguments: --no-such-flag (see thinwire"),
+    ],
+)
+def test_a_usage_error_is_one_line_not_the_usage_block(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # argparse's default: the usage block, then this
+    assert message in err, err

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["CommandParser", "add_moved", "moved_note"]
 
@@ -82,6 +82,12 @@ class CommandParser(argparse.ArgumentParser):
                 argv.remove(flag)  # its first occurrence, which is in head
                 return target.parse_known_args(argv, namespace)
         return super().parse_known_args(argv, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """A usage error in one line, naming the problem and where the options are
+        listed (argparse's default prints the whole usage block first, 20 lines for
+        ``train``, with the message last)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def _check_value(self, action: argparse.Action, value: Any) -> None:
         # argparse's message lists every name it knows; an unknown command should list
