@@ -246,3 +246,159 @@ def test_trainer_runs_diloco(tmp_path: Path) -> None:
     assert summary["algo"] == "diloco" and summary["steps"] == 6
     assert summary["comm_by_op"]["diloco.allreduce"]["calls"] == 2  # 6 steps / H=3
     assert "ddp.allreduce" not in summary["comm_by_op"]
+
+
+# --- the trainable set may change; no `with` needed --------------------------------------
+def _unfreeze_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last layer frozen at construction and thawed at step 3; the first layer's
+    bias trains one round, then is frozen (its momentum is not zero by then)."""
+    model = _model()
+    first, last = model[0], model[2]
+    last.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # torch skips frozen ones
+    with DiLoCo(model, opt, sync_every=3, outer_lr=0.7) as diloco:
+        for i in range(1, 7):
+            if i == 3:
+                last.requires_grad_(True)
+            if i == 4:
+                first.bias.requires_grad_(False)
+                frozen_at = first.bias.detach().clone()
+            _inner_step(model, opt, i, rank)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "bias": first.bias.detach().clone(),
+        "frozen_at": frozen_at,
+        "outer": diloco.outer_steps,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_thawed_later_is_synced_and_a_frozen_one_stays_put() -> None:
+    a, b = spawn(_unfreeze_rank, 2, timeout_s=100)
+    assert a["outer"] == b["outer"] == 2
+    start = _model()
+    for p, q, p0 in zip(a["params"], b["params"], start.parameters(), strict=True):
+        assert torch.equal(p, q) and not torch.equal(p, p0)  # every one moved, and agrees
+    # Frozen mid-round: the second sync leaves it as the user froze it (each rank's own
+    # last inner step), with no outer-momentum step on top.
+    assert torch.equal(a["bias"], a["frozen_at"]) and torch.equal(b["bias"], b["frozen_at"])
+
+
+def _no_with_rank(rank: int, world: int) -> dict[str, Any]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    diloco = DiLoCo(model, opt, sync_every=2)  # no `with`, no after_inner_step calls
+    for i in range(4):
+        _inner_step(model, opt, i, rank)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    diloco.__exit__(None, None, None)  # as leaving a `with` block: no more syncs
+    _inner_step(model, opt, 4, rank)
+    _inner_step(model, opt, 5, rank)
+    return {"flat": flat, "outer": diloco.outer_steps}
+
+
+@pytest.mark.timeout(120)
+def test_diloco_syncs_without_with_until_exit() -> None:
+    a, b = spawn(_no_with_rank, 2, timeout_s=100)
+    assert a["outer"] == b["outer"] == 2
+    assert torch.equal(a["flat"], b["flat"])
+
+
+def test_a_loop_that_counts_its_own_steps_is_not_counted_twice() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    d = DiLoCo(model, opt, sync_every=3)
+    synced = []
+    for i in range(7):
+        _inner_step(model, opt, i)
+        synced.append(d.after_inner_step(i + 1))
+    assert synced == [False, False, True, False, False, True, False]
+    assert (d.local_step, d.outer_steps) == (7, 2)
+
+
+def test_a_save_from_before_frozen_parameters_were_tracked_loads() -> None:
+    """The earlier state: global/local copies and the outer SGD over the trainable
+    parameters only. Loaded, each lands on its own parameter, momentum included."""
+    model = _model()
+    model[0].bias.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    glob = [p.detach().clone() + 1 for p in trainable]
+    outer = torch.optim.SGD(glob, lr=0.7, momentum=0.9, nesterov=True)
+    for g in glob:
+        g.grad = torch.full_like(g, 0.5)
+    outer.step()
+    old = {
+        "global": [g.detach().clone() for g in glob],
+        "local": [p.detach().clone() + 2 for p in trainable],
+        "outer": outer.state_dict(),
+        "local_step": 4,
+        "outer_steps": 1,
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    d = DiLoCo(model, opt, sync_every=3, outer_lr=0.7)
+    bias = model[0].bias.detach().clone()
+    d.load_state_dict(old)
+    live = [i for i, p in enumerate(d.params) if p.requires_grad]
+    assert live == [0, 2, 3]
+    for k, i in enumerate(live):
+        assert torch.equal(d.global_params[i], glob[k])
+        assert torch.equal(d.params[i].detach(), old["local"][k])
+        buf = d.outer.state[d.global_params[i]]["momentum_buffer"]
+        assert torch.equal(buf, outer.state[glob[k]]["momentum_buffer"])
+    assert torch.equal(model[0].bias, bias) and d.outer.state.get(d.global_params[1]) is None
+    assert d.state_dict()["trainable"] == live
+
+
+def _frozen_mid_round_rank(rank: int, world: int) -> dict[str, Any]:
+    """The first layer's bias trains one step of the second round, then is frozen: the
+    replicas moved apart before the freeze."""
+    model = _model()
+    bias = model[0].bias
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with DiLoCo(model, opt, sync_every=3, outer_lr=0.7) as diloco:
+        for i in range(1, 10):
+            if i == 5:
+                bias.requires_grad_(False)
+            _inner_step(model, opt, i, rank)
+            if i == 6:
+                after = bias.detach().clone()
+    return {"after": after, "bias": bias.detach().clone(), "outer": diloco.outer_steps}
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_frozen_mid_round_ends_its_round_then_stays_put() -> None:
+    a, b = spawn(_frozen_mid_round_rank, 2, timeout_s=100)
+    assert a["outer"] == b["outer"] == 3
+    # Its round ends in the plain average of the replicas, so they agree again.
+    assert torch.equal(a["after"], b["after"])
+    # From then on it stays as the user froze it: no outer-momentum step on top.
+    assert torch.equal(a["bias"], a["after"]) and torch.equal(b["bias"], b["after"])
+
+
+def test_a_frozen_backbone_costs_no_global_copy_and_no_checkpoint_space() -> None:
+    model = _model()
+    model[0].requires_grad_(False)  # the backbone, frozen at construction
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    d = DiLoCo(model, opt, sync_every=2)
+    for g, p in zip(d.global_params[:2], model[0].parameters(), strict=True):
+        assert g.data_ptr() == p.data_ptr()  # a view of the parameter itself
+    for i in range(4):
+        _inner_step(model, opt, i)
+    state = d.state_dict()
+    assert [t.numel() for t in state["global"][:2]] == [0, 0]
+    assert [t.numel() for t in state["local"][:2]] == [0, 0]
+    # Thawed: from its next inner step it has a copy of its own, taken before that step.
+    model[0].requires_grad_(True)
+    start = model[0].weight.detach().clone()
+    _inner_step(model, opt, 4)
+    assert d.global_params[0].data_ptr() != model[0].weight.data_ptr()
+    assert torch.equal(d.global_params[0], start)
+    # A resume into a fresh DiLoCo puts the save back as it was.
+    state = d.state_dict()
+    fresh = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2)
+    fresh.load_state_dict(state)
+    for g, h in zip(fresh.global_params, d.global_params, strict=True):
+        assert torch.equal(g, h)
+    assert fresh.global_params[0].data_ptr() != model[0].weight.data_ptr()
+    d.close()
+    fresh.close()

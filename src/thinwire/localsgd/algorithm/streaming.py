@@ -43,6 +43,15 @@ overlap was the worst variant). A fragment is a run of consecutive parameters of
 about equal size (the paper's transformer-block fragments), or pass the modules
 yourself. The exchange runs in one background thread on a process group of its own, so
 the training loop may keep using its groups meanwhile (metrics, barriers).
+
+As DiLoCo, it counts the inner steps through a hook registered at construction (with or
+without ``with``; a loop that calls :meth:`StreamingDiLoCo.after_inner_step` itself takes
+the count over at its first call). The model's buffers (BatchNorm's statistics) travel
+with the fragment that syncs at the end of each round (the last one), uncompressed in a
+small allreduce of their own, and are merged with the same ``alpha``
+(:mod:`thinwire.localsgd.algorithm.buffers`). The fragments are cut from the parameters
+trainable at construction: freezing or unfreezing one later is refused at the next send,
+in one line (DiLoCo follows such changes).
 """
 
 from __future__ import annotations
@@ -60,8 +69,15 @@ from thinwire.comm.allreduce import all_reduce_mean_
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK, block_codec
 from thinwire.errors import ConfigError
+from thinwire.localsgd.algorithm.buffers import (
+    broadcast_buffers_,
+    flat_buffers,
+    load_buffers_,
+    synced_buffers,
+)
 from thinwire.localsgd.algorithm.diloco import (
     DEFAULT_OUTER_LR,
+    InnerStepHook,
     broadcast_replicas,
     load_replicas,
 )
@@ -196,8 +212,14 @@ class StreamingDiLoCo:
         self.group = process_group
         self.world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self._shards = [local(p) for p in self.params]
+        self.buffers = synced_buffers(model)
         if sync_initial and self.world > 1:
             broadcast_replicas(self._shards, process_group, "streaming.broadcast")
+            broadcast_buffers_(self.buffers, process_group, "streaming.broadcast.buffers")
+        # The buffers ride with the fragment that syncs at the end of a round, so one
+        # fragment averages them exactly where DiLoCo does.
+        self._buffer_fragment = self.offsets.index(0)
+        self._buffer_avg: torch.Tensor | None = None  # averaged, not yet applied
         self.global_params = [p.detach().clone() for p in self._shards]
         nesterov = outer_momentum > 0  # torch refuses Nesterov without momentum
         self.outer = torch.optim.SGD(
@@ -215,7 +237,7 @@ class StreamingDiLoCo:
         self.local_step = 0
         self.syncs = 0
         self._applied_at: list[int | None] = [None] * len(self.fragments)
-        self._handle: Any = None
+        self._steps = InnerStepHook(inner_optimizer, self._count)
 
     def _exchange_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         """The group the background exchange uses. The default group is shared with the
@@ -241,22 +263,30 @@ class StreamingDiLoCo:
 
     # --- hooking into the inner optimizer ----------------------------------------------
     def __enter__(self) -> StreamingDiLoCo:
-        self._handle = self.inner.register_step_post_hook(
-            lambda opt, args, kwargs: self.after_inner_step()
-        )
+        self._steps.attach()  # there since construction, unless a block was left before
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self._steps.detach()
         if exc[0] is None:
             self.flush()
         self.close()
 
     def after_inner_step(self, step: int | None = None) -> int:
         """Count one inner step (or set the count to ``step``); apply the fragments due
-        now, then send the fragments whose turn it is. Returns how many were applied."""
+        now, then send the fragments whose turn it is. Returns how many were applied.
+
+        For loops that count their own steps: the first call takes the count over from
+        the hook registered at construction (the step it reports is the one that hook
+        just counted), so call it after every ``inner.step()`` from then on."""
+        counted, applied = self._steps.take_over()
+        if counted:
+            if step is not None:
+                self.local_step = step  # a caller's clock that starts elsewhere wins
+            return int(applied)
+        return self._count(step)
+
+    def _count(self, step: int | None = None) -> int:
         self.local_step = self.local_step + 1 if step is None else step
         applied = 0
         for f, (due, _) in sorted(self._pending.items()):
@@ -286,7 +316,8 @@ class StreamingDiLoCo:
         alpha, self.alpha = self.alpha, 0.0
         try:
             for f in due:
-                self._pending[f] = (self.local_step, self._average(f, self._pseudo(f)))
+                avg = self._average_with_buffers(f, self._pseudo(f), self._buffers_of(f))
+                self._pending[f] = (self.local_step, avg)
                 self._apply(f)
         finally:
             self.alpha = alpha
@@ -303,7 +334,9 @@ class StreamingDiLoCo:
         return [f for f in range(len(self.fragments)) if self._applied_at[f] != now]
 
     def close(self) -> None:
-        """Stop the background thread (after :meth:`flush`, nothing is lost)."""
+        """Stop counting the inner steps and stop the background thread (after
+        :meth:`flush`, nothing is lost; a later send starts a new one)."""
+        self._steps.detach()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -320,21 +353,53 @@ class StreamingDiLoCo:
         )
 
     def _send(self, f: int) -> None:
-        pseudo = self._pseudo(f)
+        self._check_trainable()
+        pseudo, bufs = self._pseudo(f), self._buffers_of(f)
         if self.overlap == 0:
-            self._pending[f] = (self.local_step, self._average(f, pseudo))
+            self._pending[f] = (self.local_step, self._average_with_buffers(f, pseudo, bufs))
             self._apply(f)
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="thinwire-streaming")
-        future = self._executor.submit(self._average_captured, f, pseudo)
+        future = self._executor.submit(self._average_captured, f, pseudo, bufs)
         self._pending[f] = (self.local_step + self.overlap, future)
 
-    def _average_captured(self, f: int, flat: torch.Tensor) -> torch.Tensor:
-        """:meth:`_average` in the background thread; its bytes are counted when the
+    def _check_trainable(self) -> None:
+        """The fragments (and their error feedback) are laid out over the parameters
+        trainable at construction; syncing a changed set would silently skip a thawed
+        parameter or drift a frozen one by the outer momentum."""
+        now = [id(p) for p in self.model.parameters() if p.requires_grad]
+        if now != [id(p) for p in self.params]:
+            raise ConfigError(
+                f"Streaming DiLoCo syncs the {len(self.params)} parameters trainable at its "
+                f"construction, {len(now)} require a gradient now: build it after freezing "
+                "or unfreezing (DiLoCo follows such changes)"
+            )
+
+    def _buffers_of(self, f: int) -> torch.Tensor | None:
+        """This replica's buffers, flat, when fragment ``f`` carries them."""
+        if f != self._buffer_fragment or not self.buffers:
+            return None
+        return flat_buffers(self.buffers)
+
+    def _average_with_buffers(
+        self, f: int, flat: torch.Tensor, bufs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`_average` of fragment ``f``, then of the buffers it carries (kept for
+        :meth:`_apply`): on the same thread and group, so every rank orders them alike."""
+        avg = self._average(f, flat)
+        if bufs is not None:
+            op_name = "streaming.allreduce.buffers"
+            self._buffer_avg = all_reduce_mean_(bufs, self._wire_group, op_name=op_name)
+        return avg
+
+    def _average_captured(
+        self, f: int, flat: torch.Tensor, bufs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`_average_with_buffers` in the background thread; its bytes are counted when the
         average is applied (by then the exchange has finished on every run alike)."""
         with captured() as records:
-            avg = self._average(f, flat)
+            avg = self._average_with_buffers(f, flat, bufs)
         self._records[f] = records
         return avg
 
@@ -369,6 +434,9 @@ class StreamingDiLoCo:
                 p.mul_(self.alpha).add_(g, alpha=1.0 - self.alpha)
             else:
                 p.copy_(g)
+        if f == self._buffer_fragment and self._buffer_avg is not None:
+            load_buffers_(self.buffers, self._buffer_avg, keep=self.alpha)
+            self._buffer_avg = None
         apply_fragment_rule(
             self.inner, [self.params[i] for i in self.fragments[f]], self.inner_momentum
         )
@@ -396,6 +464,10 @@ class StreamingDiLoCo:
             # the resumed run as in this one.
             "uncounted": {f: list(self._records.get(f, [])) for f in pending},
             "codecs": [None if c is None else c.state_dict() for c in self._codecs],
+            # This replica's own (a trainer's model checkpoint is rank 0's), and the
+            # average in flight with the buffer fragment, if any.
+            "buffers": flat_buffers(self.buffers) if self.buffers else None,
+            "buffer_avg": None if self._buffer_avg is None else self._buffer_avg.clone(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -418,3 +490,6 @@ class StreamingDiLoCo:
         for codec, saved in zip(self._codecs, state["codecs"], strict=True):
             if codec is not None and saved is not None:
                 codec.load_state_dict(saved)
+        if self.buffers and state.get("buffers") is not None:
+            load_buffers_(self.buffers, state["buffers"])
+        self._buffer_avg = state.get("buffer_avg")

@@ -186,6 +186,7 @@ class _Streaming:
                 inner_momentum=cfg.resolved_inner_momentum(),
             )
             replica.answers = {}
+            replica.close()  # no step hook: _sync drives each replica at its sends only
             self.workers.append(worker)
             self.replicas.append(replica)
         self.exchange = SimulatedExchange(cfg.compress, cfg.error_feedback)

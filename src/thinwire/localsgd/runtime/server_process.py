@@ -36,6 +36,7 @@ How a run ends, in the summary:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ import torch
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_save
+from thinwire.localsgd.algorithm.buffers import synced_buffers
 from thinwire.localsgd.algorithm.compression import PullEncoder
 from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.config import AsyncConfig
@@ -133,6 +135,7 @@ def run_server(
         IncompleteRunError: every worker was gone before the budget was met.
     """
     model = task.model()
+    warn_if_buffers(model)
     sources = make_sources(task, cfg.resolved_shards(workers))
     core = ServerCore.from_config(flat_parameters(model), cfg, workers, shard_sizes(sources))
     ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
@@ -152,6 +155,27 @@ def run_server(
         if token_to_keep is not None and cfg.checkpoint_dir:
             remove_token_file(cfg.checkpoint_dir)
     return run.finish(stats)
+
+
+_log = logging.getLogger("thinwire.localsgd")
+
+
+def warn_if_buffers(model: torch.nn.Module) -> bool:
+    """Say in one line (True) when ``model`` has floating-point buffers: theta is the
+    parameters only, so BatchNorm's running statistics (and the like) never leave the
+    workers, and what the server evaluates and hands back uses a fresh model's."""
+    floats = [b for b in synced_buffers(model) if b.is_floating_point()]
+    if not floats:
+        return False
+    _log.warning(
+        "thinwire: the model has %d floating-point buffers (%d values, e.g. BatchNorm "
+        "statistics); run_async syncs parameters only, so the server's evaluations, "
+        "final_val_loss/final_metrics and load_trained() use the buffers of a freshly "
+        "built task.model(), not the workers' (docs/localsgd.md)",
+        len(floats),
+        sum(b.numel() for b in floats),
+    )
+    return True
 
 
 def _restore(
