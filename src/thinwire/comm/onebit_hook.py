@@ -25,6 +25,16 @@ between, so it runs on one background thread per state
 order on every rank: every rank issues the same collectives in the same order. The
 result is bit-identical to running each collective inside the hook (``overlap=False``).
 
+**Its own process group.** DDP runs collectives of its own on its group while backward
+goes on (the bitmap of ``find_unused_parameters=True`` at the end of backward) and before
+forward (``broadcast_buffers=True``); on the same group as the hook's thread they would
+meet in a different order on each rank (a hang, or gloo's "collective mismatch"). So the
+state averages over the ranks of ``process_group`` on a group of its own
+(:func:`thinwire.comm.hook_group.hook_group`), made when the state is created (or, if
+``torch.distributed`` is not initialized yet, at its first bucket), on every rank alike;
+``close()`` destroys it. Every collective of the hook goes there: the warmup's allreduce,
+the 1-bit collectives, with or without overlap.
+
 Tuning guide:
 
 * ``warmup_steps``: plain (uncompressed) allreduce for this many steps first. Early
@@ -64,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from thinwire.comm.allreduce import all_reduce_mean_, allreduce_hook
+from thinwire.comm.hook_group import hook_group, release_group
 from thinwire.comm.hook_worker import HookWorker, completed
 from thinwire.comm.onebit_allreduce import NonFiniteError, OneBitAllreduce
 from thinwire.compress.onebit import check_block
@@ -119,7 +130,11 @@ class OneBitHookState:
     """State of :func:`onebit_hook`: step counter, options and per-bucket residuals.
 
     Args:
-        process_group: group to average over (``None``: the default group).
+        process_group: the ranks to average over (``None``: every rank). The hook talks
+            on a group of its own over the same ranks (:meth:`group`), never on this
+            one, so passing DDP's own group is safe. Create the state on every rank of
+            the job, in the same order (over a subgroup: on every member): making that
+            group is collective.
         warmup_steps: steps of plain allreduce before compression starts.
         nonfinite: what a bucket with NaN/Inf gradients does. ``"allreduce"`` (default)
             sends it uncompressed, so the NaN/Inf reaches the optimizer exactly as with
@@ -139,16 +154,19 @@ class OneBitHookState:
             block: 64 adds half a bit per element, 256 an eighth. None is one scale per
             bucket (the papers').
 
-    The state pickles without the process group (it is ``None`` after unpickling,
-    i.e. the default group; set ``state.process_group`` again if needed) and without
-    its thread (a new one starts on first use). Residuals travel with it, so a
-    checkpoint of the state resumes exactly. :meth:`close` stops the thread; so does
-    garbage collection of the state.
+    The state pickles without the process groups (``process_group`` is ``None`` after
+    unpickling, i.e. every rank; set it again before the first bucket if needed) and
+    without its thread; both are made again at the first bucket. Residuals travel with
+    it, so a checkpoint of the state resumes exactly. :meth:`close` stops the thread and
+    destroys the state's group; garbage collection stops the thread (the group then
+    goes with ``dist.destroy_process_group()``).
     """
 
     __slots__ = (
         "__weakref__",
         "_allreduces",
+        "_group",
+        "_group_for",
         "_layout",
         "_learning",
         "_order",
@@ -190,6 +208,12 @@ class OneBitHookState:
         self._order: dict[int, int] = {}  # parameter address -> place in the first iteration
         self._learning = True  # until this object's first iteration ends
         self._worker: HookWorker | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._group_for: dist.ProcessGroup | None = None  # the process_group it copies
+        if dist.is_initialized():
+            # Now, while every rank is at the same point of its program; not in the hook,
+            # which on GPUs runs on autograd's device threads.
+            self.group()
 
     # ------------------------------------------------------------------ buckets
 
@@ -208,7 +232,7 @@ class OneBitHookState:
     def _materialize(self, index: int) -> OneBitAllreduce:
         saved = self._pending.pop(index)
         positions = saved.get("positions")
-        ar = OneBitAllreduce(self.process_group, self.chunk, block=self.block)
+        ar = OneBitAllreduce(self.group(), self.chunk, block=self.block)
         ar.load_state_dict({k: v for k, v in saved.items() if k != "positions"})
         self._allreduces[index] = ar
         self._layout[index] = None if positions is None else tuple(positions)
@@ -256,7 +280,7 @@ class OneBitHookState:
         ar = self._allreduces.get(index)
         if ar is None:
             ar = self._allreduces[index] = OneBitAllreduce(
-                self.process_group, self.chunk, block=self.block
+                self.group(), self.chunk, block=self.block
             )
         elif ar.numel not in (None, numel) or self._layout.get(index) not in (None, positions):
             ar.reset()  # DDP rebuilt its buckets (alike on every rank): old residuals are moot
@@ -274,7 +298,20 @@ class OneBitHookState:
             if bucket.is_last():
                 self._learning = False
 
-    # ------------------------------------------------------------------ thread
+    # ------------------------------------------------------------------ group, thread
+
+    def group(self) -> dist.ProcessGroup:
+        """The group every collective of this state runs on: its own, over the ranks of
+        ``process_group`` (see the module docstring). Made on first need, on every rank
+        alike: when the state is created, or at its first bucket after unpickling, a
+        :meth:`close` or a change of ``process_group``."""
+        if self._group is not None and self._group_for is not self.process_group:
+            self.close()  # process_group was set anew: its ranks may differ
+            self._unbind()
+        if self._group is None:
+            self._group = hook_group(self.process_group)
+            self._group_for = self.process_group
+        return self._group
 
     def worker(self) -> HookWorker:
         """The background thread of this state (started on first use)."""
@@ -284,11 +321,26 @@ class OneBitHookState:
         return self._worker
 
     def close(self) -> None:
-        """Finish the queued buckets and stop the thread (a later bucket starts a new one)."""
+        """Finish the queued buckets, stop the thread and destroy the state's group (over
+        a subgroup it is kept, see :func:`~thinwire.comm.hook_group.release_group`); the
+        residuals stay. Call it on every rank: a later bucket starts a new thread and
+        makes a new group (collective), and goes on with the same residuals."""
         if self._worker is not None:
             worker, self._worker = self._worker, None
             worker.stop()
             worker.thread.join()
+        if self._group is not None:
+            self._unbind(release=True)
+
+    def _unbind(self, release: bool = False) -> None:
+        """Forget the group (destroyed first if ``release`` and it can be, else kept
+        bound); park the residuals as if loaded, so that the next bucket binds them to the
+        next group (a load's path, which resumes exactly)."""
+        buckets = self._buckets()  # while the group lives: a residual's rank is the group's
+        if release and self._group is not None and not release_group(self._group):
+            return
+        self._pending, self._allreduces, self._layout = buckets, {}, {}
+        self._group = self._group_for = None
 
     # ------------------------------------------------------------------ state
 
@@ -296,12 +348,6 @@ class OneBitHookState:
         """Options, step counter and every bucket's residuals and parameters (this rank's)."""
         if self._worker is not None:
             self._worker.wait_idle()  # no bucket is being reduced while we copy
-        buckets = dict(self._pending)
-        for i, ar in self._allreduces.items():
-            positions = self._layout.get(i)
-            buckets[i] = ar.state_dict() | {
-                "positions": None if positions is None else list(positions)
-            }
         return {
             "warmup_steps": self.warmup_steps,
             "nonfinite": self.nonfinite,
@@ -309,8 +355,18 @@ class OneBitHookState:
             "overlap": self.overlap,
             "block": self.block,
             "iteration": self.iteration,
-            "buckets": buckets,
+            "buckets": self._buckets(),
         }
+
+    def _buckets(self) -> dict[int, dict[str, Any]]:
+        """Every bucket's residuals and parameters: those met, and those loaded, not yet met."""
+        buckets = dict(self._pending)
+        for i, ar in self._allreduces.items():
+            positions = self._layout.get(i)
+            buckets[i] = ar.state_dict() | {
+                "positions": None if positions is None else list(positions)
+            }
+        return buckets
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._worker is not None:
@@ -331,6 +387,7 @@ class OneBitHookState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.process_group = None
+        self._group = self._group_for = None  # made at the first bucket, on every rank
         self._worker = None
         self._order = {}
         self._learning = True
@@ -349,10 +406,10 @@ def onebit_hook(
     if state.iteration < state.warmup_steps:
         if state._learning:
             state._positions(bucket)
-        fut = allreduce_hook(state.process_group, bucket)
+        fut = allreduce_hook(state.group(), bucket)
     else:
         plan = state.plan(bucket)
-        nonfinite, group = state.nonfinite, state.process_group
+        nonfinite, group = state.nonfinite, state.group()
 
         def work() -> None:
             _run_plan(plan, buf, nonfinite, group)
