@@ -115,6 +115,17 @@ class InnerStepHook:
         self.last = self.on_step()
         self.counted = True
 
+    def report(self, owner: Any, step: int | None) -> Any:
+        """A caller reports inner step ``step`` to ``owner`` (who counts with
+        ``owner._count(step)`` and keeps ``owner.local_step``): the count is the caller's
+        from now on; the step the hook has already counted is not counted again."""
+        counted, result = self.take_over()
+        if not counted:
+            return owner._count(step)
+        if step is not None:
+            owner.local_step = step  # a caller's clock that starts elsewhere wins
+        return result
+
     def take_over(self) -> tuple[bool, Any]:
         """The caller counts from now on: remove the hook. ``(True, result)`` when the
         hook has already counted the step the caller is reporting (a caller reports a
@@ -298,12 +309,7 @@ class DiLoCo:
         For loops that count their own steps: the first call takes the count over from
         the hook registered at construction (the step it reports is the one that hook
         just counted), so call it after every ``inner.step()`` from then on."""
-        counted, synced = self._steps.take_over()
-        if counted:
-            if step is not None:
-                self.local_step = step  # a caller's clock that starts elsewhere wins
-            return bool(synced)
-        return self._count(step)
+        return bool(self._steps.report(self, step))
 
     def _count(self, step: int | None = None) -> bool:
         self.local_step = self.local_step + 1 if step is None else step

@@ -279,12 +279,7 @@ class StreamingDiLoCo:
         For loops that count their own steps: the first call takes the count over from
         the hook registered at construction (the step it reports is the one that hook
         just counted), so call it after every ``inner.step()`` from then on."""
-        counted, applied = self._steps.take_over()
-        if counted:
-            if step is not None:
-                self.local_step = step  # a caller's clock that starts elsewhere wins
-            return int(applied)
-        return self._count(step)
+        return int(self._steps.report(self, step))
 
     def _count(self, step: int | None = None) -> int:
         self.local_step = self.local_step + 1 if step is None else step
