@@ -80,6 +80,9 @@ class HookWorker:
             try:
                 job()  # completes its future itself, with the result or the error
             finally:
+                # Not held while waiting for the next one: its closure holds the hook's
+                # process group, which must go when the hook's state goes.
+                job = None
                 with self._idle:
                     self._queued -= 1
                     self._idle.notify_all()
