@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -26,6 +27,18 @@ if "THINWIRE_CACHE_DIR" not in os.environ:
 
 TINY_FLAGS = ["--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "32"]
 """``thinwire train`` flags of the tiny model every CLI test trains (about 21K parameters)."""
+
+
+class WarningLines(logging.Handler):
+    """The messages logged at WARNING and above, in order: for ranks a test spawns, whose
+    log records pytest's ``caplog`` does not see."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def tiny_config(tmp_path: Path, **overrides: object) -> TrainConfig:

@@ -11,19 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import WarningLines
 from thinwire.comm import COUNTER, spawn
 from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.register import adaptive_optimizer, onebit_counterpart, register_comm_hook
 from thinwire.optim import Lamb, OneBitAdam, OneBitLamb
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 class MyLAMB(torch.optim.SGD):
@@ -52,7 +44,7 @@ def _body(rank: int, world: int) -> dict[str, Any]:
     out["same"] = torch.equal(_grads(counted, rank), reference)
     out["bytes"] = COUNTER.snapshot()["ddp.allreduce"]["wire_bytes"]
     out["numel"] = sum(p.numel() for p in counted.parameters())
-    records = _Records()
+    records = WarningLines()
     logging.getLogger("thinwire").addHandler(records)
     for opt_cls in (torch.optim.SGD, torch.optim.AdamW, MyLAMB):
         net = nn.parallel.DistributedDataParallel(_model())

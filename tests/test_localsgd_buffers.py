@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import WarningLines
 from thinwire.comm import COUNTER
 from thinwire.comm.launch import spawn
 from thinwire.localsgd import AsyncConfig, Task, run_async
@@ -137,15 +138,6 @@ def test_only_persistent_real_buffers_are_synced() -> None:
 
 
 # --- run_async: theta is parameters only ------------------------------------------------------
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return F.cross_entropy(model(batch[0]), batch[1])
 
@@ -155,7 +147,7 @@ def _shards(n: int) -> list[Any]:
 
 
 def _async_rank(rank: int, world: int) -> list[str]:
-    capture = _Capture()
+    capture = WarningLines()
     logging.getLogger("thinwire.localsgd").addHandler(capture)
     task = Task(
         model=_net,
