@@ -1,6 +1,6 @@
 """A model's buffers across Local-SGD replicas: DiLoCo and Streaming DiLoCo average them
-at each sync (BatchNorm's running statistics), and ``run_async``, which syncs parameters
-only, says so in one line.
+at each sync (BatchNorm's running statistics). Asynchronous Local-SGD recomputes them for
+theta instead: tests/test_localsgd_norm_stats.py.
 
 Two spawned gloo ranks (:func:`thinwire.comm.launch.spawn` makes and destroys the group)
 train a small conv net with BatchNorm on different data, so their statistics differ.
@@ -8,7 +8,6 @@ train a small conv net with BatchNorm on different data, so their statistics dif
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -16,10 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import WarningLines
 from thinwire.comm import COUNTER
 from thinwire.comm.launch import spawn
-from thinwire.localsgd import AsyncConfig, Task, run_async
 from thinwire.localsgd.algorithm.buffers import synced_buffers
 from thinwire.localsgd.algorithm.diloco import DiLoCo
 from thinwire.localsgd.algorithm.streaming import StreamingDiLoCo
@@ -135,34 +132,3 @@ def test_streaming_diloco_ends_on_one_model_buffers_included(overlap: int) -> No
 def test_only_persistent_real_buffers_are_synced() -> None:
     net = _net()
     assert [b.shape for b in synced_buffers(net)] == [(4,), (4,), ()]  # BN's three
-
-
-# --- run_async: theta is parameters only ------------------------------------------------------
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return F.cross_entropy(model(batch[0]), batch[1])
-
-
-def _shards(n: int) -> list[Any]:
-    return [lambda step, i=i: _batch(step, i) for i in range(n)]
-
-
-def _async_rank(rank: int, world: int) -> list[str]:
-    capture = WarningLines()
-    logging.getLogger("thinwire.localsgd").addHandler(capture)
-    task = Task(
-        model=_net,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-        shards=_shards,
-        loss=_loss,
-    )
-    run_async(task, AsyncConfig(steps=4, local_steps=2, dead_after_s=30.0))
-    return [line for line in capture.lines if "buffers" in line]
-
-
-@pytest.mark.timeout(90)
-def test_run_async_says_that_buffers_stay_on_the_workers() -> None:
-    server, worker = spawn(_async_rank, 2, timeout_s=75)
-    assert len(server) == 1
-    assert "2 floating-point buffers (8 values" in server[0]
-    assert "load_trained() use the buffers of a freshly built task.model()" in server[0]
-    assert worker == []

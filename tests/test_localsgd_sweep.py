@@ -57,7 +57,14 @@ def test_a_sweep_resumes_from_its_files_but_never_from_other_settings(tmp_path: 
     assert all(b["setting"]["outer_lr"] in (0.1, 0.3) for b in best.values())
 
 
-LATER = ("shard_within", "fragments", "fragment_overlap", "fragment_alpha", "error_feedback")
+LATER = (
+    "shard_within",
+    "fragments",
+    "fragment_overlap",
+    "fragment_alpha",
+    "error_feedback",
+    "norm_batches",
+)
 """Fields added after runs were cached (left out of a fingerprint at their defaults)."""
 
 
@@ -113,12 +120,14 @@ def test_dn_dylu_from_a_trained_model_takes_the_long_tier_outer_settings() -> No
 
 
 def test_settings_added_at_their_defaults_keep_the_cached_runs_fingerprints() -> None:
-    """Streaming DiLoCo's fields came after runs were cached: at their defaults they leave
-    a run's fingerprint as it was (these digests were computed before they existed), so a
-    sweep read back from ``--out/runs`` is not simulated again."""
+    """Streaming DiLoCo's fields and ``norm_batches`` came after runs were cached: at
+    their defaults they leave a run's fingerprint as it was (these digests were computed
+    before they existed), so a sweep read back from ``--out/runs`` is not simulated
+    again."""
     clock = SimClock(seconds_per_step=(1.0, 2.0))
     sync = for_method(AsyncConfig(steps=10), "sync")
     assert fingerprint(sync, clock, 0) == "59a77b124c03c5dd"
     trained = for_method(AsyncConfig(steps=10, pretrain_steps=5), "dn-dylu")
     assert fingerprint(trained, clock, 1, {"model": "tiny"}) == "61a55db525a11557"
     assert fingerprint(replace(sync, fragments=2), clock, 0) != "59a77b124c03c5dd"
+    assert fingerprint(replace(sync, norm_batches=4), clock, 0) != "59a77b124c03c5dd"

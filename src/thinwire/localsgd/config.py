@@ -76,6 +76,14 @@ class AsyncConfig(AsyncSettings):
     eval_interval: int = 0
     """Inner steps per worker between evaluations on the server (0: only at the start and
     the end). The server answers no worker while it evaluates: keep evaluation cheap."""
+    norm_batches: int = 16
+    """Training batches the server runs through theta to recompute its normalization
+    layers' running statistics (BatchNorm's ``running_mean``/``running_var``) before each
+    evaluation and checkpoint and for the trained model: theta never runs a forward pass
+    of its own, so without them it would keep a fresh model's. More batches, less noisy
+    statistics, at one forward pass each on the server (which answers no worker
+    meanwhile). Costs nothing for a model without such layers; 0 turns it off (with a
+    warning). See :mod:`thinwire.localsgd.algorithm.norm_stats`."""
     checkpoint_dir: str | None = None
     """Where the server keeps ``localsgd_server.pt`` (theta, outer state, shard clocks,
     speeds); ``None``: no checkpoints."""
@@ -104,7 +112,7 @@ class AsyncConfig(AsyncSettings):
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if not isinstance(self.shard_within, int) or self.shard_within < 1:
             raise ConfigError(f"shard_within must be an integer >= 1, got {self.shard_within!r}")
-        for name in ("warmup_steps", "eval_interval", "checkpoint_interval"):
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "norm_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
         self.check_async(workers, simulated=simulated)

@@ -270,12 +270,18 @@ def eval_metrics(result: EvalResult) -> dict[str, float]:
 
 @torch.no_grad()
 def metrics_at(
-    model: nn.Module, theta: torch.Tensor, evaluate: Callable[[nn.Module], EvalResult]
+    model: nn.Module,
+    theta: torch.Tensor,
+    evaluate: Callable[[nn.Module], EvalResult],
+    prepare: Callable[[nn.Module], object] | None = None,
 ) -> dict[str, float]:
     """:func:`eval_metrics` of ``evaluate(model)`` with ``theta`` loaded into ``model``,
-    in eval mode."""
+    in eval mode. ``prepare(model)`` runs once theta is loaded, before the evaluation
+    (the server recomputes normalization statistics there)."""
     params = list(model.parameters())
     load_flat_(params, theta.to(params[0].device))
+    if prepare is not None:
+        prepare(model)
     model.eval()
     try:
         return eval_metrics(evaluate(model))

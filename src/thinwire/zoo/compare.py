@@ -40,6 +40,9 @@ _SHORT_LOCAL_SGD = (
     "classifiers here DiLoCo is within 2% of DDP."
 )
 EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("bn-cnn", "adamw-onebit-hook"): _ADAM_HOOK
+    + " At AdamW's tuned lr 1e-2 (3 seeds: 0.845 against 0.884); at 5e-3 it holds (0.870"
+    " against 0.875).",
     ("embedding", "adamw-onebit-hook"): _ADAM_HOOK,
     ("gpt2", "adamw-onebit-hook"): _ADAM_HOOK,
     ("gpt", "adamw-onebit-hook"): _ADAM_HOOK,

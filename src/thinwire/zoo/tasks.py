@@ -8,6 +8,7 @@ entry stresses something a user's model has and thinwire's GPT does not:
 name       model                                                  what it stresses
 ========== ====================================================== =====================
 relu-cnn   2 conv layers + fc 1024 -> 128 -> 8 (ReLU), gratings    inputs that never fire
+bn-cnn     2 conv-BatchNorm-ReLU blocks + fc, the same gratings   running statistics
 relu-mlp   MLP whose hidden units are half dead from the start    rows with ``v = 0``
 embedding  a bag-of-words classifier, 4/5 of its rows never used  unused and rare rows
 bert       BERT classifier from a ``transformers`` config         a user's HF encoder
@@ -139,6 +140,26 @@ class ReluCNN(nn.Module):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.relu(self.conv2(x))
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class BatchNormCNN(nn.Module):
+    """Two conv-BatchNorm-ReLU blocks (convs without bias, as in a ResNet), max-pool,
+    fc 16*16 -> 8. Its running statistics are state no optimizer moves: each replica's
+    forward passes change them, and the evaluation (eval mode) uses them."""
+
+    def __init__(self, width: int = 1) -> None:
+        super().__init__()
+        c1, c2 = 8 * width, 16 * width
+        self.conv1 = nn.Conv2d(1, c1, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c1)
+        self.conv2 = nn.Conv2d(c1, c2, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c2)
+        self.fc = nn.Linear(c2 * 16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc(x.flatten(1))
 
 
 # ---------------------------------------------------------------- relu-mlp: dead units
@@ -331,6 +352,13 @@ def _tasks() -> dict[str, ZooTask]:
             lambda s: ReluCNN(_pick(s, 1, 2)),
             *cnn,
             lr={"adam": 2e-3, "lamb": 1e-2},
+        ),
+        "bn-cnn": ZooTask(
+            "bn-cnn",
+            "accuracy",
+            lambda s: BatchNormCNN(_pick(s, 1, 2)),
+            *cnn,
+            lr={"adam": 1e-2, "lamb": 3e-2},
         ),
         "relu-mlp": ZooTask(
             "relu-mlp",

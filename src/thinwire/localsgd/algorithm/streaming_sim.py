@@ -42,6 +42,7 @@ from thinwire.comm.accounting import ring_allreduce_bytes
 from thinwire.comm.quantized_allreduce import quantized_wire_bytes
 from thinwire.compress.cast import CAST_DTYPES, cast_decode, cast_encode
 from thinwire.compress.quantize import BLOCK_CODES, DEFAULT_QUANT_BLOCK, block_codec
+from thinwire.localsgd.algorithm.norm_stats import NormStats
 from thinwire.localsgd.algorithm.shards import ShardBook
 from thinwire.localsgd.algorithm.sim_checkpoint import (
     SimCheckpoint,
@@ -165,6 +166,8 @@ class _Streaming:
         w_count = len(clock.seconds_per_step)  # the config is checked for them already
         self.cfg, self.clock, self.metric = cfg, clock, task.evaluate
         task, self.model, sources = started(task, cfg, w_count, pretrained)
+        self.norms = NormStats(self.model, sources, task.loss, cfg.norm_batches)
+        self.norms.warn()
         theta = flat_parameters(self.model)
         self.model_numel = theta.numel()
         self.planned = ShardBook(shard_sizes(sources), cfg.steps * w_count).planned
@@ -241,7 +244,9 @@ class _Streaming:
 
     def _record(self, step: int) -> None:
         theta = torch.cat([g.reshape(-1).float() for g in self.replicas[0].global_params])
-        metrics = metrics_at(self.model, theta, self.metric)  # val_loss, ...
+        # val_loss, ..., with theta's own normalization statistics
+        refresh = self.norms.refresh
+        metrics = metrics_at(self.model, theta, self.metric, lambda _: refresh())
         point = {
             "steps": step * len(self.workers),
             "updates": self.replicas[0].syncs,  # fragment syncs (finish()'s included)

@@ -135,6 +135,10 @@ RUNTIME_ONLY = ("shard_within",)
 """Fields of :class:`AsyncConfig` that only the multi-process runtime reads (the simulator
 has no ranks to shard over), left out of :func:`fingerprint`."""
 
+ADDED_LATER = (*STREAMING, "norm_batches")
+"""Fields added after runs were cached: at their defaults :func:`fingerprint` leaves them
+out, so the runs cached before them stay valid."""
+
 
 def fingerprint(
     cfg: AsyncConfig, clock: SimClock, seed: int, context: Mapping[str, Any] | None = None
@@ -159,7 +163,7 @@ def fingerprint(
     for name in RUNTIME_ONLY:  # no simulated result depends on them: cached runs stay valid
         config.pop(name, None)
     defaults = AsyncConfig()
-    for name in STREAMING:  # added later: at their defaults, runs cached before stay valid
+    for name in ADDED_LATER:  # at their defaults, runs cached before them stay valid
         if config[name] == getattr(defaults, name):
             del config[name]
     blob = {

@@ -52,6 +52,7 @@ import torch
 from thinwire.errors import ConfigError
 from thinwire.localsgd.algorithm.compression import PullDecoder, PullEncoder, PushEncoder, decode
 from thinwire.localsgd.algorithm.methods import METHODS, for_method
+from thinwire.localsgd.algorithm.norm_stats import NormStats
 from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.algorithm.sim_checkpoint import (
     SimCheckpoint,
@@ -198,6 +199,8 @@ class _Simulation:
         w_count = len(clock.seconds_per_step)
         self.cfg, self.clock, self.metric = cfg, clock, task.evaluate
         task, self.model, sources = started(task, cfg, w_count, pretrained)
+        self.norms = NormStats(self.model, sources, task.loss, cfg.norm_batches)
+        self.norms.warn()
         self.total = cfg.steps * w_count
         declared = None
         if clock.declare_speeds and cfg.speeds is None:
@@ -222,7 +225,9 @@ class _Simulation:
 
     def record(self, now: float) -> None:
         core = self.core
-        metrics = metrics_at(self.model, core.theta.detach(), self.metric)  # val_loss, ...
+        # val_loss, ..., with theta's own normalization statistics
+        refresh = self.norms.refresh
+        metrics = metrics_at(self.model, core.theta.detach(), self.metric, lambda _: refresh())
         point = {"steps": core.steps_applied, "updates": core.updates_applied, "time_s": now}
         self.curve.append(point | metrics)
 

@@ -36,7 +36,6 @@ How a run ends, in the summary:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,8 +47,8 @@ import torch
 from thinwire.comm.accounting import COUNTER
 from thinwire.errors import ConfigError
 from thinwire.io import atomic_save
-from thinwire.localsgd.algorithm.buffers import synced_buffers
 from thinwire.localsgd.algorithm.compression import PullEncoder
+from thinwire.localsgd.algorithm.norm_stats import NormStats, load_norm_state_
 from thinwire.localsgd.algorithm.server_core import ServerCore
 from thinwire.localsgd.config import AsyncConfig
 from thinwire.localsgd.runtime.auth import remove_token_file, write_token_file
@@ -58,6 +57,7 @@ from thinwire.localsgd.runtime.transport import Transport
 from thinwire.localsgd.task import (
     Task,
     flat_parameters,
+    load_flat_,
     make_sources,
     metrics_at,
     shape_signature,
@@ -135,17 +135,18 @@ def run_server(
         IncompleteRunError: every worker was gone before the budget was met.
     """
     model = task.model()
-    warn_if_buffers(model)
     sources = make_sources(task, cfg.resolved_shards(workers))
+    norms = NormStats(model, sources, task.loss, cfg.norm_batches)
+    norms.warn()
     core = ServerCore.from_config(flat_parameters(model), cfg, workers, shard_sizes(sources))
     ckpt = Path(cfg.checkpoint_dir) / SERVER_CHECKPOINT if cfg.checkpoint_dir else None
-    resumed, before = _restore(core, cfg, ckpt)
+    resumed, before = _restore(core, cfg, ckpt, norms)
     _stop_after(core, cfg, workers)
     idle = resumed is not None and core.steps_applied >= core.total_steps
     if on_start is not None:
         on_start(resumed)
-    evaluate = _evaluator(task, model)
-    run = ServerRun(cfg, workers, model, core, transport, ckpt, before, idle, evaluate)
+    evaluate = _evaluator(task, norms, core)
+    run = ServerRun(cfg, workers, norms, core, transport, ckpt, before, idle, evaluate)
     if token_to_keep is not None and cfg.checkpoint_dir:
         write_token_file(cfg.checkpoint_dir, token_to_keep)
     try:
@@ -157,37 +158,22 @@ def run_server(
     return run.finish(stats)
 
 
-_log = logging.getLogger("thinwire.localsgd")
-
-
-def warn_if_buffers(model: torch.nn.Module) -> bool:
-    """Say in one line (True) when ``model`` has floating-point buffers: theta is the
-    parameters only, so BatchNorm's running statistics (and the like) never leave the
-    workers, and what the server evaluates and hands back uses a fresh model's."""
-    floats = [b for b in synced_buffers(model) if b.is_floating_point()]
-    if not floats:
-        return False
-    _log.warning(
-        "thinwire: the model has %d floating-point buffers (%d values, e.g. BatchNorm "
-        "statistics); run_async syncs parameters only, so the server's evaluations, "
-        "final_val_loss/final_metrics and load_trained() use the buffers of a freshly "
-        "built task.model(), not the workers' (docs/localsgd.md)",
-        len(floats),
-        sum(b.numel() for b in floats),
-    )
-    return True
-
-
 def _restore(
-    core: ServerCore, cfg: AsyncConfig, ckpt: Path | None
+    core: ServerCore, cfg: AsyncConfig, ckpt: Path | None, norms: NormStats
 ) -> tuple[int | None, dict[str, Any]]:
-    """Restore ``core`` from ``ckpt`` when resuming (or refuse to overwrite another run's
-    checkpoint); the inner steps restored (None: a fresh run) and the earlier launches'
-    clock and bytes (``elapsed_s``, ``comm_bytes``)."""
+    """Restore ``core`` (and the model's normalization statistics) from ``ckpt`` when
+    resuming (or refuse to overwrite another run's checkpoint); the inner steps restored
+    (None: a fresh run) and the earlier launches' clock and bytes (``elapsed_s``,
+    ``comm_bytes``)."""
     resumed, before = None, {"elapsed_s": 0.0, "comm_bytes": 0}
     if cfg.resume and ckpt is not None:
         state = load_server_state(ckpt)
         core.load_state_dict(state)
+        if state.get("norm_stats") and norms.active:
+            # theta's own statistics, as saved with it: nothing to recompute until it moves
+            load_flat_(list(norms.model.parameters()), core.theta.detach())
+            load_norm_state_(norms.model, state["norm_stats"])
+            norms.mark(core.version)
         resumed = core.steps_applied
         before |= state.get("run", {})
     elif ckpt is not None:
@@ -220,14 +206,15 @@ def _stop_after(core: ServerCore, cfg: AsyncConfig, workers: int) -> None:
         core.end_at(cfg.stop_after * workers)
 
 
-def _evaluator(task: Task, model: torch.nn.Module) -> Evaluate | None:
-    """``task.evaluate`` of theta loaded into ``model``; None if the task has none."""
+def _evaluator(task: Task, norms: NormStats, core: ServerCore) -> Evaluate | None:
+    """``task.evaluate`` of theta loaded into the server's model, its normalization
+    statistics recomputed for it; None if the task has none."""
     if task.evaluate is None:
         return None
     metric = task.evaluate
 
     def evaluate_theta(theta: torch.Tensor) -> dict[str, float]:
-        return metrics_at(model, theta, metric)
+        return metrics_at(norms.model, theta, metric, lambda _: norms.refresh(core.version))
 
     return evaluate_theta
 
@@ -255,7 +242,8 @@ class ServerRun:
 
     cfg: AsyncConfig
     workers: int
-    model: torch.nn.Module
+    norms: NormStats
+    """The server's model (:attr:`NormStats.model`) and its normalization statistics."""
     core: ServerCore
     transport: Transport
     ckpt: Path | None
@@ -289,10 +277,26 @@ class ServerRun:
             + self.transport.bytes_received,
         }
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.norms.model
+
+    def norm_stats(self) -> dict[str, Any]:
+        """``{"norm_stats": ...}``, theta's normalization statistics (recomputed if theta
+        moved since they last were), for a checkpoint or the summary; ``{}`` without
+        such layers."""
+        if not self.norms.active:
+            return {}
+        load_flat_(list(self.model.parameters()), self.core.theta.detach())
+        self.norms.refresh(self.core.version)
+        return {"norm_stats": self.norms.state()}
+
     def save(self, core: ServerCore) -> None:
-        """The checkpoint hook: ``core``'s state and the run's totals, to :attr:`ckpt`."""
+        """The checkpoint hook: ``core``'s state, theta's normalization statistics and
+        the run's totals, to :attr:`ckpt`."""
         assert self.ckpt is not None
-        save_server_state(core.state_dict() | {"run": self.totals()}, self.ckpt)
+        state = core.state_dict() | self.norm_stats() | {"run": self.totals()}
+        save_server_state(state, self.ckpt)
         # The pretraining is in theta now: its save only takes space (3x the model).
         (self.ckpt.parent / PRETRAIN_CHECKPOINT).unlink(missing_ok=True)
 
@@ -326,6 +330,7 @@ class ServerRun:
             # changes theta once serving has ended.
             "theta": self.core.theta.detach(),
         }
+        summary |= self.norm_stats()
         summary |= {k: stats[k] for k in _FROM_LOOP}
         pulled = summary["comm_by_op"].get("localsgd.pull", {})
         summary["pull_bytes"] = pulled.get("payload_bytes", 0)

@@ -16,6 +16,11 @@ The same parameters are in ``cfg.checkpoint_dir`` when the run kept one, so anot
 process (after torchrun has exited, on another machine) loads them from there::
 
     model = load_trained(make_model(), "runs/async")   # reads runs/async/localsgd_server.pt
+
+A model with normalization layers (BatchNorm) also gets theta's running statistics,
+which the server recomputed for it (``norm_stats`` in the summary and the checkpoint;
+:mod:`thinwire.localsgd.algorithm.norm_stats`). Given ``theta`` alone, its statistics
+stay as they were.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from thinwire.errors import ConfigError
+from thinwire.localsgd.algorithm.norm_stats import load_norm_state_
 from thinwire.localsgd.runtime.server_process import SERVER_CHECKPOINT, load_server_state
 from thinwire.localsgd.task import load_flat_
 
@@ -42,7 +48,8 @@ def load_trained(model: M, source: Mapping[str, Any] | torch.Tensor | str | os.P
 
     Args:
         model: a module of the run's shapes, e.g. a fresh ``task.model()``; its
-            parameters are overwritten in place, each keeping its dtype and device.
+            parameters (and normalization statistics, where the source has them) are
+            overwritten in place, each keeping its dtype and device.
         source: where the parameters are: rank 0's ``run_async`` summary (or an
             :class:`~thinwire.localsgd.IncompleteRunError`'s ``summary``: what was
             trained before every worker was gone), its ``theta`` tensor itself, or the
@@ -56,6 +63,7 @@ def load_trained(model: M, source: Mapping[str, Any] | torch.Tensor | str | os.P
             rank 0 has the model), a missing or foreign checkpoint, or parameters of
             another size than the model's.
     """
+    stats: Mapping[str, torch.Tensor] = {}
     if isinstance(source, torch.Tensor):
         theta = source
     elif isinstance(source, Mapping):
@@ -64,7 +72,7 @@ def load_trained(model: M, source: Mapping[str, Any] | torch.Tensor | str | os.P
                 "this result has no 'theta': only rank 0's run_async summary carries the "
                 "trained parameters (a worker's result does not)"
             )
-        theta = source["theta"]
+        theta, stats = source["theta"], source.get("norm_stats") or {}
     else:
         path = Path(source)
         path = path / SERVER_CHECKPOINT if path.is_dir() else path
@@ -73,7 +81,8 @@ def load_trained(model: M, source: Mapping[str, Any] | torch.Tensor | str | os.P
                 f"no asynchronous run's checkpoint at {path}: give the run's checkpoint_dir "
                 "(a run without one gives its model back only in rank 0's summary)"
             )
-        theta = load_server_state(path)["theta"]
+        state = load_server_state(path)
+        theta, stats = state["theta"], state.get("norm_stats") or {}
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
     if not isinstance(theta, torch.Tensor) or theta.numel() != numel:
@@ -84,4 +93,5 @@ def load_trained(model: M, source: Mapping[str, Any] | torch.Tensor | str | os.P
         )
     # Copies, not views: load_flat_ keeps the model's own storage, dtypes and devices.
     load_flat_(params, theta.detach().reshape(-1))
+    load_norm_state_(model, stats)
     return model
