@@ -29,7 +29,7 @@ are, since they keep the values of a freshly built model.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -123,10 +123,12 @@ class NormStats:
         with it from a checkpoint)."""
         self._done_for = version
 
-    def _batches(self) -> list[Any]:
+    def _batches(self) -> Iterator[Any]:
+        # one at a time: only one batch is on the device at once
         device = next(self.model.parameters()).device
         count = len(self.sources)
-        return [to_device(self.sources[j % count](j // count), device) for j in range(self.batches)]
+        for j in range(self.batches):
+            yield to_device(self.sources[j % count](j // count), device)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The statistics by their ``state_dict`` names, on the CPU (what the summary
@@ -143,7 +145,7 @@ class NormStats:
 @torch.no_grad()
 def recompute_(
     model: nn.Module,
-    batches: Sequence[Any],
+    batches: Iterable[Any],
     loss: Callable[[nn.Module, Any], torch.Tensor],
     layers: Sequence[tuple[str, _NormBase]],
 ) -> None:
