@@ -189,6 +189,60 @@ def test_low_precision_params_keep_fp32_state(cls, dtype: torch.dtype) -> None:
         assert again.state[p]["exp_avg"].dtype == torch.float32  # not cast to the param's
 
 
+def test_a_layer_that_begins_to_train_late_counts_its_own_adam_steps() -> None:
+    """A group added at step 300 (progressive unfreezing): its bias corrections count its
+    own steps, as torch's Adam counts per parameter; with the global count its first
+    steps were 1.6x torch's (3-5x when added at step 2000)."""
+    first, late = _problem(1), _problem(2)
+    mine_first, mine_late = (
+        [p.detach().clone().requires_grad_() for p in first],
+        [p.detach().clone().requires_grad_() for p in late],
+    )
+    ours = OneBitAdam(mine_first, lr=1e-3, freeze_step=10_000)
+    ref = torch.optim.Adam(first, lr=1e-3)
+    for t in range(300):
+        for p, q, g in zip(first, mine_first, _grads(t, first), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    ours.add_param_group({"params": mine_late})
+    ref.add_param_group({"params": late})
+    for t in range(300, 305):
+        both = list(zip(first + late, mine_first + mine_late, strict=True))
+        for (p, q), g in zip(both, _grads(t, first) + _grads(t + 7, late), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(first + late, mine_first + mine_late, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [Lamb, OneBitAdam, OneBitLamb])
+def test_weights_the_user_writes_are_not_overwritten_by_the_master(cls) -> None:
+    """A bf16 model's weights reset mid-run (an EMA, a load_state_dict): the next step
+    starts from them, as torch's optimizers do, not from the fp32 master of before."""
+    params = _problem(5, torch.bfloat16)
+    kw = {} if cls is Lamb else {"freeze_step": 3}
+    opt = cls(params, lr=0.01, **kw)
+    list(_run(params, opt, 6))  # across the freeze
+    untouched = [opt.state[p]["master"].clone() for p in params]
+    list(_run(params, opt, 1))
+    moved = [opt.state[p]["master"] for p in params]
+    # no write of the user's: the master keeps what bf16 rounds away
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in moved)
+    assert any(not torch.equal(a, b) for a, b in zip(untouched, moved, strict=True))
+    reset = [torch.randn_like(p) for p in params]
+    with torch.no_grad():
+        for p, r in zip(params, reset, strict=True):
+            p.copy_(r)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    list(_run(params, opt, 1))
+    for p, r in zip(params, reset, strict=True):
+        assert torch.equal(p, r)  # the reset stands; lr 0 moves nothing
+        assert torch.equal(opt.state[p]["master"], r.float())
+
+
 @pytest.mark.parametrize(
     ("cls", "kwargs", "message"),
     [

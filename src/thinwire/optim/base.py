@@ -167,16 +167,19 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def adam_directions(
-    ms: list[torch.Tensor], vs: list[torch.Tensor], group: dict[str, Any], t: int
+    ms: list[torch.Tensor], vs: list[torch.Tensor], group: dict[str, Any], t: int | list[int]
 ) -> list[torch.Tensor]:
     """:func:`adam_direction` of many layers of one group (new tensors), with torch's
-    foreach kernels: the same arithmetic in the same order."""
+    foreach kernels: the same arithmetic in the same order. ``t``: the step, or each
+    layer's own (a layer that began to train later)."""
     b1, b2 = group["betas"]
     if group["bias_correction"]:
-        denom = torch._foreach_div(vs, 1 - b2**t)
+        c1 = 1 - b1**t if isinstance(t, int) else [1 - b1**k for k in t]
+        c2 = 1 - b2**t if isinstance(t, int) else [1 - b2**k for k in t]
+        denom = torch._foreach_div(vs, c2)
         torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, group["eps"])
-        u = torch._foreach_div(ms, 1 - b1**t)
+        u = torch._foreach_div(ms, c1)
         torch._foreach_div_(u, denom)
         return u
     denom = torch._foreach_sqrt(vs)
@@ -227,6 +230,10 @@ def _from_tensor(value: Any) -> Any:
 class CommOptimizer(torch.optim.Optimizer):
     """Base class: process group, start-up checks, fused gradient allreduce, fp32 masters."""
 
+    _step_supports_amp_scaling = True
+    """torch's GradScaler calls ``step()`` on every rank and hands it the scale, instead of
+    skipping where this rank alone overflowed (:mod:`thinwire.optim.amp`)."""
+
     onebit_block: int | None = DEFAULT_BLOCK
     """Elements per scale of the 1-bit exchange (:class:`OneBitAllreduce`'s ``block``)."""
 
@@ -254,6 +261,10 @@ class CommOptimizer(torch.optim.Optimizer):
         self.global_step = 0
         """Steps applied (skipped ones not counted)."""
         self.skipped_steps = 0
+        self._check_averaged_already = True  # see _warn_if_averaged_already
+        self._written: dict[torch.Tensor, int] = {}
+        """Each low-precision parameter's version counter after this optimizer last wrote
+        its master into it (:meth:`_master` tells the user's own writes from it)."""
         self._recent: deque[bool] = deque(maxlen=SKIP_WINDOW)  # True: that step was skipped
         self._ddp_averages_grads = False
         self._grad_wire_dtype = torch.float32  # the optimizer's own average (set_grad_wire_dtype)
@@ -382,10 +393,14 @@ class CommOptimizer(torch.optim.Optimizer):
         ]
         flat = self._pack_grads(trains)
         flat.div_(self.world_size)  # before the cast: bf16/fp16 sums stay in range
+        mine = flat.clone() if self._check_averaged_already and self._speaks else None
+        self._check_averaged_already = False
         wire = flat if self._grad_wire_dtype == torch.float32 else flat.to(self._grad_wire_dtype)
         dist.all_reduce(wire, group=self.process_group)
         if wire is not flat:
             flat.copy_(wire)
+        if mine is not None:
+            self._warn_if_averaged_already(mine, flat)
         nbytes = wire.numel() * wire.element_size()
         record("optim.allreduce", nbytes, ring_allreduce_bytes(nbytes, self.world_size))
         if not self._agree_finite(bool(torch.isfinite(flat).all())):
@@ -402,6 +417,23 @@ class CommOptimizer(torch.optim.Optimizer):
                 out.append((p, group))
             offset += n
         return out
+
+    def _warn_if_averaged_already(self, mine: torch.Tensor, averaged: torch.Tensor) -> None:
+        """At the first averaged step: gradients equal on every rank before the average
+        mean DDP averaged them already, with this optimizer not registered (or the ranks
+        read the same data); said in one line by rank 0. Checked once: one copy of the
+        buffer, on rank 0."""
+        if mine.numel() == 0:
+            return
+        mine.mul_(self.world_size)
+        if bool(mine.abs().max() > 0) and torch.allclose(mine, averaged, rtol=1e-5, atol=0.0):
+            _log.warning(
+                "%s: the gradients were equal on every rank before this optimizer "
+                "averaged them: under DDP, call opt.register_ddp(ddp_model), or DDP "
+                "averages every step in fp32 beside this optimizer's own exchange (no "
+                "compression, twice the bytes); otherwise the ranks read the same data",
+                type(self).__name__,
+            )
 
     def _pack_grads(self, trains: list[tuple[torch.Tensor, dict[str, Any]]]) -> torch.Tensor:
         """Every gradient of ``trains`` (zeros where this rank has none), then one flag
@@ -444,7 +476,17 @@ class CommOptimizer(torch.optim.Optimizer):
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            if self.global_step > 1:
+                # A layer that begins to train after the others: its bias corrections
+                # count its own steps (layer_step), as torch's Adam counts per parameter.
+                state["born"] = self.global_step - 1
         return state
+
+    def layer_step(self, p: torch.Tensor, t: int | None = None) -> int:
+        """Step ``t`` (default: :attr:`global_step`) counted from ``p``'s first step: the
+        ``t`` of its bias corrections."""
+        t = self.global_step if t is None else t
+        return max(1, t - int(self.state[p].get("born", 0)))
 
     def _update_moments(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """Adam's ``m`` and ``v`` of ``p`` (fp32, created at first use) fed ``p.grad``."""
@@ -472,26 +514,42 @@ class CommOptimizer(torch.optim.Optimizer):
         return states
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
-        """The fp32 copy the update is applied to (the parameter itself when fp32)."""
+        """The fp32 copy the update is applied to (the parameter itself when fp32).
+
+        Made from the parameter at its first step, and made again when the parameter
+        was changed by someone else since this optimizer last wrote it (a
+        ``load_state_dict``, a reset to an EMA of the weights): the user's weights win,
+        as with torch's optimizers, instead of being overwritten by a stale master."""
         if p.dtype == torch.float32:
             return p.data
         state = self.state[p]
-        if "master" not in state:
-            state["master"] = p.detach().float().clone()
-        return state["master"]
+        master = state.get("master")
+        if master is None or self._edited(p, master):
+            state["master"] = master = p.detach().float().clone()
+        return master
 
-    @staticmethod
-    def _write_back(p: torch.Tensor, master: torch.Tensor) -> None:
+    def _edited(self, p: torch.Tensor, master: torch.Tensor) -> bool:
+        # The version counter says whether anything wrote p since our own write (ours
+        # go through .data, which leaves it alone); the values say whether it changed.
+        written = self._written.get(p)
+        if written is None or p._version == written:
+            return False
+        self._written[p] = p._version
+        return not torch.equal(local(p.detach()), local(master).to(p.dtype))
+
+    def _write_back(self, p: torch.Tensor, master: torch.Tensor) -> None:
         if p.dtype != torch.float32:
             local(p.data).copy_(local(master))  # whole, or this rank's shard of both
+            self._written[p] = p._version
 
-    @staticmethod
-    def _write_back_all(params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+    def _write_back_all(self, params: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
         """:meth:`_write_back` for many layers: one foreach copy for the low-precision
         ones (it converts the dtype)."""
         low = [(p, m) for p, m in zip(params, masters, strict=True) if p.dtype != torch.float32]
         if low:
             torch._foreach_copy_([local(p.data) for p, _ in low], [local(m) for _, m in low])
+            for p, _ in low:
+                self._written[p] = p._version
 
     def _skip(self) -> None:
         """Count a skipped step; warn at the 1st, 2nd, 4th, 8th, ...; raise

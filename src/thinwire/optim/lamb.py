@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from thinwire.optim.amp import note_scaler_verdict, unscale_for_scaler
 from thinwire.optim.base import (
     CommOptimizer,
     adam_direction,
@@ -188,7 +189,9 @@ class Lamb(CommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        unscale_for_scaler(self)
         items = self._averaged_grads()
+        note_scaler_verdict(self, items is not None)
         if items is None:
             self._skip()
             return loss

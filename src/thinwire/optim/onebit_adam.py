@@ -144,12 +144,11 @@ class OneBitAdam(TwoStageOptimizer):
         if items is None:
             return False
         self.global_step += 1
-        t = self.global_step
         tracked: list[tuple[dict[str, Any], torch.Tensor]] = []
         if any(isinstance(p, DTensor) for p, _ in items):
             for p, group in items:
                 state = self._update_moments(p, group)
-                u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, t)
+                u = adam_direction(state["exp_avg"], state["exp_avg_sq"], group, self.layer_step(p))
                 if group["step_bound"] is not None:
                     tracked.append((state, local_norms([u])[0]))  # before the decay
                 self._apply(p, group, u)
@@ -158,7 +157,7 @@ class OneBitAdam(TwoStageOptimizer):
                 group = batch[0][1]
                 states = self._update_moments_all(batch)
                 ms, vs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-                u = adam_directions(ms, vs, group, t)
+                u = adam_directions(ms, vs, group, [self.layer_step(p) for p, _ in batch])
                 if group["step_bound"] is not None:  # before the decay
                     tracked += zip(states, torch._foreach_norm(u), strict=True)
                 masters = [local(self._master(p)) for p, _ in batch]
@@ -205,7 +204,7 @@ class OneBitAdam(TwoStageOptimizer):
                 m.mul_(masks[p])
             u = m / denom
             if group["bias_correction"]:
-                u.div_(1 - group["betas"][0] ** self.global_step)
+                u.div_(1 - group["betas"][0] ** self.layer_step(p))
             bound = group["step_bound"] if bounding else None
             if bound is not None and self._island is not None:
                 held.append((p, group, u, bound))  # applied once every layer's norm is in
@@ -243,7 +242,8 @@ class OneBitAdam(TwoStageOptimizer):
             torch._foreach_copy_(vs, ms)
             torch._foreach_div_(vs, denoms)
             if group["bias_correction"]:
-                torch._foreach_div_(vs, 1 - group["betas"][0] ** self.global_step)
+                b1 = group["betas"][0]
+                torch._foreach_div_(vs, [1 - b1 ** self.layer_step(p) for p, _ in batch])
             masters = [local(self._master(p)) for p, _ in batch]
             if group["weight_decay"]:
                 torch._foreach_add_(vs, masters, alpha=group["weight_decay"])

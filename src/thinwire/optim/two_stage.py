@@ -37,6 +37,7 @@ import torch.distributed as dist
 from thinwire.comm.accounting import record
 from thinwire.comm.momentum_exchange import check_exchange
 from thinwire.compress.onebit import check_block
+from thinwire.optim.amp import note_scaler_verdict, unscale_for_scaler
 from thinwire.optim.base import CommOptimizer, check_range, view_batches
 from thinwire.optim.floor import FloorReport, floor_denominators, layer_reference
 from thinwire.optim.freeze import (
@@ -171,6 +172,7 @@ class TwoStageOptimizer(CommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        unscale_for_scaler(self)
         if self.compressing:
             self._joined()  # may go back to the warmup, before anything is exchanged
         if self.compressing:
@@ -184,6 +186,7 @@ class TwoStageOptimizer(CommOptimizer):
             if ok:
                 self._lift_variance = False
                 self._maybe_freeze()
+        note_scaler_verdict(self, ok)
         if ok:
             self._took_step()
         else:
@@ -222,7 +225,7 @@ class TwoStageOptimizer(CommOptimizer):
         """Lift ``v`` to this step's ``g^2`` on the first step after a stale freeze."""
         state = self.state[p]
         if self._lift_variance and "exp_avg_sq" in state and p.grad is not None:
-            b2, t = group["betas"][1], max(1, self.global_step)
+            b2, t = group["betas"][1], self.layer_step(p)
             corr = 1 - b2**t if group["bias_correction"] else 1.0
             g = p.grad.float()
             torch.maximum(state["exp_avg_sq"], g * g * corr, out=state["exp_avg_sq"])
@@ -483,7 +486,7 @@ class TwoStageOptimizer(CommOptimizer):
         current, reference = [], []
         for p, group in self._momentum_params():
             state = self.state[p]
-            d = self._denominator(state["exp_avg_sq"], group, self.global_step, corrected=True)
+            d = self._denominator(state["exp_avg_sq"], group, self.layer_step(p), corrected=True)
             if "freeze_ref" in state:
                 reference.append(state["freeze_ref"])
                 current.append(d)
@@ -540,7 +543,9 @@ class TwoStageOptimizer(CommOptimizer):
         items = self._momentum_params()
         # This rank's shard of each layer (the whole layer without FSDP2).
         denoms = [
-            self._denominator(local(self.state[p]["exp_avg_sq"]), group, self.freeze_step)
+            self._denominator(
+                local(self.state[p]["exp_avg_sq"]), group, self.layer_step(p, self.freeze_step)
+            )
             for p, group in items
         ]
         eps = [group["eps"] for _, group in items]
