@@ -136,16 +136,20 @@ def _eval(model: nn.Module) -> dict[str, float]:
     return {"loss": float(_loss(model, (x, y))), "bn_mean": float(model.bn.running_mean.mean())}
 
 
-def _async_rank(rank: int, world: int, out: str, norm_batches: int, **more: Any) -> dict[str, Any]:
-    capture = WarningLines()
-    logging.getLogger("thinwire.localsgd").addHandler(capture)
-    task = Task(
+def _task() -> Task:
+    return Task(
         model=_net,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
         shards=_shards,
         loss=_loss,
         evaluate=_eval,
     )
+
+
+def _async_rank(rank: int, world: int, out: str, norm_batches: int, **more: Any) -> dict[str, Any]:
+    capture = WarningLines()
+    logging.getLogger("thinwire.localsgd").addHandler(capture)
+    task = _task()
     cfg = AsyncConfig(
         steps=6,
         local_steps=2,
@@ -219,13 +223,7 @@ def test_run_async_without_recomputing_says_so_once(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["async", "streaming"])
 def test_the_simulators_evaluate_theta_with_its_own_statistics(method: str) -> None:
-    task = Task(
-        model=_net,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-        shards=_shards,
-        loss=_loss,
-        evaluate=_eval,
-    )
+    task = _task()
     extra = {"sync": True, "fragments": 2} if method == "streaming" else {}
     cfg = AsyncConfig(steps=6, local_steps=2, norm_batches=4, **extra)
     out = simulate(task, cfg, SimClock((1.0, 2.0), eval_points=2))
