@@ -17,8 +17,8 @@ user's training loop stays ``loss.backward(); opt.step()``:
   and the optimizer does not average again.
 * **Non-finite gradients**: checked after averaging (or inside the 1-bit collective,
   which checks every rank's scale), so every rank decides alike; the step is skipped
-  and counted in :attr:`skipped_steps`, and no state is touched, so a GradScaler-style
-  loss-scale loop works. The first skipped step logs a warning, and so do the 2nd,
+  and counted in :attr:`skipped_steps`, and no state is touched; under a GradScaler
+  every rank steps or skips alike (:mod:`thinwire.optim.amp`). The first skipped step logs a warning, and so do the 2nd,
   4th, 8th, ... with the count. When more than half of the last 20 steps were skipped
   (:attr:`~CommOptimizer.max_skipped_fraction`) the run is not training any more:
   ``step()`` raises :class:`~thinwire.errors.DivergedError` on every rank alike, as
