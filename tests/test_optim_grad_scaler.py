@@ -90,3 +90,48 @@ def test_one_ranks_overflow_is_skipped_by_every_rank(
         assert a["scales"][OVERFLOW_AT] < b["scales"][OVERFLOW_AT]
         assert a["warnings"] == [] and len(b["warnings"]) == 1
         assert "the ranks' loss scales now differ" in b["warnings"][0]
+
+
+def _hsdp_rank(rank: int, world: int, scaler_kind: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from thinwire.optim import GradScaler, OneBitLamb
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    fully_shard(model, mesh=mesh["shard"])
+    replicas = mesh.get_group("replicate")
+    opt = OneBitLamb(model.parameters(), lr=1e-2, freeze_step=3, process_group=replicas)
+    scaler = GradScaler("cpu") if scaler_kind == "thinwire" else torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(rank)
+    for step in range(STEPS):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(2, (16,), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        if rank == 0 and step == OVERFLOW_AT:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    shard = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    return {"shard": shard, "skipped": opt.skipped_steps, "scale": scaler.get_scale()}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("scaler_kind", ["torch", "thinwire"])
+def test_hsdp_islands_skip_an_overflow_alike(scaler_kind: str) -> None:
+    """4 ranks: 2 islands of 2 (FSDP2 inside, the 1-bit exchange across): rank 0's
+    overflow reaches its island through FSDP2's reduce-scatter, the other island through
+    the optimizer's check; every rank skips that one step and the replicas stay equal."""
+    out = spawn(_hsdp_rank, 4, (scaler_kind,), timeout_s=130)
+    assert [r["skipped"] for r in out] == [1, 1, 1, 1]
+    assert torch.equal(out[0]["shard"], out[2]["shard"])  # rank r and r + 2: one shard
+    assert torch.equal(out[1]["shard"], out[3]["shard"])
+    scales = [r["scale"] for r in out]
+    if scaler_kind == "thinwire":
+        assert len(set(scales)) == 1
+    else:  # torch's: the other island did not see the overflow, and grew its scale
+        assert scales[0] == scales[1] < scales[2] == scales[3]

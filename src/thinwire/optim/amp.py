@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from thinwire.optim.sharded import local
+
 __all__ = ["GradScaler", "note_scaler_verdict", "unscale_for_scaler"]
 
 _log = logging.getLogger(__name__)
@@ -52,9 +54,11 @@ def unscale_for_scaler(opt: torch.optim.Optimizer) -> None:
     scale = getattr(opt, "grad_scale", None)
     if scale is None:
         return
-    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    # This rank's shards of FSDP2's gradients, and the scale as a number (a power of 2:
+    # dividing by it is exact), so that the same call serves DTensors and plain tensors.
+    grads = [local(p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None]
     if grads:
-        torch._foreach_div_(grads, scale.to(grads[0].device))
+        torch._foreach_div_(grads, float(scale))
 
 
 def note_scaler_verdict(opt: Any, stepped: bool) -> None:
