@@ -26,8 +26,38 @@ STEPS = 8
 OVERFLOW_AT = 2  # on rank 0 only; the 1-bit optimizers switch after step 3
 
 
+def _train(
+    net: nn.Module,
+    opt: Any,
+    scaler_kind: str,
+    rank: int,
+    dtype: torch.dtype,
+    unscale_at: int | None = None,
+) -> list[float]:
+    """The user's autocast loop, rank 0's loss overflowing once; the scale after each step."""
+    from thinwire.optim import GradScaler
+
+    scaler = GradScaler("cpu") if scaler_kind == "thinwire" else torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(rank)
+    scales = []
+    for step in range(STEPS):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(2, (16,), generator=g)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(net(x), y)
+        if rank == 0 and step == OVERFLOW_AT:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if step == unscale_at:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        scales.append(scaler.get_scale())
+    return scales
+
+
 def _rank(rank: int, world: int, name: str, scaler_kind: str, ddp: bool) -> dict[str, Any]:
-    from thinwire.optim import GradScaler, Lamb, OneBitAdam, OneBitLamb
+    from thinwire.optim import Lamb, OneBitAdam, OneBitLamb
 
     capture = WarningLines()
     logging.getLogger("thinwire").addHandler(capture)
@@ -40,22 +70,8 @@ def _rank(rank: int, world: int, name: str, scaler_kind: str, ddp: bool) -> dict
     if ddp:
         net = nn.parallel.DistributedDataParallel(model)
         opt.register_ddp(net)
-    scaler = GradScaler("cpu") if scaler_kind == "thinwire" else torch.amp.GradScaler("cpu")
-    g = torch.Generator().manual_seed(rank)
-    scales = []
-    for step in range(STEPS):
-        x, y = torch.randn(16, 8, generator=g), torch.randint(2, (16,), generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(net(x), y)
-        if rank == 0 and step == OVERFLOW_AT:
-            loss = loss * float("inf")
-        scaler.scale(loss).backward()
-        if step == 5:
-            scaler.unscale_(opt)  # as before clipping: the scaler hands no scale then
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        scales.append(scaler.get_scale())
+    # step 5 unscales first, as before clipping: the scaler hands no scale then
+    scales = _train(net, opt, scaler_kind, rank, torch.float16, unscale_at=5)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {
         "params": params,
@@ -96,7 +112,7 @@ def _hsdp_rank(rank: int, world: int, scaler_kind: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from thinwire.optim import GradScaler, OneBitLamb
+    from thinwire.optim import OneBitLamb
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
@@ -104,20 +120,9 @@ def _hsdp_rank(rank: int, world: int, scaler_kind: str) -> dict[str, Any]:
     fully_shard(model, mesh=mesh["shard"])
     replicas = mesh.get_group("replicate")
     opt = OneBitLamb(model.parameters(), lr=1e-2, freeze_step=3, process_group=replicas)
-    scaler = GradScaler("cpu") if scaler_kind == "thinwire" else torch.amp.GradScaler("cpu")
-    g = torch.Generator().manual_seed(rank)
-    for step in range(STEPS):
-        x, y = torch.randn(16, 8, generator=g), torch.randint(2, (16,), generator=g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        if rank == 0 and step == OVERFLOW_AT:
-            loss = loss * float("inf")
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+    scales = _train(model, opt, scaler_kind, rank, torch.bfloat16)
     shard = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
-    return {"shard": shard, "skipped": opt.skipped_steps, "scale": scaler.get_scale()}
+    return {"shard": shard, "skipped": opt.skipped_steps, "scale": scales[-1]}
 
 
 @pytest.mark.timeout(150)
