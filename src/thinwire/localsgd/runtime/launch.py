@@ -213,9 +213,8 @@ def run_async(
 
     Returns:
         On rank 0 the run's summary: ``theta``, the server's final global parameters
-        (a flat fp32 CPU tensor, the ones the final evaluation saw; not JSON: drop it
-        before ``json.dumps``), with ``norm_stats``, theta's BatchNorm statistics, when
-        the model has such layers (tensors too), which
+        (a flat fp32 CPU tensor, the ones the final evaluation saw), and ``norm_stats``
+        with BatchNorm layers (not JSON: drop both before ``json.dumps``), which
         :func:`~thinwire.localsgd.runtime.trained.load_trained` loads into a model::
 
             summary = run_async(task, cfg)
