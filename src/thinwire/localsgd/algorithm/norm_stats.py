@@ -112,11 +112,16 @@ class NormStats:
         """Recompute the statistics for the parameters ``model`` holds now; whether it
         did. ``version`` names those parameters (the server's theta version): asked
         again for the same one, it does nothing."""
-        if not self.active or (version is not None and version == self._done_for):
+        if not self.active or self.holds(version):
             return False
         recompute_(self.model, self._batches(), self.loss, self.layers)
         self._done_for = version
         return True
+
+    def holds(self, version: object) -> bool:
+        """Whether the model holds the parameters of ``version`` and their statistics
+        already (None: unknown, never)."""
+        return version is not None and version == self._done_for
 
     def mark(self, version: object) -> None:
         """The statistics the model holds are already those of ``version`` (restored

@@ -287,8 +287,9 @@ class ServerRun:
         such layers."""
         if not self.norms.active:
             return {}
-        load_flat_(list(self.model.parameters()), self.core.theta.detach())
-        self.norms.refresh(self.core.version)
+        if not self.norms.holds(self.core.version):  # else theta is in the model already
+            load_flat_(list(self.model.parameters()), self.core.theta.detach())
+            self.norms.refresh(self.core.version)
         return {"norm_stats": self.norms.state()}
 
     def save(self, core: ServerCore) -> None:
